@@ -1,0 +1,168 @@
+"""Binding a policy to a model: which tensor gets which actions, keyed by tensor identity.
+
+Tied parameters appear once, under every name they have; wrapper prefixes (DDP's ``module.``,
+torch.compile's ``_orig_mod.``, activation checkpointing's ``_checkpoint_wrapped_module.``) are
+ignored when matching, so one policy fits the model however it is wrapped.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import re
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from gradguard._errors import PolicyError, PolicyIssue
+from gradguard._policy import Action, Policy, Rule
+
+__all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher"]
+
+_TRANSPARENT_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+_DATA_PARALLEL_TYPES: tuple[type[nn.Module], ...] = (
+    nn.DataParallel,
+    nn.parallel.DistributedDataParallel,
+)
+
+
+def canonical_name(name: str, *, strip_module_prefix: bool) -> str:
+    """The name a policy matches against: wrapper segments removed."""
+    parts = [part for part in name.split(".") if part not in _TRANSPARENT_SEGMENTS]
+    if strip_module_prefix:
+        while parts and parts[0] == "module":
+            parts.pop(0)
+    return ".".join(parts)
+
+
+@functools.lru_cache(maxsize=1024)
+def pattern_matcher(pattern: str) -> Callable[[str], bool]:
+    """A predicate for one policy pattern: a glob on dotted names, or ``re:<regex>`` (full match)."""
+    if pattern.startswith("re:"):
+        regex = re.compile(pattern[3:])
+        return lambda name: regex.fullmatch(name) is not None
+    glob = re.compile(fnmatch.translate(pattern))
+    return lambda name: glob.match(name) is not None
+
+
+def _matches_any(patterns: tuple[str, ...], name: str) -> bool:
+    return any(pattern_matcher(pattern)(name) for pattern in patterns)
+
+
+def rule_matches(rule: Rule, names: tuple[str, ...]) -> bool:
+    """A tensor is covered by a rule if any of its names is matched and not excluded."""
+    return any(_matches_any(rule.match, name) and not _matches_any(rule.exclude, name) for name in names)
+
+
+@dataclass(eq=False)
+class GuardedParam:
+    """One guarded tensor, however many names it has."""
+
+    index: int
+    """Position in model order (the order of first appearance in ``named_parameters``)."""
+    names: tuple[str, ...]
+    """Every canonical name of the tensor, first one first."""
+    ref: weakref.ReferenceType[nn.Parameter]
+    rules: tuple[int, ...]
+    """Indices of the policy rules that cover the tensor, in policy order."""
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+@dataclass(frozen=True, eq=False)
+class BoundRule:
+    """A policy rule with the tensors it covers, in model order."""
+
+    index: int
+    rule: Rule
+    params: tuple[GuardedParam, ...]
+
+    @property
+    def name(self) -> str:
+        return self.rule.name
+
+    @property
+    def actions(self) -> tuple[Action, ...]:
+        return self.rule.actions
+
+
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """The result of matching a policy against a model."""
+
+    policy: Policy
+    params: tuple[GuardedParam, ...]
+    """Every tensor covered by at least one rule, in model order."""
+    rules: tuple[BoundRule, ...]
+    by_id: dict[int, GuardedParam]
+    all_names: tuple[str, ...]
+    """Every canonical parameter name of the model, covered or not."""
+
+
+def bind(policy: Policy, model: nn.Module) -> Binding:
+    """Match every rule against the model's parameters; raise :class:`PolicyError` for empty rules."""
+    strip = isinstance(model, _DATA_PARALLEL_TYPES)
+    names_by_id: dict[int, list[str]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    all_names: list[str] = []
+    for raw_name, param in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(raw_name, strip_module_prefix=strip)
+        all_names.append(name)
+        key = id(param)
+        if key not in tensors:
+            tensors[key] = param
+            names_by_id[key] = []
+        if name not in names_by_id[key]:
+            names_by_id[key].append(name)
+
+    guarded: list[GuardedParam] = []
+    members: list[list[GuardedParam]] = [[] for _ in policy.rules]
+    for key, param in tensors.items():
+        names = tuple(names_by_id[key])
+        rule_ids = tuple(i for i, rule in enumerate(policy.rules) if rule_matches(rule, names))
+        if not rule_ids:
+            continue
+        entry = GuardedParam(index=len(guarded), names=names, ref=weakref.ref(param), rules=rule_ids)
+        guarded.append(entry)
+        for i in rule_ids:
+            members[i].append(entry)
+
+    issues = [
+        _no_match_issue(policy, index, rule, all_names)
+        for index, rule in enumerate(policy.rules)
+        if not members[index] and not rule.allow_no_match
+    ]
+    if issues:
+        raise PolicyError(issues)
+    return Binding(
+        policy=policy,
+        params=tuple(guarded),
+        rules=tuple(BoundRule(i, rule, tuple(members[i])) for i, rule in enumerate(policy.rules)),
+        by_id={id(entry.ref()): entry for entry in guarded},
+        all_names=tuple(all_names),
+    )
+
+
+def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str]) -> PolicyIssue:
+    probes = [pattern[3:] if pattern.startswith("re:") else pattern.replace("*", "") for pattern in rule.match]
+    nearest: list[str] = []
+    for probe in probes:
+        for candidate in difflib.get_close_matches(probe, names, n=3, cutoff=0.0):
+            if candidate not in nearest:
+                nearest.append(candidate)
+    where = policy.rule_location(index)
+    source, _, line = where.rpartition(":") if where != policy.source else (where, "", "")
+    shown = ", ".join(nearest[:5]) if nearest else "(the model has no parameters)"
+    return PolicyIssue(
+        source if line else policy.source,
+        int(line) if line.isdigit() else None,
+        f"rules[{index}].match",
+        f"rule {rule.name!r} matches no parameter of the model (patterns {list(rule.match)}, "
+        f"exclude {list(rule.exclude)}). Nearest parameter names: {shown}. "
+        "Fix the pattern, or set 'allow_no_match: true' on the rule if that is intended.",
+    )

@@ -1,0 +1,52 @@
+"""Thread-safe intervention counters, keyed by rule and action."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+__all__ = ["Counters"]
+
+
+class Counters:
+    """``{rule_name: {action_name: count}}``, safe to update and read from any thread.
+
+    A count is the number of (parameter, step) pairs an action changed: a tensor-scope clip of three
+    parameters in one step counts 3, and so does a group clip of a three-parameter rule. Non-finite
+    detections are counted under the pseudo-actions ``nan`` and ``inf``.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, dict[str, int]] = {}
+
+    def add(self, rule: str, action: str, count: int = 1) -> None:
+        """Add ``count`` to ``rule``/``action``."""
+        if count <= 0:
+            return
+        with self._lock:
+            by_action = self._counts.setdefault(rule, {})
+            by_action[action] = by_action.get(action, 0) + count
+
+    def add_many(self, items: Iterable[tuple[str, str, int]]) -> None:
+        """Add several ``(rule, action, count)`` at once, under one lock acquisition."""
+        with self._lock:
+            for rule, action, count in items:
+                if count > 0:
+                    by_action = self._counts.setdefault(rule, {})
+                    by_action[action] = by_action.get(action, 0) + count
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """A plain-dict deep copy, consistent at one instant."""
+        with self._lock:
+            return {rule: dict(by_action) for rule, by_action in self._counts.items()}
+
+    def total(self, action: str | None = None) -> int:
+        """The sum over all rules, of one action or of all."""
+        with self._lock:
+            return sum(
+                count
+                for by_action in self._counts.values()
+                for name, count in by_action.items()
+                if action is None or name == action
+            )

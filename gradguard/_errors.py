@@ -1,0 +1,95 @@
+"""The exceptions and warnings gradguard raises.
+
+Every exception gradguard raises on purpose derives from :class:`GradGuardError`::
+
+    GradGuardError
+    ├── PolicyError (also ValueError)      a policy file or dict is wrong, or does not fit the model
+    ├── GradientHalt (also RuntimeError)   a non-finite gradient stopped training before the optimizer step
+    └── GuardStateError (also RuntimeError) the guard was used in a way it cannot honour
+
+    GuardWarning (UserWarning)             something the user should know, that does not stop training
+
+Messages repeat what the user gave and say how to fix it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "GradGuardError",
+    "GradientHalt",
+    "GuardStateError",
+    "GuardWarning",
+    "PolicyError",
+    "PolicyIssue",
+]
+
+
+class GradGuardError(Exception):
+    """Base class of every exception gradguard raises on purpose."""
+
+
+@dataclass(frozen=True)
+class PolicyIssue:
+    """One thing wrong with a policy: where it is, and what to do about it."""
+
+    source: str
+    """The policy file's path, or ``<dict>`` for a policy built in code."""
+    line: int | None
+    """1-based line in ``source``, where the format lets us know it."""
+    path: str
+    """The field path, e.g. ``rules[1].actions[0].max_norm``; empty for the whole document."""
+    message: str
+    """What was given, what is expected, and how to fix it."""
+
+    def __str__(self) -> str:
+        where = self.source if self.line is None else f"{self.source}:{self.line}"
+        field = f" {self.path}:" if self.path else ""
+        return f"{where}:{field} {self.message}"
+
+
+class PolicyError(GradGuardError, ValueError):
+    """A policy could not be loaded, validated or bound to a model.
+
+    ``issues`` lists every problem found, not only the first, so one edit can fix them all.
+    """
+
+    def __init__(self, issues: Sequence[PolicyIssue]) -> None:
+        self.issues: tuple[PolicyIssue, ...] = tuple(issues)
+        count = len(self.issues)
+        head = "invalid policy" if count == 1 else f"invalid policy ({count} problems)"
+        super().__init__(head + ":\n" + "\n".join(f"  {issue}" for issue in self.issues))
+
+
+class GradientHalt(GradGuardError, RuntimeError):
+    """Training was stopped before the optimizer applied a non-finite gradient.
+
+    The parameters and the optimizer state are exactly as they were after the last good step, so
+    they can be checkpointed as they are.
+    """
+
+    def __init__(self, step: int, params: Sequence[str], kind: str, rule: str) -> None:
+        self.step = step
+        """The guard's 0-based step index at which the halt happened."""
+        self.params: tuple[str, ...] = tuple(params)
+        """Names of every parameter whose gradient was non-finite, in model order."""
+        self.kind = kind
+        """``"nan"``, ``"inf"`` or ``"nan+inf"``."""
+        self.rule = rule
+        """The name of the (first) halt rule that covered the offending parameters."""
+        shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
+        super().__init__(
+            f"non-finite gradient ({kind}) at step {step} in {len(self.params)} parameter(s): {shown} "
+            f"(rule {rule!r}). The optimizer step was not taken: parameters and optimizer state are as "
+            "they were after the last good step."
+        )
+
+
+class GuardStateError(GradGuardError, RuntimeError):
+    """The guard cannot do what was asked in its current state (e.g. a second guard on one model)."""
+
+
+class GuardWarning(UserWarning):
+    """Something gradguard could not do as configured, or a guard dropped while still attached."""

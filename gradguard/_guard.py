@@ -1,0 +1,259 @@
+"""``GradGuard``: attaches a policy to a model and enforces it at every optimizer step."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import uuid
+import warnings
+import weakref
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from gradguard._binding import Binding, bind
+from gradguard._counters import Counters
+from gradguard._enforcer import Enforcer, Plan
+from gradguard._errors import GuardStateError, GuardWarning
+from gradguard._events import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
+from gradguard._policy import Policy
+
+__all__ = ["GradGuard"]
+
+_LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
+
+
+class _Attachment:
+    """Everything that must be undone when a guard goes away; deliberately holds no reference to it."""
+
+    def __init__(self, enforcer: Enforcer, events: EventLog) -> None:
+        self.enforcer = enforcer
+        self.events = events
+        self.handles: list[RemovableHandle] = []
+        self.open = True
+
+    def close(self, reason: str) -> None:
+        if not self.open:
+            return
+        self.open = False
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.enforcer.emit_summary()
+        self.events.emit(
+            "info",
+            "detach",
+            reason=reason,
+            steps=self.enforcer.step,
+            counters=self.enforcer.counters.snapshot(),
+        )
+        self.events.close()
+
+    def collected(self) -> None:
+        """The guard was garbage-collected while still attached: unhook, and say so."""
+        if not self.open:
+            return
+        self.close("garbage-collected")
+        warnings.warn(
+            "a GradGuard was garbage-collected while still attached, so its hooks were removed and the "
+            "model is no longer guarded. Keep a reference to the guard (guard = GradGuard(...)) or use "
+            "it as a context manager (with GradGuard(...) as guard:).",
+            GuardWarning,
+            stacklevel=2,
+        )
+
+
+def _on_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer, *_: Any) -> None:
+    guard = guard_ref()
+    if guard is not None:
+        guard._enforce_for(optimizer)
+
+
+class GradGuard:
+    """Enforce a gradient :class:`Policy` on a model, at every optimizer step, until removed.
+
+    ``GradGuard(model, policy)`` finds the step boundary by itself: it acts inside the ``step()`` of
+    any ``torch.optim`` optimizer that holds guarded parameters, just before the update, on the
+    gradient the optimizer will apply (after all backward passes of the step, GradScaler's unscale
+    and DDP's averaging). ``optimizer=opt`` limits that to the given optimizer(s); loops without a
+    torch optimizer call :meth:`step` themselves before their update.
+
+    Use it as a context manager, or call :meth:`remove`; a guard that is garbage-collected while
+    attached removes its hooks and warns.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        policy: Policy | str | os.PathLike[str],
+        *,
+        optimizer: Optimizer | Iterable[Optimizer] | None = None,
+        audit_log: str | os.PathLike[str] | None = None,
+        logger: Any = DEFAULT_LOGGER,
+        summary_every: int = 100,
+        replace: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
+        if summary_every < 0:
+            raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
+        self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
+        self._binding: Binding = bind(self.policy, model)
+        self._claim_parameters(replace)
+
+        self.counters = Counters()
+        """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
+        self.run_id = uuid.uuid4().hex[:12]
+        """Identifies this guard's events in a log that several runs append to."""
+        self.rank = _distributed_rank()
+        events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
+        self._enforcer = Enforcer(self._binding, self.counters, events, summary_every=summary_every)
+        self._events = events
+        self._model_ref = weakref.ref(model)
+        self._manual_plan = Plan.build(self._binding, self._binding.params)
+        self._plans: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], Plan | None]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+        self._attachment = _Attachment(self._enforcer, events)
+        hook = functools.partial(_on_optimizer_step, weakref.ref(self))
+        if optimizer is None:
+            self._attachment.handles.append(register_optimizer_step_pre_hook(hook))
+            boundary = "any torch.optim optimizer"
+        else:
+            optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+            for opt in optimizers:
+                if not isinstance(opt, Optimizer):
+                    raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
+                self._attachment.handles.append(opt.register_step_pre_hook(hook))
+            boundary = ", ".join(type(opt).__name__ for opt in optimizers)
+        self._finalizer = weakref.finalize(self, self._attachment.collected)
+        self._finalizer.atexit = False
+        _LIVE_GUARDS.add(self)
+
+        events.emit(
+            "info",
+            "attach",
+            schema=EVENT_SCHEMA_VERSION,
+            policy=self.policy.source,
+            model=type(model).__name__,
+            boundary=boundary,
+            params=len(self._binding.params),
+            rules={bound.name: len(bound.params) for bound in self._binding.rules},
+            pid=os.getpid(),
+        )
+
+    # --- public ------------------------------------------------------------------------------------
+
+    @property
+    def attached(self) -> bool:
+        """Whether the guard still enforces its policy."""
+        return self._attachment.open
+
+    @property
+    def step_count(self) -> int:
+        """How many steps the guard has treated (the next step's 0-based index)."""
+        return self._enforcer.step
+
+    @property
+    def audit_log(self) -> Path | None:
+        """The JSON-lines audit log's path, if one was given."""
+        return self._events.audit_path
+
+    @property
+    def guarded(self) -> dict[str, tuple[str, ...]]:
+        """``{parameter name: names of the rules that cover it}``, in model order."""
+        rules = self.policy.rules
+        return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._binding.params}
+
+    def step(self) -> bool:
+        """Enforce the policy now on every guarded gradient; for loops without a torch optimizer.
+
+        Call it after the step's last backward and before the parameter update. Returns whether any
+        gradient was treated; raises :class:`GradientHalt` where a halt rule sees NaN or Inf.
+        """
+        self._require_attached()
+        return self._enforcer.run(self._manual_plan)
+
+    def remove(self) -> None:
+        """Remove every hook and close the audit log; safe to call more than once."""
+        if self._finalizer.detach() is not None:
+            self._attachment.close("removed")
+        _LIVE_GUARDS.discard(self)
+
+    def __enter__(self) -> GradGuard:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "attached" if self.attached else "removed"
+        return (
+            f"<GradGuard {state} policy={self.policy.source!r} params={len(self._binding.params)} "
+            f"steps={self.step_count}>"
+        )
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    def _require_attached(self) -> None:
+        if not self.attached:
+            raise GuardStateError("this GradGuard was removed; create a new one to guard the model again")
+
+    def _enforce_for(self, optimizer: Optimizer) -> None:
+        if not self._attachment.open:
+            return
+        plan = self._plan_for(optimizer)
+        if plan is not None:
+            self._enforcer.run(plan)
+
+    def _plan_for(self, optimizer: Optimizer) -> Plan | None:
+        fingerprint = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+        cached = self._plans.get(optimizer)
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
+        by_id = self._binding.by_id
+        members = [by_id[key] for key in fingerprint if key in by_id]
+        plan = Plan.build(self._binding, members) if members else None
+        self._plans[optimizer] = (fingerprint, plan)
+        return plan
+
+    def _claim_parameters(self, replace: bool) -> None:
+        mine = set(self._binding.by_id)
+        for other in list(_LIVE_GUARDS):
+            if other is self or not other.attached or not mine & set(other._binding.by_id):
+                continue
+            if not replace:
+                raise GuardStateError(
+                    f"this model already has a GradGuard attached ({other!r}); a second guard would apply "
+                    "every action twice. Call .remove() on the first guard, or pass replace=True to "
+                    "remove it and attach this one."
+                )
+            other.remove()
+
+
+def _distributed_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0
+
+
+@atexit.register
+def _remove_all_at_exit() -> None:
+    for guard in list(_LIVE_GUARDS):
+        if guard.attached:
+            guard._finalizer.detach()
+            guard._attachment.close("interpreter-exit")

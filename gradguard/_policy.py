@@ -1,0 +1,209 @@
+"""The policy schema: rules that map parameter-name patterns to gradient actions.
+
+A policy is data, validated once when it is loaded; nothing here touches torch, so
+``gradguard validate`` can check files without importing it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+__all__ = [
+    "Action",
+    "ClipNorm",
+    "ClipValue",
+    "HaltOnNonfinite",
+    "Policy",
+    "Rule",
+    "Scale",
+    "Zero",
+]
+
+_REGEX_PREFIX = "re:"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+
+
+class _StepWindow(_Strict):
+    from_step: int | None = Field(default=None, ge=0)
+    """First step (0-based, inclusive) on which this applies; ``None`` means from the start."""
+    until_step: int | None = Field(default=None, ge=0)
+    """First step on which this no longer applies (exclusive); ``None`` means forever."""
+
+    @model_validator(mode="after")
+    def _window_is_not_empty(self) -> _StepWindow:
+        if self.from_step is not None and self.until_step is not None and self.until_step <= self.from_step:
+            raise ValueError(
+                f"until_step ({self.until_step}) must be greater than from_step ({self.from_step}); "
+                "the window [from_step, until_step) would never apply"
+            )
+        return self
+
+    def active_at(self, step: int) -> bool:
+        """Whether ``step`` lies inside ``[from_step, until_step)``."""
+        if self.from_step is not None and step < self.from_step:
+            return False
+        return self.until_step is None or step < self.until_step
+
+
+def _finite(value: float, what: str) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{what} must be a finite number, got {value!r}")
+    return value
+
+
+class ClipNorm(_StepWindow):
+    """Rescale gradients whose norm exceeds ``max_norm``, exactly as ``clip_grad_norm_`` does.
+
+    ``scope: tensor`` clips each parameter by its own norm; ``scope: group`` clips every parameter
+    the rule matches by their joint norm.
+    """
+
+    action: Literal["clip_norm"]
+    max_norm: float = Field(gt=0)
+    norm_type: float = Field(default=2.0, gt=0)
+    scope: Literal["tensor", "group"] = "tensor"
+
+    @field_validator("max_norm")
+    @classmethod
+    def _max_norm_is_finite(cls, value: float) -> float:
+        return _finite(value, "max_norm")
+
+
+class ClipValue(_StepWindow):
+    """Clamp every gradient element into ``[-limit, limit]``, exactly as ``clip_grad_value_`` does."""
+
+    action: Literal["clip_value"]
+    limit: float = Field(gt=0)
+
+    @field_validator("limit")
+    @classmethod
+    def _limit_is_finite(cls, value: float) -> float:
+        return _finite(value, "limit")
+
+
+class Scale(_StepWindow):
+    """Multiply the gradient by ``factor`` (e.g. 0.1 to slow a part of the model down)."""
+
+    action: Literal["scale"]
+    factor: float = Field(ge=0)
+
+    @field_validator("factor")
+    @classmethod
+    def _factor_is_finite(cls, value: float) -> float:
+        return _finite(value, "factor")
+
+
+class Zero(_StepWindow):
+    """Set the gradient to zeros. Adam's moments and weight decay still move the parameter."""
+
+    action: Literal["zero"]
+
+
+class HaltOnNonfinite(_StepWindow):
+    """Raise :class:`~gradguard.GradientHalt` before the optimizer step if a gradient holds NaN or Inf."""
+
+    action: Literal["halt_on_nonfinite"]
+
+
+Action = Annotated[
+    ClipNorm | ClipValue | Scale | Zero | HaltOnNonfinite,
+    Field(discriminator="action"),
+]
+"""One gradient action of a rule; the ``action`` field chooses which."""
+
+ACTION_NAMES: tuple[str, ...] = ("clip_norm", "clip_value", "halt_on_nonfinite", "scale", "zero")
+
+
+def _check_pattern(pattern: str) -> str:
+    if not pattern:
+        raise ValueError("a pattern must not be empty; use '*' to match every parameter")
+    if pattern.startswith(_REGEX_PREFIX):
+        body = pattern[len(_REGEX_PREFIX) :]
+        try:
+            re.compile(body)
+        except re.error as exc:
+            raise ValueError(
+                f"invalid regular expression {body!r} in pattern {pattern!r}: {exc}; "
+                "a 're:' pattern must be a Python regex matching the whole dotted name"
+            ) from None
+    return pattern
+
+
+class Rule(_StepWindow):
+    """Which parameters (``match`` minus ``exclude``) get which ``actions``, in order."""
+
+    name: str = Field(min_length=1)
+    match: tuple[str, ...] = Field(min_length=1)
+    exclude: tuple[str, ...] = ()
+    actions: tuple[Action, ...] = Field(min_length=1)
+    allow_no_match: bool = False
+    """If true, a rule that matches no parameter of the model is not an error."""
+
+    @field_validator("match", "exclude", mode="before")
+    @classmethod
+    def _one_pattern_is_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("match", "exclude")
+    @classmethod
+    def _patterns_compile(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_check_pattern(pattern) for pattern in value)
+
+
+class Policy(_Strict):
+    """A validated, immutable gradient policy.
+
+    Build one with :meth:`from_file` or :meth:`from_dict`; both raise :class:`~gradguard.PolicyError`
+    with the file, line and field of every problem.
+    """
+
+    version: Literal[1]
+    rules: tuple[Rule, ...] = Field(min_length=1)
+
+    _source: str = PrivateAttr(default="<dict>")
+    _rule_lines: tuple[int | None, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="after")
+    def _rule_names_are_unique(self) -> Policy:
+        seen: dict[str, int] = {}
+        for index, rule in enumerate(self.rules):
+            if rule.name in seen:
+                raise ValueError(
+                    f"rule name {rule.name!r} is used by rules[{seen[rule.name]}] and rules[{index}]; "
+                    "give every rule a unique name (counters and logs are keyed by it)"
+                )
+            seen[rule.name] = index
+        return self
+
+    @property
+    def source(self) -> str:
+        """Where the policy came from: a file path, or ``<dict>``."""
+        return self._source
+
+    def rule_location(self, index: int) -> str:
+        """``file:line`` of ``rules[index]`` where known, else the source alone."""
+        line = self._rule_lines[index] if index < len(self._rule_lines) else None
+        return self._source if line is None else f"{self._source}:{line}"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Policy:
+        """Load and validate a policy from a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file."""
+        from gradguard._policy_loading import load_policy_file
+
+        return load_policy_file(path)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Policy:
+        """Validate a policy given as plain data, with the same checks and errors as a file."""
+        from gradguard._policy_loading import validate_policy_data
+
+        return validate_policy_data(data, source=source, locate=None)

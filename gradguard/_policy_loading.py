@@ -1,0 +1,283 @@
+"""Reading policy files and turning every parse or validation problem into a :class:`PolicyError`.
+
+No raw YAML, TOML, JSON or pydantic error reaches the user: each becomes a :class:`PolicyIssue` that
+names the file, the line (YAML always; JSON and TOML for syntax errors), the field path, what was
+given and what is expected.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from gradguard._errors import PolicyError, PolicyIssue
+from gradguard._policy import ACTION_NAMES, ClipNorm, ClipValue, HaltOnNonfinite, Policy, Rule, Scale, Zero
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = ["load_policy_file", "validate_policy_data"]
+
+Locator = Callable[[Sequence[int | str]], int | None]
+"""Maps a field path to the 1-based line where it (or its nearest parent) is written."""
+
+_SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
+
+_FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
+    "clip_norm": tuple(ClipNorm.model_fields),
+    "clip_value": tuple(ClipValue.model_fields),
+    "halt_on_nonfinite": tuple(HaltOnNonfinite.model_fields),
+    "scale": tuple(Scale.model_fields),
+    "zero": tuple(Zero.model_fields),
+}
+_RULE_FIELDS = tuple(Rule.model_fields)
+_POLICY_FIELDS = tuple(name for name in Policy.model_fields)
+
+
+def load_policy_file(path: str | os.PathLike[str]) -> Policy:
+    """Read, parse and validate the policy file at ``path``."""
+    source = os.fspath(path)
+    suffix = Path(source).suffix.lower()
+    fmt = _SUFFIXES.get(suffix)
+    if fmt is None:
+        raise PolicyError(
+            [
+                PolicyIssue(
+                    source,
+                    None,
+                    "",
+                    f"unsupported file type {suffix or '(none)'!r}; "
+                    "a policy file ends in .yaml, .yml, .toml or .json",
+                )
+            ]
+        )
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError([PolicyIssue(source, None, "", "no such file; check the path")]) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError([PolicyIssue(source, None, "", f"cannot read the file: {exc}")]) from None
+    data, locate = _parse(text, fmt, source)
+    if not isinstance(data, Mapping):
+        raise PolicyError(
+            [
+                PolicyIssue(
+                    source,
+                    locate(()) if locate else None,
+                    "",
+                    f"the document is a {_type_name(data)}; expected a mapping with 'version' and 'rules'",
+                )
+            ]
+        )
+    return validate_policy_data(data, source=source, locate=locate)
+
+
+def validate_policy_data(data: Mapping[str, Any], *, source: str, locate: Locator | None) -> Policy:
+    """Validate already-parsed policy data; ``locate`` supplies line numbers where known."""
+    if not isinstance(data, Mapping):
+        raise PolicyError(
+            [PolicyIssue(source, None, "", f"expected a mapping with 'version' and 'rules', got {_type_name(data)}")]
+        )
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(_issues_from(exc, data, source, locate)) from None
+    policy._source = source
+    policy._rule_lines = tuple(locate(("rules", index)) if locate else None for index in range(len(policy.rules)))
+    return policy
+
+
+# --- parsing -------------------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that rejects duplicate keys instead of silently keeping the last one."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"duplicate key {key!r} (first on line {seen[key]}); each key may appear once per mapping",
+                key_node.start_mark,
+            )
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_unique_mapping,  # type: ignore[arg-type]
+)
+
+
+def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
+    if fmt == "yaml":
+        try:
+            node = yaml.compose(text, Loader=_UniqueKeyLoader)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark is not None else None
+            what = " ".join(part for part in (exc.context, exc.problem) if part)
+            raise PolicyError([PolicyIssue(source, line, "", f"YAML syntax error: {what}")]) from None
+        except yaml.YAMLError as exc:
+            raise PolicyError([PolicyIssue(source, None, "", f"YAML syntax error: {exc}")]) from None
+        return data, _yaml_locator(node)
+    if fmt == "toml":
+        try:
+            return tomllib.loads(text), None
+        except tomllib.TOMLDecodeError as exc:
+            line = getattr(exc, "lineno", None)
+            message = getattr(exc, "msg", str(exc))
+            raise PolicyError([PolicyIssue(source, line, "", f"TOML syntax error: {message}")]) from None
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        raise PolicyError(
+            [PolicyIssue(source, exc.lineno, "", f"JSON syntax error: {exc.msg} (column {exc.colno})")]
+        ) from None
+
+
+def _yaml_locator(root: yaml.Node | None) -> Locator:
+    def locate(path: Sequence[int | str]) -> int | None:
+        node = root
+        if node is None:
+            return None
+        line: int = node.start_mark.line + 1
+        for part in path:
+            child: yaml.Node | None = None
+            if isinstance(node, yaml.MappingNode):
+                for key_node, value_node in node.value:
+                    if key_node.value == part:
+                        # An unknown key is best pointed at by the key itself.
+                        line = key_node.start_mark.line + 1
+                        child = value_node
+                        break
+            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+                child = node.value[part]
+            if child is None:
+                break
+            node = child
+            line = node.start_mark.line + 1
+        return line
+
+    return locate
+
+
+# --- turning pydantic errors into issues ---------------------------------------------------------
+
+
+def _issues_from(
+    exc: ValidationError, data: Mapping[str, Any], source: str, locate: Locator | None
+) -> list[PolicyIssue]:
+    issues = []
+    for error in exc.errors(include_url=False):
+        if _is_echo_of_item_errors(error):
+            continue
+        loc = _drop_union_tags(error["loc"])
+        line = locate(loc) if locate else None
+        issues.append(PolicyIssue(source, line, _format_path(loc), _explain(error, loc, data)))
+    return issues
+
+
+def _is_echo_of_item_errors(error: Any) -> bool:
+    """Pydantic re-checks a sequence's length after dropping its invalid items; the items' own errors say it."""
+    if error["type"] != "too_short":
+        return False
+    given = error.get("input")
+    return isinstance(given, Sequence) and len(given) >= int((error.get("ctx") or {}).get("min_length", 1))
+
+
+def _drop_union_tags(loc: Sequence[int | str]) -> tuple[int | str, ...]:
+    """Pydantic puts the discriminator's tag into the path (``actions.0.clip_norm.max_norm``); users never wrote it."""
+    out: list[int | str] = []
+    for index, part in enumerate(loc):
+        after_action_index = index >= 2 and loc[index - 2] == "actions" and isinstance(loc[index - 1], int)
+        if after_action_index and part in ACTION_NAMES:
+            continue
+        out.append(part)
+    return tuple(out)
+
+
+def _format_path(loc: Sequence[int | str]) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> str:
+    kind: str = error["type"]
+    given = error.get("input")
+    ctx = error.get("ctx") or {}
+    field = str(loc[-1]) if loc else ""
+    if kind == "extra_forbidden":
+        allowed = _allowed_fields(loc, data)
+        hint = _did_you_mean(field, allowed)
+        return f"unknown field {field!r}{hint}; allowed here: {', '.join(allowed)}"
+    if kind == "missing":
+        return f"missing required field {field!r}; add it"
+    if kind == "union_tag_invalid":
+        tag = ctx.get("tag", given)
+        return (
+            f"unknown action {tag!r}{_did_you_mean(str(tag), ACTION_NAMES)}; "
+            f"expected one of: {', '.join(ACTION_NAMES)}"
+        )
+    if kind == "union_tag_not_found":
+        return f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {given!r})"
+    if kind == "literal_error":
+        return f"got {given!r}; expected {ctx.get('expected', 'one of the allowed values')}"
+    if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:
+        relation = {
+            "greater_than": "greater than",
+            "greater_than_equal": "at least",
+            "less_than": "less than",
+            "less_than_equal": "at most",
+        }[kind]
+        bound = next(iter(ctx.values()), "?")
+        return f"got {given!r}; expected a number {relation} {bound}"
+    if kind == "too_short":
+        return f"got {given!r}; expected at least {ctx.get('min_length', 1)} item(s)"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    message = str(error["msg"])
+    return f"got {given!r} ({_type_name(given)}); {message[0].lower()}{message[1:]}"
+
+
+def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[str, ...]:
+    parent = loc[:-1]
+    if not parent:
+        return _POLICY_FIELDS
+    if len(parent) == 2 and parent[0] == "rules":
+        return _RULE_FIELDS
+    if len(parent) == 4 and parent[2] == "actions":
+        try:
+            action = data["rules"][parent[1]]["actions"][parent[3]]["action"]
+        except (KeyError, IndexError, TypeError):
+            action = None
+        return _FIELDS_BY_ACTION.get(str(action), ("action",))
+    return ()
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "mapping", list: "list", str: "string", type(None): "null"}.get(type(value), type(value).__name__)

@@ -2,7 +2,14 @@
 
 Map parameter-name patterns to gradient actions in a policy file, wrap any training loop with
 ``GradGuard(model, policy)``, and read every intervention back from a JSON-lines audit log.
+
+Importing the package does not import torch: policies can be loaded and validated without it
+(``gradguard validate`` answers in well under a second). ``GradGuard`` imports it on first use.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from gradguard._counters import Counters
 from gradguard._errors import (
@@ -13,8 +20,10 @@ from gradguard._errors import (
     PolicyError,
     PolicyIssue,
 )
-from gradguard._guard import GradGuard
 from gradguard._policy import ClipNorm, ClipValue, HaltOnNonfinite, Policy, Rule, Scale, Zero
+
+if TYPE_CHECKING:
+    from gradguard._guard import GradGuard
 
 __all__ = [
     "ClipNorm",
@@ -35,3 +44,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "GradGuard":
+        from gradguard._guard import GradGuard
+
+        return GradGuard
+    raise AttributeError(f"module 'gradguard' has no attribute {name!r}")

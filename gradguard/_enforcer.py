@@ -14,6 +14,7 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,7 +42,8 @@ def _norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor
     high = [i for i, g in enumerate(grads) if g.dtype not in _LOW_PRECISION]
     for indices, kwargs in ((low, {"dtype": torch.float32}), (high, {})):
         if indices:
-            for i, norm in zip(indices, torch._foreach_norm([grads[i] for i in indices], norm_type, **kwargs)):
+            norms = torch._foreach_norm([grads[i] for i in indices], norm_type, **kwargs)
+            for i, norm in zip(indices, norms, strict=True):
                 out[i] = norm
     return [norm for norm in out if norm is not None]
 
@@ -110,7 +112,7 @@ class _Pending:
             return
         host = torch.cat([part.detach().to("cpu", torch.float64) for part in self.parts]).tolist()
         offset = 0
-        for part, reader in zip(self.parts, self.readers):
+        for part, reader in zip(self.parts, self.readers, strict=False):
             size = part.numel()
             reader(host[offset : offset + size])
             offset += size
@@ -165,7 +167,7 @@ class Enforcer:
 
         raw_ids = [index for index in plan.raw_norm_params if index in grads]
         raw_ids.sort()
-        raw = dict(zip(raw_ids, _norms([grads[i] for i in raw_ids], 2.0))) if raw_ids else {}
+        raw = dict(zip(raw_ids, _norms([grads[i] for i in raw_ids], 2.0), strict=False)) if raw_ids else {}
         if raw_ids:
             self._read_raw_norms(pending, outcome, plan, raw_ids, raw, step)
 
@@ -217,7 +219,7 @@ class Enforcer:
         halt_rules = self.binding.policy.rules
 
         def read(values: list[float], device_ids: list[int]) -> None:
-            for index, value in zip(device_ids, values):
+            for index, value in zip(device_ids, values, strict=False):
                 if value == value and abs(value) != float("inf"):
                     continue
                 kind = "nan" if value != value else "inf"
@@ -235,7 +237,7 @@ class Enforcer:
         for device_ids, positions in _by_device(raw_ids, raw_norms):
             pending.add(
                 _stack_on([raw_norms[k] for k in positions], raw_norms[positions[0]].device),
-                lambda values, device_ids=device_ids: read(values, device_ids),
+                functools.partial(read, device_ids=device_ids),
             )
 
     def _first_rule(self, index: int) -> int:
@@ -263,7 +265,7 @@ class Enforcer:
 
             def read(values: list[float], device_ids: list[int] = device_ids) -> None:
                 count = len(device_ids)
-                for index, norm, coef in zip(device_ids, values[:count], values[count:]):
+                for index, norm, coef in zip(device_ids, values[:count], values[count:], strict=False):
                     if norm != norm or abs(norm) == float("inf"):
                         outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
                     elif coef < 1.0:
@@ -357,7 +359,7 @@ class Enforcer:
         for device_ids, positions in _by_device(ids, peaks):
 
             def read(values: list[float], device_ids: list[int] = device_ids) -> None:
-                for index, peak in zip(device_ids, values):
+                for index, peak in zip(device_ids, values, strict=False):
                     if peak != peak or abs(peak) == float("inf"):
                         outcome.nonfinite.setdefault(index, ("nan" if peak != peak else "inf", bound.index))
                     elif peak > action.limit:
@@ -387,13 +389,23 @@ class Enforcer:
             kind, rule_index = outcome.nonfinite[index]
             self.counters.add(rules[rule_index].name, kind)
             self.events.emit(
-                "warning",
+                "info",
                 "nonfinite",
                 step=step,
                 rule=rules[rule_index].name,
                 param=names[index],
                 kind=kind,
                 halts=index in outcome.halted_by,
+            )
+        passed = sorted(set(outcome.nonfinite) - set(outcome.halted_by))
+        if passed:
+            # No halt rule covers these: say loudly that the optimizer is about to apply them.
+            self.events.emit(
+                "warning",
+                "nonfinite_unhalted",
+                step=step,
+                params=[names[i] for i in passed],
+                kinds=sorted({outcome.nonfinite[i][0] for i in passed}),
             )
         if outcome.halted_by:
             offenders = sorted(outcome.halted_by)
@@ -440,7 +452,7 @@ def _by_device(
     if all(t.device == first for t in tensors):
         return [(list(ids), list(range(len(ids))))]
     groups: dict[torch.device, tuple[list[int], list[int]]] = {}
-    for position, (index, tensor) in enumerate(zip(ids, tensors)):
+    for position, (index, tensor) in enumerate(zip(ids, tensors, strict=False)):
         bucket = groups.setdefault(tensor.device, ([], []))
         bucket[0].append(index)
         bucket[1].append(position)

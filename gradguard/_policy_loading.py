@@ -121,7 +121,7 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
 
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_unique_mapping,  # type: ignore[arg-type]
+    _construct_unique_mapping,
 )
 
 
@@ -129,7 +129,7 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
     if fmt == "yaml":
         try:
             node = yaml.compose(text, Loader=_UniqueKeyLoader)
-            data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None

@@ -20,7 +20,17 @@ from gradguard._errors import (
     PolicyError,
     PolicyIssue,
 )
-from gradguard._policy import ClipNorm, ClipValue, HaltOnNonfinite, Policy, Rule, Scale, Zero
+from gradguard._policy import (
+    ClipNorm,
+    ClipValue,
+    Drop,
+    HaltOnNonfinite,
+    Policy,
+    Rule,
+    Scale,
+    SkipStepOnNonfinite,
+    Zero,
+)
 
 if TYPE_CHECKING:
     from gradguard._guard import GradGuard
@@ -29,6 +39,7 @@ __all__ = [
     "ClipNorm",
     "ClipValue",
     "Counters",
+    "Drop",
     "GradGuard",
     "GradGuardError",
     "GradientHalt",
@@ -40,6 +51,7 @@ __all__ = [
     "PolicyIssue",
     "Rule",
     "Scale",
+    "SkipStepOnNonfinite",
     "Zero",
 ]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from gradguard._errors import PolicyError, PolicyIssue
-from gradguard._policy import Action, Policy, Rule
+from gradguard._errors import GuardStateError, PolicyError, PolicyIssue
+from gradguard._policy import GRADIENT_CHANGING_ACTIONS, Action, Policy, Rule
 
 __all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher"]
 
@@ -137,8 +137,10 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         for index, rule in enumerate(policy.rules)
         if not members[index] and not rule.allow_no_match
     ]
+    issues.extend(issue for entry in guarded if (issue := _conflict_issue(policy, entry)) is not None)
     if issues:
         raise PolicyError(issues)
+    _refuse_unsupported(model, policy, guarded)
     return Binding(
         policy=policy,
         params=tuple(guarded),
@@ -166,3 +168,87 @@ def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str]) ->
         f"exclude {list(rule.exclude)}). Nearest parameter names: {shown}. "
         "Fix the pattern, or set 'allow_no_match: true' on the rule if that is intended.",
     )
+
+
+def _changing_actions(rule: Rule) -> set[str]:
+    return {action.action for action in rule.actions if action.action in GRADIENT_CHANGING_ACTIONS}
+
+
+def _conflict_issue(policy: Policy, entry: GuardedParam) -> PolicyIssue | None:
+    """Two rules that both change one tensor's gradient in ways that cannot both be meant.
+
+    - ``drop`` or ``zero`` in one rule and any other gradient change in another: the other is void.
+    - a tied tensor reached by two rules through different names only, both changing its gradient:
+      the user most likely believes they are two tensors.
+    """
+    rules = [policy.rules[i] for i in entry.rules]
+    for position, first in enumerate(rules):
+        for second in rules[position + 1 :]:
+            a, b = _changing_actions(first), _changing_actions(second)
+            if not a or not b:
+                continue
+            voiding = ({"drop", "zero"} & a and b - {"drop", "zero"}) or ({"drop", "zero"} & b and a - {"drop", "zero"})
+            first_names = {name for name in entry.names if rule_matches(first, (name,))}
+            second_names = {name for name in entry.names if rule_matches(second, (name,))}
+            tied_apart = len(entry.names) > 1 and not first_names & second_names
+            if not voiding and not tied_apart:
+                continue
+            if tied_apart:
+                why = (
+                    f"{' and '.join(entry.names)} are one tied tensor; rule {first.name!r} reaches it as "
+                    f"{sorted(first_names)[0]!r} and rule {second.name!r} as {sorted(second_names)[0]!r}, and both "
+                    "change its gradient, so it would get both rules' actions"
+                )
+            else:
+                why = (
+                    f"rules {first.name!r} ({', '.join(sorted(a))}) and {second.name!r} ({', '.join(sorted(b))}) "
+                    f"both change the gradient of {entry.name!r}, and drop/zero makes the other rule's action void"
+                )
+            return PolicyIssue(
+                policy.source,
+                None,
+                "rules",
+                f"conflicting rules on one tensor: {why}. Fix: merge the two rules, or exclude "
+                f"{entry.name!r} from one of them.",
+            )
+    return None
+
+
+_SPARSE_MODULES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _refuse_unsupported(model: nn.Module, policy: Policy, guarded: list[GuardedParam]) -> None:
+    """Refuse, at attach time, what the guard could not treat correctly at step time."""
+    for module in model.modules():
+        kind = type(module).__name__
+        if kind == "FullyShardedDataParallel" or kind == "DeepSpeedEngine":
+            raise GuardStateError(
+                f"the model is wrapped by {kind}, which replaces parameters by flat shards that gradguard "
+                "cannot match by name. Use FSDP2 (torch.distributed.fsdp.fully_shard) or DDP, or attach the "
+                "guard to a model that is not wrapped this way."
+            )
+    sparse = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, _SPARSE_MODULES) and getattr(module, "sparse", False)
+        for param in module.parameters(recurse=False)
+    }
+    rules = policy.rules
+    for entry in guarded:
+        param = entry.ref()
+        if param is None:
+            continue
+        if id(param) in sparse:
+            raise GuardStateError(
+                f"parameter {entry.name!r} gets sparse gradients (its module was built with sparse=True), "
+                f"which the actions of rule(s) {', '.join(rules[i].name for i in entry.rules)} cannot treat "
+                "(norms, clamps and finiteness checks reject sparse tensors). Exclude it from those rules, or "
+                "build the module with sparse=False."
+            )
+        if param.is_complex():
+            for i in entry.rules:
+                if any(action.action == "clip_value" for action in rules[i].actions):
+                    raise GuardStateError(
+                        f"parameter {entry.name!r} is complex, and rule {rules[i].name!r} has clip_value, which "
+                        "cannot clamp complex numbers. Use clip_norm for it, or exclude it from that rule."
+                    )

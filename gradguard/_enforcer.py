@@ -441,9 +441,7 @@ def _halt_action_active(actions: Sequence[Any], step: int) -> bool:
     return any(isinstance(action, HaltOnNonfinite) and action.active_at(step) for action in actions)
 
 
-def _by_device(
-    ids: Sequence[int], tensors: Sequence[torch.Tensor]
-) -> list[tuple[list[int], list[int]]]:
+def _by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
     """Group positions of parallel lists by device, keeping order: ``[(ids, positions), ...]``.
 
     One group in the common single-device case, found without building anything per tensor.

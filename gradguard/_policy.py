@@ -18,10 +18,12 @@ __all__ = [
     "Action",
     "ClipNorm",
     "ClipValue",
+    "Drop",
     "HaltOnNonfinite",
     "Policy",
     "Rule",
     "Scale",
+    "SkipStepOnNonfinite",
     "Zero",
 ]
 
@@ -114,13 +116,59 @@ class HaltOnNonfinite(_StepWindow):
     action: Literal["halt_on_nonfinite"]
 
 
+class Drop(_StepWindow):
+    """Set the gradient to ``None``: the optimizer leaves the parameter exactly as it is.
+
+    Unlike ``zero``, no moment, weight decay or step count moves it.
+    """
+
+    action: Literal["drop"]
+
+
+class SkipStepOnNonfinite(_StepWindow):
+    """Skip the whole optimizer step (no parameter, no optimizer state changes) on NaN or Inf.
+
+    Escalates to :class:`~gradguard.GradientHalt` after ``max_consecutive_skips`` skips in a row, or
+    after ``max_skips`` skips within the last ``window_steps`` steps.
+    """
+
+    action: Literal["skip_step_on_nonfinite"]
+    max_consecutive_skips: int | None = Field(default=None, ge=1)
+    max_skips: int | None = Field(default=None, ge=1)
+    window_steps: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _window_is_complete(self) -> SkipStepOnNonfinite:
+        if (self.max_skips is None) != (self.window_steps is None):
+            raise ValueError(
+                "max_skips and window_steps go together (at most max_skips skips within the last "
+                f"window_steps steps); got max_skips={self.max_skips}, window_steps={self.window_steps}"
+            )
+        if self.max_skips is not None and self.window_steps is not None and self.max_skips > self.window_steps:
+            raise ValueError(
+                f"max_skips ({self.max_skips}) cannot exceed window_steps ({self.window_steps}); "
+                "the limit could never be reached"
+            )
+        return self
+
+
 Action = Annotated[
-    ClipNorm | ClipValue | Scale | Zero | HaltOnNonfinite,
+    ClipNorm | ClipValue | Drop | HaltOnNonfinite | Scale | SkipStepOnNonfinite | Zero,
     Field(discriminator="action"),
 ]
 """One gradient action of a rule; the ``action`` field chooses which."""
 
-ACTION_NAMES: tuple[str, ...] = ("clip_norm", "clip_value", "halt_on_nonfinite", "scale", "zero")
+ACTION_NAMES: tuple[str, ...] = (
+    "clip_norm",
+    "clip_value",
+    "drop",
+    "halt_on_nonfinite",
+    "scale",
+    "skip_step_on_nonfinite",
+    "zero",
+)
+GRADIENT_CHANGING_ACTIONS: frozenset[str] = frozenset({"clip_norm", "clip_value", "drop", "scale", "zero"})
+"""Actions that change a gradient (the others only watch it)."""
 
 
 def _check_pattern(pattern: str) -> str:

@@ -19,7 +19,18 @@ import yaml
 from pydantic import ValidationError
 
 from gradguard._errors import PolicyError, PolicyIssue
-from gradguard._policy import ACTION_NAMES, ClipNorm, ClipValue, HaltOnNonfinite, Policy, Rule, Scale, Zero
+from gradguard._policy import (
+    ACTION_NAMES,
+    ClipNorm,
+    ClipValue,
+    Drop,
+    HaltOnNonfinite,
+    Policy,
+    Rule,
+    Scale,
+    SkipStepOnNonfinite,
+    Zero,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -36,8 +47,10 @@ _SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 _FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
     "clip_norm": tuple(ClipNorm.model_fields),
     "clip_value": tuple(ClipValue.model_fields),
+    "drop": tuple(Drop.model_fields),
     "halt_on_nonfinite": tuple(HaltOnNonfinite.model_fields),
     "scale": tuple(Scale.model_fields),
+    "skip_step_on_nonfinite": tuple(SkipStepOnNonfinite.model_fields),
     "zero": tuple(Zero.model_fields),
 }
 _RULE_FIELDS = tuple(Rule.model_fields)
@@ -56,8 +69,7 @@ def load_policy_file(path: str | os.PathLike[str]) -> Policy:
                     source,
                     None,
                     "",
-                    f"unsupported file type {suffix or '(none)'!r}; "
-                    "a policy file ends in .yaml, .yml, .toml or .json",
+                    f"unsupported file type {suffix or '(none)'!r}; a policy file ends in .yaml, .yml, .toml or .json",
                 )
             ]
         )
@@ -235,8 +247,7 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
     if kind == "union_tag_invalid":
         tag = ctx.get("tag", given)
         return (
-            f"unknown action {tag!r}{_did_you_mean(str(tag), ACTION_NAMES)}; "
-            f"expected one of: {', '.join(ACTION_NAMES)}"
+            f"unknown action {tag!r}{_did_you_mean(str(tag), ACTION_NAMES)}; expected one of: {', '.join(ACTION_NAMES)}"
         )
     if kind == "union_tag_not_found":
         return f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {given!r})"

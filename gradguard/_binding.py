@@ -102,6 +102,8 @@ class Binding:
     by_id: dict[int, GuardedParam]
     all_names: tuple[str, ...]
     """Every canonical parameter name of the model, covered or not."""
+    model_param_ids: frozenset[int]
+    """``id`` of every parameter tensor of the model at bind time: a new one means a parameter was replaced."""
 
 
 def bind(policy: Policy, model: nn.Module) -> Binding:
@@ -147,6 +149,7 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         rules=tuple(BoundRule(i, rule, tuple(members[i])) for i, rule in enumerate(policy.rules)),
         by_id={id(entry.ref()): entry for entry in guarded},
         all_names=tuple(all_names),
+        model_param_ids=frozenset(tensors),
     )
 
 

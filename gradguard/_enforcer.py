@@ -15,7 +15,9 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,11 +25,14 @@ import torch
 
 from gradguard._binding import Binding, BoundRule, GuardedParam
 from gradguard._counters import Counters
-from gradguard._errors import GradientHalt
+from gradguard._errors import GradientHalt, GuardWarning
 from gradguard._events import EventLog
-from gradguard._policy import ClipNorm, ClipValue, HaltOnNonfinite, Scale, Zero
+from gradguard._policy import Action, ClipNorm, ClipValue, Drop, HaltOnNonfinite, Scale, SkipStepOnNonfinite, Zero
 
-__all__ = ["Enforcer", "Plan"]
+__all__ = ["SCALER_RULE", "Enforcer", "Plan", "StepContext"]
+
+SCALER_RULE = "grad_scaler"
+"""Counter key for steps GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon; the same value keeps results bitwise equal.
@@ -65,8 +70,9 @@ class Plan:
     params: tuple[GuardedParam, ...]
     rules: tuple[tuple[BoundRule, tuple[GuardedParam, ...]], ...]
     raw_norm_params: frozenset[int]
-    """Indices of the tensors whose untouched 2-norm is needed: halt coverage and first-touch clips."""
-    halt_rules_by_param: dict[int, tuple[int, ...]]
+    """Indices of the tensors whose untouched 2-norm is needed: halt/skip coverage and first-touch clips."""
+    watchers_by_param: dict[int, tuple[int, ...]]
+    """Tensor index -> indices of the rules with a halt or skip action covering it, in policy order."""
 
     @classmethod
     def build(cls, binding: Binding, params: Sequence[GuardedParam]) -> Plan:
@@ -77,13 +83,14 @@ class Plan:
         )
         raw: set[int] = set()
         touched: set[int] = set()
-        halt_rules: dict[int, list[int]] = {}
+        watchers: dict[int, list[int]] = {}
         for bound, members in rules:
             for action in bound.actions:
-                if isinstance(action, HaltOnNonfinite):
+                if isinstance(action, HaltOnNonfinite | SkipStepOnNonfinite):
                     for entry in members:
                         raw.add(entry.index)
-                        halt_rules.setdefault(entry.index, []).append(bound.index)
+                        if bound.index not in watchers.setdefault(entry.index, []):
+                            watchers[entry.index].append(bound.index)
                     continue
                 if isinstance(action, ClipNorm) and action.norm_type == 2.0:
                     raw.update(entry.index for entry in members if entry.index not in touched)
@@ -92,7 +99,7 @@ class Plan:
             params=ordered,
             rules=rules,
             raw_norm_params=frozenset(raw),
-            halt_rules_by_param={key: tuple(value) for key, value in halt_rules.items()},
+            watchers_by_param={key: tuple(value) for key, value in watchers.items()},
         )
 
 
@@ -124,8 +131,28 @@ class _StepOutcome:
     """Tensor index -> (kind, rule index to report it under)."""
     halted_by: dict[int, int] = field(default_factory=dict)
     """Tensor index -> halt rule index, for non-finite tensors an active halt rule covers."""
+    skipped_by: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> skip rule index, for non-finite tensors an active skip rule (and no halt rule) covers."""
+    scaler_found_inf: bool = False
+    """GradScaler (fused optimizer path) found inf/NaN: the optimizer skips this step itself."""
     counts: list[tuple[str, str, int]] = field(default_factory=list)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+@dataclass
+class StepContext:
+    """What one enforcement pass needs to know about the update it precedes."""
+
+    optimizer: Any | None
+    """The ``torch.optim.Optimizer`` about to step, or ``None`` for ``guard.step()``."""
+    stepped_params: Callable[[], Iterable[torch.Tensor]]
+    """Every parameter the update would change: a skipped step sets all their gradients to None."""
+
+
+@dataclass
+class _SkipHistory:
+    consecutive: int = 0
+    recent: deque[int] = field(default_factory=deque)
 
 
 class Enforcer:
@@ -138,14 +165,17 @@ class Enforcer:
         self.summary_every = summary_every
         self.step = 0
         """0-based index of the next step the guard will treat."""
+        self.skip_history: dict[int, _SkipHistory] = {}
+        self._warned_scheduler = False
         self.applied_versions: dict[int, tuple[int, int]] = {}
         """``(id(grad), grad._version)`` after the last pass, per tensor: a gradient already treated,
         and unchanged since, is not treated again (a second ``step()`` on the same gradient)."""
 
-    def run(self, plan: Plan) -> bool:
-        """Treat the current gradients of ``plan``'s tensors; return whether anything was treated.
+    def run(self, plan: Plan, context: StepContext) -> bool:
+        """Treat the current gradients of ``plan``'s tensors; return False if the step must be skipped.
 
-        Raises :class:`GradientHalt` (before the optimizer step) when a halt rule sees NaN or Inf.
+        Raises :class:`GradientHalt` (before the optimizer step) when a halt rule sees NaN or Inf, or a
+        skip rule's limits are exceeded.
         """
         grads: dict[int, torch.Tensor] = {}
         for entry in plan.params:
@@ -157,13 +187,14 @@ class Enforcer:
                 continue  # already treated, and unchanged since: a second step() on the same gradient
             grads[entry.index] = grad
         if not grads:
-            return False
+            return True
 
         step = self.step
         self.step += 1
         pending = _Pending()
         outcome = _StepOutcome()
         names = {entry.index: entry.name for entry in plan.params}
+        self._adopt_fused_scaler(context, pending, outcome)
 
         raw_ids = [index for index in plan.raw_norm_params if index in grads]
         raw_ids.sort()
@@ -197,13 +228,69 @@ class Enforcer:
                 elif isinstance(action, Zero):
                     torch._foreach_zero_(gs)
                     outcome.counts.append((bound.name, "zero", len(ids)))
+                elif isinstance(action, Drop):
+                    for i in ids:
+                        param = self.binding.params[i].ref()
+                        if param is not None:
+                            param.grad = None
+                        del grads[i]
+                    outcome.counts.append((bound.name, "drop", len(ids)))
+                    break  # the rule's later actions have no gradient left to act on
                 touched.update(ids)
 
         pending.sync()  # the step's one host sync
-        self._report(outcome, plan, names, step)  # raises GradientHalt, leaving the gradients to be re-checked
+        if outcome.scaler_found_inf:
+            self.record_scaler_skip(step, fused=True)
+            return True  # the optimizer's fused kernel skips the update itself
+        self._report(outcome, names, step)  # raises GradientHalt, leaving the gradients to be re-checked
+        if outcome.skipped_by:
+            self._skip(outcome, names, step, context)
+            return False
+        self._reset_consecutive_skips()
         for index, grad in grads.items():
             self.applied_versions[index] = (id(grad), grad._version)
         return True
+
+    def rebind(self, binding: Binding) -> None:
+        """Switch to a new binding (the model's parameters were replaced); tensor indices start afresh."""
+        self.binding = binding
+        self.applied_versions.clear()
+
+    def _adopt_fused_scaler(self, context: StepContext, pending: _Pending, outcome: _StepOutcome) -> None:
+        """A fused optimizer under GradScaler still holds scaled gradients here; unscale them first.
+
+        GradScaler hands such an optimizer ``grad_scale`` and ``found_inf`` instead of unscaling. We
+        unscale every gradient of the optimizer ourselves (what its kernel would have done) and clear
+        ``grad_scale``, so thresholds apply to true gradients; ``found_inf`` still makes the kernel skip.
+        """
+        optimizer = context.optimizer
+        if optimizer is None:
+            return
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        found_inf = getattr(optimizer, "found_inf", None)
+        if isinstance(grad_scale, torch.Tensor):
+            grads = [p.grad for p in context.stepped_params() if p.grad is not None]
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for grad in grads:
+                by_device.setdefault(grad.device, []).append(grad)
+            inverse = grad_scale.double().reciprocal().float()
+            for device, device_grads in by_device.items():
+                torch._foreach_mul_(device_grads, inverse.to(device))
+            optimizer.grad_scale = None
+        if isinstance(found_inf, torch.Tensor):
+
+            def read(values: list[float]) -> None:
+                outcome.scaler_found_inf = values[0] > 0
+
+            pending.add(found_inf.reshape(-1)[:1].float(), read)
+
+    def record_scaler_skip(self, step: int | None = None, *, fused: bool = False) -> None:
+        """GradScaler found inf/NaN and skipped the step: its business, so no halt and no clip; say so."""
+        if step is None:
+            step = self.step
+            self.step += 1
+        self.counters.add(SCALER_RULE, "skip")
+        self.events.emit("info", "scaler_skip", step=step, fused=fused)
 
     # --- actions ------------------------------------------------------------------------------
 
@@ -216,22 +303,22 @@ class Enforcer:
         raw: dict[int, torch.Tensor],
         step: int,
     ) -> None:
-        halt_rules = self.binding.policy.rules
+        rules = self.binding.policy.rules
 
         def read(values: list[float], device_ids: list[int]) -> None:
-            for index, value in zip(device_ids, values, strict=False):
+            for index, value in zip(device_ids, values, strict=True):
                 if value == value and abs(value) != float("inf"):
                     continue
                 kind = "nan" if value != value else "inf"
-                active = [
-                    r
-                    for r in plan.halt_rules_by_param.get(index, ())
-                    if halt_rules[r].active_at(step) and _halt_action_active(halt_rules[r].actions, step)
-                ]
-                if active:
-                    outcome.halted_by[index] = active[0]
-                first_rule = active[0] if active else self._first_rule(index)
-                outcome.nonfinite.setdefault(index, (kind, first_rule))
+                watchers = [r for r in plan.watchers_by_param.get(index, ()) if rules[r].active_at(step)]
+                halts = [r for r in watchers if _has_active(rules[r].actions, HaltOnNonfinite, step)]
+                skips = [r for r in watchers if _has_active(rules[r].actions, SkipStepOnNonfinite, step)]
+                if halts:
+                    outcome.halted_by[index] = halts[0]
+                elif skips:
+                    outcome.skipped_by[index] = skips[0]
+                reported_under = (halts or skips or [self._first_rule(index)])[0]
+                outcome.nonfinite.setdefault(index, (kind, reported_under))
 
         raw_norms = [raw[i] for i in raw_ids]
         for device_ids, positions in _by_device(raw_ids, raw_norms):
@@ -383,7 +470,7 @@ class Enforcer:
 
     # --- after the sync -------------------------------------------------------------------------
 
-    def _report(self, outcome: _StepOutcome, plan: Plan, names: dict[int, str], step: int) -> None:
+    def _report(self, outcome: _StepOutcome, names: dict[int, str], step: int) -> None:
         rules = self.binding.policy.rules
         for index in sorted(outcome.nonfinite):
             kind, rule_index = outcome.nonfinite[index]
@@ -396,10 +483,11 @@ class Enforcer:
                 param=names[index],
                 kind=kind,
                 halts=index in outcome.halted_by,
+                skips=index in outcome.skipped_by,
             )
-        passed = sorted(set(outcome.nonfinite) - set(outcome.halted_by))
-        if passed:
-            # No halt rule covers these: say loudly that the optimizer is about to apply them.
+        passed = sorted(set(outcome.nonfinite) - set(outcome.halted_by) - set(outcome.skipped_by))
+        if passed and not outcome.halted_by and not outcome.skipped_by:
+            # No halt or skip rule covers these: say loudly that the optimizer is about to apply them.
             self.events.emit(
                 "warning",
                 "nonfinite_unhalted",
@@ -415,30 +503,98 @@ class Enforcer:
             for rule_index in sorted(set(outcome.halted_by.values())):
                 self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
             params = [names[i] for i in offenders]
-            self.events.emit(
-                "error",
-                "halt",
-                step=step,
-                rule=rule,
-                params=params,
-                kinds={names[i]: outcome.nonfinite[i][0] for i in offenders},
-                kind=kind,
-                counters=self.counters.snapshot(),
-            )
-            raise GradientHalt(step=step, params=params, kind=kind, rule=rule)
+            self._halt(step, rule, params, {names[i]: outcome.nonfinite[i][0] for i in offenders}, kind, None)
+        if outcome.skipped_by:
+            return  # the step will not happen: its interventions did not either
         self.counters.add_many(outcome.counts)
         for event, fields in outcome.events:
             self.events.emit("warning" if event.startswith("nonfinite") else "debug", event, **fields)
         if self.summary_every and (step + 1) % self.summary_every == 0:
             self.emit_summary()
 
+    def _halt(
+        self, step: int, rule: str, params: list[str], kinds: dict[str, str], kind: str, reason: str | None
+    ) -> None:
+        self.events.emit(
+            "error",
+            "halt",
+            step=step,
+            rule=rule,
+            params=params,
+            kinds=kinds,
+            kind=kind,
+            reason=reason,
+            counters=self.counters.snapshot(),
+        )
+        self.events.flush()
+        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason)
+
+    def _skip(self, outcome: _StepOutcome, names: dict[int, str], step: int, context: StepContext) -> None:
+        """Skip the update: no gradient is left for the optimizer, so nothing it owns can change."""
+        rules = self.binding.policy.rules
+        offenders = sorted(outcome.skipped_by)
+        params = [names[i] for i in offenders]
+        kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
+        kind = "+".join(sorted(set(kinds.values())))
+        for rule_index in sorted(set(outcome.skipped_by.values())):
+            rule = rules[rule_index]
+            history = self.skip_history.setdefault(rule_index, _SkipHistory())
+            history.consecutive += 1
+            history.recent.append(step)
+            for action in rule.actions:
+                if not isinstance(action, SkipStepOnNonfinite) or not action.active_at(step):
+                    continue
+                reason = None
+                if action.max_consecutive_skips is not None and history.consecutive > action.max_consecutive_skips:
+                    reason = f"{history.consecutive} consecutive skipped steps (max_consecutive_skips: "
+                    reason += f"{action.max_consecutive_skips})"
+                if action.max_skips is not None and action.window_steps is not None:
+                    while history.recent and history.recent[0] <= step - action.window_steps:
+                        history.recent.popleft()
+                    if len(history.recent) > action.max_skips:
+                        reason = f"{len(history.recent)} skipped steps within the last {action.window_steps} steps "
+                        reason += f"(max_skips: {action.max_skips})"
+                if reason is not None:
+                    self.counters.add(rule.name, "halt_on_nonfinite")
+                    self._halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}")
+            self.counters.add(rule.name, "skip_step_on_nonfinite")
+        for param in context.stepped_params():
+            param.grad = None
+        self.events.emit(
+            "warning",
+            "skip",
+            step=step,
+            rule=rules[outcome.skipped_by[offenders[0]]].name,
+            params=params,
+            kinds=kinds,
+            kind=kind,
+        )
+        optimizer = context.optimizer
+        if (
+            optimizer is not None
+            and not self._warned_scheduler
+            and getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+        ):
+            self._warned_scheduler = True
+            warnings.warn(
+                f"gradguard skipped optimizer step {step} (non-finite gradient), but an LR scheduler wraps this "
+                "optimizer and will still advance when you call scheduler.step(). To keep the schedule on "
+                "applied steps, call scheduler.step() only when guard.last_step_skipped is False.",
+                GuardWarning,
+                stacklevel=6,
+            )
+
+    def _reset_consecutive_skips(self) -> None:
+        for history in self.skip_history.values():
+            history.consecutive = 0
+
     def emit_summary(self) -> None:
         """Write the cumulative counters, so the log reproduces counts that are not logged per step."""
         self.events.emit("info", "counters", step=self.step - 1, steps=self.step, counters=self.counters.snapshot())
 
 
-def _halt_action_active(actions: Sequence[Any], step: int) -> bool:
-    return any(isinstance(action, HaltOnNonfinite) and action.active_at(step) for action in actions)
+def _has_active(actions: Sequence[Action], kind: type, step: int) -> bool:
+    return any(isinstance(action, kind) and action.active_at(step) for action in actions)
 
 
 def _by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:

@@ -70,7 +70,7 @@ class GradientHalt(GradGuardError, RuntimeError):
     they can be checkpointed as they are.
     """
 
-    def __init__(self, step: int, params: Sequence[str], kind: str, rule: str) -> None:
+    def __init__(self, step: int, params: Sequence[str], kind: str, rule: str, reason: str | None = None) -> None:
         self.step = step
         """The guard's 0-based step index at which the halt happened."""
         self.params: tuple[str, ...] = tuple(params)
@@ -78,12 +78,14 @@ class GradientHalt(GradGuardError, RuntimeError):
         self.kind = kind
         """``"nan"``, ``"inf"`` or ``"nan+inf"``."""
         self.rule = rule
-        """The name of the (first) halt rule that covered the offending parameters."""
+        """The name of the (first) halt or skip rule that covered the offending parameters."""
+        self.reason = reason
+        """Why a skip rule escalated to a halt, or ``None`` for a plain halt."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
         super().__init__(
             f"non-finite gradient ({kind}) at step {step} in {len(self.params)} parameter(s): {shown} "
-            f"(rule {rule!r}). The optimizer step was not taken: parameters and optimizer state are as "
-            "they were after the last good step."
+            f"(rule {rule!r}){'; ' + reason if reason else ''}. The optimizer step was not taken: parameters "
+            "and optimizer state are as they were after the last good step."
         )
 
 

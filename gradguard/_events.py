@@ -136,6 +136,9 @@ class EventLog:
         if self._app is not None and _LEVELS[level] >= self._app_min_level:
             getattr(self._app, level)(event, **fields)
 
+    def flush(self) -> None:
+        """Return once every event emitted so far is in the audit file (writes are synchronous today)."""
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradguard._binding import Binding, bind
 from gradguard._counters import Counters
-from gradguard._enforcer import Enforcer, Plan
+from gradguard._enforcer import Enforcer, Plan, StepContext
 from gradguard._errors import GuardStateError, GuardWarning
 from gradguard._events import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
 from gradguard._policy import Policy
@@ -98,6 +98,7 @@ class GradGuard:
         optimizer: Optimizer | Iterable[Optimizer] | None = None,
         audit_log: str | os.PathLike[str] | None = None,
         logger: Any = DEFAULT_LOGGER,
+        scaler: torch.amp.GradScaler | None = None,
         summary_every: int = 100,
         replace: bool = False,
     ) -> None:
@@ -135,6 +136,10 @@ class GradGuard:
                     raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
                 self._attachment.handles.append(opt.register_step_pre_hook(hook))
             boundary = ", ".join(type(opt).__name__ for opt in optimizers)
+        if scaler is not None:
+            self._attachment.handles.append(_watch_scaler(scaler, weakref.ref(self)))
+        self._last_step_skipped = False
+        self._step_calls = 0
         self._finalizer = weakref.finalize(self, self._attachment.collected)
         self._finalizer.atexit = False
         _LIVE_GUARDS.add(self)
@@ -174,14 +179,27 @@ class GradGuard:
         rules = self.policy.rules
         return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._binding.params}
 
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step the guard saw was skipped by a ``skip_step_on_nonfinite`` rule."""
+        return self._last_step_skipped
+
     def step(self) -> bool:
         """Enforce the policy now on every guarded gradient; for loops without a torch optimizer.
 
-        Call it after the step's last backward and before the parameter update. Returns whether any
-        gradient was treated; raises :class:`GradientHalt` where a halt rule sees NaN or Inf.
+        Call it after the step's last backward and before the parameter update. Returns ``False``
+        when a ``skip_step_on_nonfinite`` rule skipped the step (every gradient of the model was then
+        set to ``None``: do not update), else ``True``. Raises :class:`GradientHalt` where a halt rule
+        sees NaN or Inf.
         """
         self._require_attached()
-        return self._enforcer.run(self._manual_plan)
+        model = self._model_ref()
+        if model is not None:
+            current = {id(p) for p in model.parameters()}
+            if current != self._binding.model_param_ids:
+                self._rebind(model)
+        context = StepContext(optimizer=None, stepped_params=lambda: _parameters_of(self._model_ref()))
+        return self._record(self._enforcer.run(self._manual_plan, context))
 
     def remove(self) -> None:
         """Remove every hook and close the audit log; safe to call more than once."""
@@ -213,23 +231,61 @@ class GradGuard:
         if not self.attached:
             raise GuardStateError("this GradGuard was removed; create a new one to guard the model again")
 
+    def _record(self, proceed: bool) -> bool:
+        self._last_step_skipped = not proceed
+        return proceed
+
     def _enforce_for(self, optimizer: Optimizer) -> None:
         if not self._attachment.open:
             return
+        self._step_calls += 1
         plan = self._plan_for(optimizer)
         if plan is not None:
-            self._enforcer.run(plan)
+            context = StepContext(
+                optimizer=optimizer,
+                stepped_params=lambda: (p for group in optimizer.param_groups for p in group["params"]),
+            )
+            self._record(self._enforcer.run(plan, context))
 
     def _plan_for(self, optimizer: Optimizer) -> Plan | None:
         fingerprint = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
         cached = self._plans.get(optimizer)
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
+        model = self._model_ref()
+        if model is not None and any(
+            key not in self._binding.model_param_ids for key in fingerprint
+        ) and {id(p) for p in model.parameters()} != self._binding.model_param_ids:
+            self._rebind(model)
         by_id = self._binding.by_id
         members = [by_id[key] for key in fingerprint if key in by_id]
         plan = Plan.build(self._binding, members) if members else None
         self._plans[optimizer] = (fingerprint, plan)
         return plan
+
+    def _rebind(self, model: nn.Module) -> None:
+        """The model's parameters were replaced after attach: match the policy again, and say so.
+
+        (``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``, ``to_empty``, FSDP2's
+        ``fully_shard`` after attach.) A guard never keeps guarding tensors the model no longer has
+        while the new ones go unguarded.
+        """
+        old = self._binding
+        new = bind(self.policy, model)
+        old_ids = {name: key for key, entry in old.by_id.items() for name in entry.names}
+        replaced = [entry.name for key, entry in new.by_id.items() if old_ids.get(entry.name) not in (None, key)]
+        self._binding = new
+        self._enforcer.rebind(new)
+        self._manual_plan = Plan.build(new, new.params)
+        self._plans = weakref.WeakKeyDictionary()
+        self._events.emit(
+            "warning",
+            "rebind",
+            step=self._enforcer.step,
+            replaced=replaced,
+            params=len(new.params),
+            rules={bound.name: len(bound.params) for bound in new.rules},
+        )
 
     def _claim_parameters(self, replace: bool) -> None:
         mine = set(self._binding.by_id)
@@ -243,6 +299,42 @@ class GradGuard:
                     "remove it and attach this one."
                 )
             other.remove()
+
+
+def _parameters_of(model: nn.Module | None) -> Iterable[torch.Tensor]:
+    return model.parameters() if model is not None else ()
+
+
+class _ScalerWatch:
+    """Wraps one GradScaler's ``step`` to see the steps it skips (inf/NaN in a loss-scale search).
+
+    Without a fused optimizer, a skipping GradScaler never calls ``optimizer.step()``, so the guard's
+    step pre-hook does not run: no halt and no clip, as it should be; this wrapper logs the skip.
+    """
+
+    def __init__(self, scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> None:
+        self.scaler = scaler
+        self.guard_ref = guard_ref
+        self.original = scaler.step
+        scaler.step = self  # type: ignore[method-assign]
+
+    def __call__(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
+        guard = self.guard_ref()
+        calls = guard._step_calls if guard is not None else 0
+        result = self.original(optimizer, *args, **kwargs)
+        guard = self.guard_ref()
+        if guard is not None and guard.attached and guard._step_calls == calls:
+            if guard._plan_for(optimizer) is not None:
+                guard._enforcer.record_scaler_skip()
+        return result
+
+    def remove(self) -> None:
+        if self.scaler.__dict__.get("step") is self:
+            del self.scaler.step
+
+
+def _watch_scaler(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> Any:
+    return _ScalerWatch(scaler, guard_ref)
 
 
 def _distributed_rank() -> int:

@@ -253,9 +253,11 @@ class GradGuard:
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
         model = self._model_ref()
-        if model is not None and any(
-            key not in self._binding.model_param_ids for key in fingerprint
-        ) and {id(p) for p in model.parameters()} != self._binding.model_param_ids:
+        if (
+            model is not None
+            and any(key not in self._binding.model_param_ids for key in fingerprint)
+            and {id(p) for p in model.parameters()} != self._binding.model_param_ids
+        ):
             self._rebind(model)
         by_id = self._binding.by_id
         members = [by_id[key] for key in fingerprint if key in by_id]
@@ -323,9 +325,9 @@ class _ScalerWatch:
         calls = guard._step_calls if guard is not None else 0
         result = self.original(optimizer, *args, **kwargs)
         guard = self.guard_ref()
-        if guard is not None and guard.attached and guard._step_calls == calls:
-            if guard._plan_for(optimizer) is not None:
-                guard._enforcer.record_scaler_skip()
+        skipped = guard is not None and guard.attached and guard._step_calls == calls
+        if skipped and guard is not None and guard._plan_for(optimizer) is not None:
+            guard._enforcer.record_scaler_skip()
         return result
 
     def remove(self) -> None:

@@ -14,7 +14,6 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -25,6 +24,7 @@ import torch
 
 from gradguard._binding import Binding, BoundRule, GuardedParam
 from gradguard._counters import Counters
+from gradguard._distributed import Collective, combine_shard_norms, is_sharded, local_tensor
 from gradguard._errors import GradientHalt, GuardWarning
 from gradguard._events import EventLog
 from gradguard._policy import Action, ClipNorm, ClipValue, Drop, HaltOnNonfinite, Scale, SkipStepOnNonfinite, Zero
@@ -158,8 +158,17 @@ class _SkipHistory:
 class Enforcer:
     """Applies a :class:`Binding` at step boundaries; owns the step counter."""
 
-    def __init__(self, binding: Binding, counters: Counters, events: EventLog, *, summary_every: int) -> None:
+    def __init__(
+        self,
+        binding: Binding,
+        counters: Counters,
+        events: EventLog,
+        *,
+        summary_every: int,
+        collective: Collective | None = None,
+    ) -> None:
         self.binding = binding
+        self.collective = collective if collective is not None else Collective()
         self.counters = counters
         self.events = events
         self.summary_every = summary_every
@@ -183,9 +192,10 @@ class Enforcer:
             grad = param.grad if param is not None else None
             if grad is None:
                 continue
-            if self.applied_versions.get(entry.index) == (id(grad), grad._version):
+            local = local_tensor(grad)
+            if self.applied_versions.get(entry.index) == (id(grad), local._version):
                 continue  # already treated, and unchanged since: a second step() on the same gradient
-            grads[entry.index] = grad
+            grads[entry.index] = local
         if not grads:
             return True
 
@@ -196,11 +206,12 @@ class Enforcer:
         names = {entry.index: entry.name for entry in plan.params}
         self._adopt_fused_scaler(context, pending, outcome)
 
-        raw_ids = [index for index in plan.raw_norm_params if index in grads]
-        raw_ids.sort()
-        raw = dict(zip(raw_ids, _norms([grads[i] for i in raw_ids], 2.0), strict=False)) if raw_ids else {}
+        collective = self.collective if self.collective.active() else None
+        sharded = collective is not None and any(is_sharded(self._grad_of(i)) for i in grads)
+        raw_ids = sorted(index for index in plan.raw_norm_params if index in grads)
+        raw: dict[int, torch.Tensor] = {}
         if raw_ids:
-            self._read_raw_norms(pending, outcome, plan, raw_ids, raw, step)
+            raw = self._raw_norms(pending, outcome, plan, raw_ids, grads, step, collective, sharded)
 
         touched: set[int] = set()
         for bound, members in plan.rules:
@@ -215,13 +226,13 @@ class Enforcer:
                 gs = [grads[i] for i in ids]
                 if isinstance(action, ClipNorm):
                     reuse = action.norm_type == 2.0 and all(i in raw and i not in touched for i in ids)
-                    norms = [raw[i] for i in ids] if reuse else _norms(gs, action.norm_type)
+                    norms = [raw[i] for i in ids] if reuse else self._norms(gs, action.norm_type, sharded)
                     if action.scope == "tensor":
                         self._clip_tensors(pending, outcome, bound, action, ids, gs, norms, names, step)
                     else:
                         self._clip_group(pending, outcome, bound, action, ids, gs, norms, names, step)
                 elif isinstance(action, ClipValue):
-                    self._clip_values(pending, outcome, bound, action, ids, gs, names, step)
+                    self._clip_values(pending, outcome, bound, action, ids, gs, names, step, sharded)
                 elif isinstance(action, Scale):
                     torch._foreach_mul_(gs, action.factor)
                     outcome.counts.append((bound.name, "scale", len(ids)))
@@ -247,8 +258,8 @@ class Enforcer:
             self._skip(outcome, names, step, context)
             return False
         self._reset_consecutive_skips()
-        for index, grad in grads.items():
-            self.applied_versions[index] = (id(grad), grad._version)
+        for index, local in grads.items():
+            self.applied_versions[index] = (id(self._grad_of(index)), local._version)
         return True
 
     def rebind(self, binding: Binding) -> None:
@@ -294,22 +305,53 @@ class Enforcer:
 
     # --- actions ------------------------------------------------------------------------------
 
-    def _read_raw_norms(
+    def _grad_of(self, index: int) -> torch.Tensor:
+        param = self.binding.params[index].ref()
+        assert param is not None, "a tensor with a gradient this step is alive"
+        assert param.grad is not None, "only called for tensors with a gradient"
+        return param.grad
+
+    def _norms(self, grads: Sequence[torch.Tensor], norm_type: float, sharded: bool) -> list[torch.Tensor]:
+        """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""
+        norms = _norms(grads, norm_type)
+        return combine_shard_norms(self.collective, norms, norm_type) if sharded else norms
+
+    def _raw_norms(
         self,
         pending: _Pending,
         outcome: _StepOutcome,
         plan: Plan,
         raw_ids: list[int],
-        raw: dict[int, torch.Tensor],
+        grads: dict[int, torch.Tensor],
         step: int,
-    ) -> None:
+        collective: Collective | None,
+        sharded: bool,
+    ) -> dict[int, torch.Tensor]:
+        """2-norms of the untouched gradients, and the non-finite verdict every rank agrees on."""
+        local = _norms([grads[i] for i in raw_ids], 2.0)
+        device = local[0].device
+        stacked = _stack_on(local, device).float()
+        flags = torch.stack([torch.isnan(stacked), torch.isinf(stacked)]).float().reshape(-1)
+        count = len(raw_ids)
+        if collective is None:
+            norms = local
+        elif sharded:
+            # One collective: the shards' squared norms (summed into full norms) and every rank's flags.
+            payload = collective.sum_(torch.cat([stacked.square(), flags]))
+            norms = list(payload[:count].sqrt().unbind())
+            flags = payload[count:]
+        else:
+            # Replicas hold the same averaged gradient; a NaN injected on one rank must stop them all.
+            flags = collective.sum_(flags)
+            norms = local
         rules = self.binding.policy.rules
 
-        def read(values: list[float], device_ids: list[int]) -> None:
-            for index, value in zip(device_ids, values, strict=True):
-                if value == value and abs(value) != float("inf"):
+        def read(values: list[float]) -> None:
+            for position, index in enumerate(raw_ids):
+                has_nan, has_inf = values[position] > 0, values[count + position] > 0
+                if not has_nan and not has_inf:
                     continue
-                kind = "nan" if value != value else "inf"
+                kind = "nan" if has_nan else "inf"
                 watchers = [r for r in plan.watchers_by_param.get(index, ()) if rules[r].active_at(step)]
                 halts = [r for r in watchers if _has_active(rules[r].actions, HaltOnNonfinite, step)]
                 skips = [r for r in watchers if _has_active(rules[r].actions, SkipStepOnNonfinite, step)]
@@ -320,12 +362,8 @@ class Enforcer:
                 reported_under = (halts or skips or [self._first_rule(index)])[0]
                 outcome.nonfinite.setdefault(index, (kind, reported_under))
 
-        raw_norms = [raw[i] for i in raw_ids]
-        for device_ids, positions in _by_device(raw_ids, raw_norms):
-            pending.add(
-                _stack_on([raw_norms[k] for k in positions], raw_norms[positions[0]].device),
-                functools.partial(read, device_ids=device_ids),
-            )
+        pending.add(flags, read)
+        return dict(zip(raw_ids, norms, strict=True))
 
     def _first_rule(self, index: int) -> int:
         return self.binding.params[index].rules[0]
@@ -439,8 +477,9 @@ class Enforcer:
         gs: list[torch.Tensor],
         names: dict[int, str],
         step: int,
+        sharded: bool,
     ) -> None:
-        peaks = _norms(gs, float("inf"))
+        peaks = self._norms(gs, float("inf"), sharded)
         torch._foreach_clamp_min_(gs, -action.limit)
         torch._foreach_clamp_max_(gs, action.limit)
         for device_ids, positions in _by_device(ids, peaks):

@@ -1,0 +1,85 @@
+"""One verdict on every rank: the guard's collectives under ``torch.distributed``.
+
+A guard that decides per rank either hangs the job (one rank halts, the others wait in the next
+collective until the timeout) or desynchronises the replicas. So, whenever the default process group
+(or the one given) has more than one rank, every enforcement pass makes the same collectives on
+every rank, unconditionally, in the same order:
+
+- one ``all_reduce(SUM)`` of the non-finite flags of every watched tensor (NaN and Inf counted
+  separately), so a NaN injected on a single rank halts or skips every rank;
+- with FSDP2 (gradients are sharded ``DTensor``s), norms are computed on each rank's shard and
+  combined (sum of p-th powers, or max for the inf-norm) before anything is decided, so per-tensor,
+  group and global norms are those of the full, unsharded gradient. The non-finite flags ride in
+  the same collective as the first norms.
+
+Single-process use makes no collective at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Collective", "is_sharded", "local_tensor"]
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (FSDP2's sharded parameters and gradients)."""
+    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The shard this rank holds (in-place changes to it change the DTensor), or the tensor itself."""
+    if is_sharded(tensor):
+        local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
+        return local
+    return tensor
+
+
+class Collective:
+    """The process group the guard agrees over, or nothing when there is one rank."""
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+
+    def active(self) -> bool:
+        """Whether collectives are needed: torch.distributed is initialised with more than one rank."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return False
+        return bool(dist.get_world_size(self.group) > 1)
+
+    def sum_(self, values: torch.Tensor) -> torch.Tensor:
+        """All-reduce ``values`` in place by sum; one collective."""
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
+        return values
+
+    def max_(self, values: torch.Tensor) -> torch.Tensor:
+        """All-reduce ``values`` in place by max; one collective."""
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values
+
+
+def combine_shard_norms(collective: Collective, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Turn per-shard norms into norms of the full tensors, with one collective."""
+    if not norms:
+        return []
+    stacked = torch.stack([norm.float() for norm in norms])
+    if math.isinf(norm_type):
+        return list(collective.max_(stacked).unbind())
+    powered = collective.sum_(stacked.abs().pow(norm_type))
+    return list(powered.pow(1.0 / norm_type).unbind())

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 __all__ = [
     "Action",
@@ -29,23 +30,30 @@ __all__ = [
 
 _REGEX_PREFIX = "re:"
 
+EMPTY_STEP_WINDOW = "empty_step_window"
+"""Error type of a window with ``until_step <= from_step``; the file loader re-checks it on the raw data."""
+DUPLICATE_RULE_NAME = "duplicate_rule_name"
+"""Error type of a rule name used twice; the file loader re-checks it on the raw data."""
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
 
 
 class _StepWindow(_Strict):
-    from_step: int | None = Field(default=None, ge=0)
+    from_step: int | None = Field(default=None, ge=0, strict=True)
     """First step (0-based, inclusive) on which this applies; ``None`` means from the start."""
-    until_step: int | None = Field(default=None, ge=0)
+    until_step: int | None = Field(default=None, ge=0, strict=True)
     """First step on which this no longer applies (exclusive); ``None`` means forever."""
 
     @model_validator(mode="after")
     def _window_is_not_empty(self) -> _StepWindow:
         if self.from_step is not None and self.until_step is not None and self.until_step <= self.from_step:
-            raise ValueError(
-                f"until_step ({self.until_step}) must be greater than from_step ({self.from_step}); "
-                "the window [from_step, until_step) would never apply"
+            raise PydanticCustomError(
+                EMPTY_STEP_WINDOW,
+                "until_step ({until_step}) must be greater than from_step ({from_step}); "
+                "the window [from_step, until_step) would never apply",
+                {"until_step": self.until_step, "from_step": self.from_step},
             )
         return self
 
@@ -70,8 +78,8 @@ class ClipNorm(_StepWindow):
     """
 
     action: Literal["clip_norm"]
-    max_norm: float = Field(gt=0)
-    norm_type: float = Field(default=2.0, gt=0)
+    max_norm: float = Field(gt=0, strict=True)
+    norm_type: float = Field(default=2.0, gt=0, strict=True)
     scope: Literal["tensor", "group"] = "tensor"
 
     @field_validator("max_norm")
@@ -84,7 +92,7 @@ class ClipValue(_StepWindow):
     """Clamp every gradient element into ``[-limit, limit]``, exactly as ``clip_grad_value_`` does."""
 
     action: Literal["clip_value"]
-    limit: float = Field(gt=0)
+    limit: float = Field(gt=0, strict=True)
 
     @field_validator("limit")
     @classmethod
@@ -96,7 +104,7 @@ class Scale(_StepWindow):
     """Multiply the gradient by ``factor`` (e.g. 0.1 to slow a part of the model down)."""
 
     action: Literal["scale"]
-    factor: float = Field(ge=0)
+    factor: float = Field(ge=0, strict=True)
 
     @field_validator("factor")
     @classmethod
@@ -133,9 +141,9 @@ class SkipStepOnNonfinite(_StepWindow):
     """
 
     action: Literal["skip_step_on_nonfinite"]
-    max_consecutive_skips: int | None = Field(default=None, ge=1)
-    max_skips: int | None = Field(default=None, ge=1)
-    window_steps: int | None = Field(default=None, ge=1)
+    max_consecutive_skips: int | None = Field(default=None, ge=1, strict=True)
+    max_skips: int | None = Field(default=None, ge=1, strict=True)
+    window_steps: int | None = Field(default=None, ge=1, strict=True)
 
     @model_validator(mode="after")
     def _window_is_complete(self) -> SkipStepOnNonfinite:
@@ -193,7 +201,7 @@ class Rule(_StepWindow):
     match: tuple[str, ...] = Field(min_length=1)
     exclude: tuple[str, ...] = ()
     actions: tuple[Action, ...] = Field(min_length=1)
-    allow_no_match: bool = False
+    allow_no_match: bool = Field(default=False, strict=True)
     """If true, a rule that matches no parameter of the model is not an error."""
 
     @field_validator("match", "exclude", mode="before")
@@ -220,17 +228,34 @@ class Policy(_Strict):
     _source: str = PrivateAttr(default="<dict>")
     _rule_lines: tuple[int | None, ...] = PrivateAttr(default=())
 
+    @field_validator("version", mode="before")
+    @classmethod
+    def _version_is_not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # True == 1 in Python, but 'version: true' is not version 1
+            raise ValueError(f"got {value!r}; expected 1")
+        return value
+
     @model_validator(mode="after")
     def _rule_names_are_unique(self) -> Policy:
         seen: dict[str, int] = {}
         for index, rule in enumerate(self.rules):
             if rule.name in seen:
-                raise ValueError(
-                    f"rule name {rule.name!r} is used by rules[{seen[rule.name]}] and rules[{index}]; "
-                    "give every rule a unique name (counters and logs are keyed by it)"
+                raise PydanticCustomError(
+                    DUPLICATE_RULE_NAME,
+                    "rule name {name} is used by rules[{first}] and rules[{index}]; "
+                    "give every rule a unique name (counters and logs are keyed by it)",
+                    {"name": repr(rule.name), "first": seen[rule.name], "index": index},
                 )
             seen[rule.name] = index
         return self
+
+    def __eq__(self, other: object) -> bool:
+        """Policies are equal when their rules are: a file and the dict it holds give equal policies."""
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return self.version == other.version and self.rules == other.rules
+
+    __hash__ = _Strict.__hash__
 
     @property
     def source(self) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +22,8 @@ from pydantic import ValidationError
 from gradguard._errors import PolicyError, PolicyIssue
 from gradguard._policy import (
     ACTION_NAMES,
+    DUPLICATE_RULE_NAME,
+    EMPTY_STEP_WINDOW,
     ClipNorm,
     ClipValue,
     Drop,
@@ -41,6 +44,8 @@ __all__ = ["load_policy_file", "validate_policy_data"]
 
 Locator = Callable[[Sequence[int | str]], int | None]
 """Maps a field path to the 1-based line where it (or its nearest parent) is written."""
+
+_TOML_LINE = re.compile(r"\(at line (\d+), column \d+\)")
 
 _SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 
@@ -100,10 +105,18 @@ def validate_policy_data(data: Mapping[str, Any], *, source: str, locate: Locato
         raise PolicyError(
             [PolicyIssue(source, None, "", f"expected a mapping with 'version' and 'rules', got {_type_name(data)}")]
         )
+    # Checks across fields run on the raw data too: pydantic runs a model's own checks only once all
+    # of its fields are valid, and every problem should be reported at once.
+    cross = _cross_field_issues(data, source, locate)
     try:
         policy = Policy.model_validate(data)
     except ValidationError as exc:
-        raise PolicyError(_issues_from(exc, data, source, locate)) from None
+        issues = _issues_from(exc, data, source, locate) + cross
+        if locate is not None:
+            issues.sort(key=lambda issue: issue.line or 0)
+        raise PolicyError(issues) from None
+    if cross:  # pragma: no cover - pydantic's own validators reject the same data
+        raise PolicyError(cross)
     policy._source = source
     policy._rule_lines = tuple(locate(("rules", index)) if locate else None for index in range(len(policy.rules)))
     return policy
@@ -154,7 +167,9 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
         try:
             return tomllib.loads(text), None
         except tomllib.TOMLDecodeError as exc:
-            line = getattr(exc, "lineno", None)
+            line = getattr(exc, "lineno", None)  # Python >= 3.14; before, only the message has it
+            if line is None and (found := _TOML_LINE.search(str(exc))) is not None:
+                line = int(found.group(1))
             message = getattr(exc, "msg", str(exc))
             raise PolicyError([PolicyIssue(source, line, "", f"TOML syntax error: {message}")]) from None
     try:
@@ -199,12 +214,62 @@ def _issues_from(
 ) -> list[PolicyIssue]:
     issues = []
     for error in exc.errors(include_url=False):
-        if _is_echo_of_item_errors(error):
+        if _is_echo_of_item_errors(error) or error["type"] in _CROSS_FIELD_ERRORS:
             continue
         loc = _drop_union_tags(error["loc"])
         line = locate(loc) if locate else None
         issues.append(PolicyIssue(source, line, _format_path(loc), _explain(error, loc, data)))
     return issues
+
+
+_CROSS_FIELD_ERRORS = frozenset({EMPTY_STEP_WINDOW, DUPLICATE_RULE_NAME})
+"""Pydantic errors that :func:`_cross_field_issues` reports itself, whatever else is wrong."""
+
+
+def _cross_field_issues(data: Mapping[str, Any], source: str, locate: Locator | None) -> list[PolicyIssue]:
+    """Duplicate rule names and empty step windows, found in the raw data."""
+    rules = data.get("rules")
+    if not isinstance(rules, list | tuple):
+        return []
+    issues: list[PolicyIssue] = []
+
+    def add(loc: tuple[int | str, ...], message: str) -> None:
+        issues.append(PolicyIssue(source, locate(loc) if locate else None, _format_path(loc), message))
+
+    def check_window(loc: tuple[int | str, ...], item: Mapping[str, Any]) -> None:
+        start, end = _as_step(item.get("from_step")), _as_step(item.get("until_step"))
+        if start is not None and end is not None and end <= start:
+            add(
+                (*loc, "until_step"),
+                f"got {end!r}; expected a step greater than from_step ({start}): "
+                "the window [from_step, until_step) would never apply",
+            )
+
+    first_use: dict[str, int] = {}
+    for index, rule in enumerate(rules):
+        if not isinstance(rule, Mapping):
+            continue
+        name = rule.get("name")
+        if isinstance(name, str) and name:
+            if name in first_use:
+                add(
+                    ("rules", index, "name"),
+                    f"got {name!r}, which rules[{first_use[name]}] already uses; give every rule a unique name "
+                    "(counters and logs are keyed by it)",
+                )
+            else:
+                first_use[name] = index
+        check_window(("rules", index), rule)
+        actions = rule.get("actions")
+        if isinstance(actions, list | tuple):
+            for position, action in enumerate(actions):
+                if isinstance(action, Mapping):
+                    check_window(("rules", index, "actions", position), action)
+    return issues
+
+
+def _as_step(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _is_echo_of_item_errors(error: Any) -> bool:
@@ -266,8 +331,30 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
         return f"got {given!r}; expected at least {ctx.get('min_length', 1)} item(s)"
     if kind == "value_error":
         return str(ctx.get("error", error["msg"]))
+    expected = _EXPECTED_BY_ERROR_TYPE.get(kind)
+    if expected is not None:
+        return f"got {given!r} ({_type_name(given)}); expected {expected}"
     message = str(error["msg"])
     return f"got {given!r} ({_type_name(given)}); {message[0].lower()}{message[1:]}"
+
+
+_EXPECTED_BY_ERROR_TYPE: dict[str, str] = {
+    "tuple_type": "a list",
+    "list_type": "a list",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "string_type": "a string",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
+}
+"""What to tell the user a field expects, by pydantic error type (its own words speak of Python types)."""
 
 
 def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[str, ...]:

@@ -154,10 +154,9 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
 
 
 def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str]) -> PolicyIssue:
-    probes = [pattern[3:] if pattern.startswith("re:") else pattern.replace("*", "") for pattern in rule.match]
     nearest: list[str] = []
-    for probe in probes:
-        for candidate in difflib.get_close_matches(probe, names, n=3, cutoff=0.0):
+    for pattern in rule.match:
+        for candidate in _nearest_names(pattern, names):
             if candidate not in nearest:
                 nearest.append(candidate)
     where = policy.rule_location(index)
@@ -171,6 +170,34 @@ def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str]) ->
         f"exclude {list(rule.exclude)}). Nearest parameter names: {shown}. "
         "Fix the pattern, or set 'allow_no_match: true' on the rule if that is intended.",
     )
+
+
+def _nearest_names(pattern: str, names: list[str], count: int = 3) -> list[str]:
+    """The parameter names closest to what ``pattern`` seems to mean, best first.
+
+    A glob is compared segment by segment: each literal part of the pattern (``*`` removed) against
+    the most similar segment of the name, so ``blocks.*.atn.*`` points at ``blocks.0.attn.in_proj_weight``
+    and not at some name that merely shares characters. A regex is compared as text.
+    """
+    unique = list(dict.fromkeys(names))
+    if pattern.startswith("re:"):
+        return difflib.get_close_matches(pattern[3:], unique, n=count, cutoff=0.0)
+    literals = [part.replace("*", "").replace("?", "") for part in pattern.split(".")]
+    literals = [part for part in literals if part]
+    flat = pattern.replace("*", "")
+
+    def score(name: str) -> tuple[float, float]:
+        segments = name.split(".")
+        per_part = [
+            max(
+                1.0 if part in segment else difflib.SequenceMatcher(None, part, segment).ratio() for segment in segments
+            )
+            for part in literals
+        ]
+        mean = sum(per_part) / len(per_part) if per_part else 0.0
+        return mean, difflib.SequenceMatcher(None, flat, name).ratio()
+
+    return sorted(unique, key=score, reverse=True)[:count]
 
 
 def _changing_actions(rule: Rule) -> set[str]:

@@ -1,19 +1,254 @@
-"""The ``gradguard`` command line."""
+"""The ``gradguard`` command line: ``validate``, ``explain``, ``audit`` and ``demo``.
+
+Exit codes: 0 all good; 1 findings (an invalid policy, a rule that matches nothing, a halt, a
+non-finite gradient, a skipped step, an unreadable log line, a counter mismatch); 2 a usage or input
+error (a missing file, a bad ``MODULE:CALLABLE``, a log with no gradguard event).
+
+Only ``explain`` and ``demo`` import torch, inside the command: ``validate`` and ``audit`` answer
+without it.
+"""
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
 __all__ = ["main"]
 
+_FORMATS = click.Choice(["table", "json", "markdown"])
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="gradguard")
 def main() -> None:
-    """gradguard: per-parameter gradient policies for PyTorch, enforced and audited."""
+    """gradguard: per-parameter gradient policies for PyTorch, enforced and audited.
+
+    \b
+    Exit codes: 0 ok; 1 findings; 2 usage or input error.
+    """
+
+
+# --- validate --------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("policies", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+def validate(policies: tuple[Path, ...]) -> None:
+    """Check policy files (.yaml, .yml, .toml, .json) without a model.
+
+    Every problem is printed with its file, line, field, what was given and what is expected.
+    Exit 1 if any file is invalid. Does not import torch.
+    """
+    from gradguard._errors import PolicyError
+    from gradguard._policy import Policy
+
+    invalid = 0
+    for path in policies:
+        try:
+            policy = Policy.from_file(path)
+        except PolicyError as exc:
+            invalid += 1
+            click.echo(f"{path}: {exc}")
+            continue
+        names = ", ".join(rule.name for rule in policy.rules)
+        count = len(policy.rules)
+        click.echo(f"{path}: ok ({count} rule{'s' if count != 1 else ''}: {names})")
+    if len(policies) > 1:
+        click.echo(f"{len(policies) - invalid} of {len(policies)} policy files valid")
+    sys.exit(1 if invalid else 0)
+
+
+# --- explain ---------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("policy_path", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option(
+    "--model",
+    "model_spec",
+    required=True,
+    metavar="MODULE:CALLABLE",
+    help="A callable that takes no arguments and returns the nn.Module, e.g. mypkg.models:build_model or "
+    "path/to/models.py:build_model (modules are imported from the working directory first).",
+)
+@click.option("--format", "fmt", type=_FORMATS, default="table", show_default=True, help="Output format.")
+def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
+    """Show which rules and actions of POLICY each parameter of a model gets.
+
+    A table of every parameter (name, shape, dtype, rules, actions in the order they apply), the
+    parameters no rule covers, the rules that match nothing, the tied parameters, and the problems
+    GradGuard would raise when attaching. Exit 1 if there are such problems (e.g. a rule that matches
+    nothing without allow_no_match).
+    """
+    from gradguard._errors import PolicyError
+    from gradguard._policy import Policy
+
+    try:
+        policy = Policy.from_file(policy_path)
+    except PolicyError as exc:
+        _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(policy_path))}` after fixing it)")
+
+    from gradguard._audit_render import render
+    from gradguard._explain import ModelSpecError, explain, explain_header, explain_sections, load_model
+
+    try:
+        model = load_model(model_spec)
+    except ModelSpecError as exc:
+        _fail(str(exc))
+    result = explain(policy, model, model_spec)
+    title = "gradguard explain"
+    click.echo(render(fmt, title, explain_header(result), explain_sections(result), result.as_json()), nl=False)
+    sys.exit(result.exit_code)
+
+
+# --- audit -----------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--format", "fmt", type=_FORMATS, default="table", show_default=True, help="Output format.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE.png",
+    help="Also draw the run: gradient norm before/after the guard for the most-clipped parameters or rules, "
+    "with clips, skips and halts marked (.png, .svg or .pdf; needs the 'plot' extra: matplotlib).",
+)
+@click.option("--since", type=click.IntRange(min=0), metavar="STEP", help="Only steps >= STEP.")
+@click.option("--until", type=click.IntRange(min=0), metavar="STEP", help="Only steps <= STEP.")
+@click.option("--rule", "rules", multiple=True, metavar="NAME", help="Only this rule (repeatable).")
+@click.option(
+    "--param",
+    "params",
+    multiple=True,
+    metavar="PATTERN",
+    help="Only parameters matching PATTERN, as in a policy: a glob ('*attn*') or 're:<regex>' (repeatable).",
+)
+@click.option("--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows in the top-N tables.")
+@click.option(
+    "--follow", "-f", is_flag=True, help="Keep reading the log(s) as they grow, like tail -f; Ctrl-C to stop."
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.05),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="With --follow: refresh the summary at most this often.",
+)
+@click.option("--progress/--no-progress", default=None, hidden=True, help="Force the progress bar on or off.")
+@click.option(
+    "--follow-timeout",
+    type=click.FloatRange(min=0),
+    default=None,
+    hidden=True,
+    help="Stop following after this many seconds.",
+)
+@click.option("--plot-series", type=click.IntRange(min=1, max=10), default=5, hidden=True, help="Series to plot.")
+def audit(
+    logs: tuple[Path, ...],
+    fmt: str,
+    plot_path: Path | None,
+    since: int | None,
+    until: int | None,
+    rules: tuple[str, ...],
+    params: tuple[str, ...],
+    top: int,
+    follow: bool,
+    interval: float,
+    progress: bool | None,
+    follow_timeout: float | None,
+    plot_series: int,
+) -> None:
+    """Summarize gradguard audit logs: what the guard did, where and when.
+
+    \b
+    LOGS are JSON-lines files written with GradGuard(..., audit_log=PATH): several at once (one
+    per rank, or a run resumed into a new file) are merged in step order. Reports the runs (steps,
+    time span, ranks), interventions by rule, action and parameter, the top offenders, NaN/Inf
+    events, skipped steps, halts with their context, and the counters the log reproduces (equal
+    to guard.counters.snapshot()), cross-checked against the per-event lines. Unreadable lines (a
+    torn last line, corruption, another program's output) are reported with their line numbers and
+    skipped. Logs of any size are streamed in bounded memory.
+
+    \b
+    Filters (--since, --until, --rule, --param) narrow the breakdowns; runs and counters always
+    cover the whole log. Exit 1 on findings: halts, non-finite gradients, skipped steps,
+    unreadable lines, counter mismatches.
+    """
+    from gradguard import _audit
+    from gradguard._audit_report import Filters
+
+    if since is not None and until is not None and since > until:
+        raise click.BadParameter(f"--since {since} is after --until {until}", param_hint="'--since'/'--until'")
+    try:
+        filters = Filters(since=since, until=until, rules=rules, params=params)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--param'") from None
+    paths: list[Path] = []
+    for path in logs:
+        if any(path.resolve() == known.resolve() for known in paths):
+            click.echo(f"note: {path} is given twice; reading it once", err=True)
+            continue
+        paths.append(path)
+    if plot_path is not None:
+        from gradguard._audit_plot import PLOT_SUFFIXES, PlotUnavailable, require_matplotlib
+
+        if plot_path.suffix.lower() not in PLOT_SUFFIXES:
+            raise click.BadParameter(
+                f"{str(plot_path)!r} must end in {', '.join(PLOT_SUFFIXES)}", param_hint="'--plot'"
+            )
+        try:
+            require_matplotlib()
+        except PlotUnavailable as exc:
+            _fail(str(exc))
+
+    try:
+        if follow:
+            clear = click.clear if fmt != "json" and sys.stdout.isatty() else None
+            summary = _audit.follow_files(
+                paths,
+                filters,
+                fmt=fmt,
+                top=top,
+                interval=interval,
+                timeout=follow_timeout,
+                echo=lambda text: click.echo(text, nl=False),
+                clear=clear,
+            )
+        else:
+            summary = _audit.summarize_files(paths, filters, progress=progress)
+    except OSError as exc:
+        _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
+
+    if summary.events == 0 and not follow:
+        shown = "".join(f"\n  {bad}" for bad in summary.bad_lines[:3])
+        _fail(
+            f"no gradguard event in {', '.join(map(str, paths))}: is it an audit log written with "
+            f"GradGuard(..., audit_log=PATH)?{shown}"
+        )
+    if not follow:
+        click.echo(_audit.render_summary(summary, fmt, top), nl=False)
+    if plot_path is not None:
+        try:
+            _audit.plot_files(paths, filters, summary, plot_path, plot_series)
+        except OSError as exc:
+            _fail(f"cannot write the plot {plot_path}: {exc.strerror or exc}")
+        click.echo(f"plot written to {plot_path}", err=True)
+    sys.exit(summary.exit_code)
+
+
+# --- demo ------------------------------------------------------------------------------------------
 
 
 @main.command()
@@ -46,5 +281,10 @@ def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
         click.echo(str(exc), err=True)
         sys.exit(2)
     result = run_demo(log_path=log_path, steps=steps, policy=policy, say=click.echo)
+    click.echo(f"  next: gradguard audit {shlex.quote(str(log_path))}")
     if result.halt is not None and not result.params_untouched:
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

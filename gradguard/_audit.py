@@ -1,0 +1,124 @@
+"""Running ``gradguard audit``: read (once, or following), summarize, render, plot.
+
+Standard library and click only: auditing a log never imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from gradguard._audit_reader import FollowReader, ReadStats, read_merged, total_bytes
+from gradguard._audit_render import audit_header, audit_sections, audit_title, render
+from gradguard._audit_report import AuditSummary, Filters, Summarizer
+
+__all__ = ["PROGRESS_MIN_BYTES", "follow_files", "plot_files", "render_summary", "summarize_files"]
+
+PROGRESS_MIN_BYTES = 4 << 20
+"""Smaller logs are read too quickly for a progress bar to help."""
+
+
+@contextmanager
+def _progress(paths: Sequence[Path], show: bool | None) -> Iterator[Callable[[int], None] | None]:
+    if show is None:
+        show = sys.stderr.isatty() and total_bytes(paths) >= PROGRESS_MIN_BYTES
+    if not show:
+        yield None
+        return
+    label = f"reading {len(paths)} log file{'s' if len(paths) > 1 else ''}"
+    with click.progressbar(
+        length=total_bytes(paths), label=label, file=sys.stderr, show_eta=True, show_percent=True
+    ) as bar:
+        yield bar.update
+
+
+def summarize_files(paths: Sequence[Path], filters: Filters, *, progress: bool | None = None) -> AuditSummary:
+    """Read every file once (merged in step order) and summarize it."""
+    stats = ReadStats()
+    summarizer = Summarizer([str(path) for path in paths], stats, filters)
+    with _progress(paths, progress) as update:
+        summarizer.add_all(read_merged(paths, stats, update))
+    return summarizer.summary()
+
+
+def render_summary(summary: AuditSummary, fmt: str, top: int) -> str:
+    return render(fmt, audit_title(summary), audit_header(summary), audit_sections(summary, top), summary.as_json())
+
+
+def plot_files(paths: Sequence[Path], filters: Filters, summary: AuditSummary, out: Path, series: int) -> None:
+    """Read the files again, gathering the most-affected series the summary found, and draw them to ``out``."""
+    from gradguard._audit_plot import PlotCollector, pick_series, write_plot
+
+    keys, action = pick_series(summary, series)
+    collector = PlotCollector(filters, keys, action)
+    collector.add_all(read_merged(paths, ReadStats()))
+    write_plot(out, collector, summary, audit_title(summary))
+
+
+def follow_files(
+    paths: Sequence[Path],
+    filters: Filters,
+    *,
+    fmt: str,
+    top: int,
+    interval: float,
+    timeout: float | None,
+    echo: Callable[[str], None],
+    clear: Callable[[], None] | None,
+) -> AuditSummary:
+    """Keep reading lines appended to ``paths``, re-rendering the summary at most every ``interval`` seconds.
+
+    Stops on Ctrl-C (or after ``timeout`` seconds) and returns the final summary, which is rendered
+    once more if it changed since it was last shown.
+    """
+    stats = ReadStats()
+    summarizer = Summarizer([str(path) for path in paths], stats, filters)
+    reader = FollowReader(paths, stats)
+    started = time.monotonic()
+    shown_at = -math.inf
+    seen = -1
+
+    def show() -> None:
+        nonlocal seen, shown_at
+        summary = summarizer.summary()
+        if fmt == "json":
+            text = render_summary(summary, fmt, top).replace("\n", "")  # one JSON document per line
+        else:
+            stamp = datetime.now().strftime("%H:%M:%S")
+            note = f"following {len(paths)} file{'s' if len(paths) > 1 else ''} (Ctrl-C to stop); updated {stamp}"
+            text = note + "\n" + render_summary(summary, fmt, top)
+        if clear is not None:
+            clear()
+        echo(text)
+        seen = sum(stats.lines.values())
+        shown_at = time.monotonic()
+
+    try:
+        while True:
+            records = reader.poll()
+            summarizer.add_all(records)
+            now = time.monotonic()
+            changed = sum(stats.lines.values()) != seen
+            if changed and not reader.backlog and now - shown_at >= interval:
+                show()
+            if timeout is not None and now - started >= timeout:
+                break
+            if not reader.backlog:
+                time.sleep(min(interval, 0.2))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        reader.close()
+    try:
+        if sum(stats.lines.values()) != seen:
+            show()
+    except KeyboardInterrupt:
+        pass
+    return summarizer.summary()

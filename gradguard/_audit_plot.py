@@ -1,0 +1,218 @@
+"""``gradguard audit --plot FILE.png``: a picture of the run (matplotlib, an optional extra).
+
+Top: the gradient norm before (solid, dots) and after (dashed) the guard, for the most-clipped
+parameters or group-clipped rules; bottom: interventions per step by rule, with non-finite
+detections, skips and halts marked. A log only has a point where the guard acted, so the lines join
+the clipped steps. Steps are gathered into at most :data:`MAX_BINS` bins per series (the largest
+norm of a bin is kept), so memory stays bounded on logs of any length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Final
+
+from gradguard._audit_reader import Record
+from gradguard._audit_report import AuditSummary, EventFilter, Filters
+
+__all__ = ["PLOT_SUFFIXES", "PlotCollector", "PlotUnavailable", "require_matplotlib", "write_plot"]
+
+MAX_BINS: Final = 1200
+PLOT_SUFFIXES: Final = (".png", ".svg", ".pdf")
+INSTALL_HINT: Final = "plotting needs matplotlib: pip install 'gradguard[plot]'"
+
+
+class PlotUnavailable(Exception):
+    """matplotlib is not installed."""
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`PlotUnavailable` (with the install command) when matplotlib cannot be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailable(INSTALL_HINT) from None
+
+
+class _Bins:
+    """Per step bin: [largest value, its companion value, events]; bins double in width to stay few."""
+
+    def __init__(self) -> None:
+        self.width = 1
+        self.cells: dict[int, list[float]] = {}
+
+    def add(self, step: int, value: float, companion: float = 0.0) -> None:
+        key = step // self.width
+        cell = self.cells.get(key)
+        if cell is None:
+            self.cells[key] = [value, companion, 1.0]
+            if len(self.cells) > MAX_BINS:
+                self._coarsen()
+        else:
+            cell[2] += 1
+            if value > cell[0]:
+                cell[0], cell[1] = value, companion
+
+    def _coarsen(self) -> None:
+        self.width *= 2
+        merged: dict[int, list[float]] = {}
+        for key, cell in self.cells.items():
+            into = merged.get(key // 2)
+            if into is None:
+                merged[key // 2] = cell
+            else:
+                into[2] += cell[2]
+                if cell[0] > into[0]:
+                    into[0], into[1] = cell[0], cell[1]
+        self.cells = merged
+
+    def points(self) -> tuple[list[float], list[float], list[float], list[float]]:
+        """x (bin centre), largest value, its companion, events per step."""
+        keys = sorted(self.cells)
+        half = (self.width - 1) / 2
+        xs = [key * self.width + half for key in keys]
+        cells = [self.cells[key] for key in keys]
+        return xs, [c[0] for c in cells], [c[1] for c in cells], [c[2] / self.width for c in cells]
+
+
+class PlotCollector:
+    """A second pass over the log that gathers the series to draw, under the same filters as the summary."""
+
+    def __init__(self, filters: Filters, series: Iterable[str], action: str) -> None:
+        self._filter = EventFilter(filters)
+        self.action = action
+        self.series = list(series)
+        self._wanted = set(self.series)
+        self.norms: dict[str, _Bins] = {key: _Bins() for key in self.series}
+        self.per_rule: dict[str, _Bins] = {}
+        self.nonfinite = _Bins()
+        self.skips = _Bins()
+        self.scaler_skips = _Bins()
+        self.halts: list[tuple[int, str]] = []
+
+    def add_all(self, records: Iterable[Record]) -> None:
+        for record in records:
+            try:
+                self._add(record.event)
+            except (TypeError, ValueError, KeyError):
+                continue  # malformed: already reported by the summary pass
+
+    def _add(self, event: dict[str, Any]) -> None:
+        kind = event["event"]
+        step = event.get("step")
+        if step is None:
+            return
+        rule = event.get("rule")
+        if not self._filter.shown(step, rule if isinstance(rule, str) else None):
+            return
+        if kind == "intervention" and isinstance(rule, str):
+            param = event.get("param")
+            names = [param] if isinstance(param, str) else list(event.get("params") or [])
+            if not self._filter.narrow(names):
+                return
+            bins = self.per_rule.get(rule)
+            if bins is None:
+                bins = self.per_rule[rule] = _Bins()
+            bins.add(step, 0.0)
+            key = param if isinstance(param, str) else f"{rule} (group)"
+            if key in self._wanted and event.get("action") == self.action:
+                before, after = event.get("before"), event.get("after")
+                if isinstance(before, int | float) and isinstance(after, int | float):
+                    self.norms[key].add(step, float(before), float(after))
+        elif kind in ("nonfinite", "nonfinite_unhalted"):
+            param = event.get("param")
+            names = [param] if isinstance(param, str) else list(event.get("params") or [])
+            if self._filter.narrow(names):
+                self.nonfinite.add(step, 0.0)
+        elif kind == "skip":
+            if self._filter.narrow(list(event.get("params") or [])):
+                self.skips.add(step, 0.0)
+        elif kind == "scaler_skip":
+            self.scaler_skips.add(step, 0.0)
+        elif (
+            kind == "halt"
+            and isinstance(rule, str)
+            and len(self.halts) < 50
+            and self._filter.narrow(list(event.get("params") or []))
+        ):
+            self.halts.append((step, rule))
+
+
+def pick_series(summary: AuditSummary, count: int) -> tuple[list[str], str]:
+    """The most-clipped parameters or group rules, and which action's values to draw (clip_norm first)."""
+    norm_rules = {row.rule for row in summary.by_rule_action if row.action == "clip_norm"}
+    action = "clip_norm" if norm_rules else "clip_value"
+    ranked = sorted(summary.series_counts.items(), key=lambda item: (-item[1], item[0]))
+    keep = []
+    for key, _ in ranked:
+        if key.endswith(" (group)") and key[: -len(" (group)")] not in norm_rules and action == "clip_norm":
+            continue
+        keep.append(key)
+        if len(keep) == count:
+            break
+    return keep, action
+
+
+def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, title: str) -> None:
+    """Draw and save the figure (the format follows the file's suffix)."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 7.5), layout="constrained")
+    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+    drawn = False
+    for index, key in enumerate(collector.series):
+        xs, before, after, _ = collector.norms[key].points()
+        if not xs:
+            continue
+        drawn = True
+        colour = f"C{index % 10}"
+        top.plot(xs, before, "o-", color=colour, markersize=3, linewidth=1, label=key)
+        top.plot(xs, after, "--", color=colour, linewidth=1, alpha=0.8)
+    quantity = "gradient norm" if collector.action == "clip_norm" else "largest |gradient| element"
+    if drawn:
+        top.set_yscale("log")
+        top.legend(loc="upper right", fontsize="small", title="before (solid) / after (dashed)", title_fontsize="small")
+    else:
+        top.text(0.5, 0.5, "no clip in the log (or the filters)", ha="center", va="center", transform=top.transAxes)
+    top.set_ylabel(f"{quantity} (clipped steps)")
+    top.set_title(f"{quantity} before and after the guard: the most-clipped parameters and group rules", fontsize=10)
+
+    for index, (rule, bins) in enumerate(sorted(collector.per_rule.items())):
+        xs, _, _, rate = bins.points()
+        bottom.plot(xs, rate, drawstyle="steps-mid", linewidth=1, color=f"C{(index + 3) % 10}", label=f"{rule}")
+    marks = (
+        (collector.nonfinite, "x", "red", "non-finite"),
+        (collector.skips, "v", "darkorange", "skipped step"),
+        (collector.scaler_skips, "|", "grey", "GradScaler skip"),
+    )
+    for bins, marker, colour, label in marks:
+        xs, _, _, _ = bins.points()
+        if xs:
+            bottom.plot(xs, [0.0] * len(xs), marker, color=colour, markersize=7, linestyle="none", label=label)
+    for axis in (top, bottom):
+        for step, _ in collector.halts:
+            axis.axvline(step, color="red", linewidth=1.5, alpha=0.8)
+    for step, rule in collector.halts[:5]:
+        top.annotate(
+            f"halt @ {step}\n({rule})",
+            xy=(step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(-4, -4),
+            textcoords="offset points",
+            ha="right",
+            va="top",
+            color="red",
+            fontsize="small",
+        )
+    bottom.set_ylabel("interventions / step")
+    bottom.set_xlabel("step")
+    if bottom.get_legend_handles_labels()[0]:
+        bottom.legend(loc="upper right", fontsize="small", ncols=2)
+    interventions = f"{summary.intervention_count:,} interventions"
+    figure.suptitle(
+        f"{title}: steps {summary.first_step}-{summary.last_step}, {interventions}, "
+        f"{summary.halts_total} halts, {summary.skips.events} skips, {summary.nonfinite.events} non-finite",
+        fontsize=11,
+    )
+    figure.savefig(path, dpi=110)

@@ -1,0 +1,315 @@
+"""Reading gradguard audit logs: streamed, tolerant of damage, several files merged in step order.
+
+A file is read in chunks and split into lines here, so memory is bounded by the chunk size and the
+longest line accepted (:data:`MAX_LINE_BYTES`), never by the size of the file. A line that is not a
+gradguard event (corrupt JSON, a last line torn by a crash mid-write, a line another program wrote,
+bytes that are not UTF-8, an over-long line) becomes a :class:`BadLine` with its file and line number,
+and reading goes on with the next line: nothing else is lost.
+
+Each file is in step order (the guard appends as it goes), so several files (one per rank, or a run
+resumed into a new file) are merged lazily with :func:`heapq.merge`, holding one event per file.
+This module imports nothing outside the standard library.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Final, NamedTuple
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "BadLine",
+    "FollowReader",
+    "LineSplitter",
+    "ReadStats",
+    "Record",
+    "parse_line",
+    "read_file",
+    "read_merged",
+    "total_bytes",
+]
+
+CHUNK_BYTES: Final = 1 << 20
+MAX_LINE_BYTES: Final = 64 << 20
+"""Longer lines are reported and skipped (a group clip of a million parameters is about 50 MiB)."""
+_EXCERPT_CHARS: Final = 80
+
+
+class Record(NamedTuple):
+    """One gradguard event and where it was read.
+
+    ``order`` is the merge key: the event's ``step``, or for an event without one (``attach``,
+    ``detach``) the last step seen before it in its file, ``-1`` before any.
+    """
+
+    order: int
+    file: int
+    line: int
+    event: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A line that was skipped, and why."""
+
+    path: str
+    line: int
+    reason: str
+    excerpt: str
+
+    def __str__(self) -> str:
+        shown = f": {self.excerpt}" if self.excerpt else ""
+        return f"{self.path}:{self.line}: {self.reason}{shown}"
+
+
+@dataclass
+class ReadStats:
+    """Lines and events read per file; every skipped line is counted, and the first :attr:`keep` are kept."""
+
+    keep: int = 200
+    bad_total: int = 0
+    bad_lines: list[BadLine] = field(default_factory=list)
+    """The first :attr:`keep` bad lines, in the order read."""
+    bad_per_file: dict[str, int] = field(default_factory=dict)
+    lines: dict[str, int] = field(default_factory=dict)
+    """Lines read so far, per file (bad and blank lines included)."""
+    events: dict[str, int] = field(default_factory=dict)
+    """gradguard events read so far, per file."""
+
+    def bad_line(self, path: str, line: int, reason: str, raw: bytes | None = None) -> None:
+        self.bad_total += 1
+        self.bad_per_file[path] = self.bad_per_file.get(path, 0) + 1
+        if len(self.bad_lines) < self.keep:
+            self.bad_lines.append(BadLine(path, line, reason, _excerpt(raw)))
+
+
+def _excerpt(raw: bytes | None) -> str:
+    if not raw:
+        return ""
+    text = raw[: _EXCERPT_CHARS * 4].decode("utf-8", "replace").strip()
+    text = "".join(ch if ch.isprintable() else "\N{REPLACEMENT CHARACTER}" for ch in text)
+    return text if len(text) <= _EXCERPT_CHARS else text[: _EXCERPT_CHARS - 3] + "..."
+
+
+def parse_line(raw: bytes) -> dict[str, Any] | str | None:
+    """A gradguard event, or why the line is not one (a ``str``), or ``None`` for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 text (byte {exc.start + 1}): a corrupt line"
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if not text.strip():
+            return None
+        return f"not JSON ({exc.msg} at column {exc.colno}): a corrupt line, or a line from another program"
+    except RecursionError:
+        return "JSON nested too deeply: not a gradguard event"
+    if not isinstance(obj, dict):
+        return f"a JSON {_json_type(obj)}, not an event object: a line from another program?"
+    event = obj.get("event")
+    run = obj.get("run")
+    if not isinstance(event, str) or not isinstance(run, str):
+        return "JSON without gradguard's 'event' and 'run' fields: a line from another program?"
+    step = obj.get("step")
+    if step is not None and (type(step) is not int or step < 0):
+        return f"gradguard {event!r} event with an invalid 'step' ({step!r}; expected an integer >= 0)"
+    return obj
+
+
+def _json_type(value: Any) -> str:
+    return {list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
+class LineSplitter:
+    """Splits a byte stream into complete lines, numbering them from 1.
+
+    An incomplete last line is held back until its newline arrives (:meth:`feed`) or the stream ends
+    (:meth:`finish`). A line longer than ``max_line`` is dropped while it streams past and comes out
+    as ``None``, so memory stays bounded whatever the input.
+    """
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self.max_line = max_line
+        self.lines_done = 0
+        """How many lines have been handed out (the last one's number)."""
+        self._held: list[bytes] = []
+        self._held_bytes = 0
+        self._overlong = False
+
+    @property
+    def holding(self) -> bool:
+        """Whether an incomplete line is held back."""
+        return self._overlong or self._held_bytes > 0
+
+    def feed(self, chunk: bytes) -> tuple[int, list[bytes | None]]:
+        """The complete lines that ``chunk`` finishes, and the number of the first of them."""
+        first_number = self.lines_done + 1
+        parts = chunk.split(b"\n")
+        tail = parts.pop()
+        lines: list[bytes | None] = parts  # type: ignore[assignment]
+        if lines and (self._overlong or self._held):
+            lines[0] = None if self._overlong else b"".join([*self._held, parts[0]])
+            if lines[0] is not None and len(lines[0]) > self.max_line:
+                lines[0] = None
+            self._held, self._held_bytes, self._overlong = [], 0, False
+        for index, line in enumerate(lines):
+            if line is not None and len(line) > self.max_line:
+                lines[index] = None
+        self.lines_done += len(lines)
+        if tail:
+            self._hold(tail)
+        return first_number, lines
+
+    def _hold(self, piece: bytes) -> None:
+        if self._overlong:
+            return
+        self._held_bytes += len(piece)
+        if self._held_bytes > self.max_line:
+            self._held, self._held_bytes, self._overlong = [], 0, True
+        else:
+            self._held.append(piece)
+
+    def finish(self) -> tuple[int, bytes | None] | None:
+        """The held incomplete last line, as ``(number, bytes or None if over-long)``, or ``None``."""
+        if not self.holding:
+            return None
+        self.lines_done += 1
+        line = None if self._overlong else b"".join(self._held)
+        self._held, self._held_bytes, self._overlong = [], 0, False
+        return self.lines_done, line
+
+
+_OVERLONG = f"line longer than {MAX_LINE_BYTES >> 20} MiB: skipped (corrupt, or not a gradguard log)"
+_TRUNCATED = "truncated last line (no newline at the end: the writer probably stopped mid-write)"
+
+
+class _FileState:
+    """Line splitting and step tracking for one file, shared by the batch and the follow readers."""
+
+    def __init__(self, path: Path, index: int, stats: ReadStats) -> None:
+        self.path = path
+        self.name = str(path)
+        self.index = index
+        self.stats = stats
+        self.splitter = LineSplitter()
+        self.last_step = -1
+        self.events = 0
+        stats.lines.setdefault(self.name, 0)
+        stats.events.setdefault(self.name, 0)
+
+    def feed(self, chunk: bytes) -> Iterator[Record]:
+        first_number, lines = self.splitter.feed(chunk)
+        self.stats.lines[self.name] = self.splitter.lines_done
+        return self.records(first_number, lines)
+
+    def records(self, first_number: int, lines: Sequence[bytes | None]) -> Iterator[Record]:
+        for number, raw in enumerate(lines, first_number):
+            if raw is None:
+                self.stats.bad_line(self.name, number, _OVERLONG)
+                continue
+            parsed = parse_line(raw)
+            if parsed is None:
+                continue
+            if isinstance(parsed, str):
+                self.stats.bad_line(self.name, number, parsed, raw)
+                continue
+            step = parsed.get("step")
+            if step is not None:
+                self.last_step = step
+            self.events += 1
+            self.stats.events[self.name] = self.events
+            yield Record(self.last_step if step is None else step, self.index, number, parsed)
+
+    def finish(self) -> Iterator[Record]:
+        held = self.splitter.finish()
+        if held is None:
+            return
+        number, raw = held
+        self.stats.lines[self.name] = number
+        if raw is None:
+            self.stats.bad_line(self.name, number, _OVERLONG)
+            return
+        parsed = parse_line(raw)
+        if isinstance(parsed, dict):
+            # Complete but for its newline: nothing is lost, so it is read like any other line.
+            yield from self.records(number, [raw])
+        elif parsed is not None:
+            self.stats.bad_line(self.name, number, _TRUNCATED, raw)
+
+
+def read_file(
+    path: Path,
+    index: int,
+    stats: ReadStats,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[Record]:
+    """Every gradguard event of one file, in file order; bad lines go to ``stats``."""
+    state = _FileState(path, index, stats)
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK_BYTES):
+            if progress is not None:
+                progress(len(chunk))
+            yield from state.feed(chunk)
+    yield from state.finish()
+
+
+def read_merged(
+    paths: Sequence[Path],
+    stats: ReadStats,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[Record]:
+    """The events of several files merged in step order (ties keep file order), one event held per file."""
+    streams = [read_file(path, index, stats, progress) for index, path in enumerate(paths)]
+    if len(streams) == 1:
+        return streams[0]
+    return heapq.merge(*streams)
+
+
+class FollowReader:
+    """Reads files that are still being written, like ``tail -f``: each :meth:`poll` returns what was appended.
+
+    An incomplete last line is held until its newline arrives. Files are read round-robin, at most
+    ``budget`` bytes per poll, so a long backlog never keeps the caller from refreshing its view.
+    """
+
+    def __init__(self, paths: Sequence[Path], stats: ReadStats, *, budget: int = 16 * CHUNK_BYTES) -> None:
+        self._states = [_FileState(path, index, stats) for index, path in enumerate(paths)]
+        self._handles: list[BinaryIO] = [open(path, "rb") for path in paths]  # noqa: SIM115 - closed in close()
+        self.budget = budget
+        self.backlog = False
+        """Whether the last poll stopped at its budget with more data waiting."""
+
+    def poll(self) -> list[Record]:
+        out: list[Record] = []
+        remaining = self.budget
+        self.backlog = False
+        for state, handle in zip(self._states, self._handles, strict=True):
+            while remaining > 0:
+                chunk = handle.read(min(CHUNK_BYTES, remaining))
+                if not chunk:
+                    break
+                remaining -= len(chunk)
+                out.extend(state.feed(chunk))
+            if remaining <= 0:
+                self.backlog = True
+        return out
+
+    @property
+    def waiting_lines(self) -> int:
+        """How many files end in an incomplete line (still being written, or torn)."""
+        return sum(state.splitter.holding for state in self._states)
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.close()
+
+
+def total_bytes(paths: Iterable[Path]) -> int:
+    """The summed size of the files, for a progress bar."""
+    return sum(os.stat(path).st_size for path in paths)

@@ -1,0 +1,363 @@
+"""``gradguard explain``: which parameter of a model gets which rules and actions of a policy.
+
+The model comes from ``MODULE:CALLABLE`` (a dotted module importable from the working directory, or
+a ``path/to/file.py``, and a callable there that takes no arguments and returns an ``nn.Module``).
+Matching uses the guard's own functions (:func:`~gradguard._binding.canonical_name`,
+:func:`~gradguard._binding.rule_matches`), and the problems listed are the ones
+:func:`~gradguard._binding.bind` raises when a guard attaches, so what is shown is what the guard does.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from gradguard._audit_render import Section, Table, short_path
+from gradguard._binding import bind, canonical_name, rule_matches
+from gradguard._errors import GradGuardError, PolicyError
+from gradguard._policy import Policy, Rule
+
+__all__ = ["Explanation", "ModelSpecError", "explain", "explain_sections", "load_model"]
+
+_EXAMPLE = "e.g. mypkg.models:build_model, or path/to/models.py:build_model"
+_DATA_PARALLEL = (nn.DataParallel, nn.parallel.DistributedDataParallel)
+
+
+class ModelSpecError(Exception):
+    """``--model MODULE:CALLABLE`` could not give a model; the message says why and what to do."""
+
+
+# --- loading the model -----------------------------------------------------------------------------
+
+
+def _where(exc: BaseException) -> str:
+    """`` (at file:line)`` of the innermost frame of the user's code, or nothing."""
+    here = os.path.abspath(__file__)
+    frames = [frame for frame in traceback.extract_tb(exc.__traceback__) if os.path.abspath(frame.filename) != here]
+    if not frames:
+        return ""
+    last = frames[-1]
+    return f" (at {short_path(last.filename)}:{last.lineno})"
+
+
+def _import(module_part: str) -> ModuleType:
+    looks_like_path = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+    if looks_like_path:
+        path = Path(module_part)
+        if not path.is_file():
+            raise ModelSpecError(f"--model: no such file {module_part!r}; expected MODULE:CALLABLE, {_EXAMPLE}")
+        name = f"_gradguard_model_{path.stem}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ModelSpecError(f"--model: cannot import {module_part!r} as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except (Exception, SystemExit) as exc:
+            sys.modules.pop(name, None)
+            raise ModelSpecError(
+                f"--model: importing {module_part!r} failed: {type(exc).__name__}: {exc}{_where(exc)}"
+            ) from None
+        return module
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # like `python -m`: modules next to the user are importable
+    try:
+        return importlib.import_module(module_part)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_part == exc.name or module_part.startswith(exc.name + ".")):
+            raise ModelSpecError(
+                f"--model: no module named {module_part!r} (looked in the working directory and the installed "
+                f"packages); expected MODULE:CALLABLE, {_EXAMPLE}"
+            ) from None
+        raise ModelSpecError(
+            f"--model: importing {module_part!r} failed: ModuleNotFoundError: {exc}{_where(exc)}"
+        ) from None
+    except (Exception, SystemExit) as exc:
+        raise ModelSpecError(
+            f"--model: importing {module_part!r} failed: {type(exc).__name__}: {exc}{_where(exc)}"
+        ) from None
+
+
+def load_model(spec: str) -> nn.Module:
+    """Import ``MODULE:CALLABLE``, call it with no arguments, and check that it returns an ``nn.Module``."""
+    module_part, _, attribute = spec.rpartition(":")
+    if not module_part or not attribute:
+        raise ModelSpecError(f"--model {spec!r}: expected MODULE:CALLABLE, {_EXAMPLE}")
+    module = _import(module_part)
+    try:
+        factory = functools.reduce(getattr, attribute.split("."), module)
+    except AttributeError:
+        callables = sorted(
+            name
+            for name, value in vars(module).items()
+            if callable(value) and not name.startswith("_") and getattr(value, "__module__", None) == module.__name__
+        )
+        shown = ", ".join(callables[:12]) if callables else "none"
+        raise ModelSpecError(
+            f"--model: {module_part!r} has no attribute {attribute!r} (callables defined there: {shown})"
+        ) from None
+    if not callable(factory):
+        raise ModelSpecError(
+            f"--model: {spec} is not callable (it is a {type(factory).__name__!r} object); name a function or "
+            "class that takes no arguments and returns an nn.Module"
+        )
+    try:
+        model = factory()
+    except (Exception, SystemExit) as exc:
+        raise ModelSpecError(
+            f"--model: calling {spec}() failed: {type(exc).__name__}: {exc}{_where(exc)}; the callable must "
+            "take no arguments and return an nn.Module"
+        ) from None
+    if not isinstance(model, nn.Module):
+        raise ModelSpecError(f"--model: {spec}() returned a {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+# --- explaining ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParamEntry:
+    names: list[str]
+    shape: list[int]
+    dtype: str
+    numel: int
+    requires_grad: bool
+    rules: list[int]
+    """Indices of the rules that cover the tensor, in policy (= application) order."""
+
+
+@dataclass
+class Explanation:
+    policy: Policy
+    model_spec: str
+    model_class: str
+    params: list[ParamEntry]
+    """Every tensor of the model (tied ones once), in model order."""
+    members: list[list[int]]
+    """For each rule, the indices into :attr:`params` that it covers."""
+    issues: list[str] = field(default_factory=list)
+    """What :func:`~gradguard._binding.bind` refuses: the errors GradGuard would raise at attach."""
+
+    @property
+    def findings(self) -> list[str]:
+        return list(self.issues)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.issues else 0
+
+    def as_json(self) -> dict[str, Any]:
+        rules = self.policy.rules
+        return {
+            "schema": 1,
+            "policy": self.policy.source,
+            "model": self.model_spec,
+            "model_class": self.model_class,
+            "tensors": len(self.params),
+            "names": sum(len(entry.names) for entry in self.params),
+            "elements": sum(entry.numel for entry in self.params),
+            "parameters": [
+                {
+                    "name": entry.names[0],
+                    "names": entry.names,
+                    "shape": entry.shape,
+                    "dtype": entry.dtype,
+                    "numel": entry.numel,
+                    "requires_grad": entry.requires_grad,
+                    "rules": [rules[i].name for i in entry.rules],
+                    "actions": [
+                        {"rule": rules[i].name, **action.model_dump(mode="json")}
+                        for i in entry.rules
+                        for action in rules[i].actions
+                    ],
+                }
+                for entry in self.params
+            ],
+            "uncovered": [name for entry in self.params if not entry.rules for name in entry.names],
+            "rules": [
+                {
+                    "name": rule.name,
+                    "params": len(self.members[i]),
+                    "elements": sum(self.params[k].numel for k in self.members[i]),
+                    "from_step": rule.from_step,
+                    "until_step": rule.until_step,
+                    "allow_no_match": rule.allow_no_match,
+                    "matches_nothing": not self.members[i],
+                    "actions": [action.model_dump(mode="json") for action in rule.actions],
+                }
+                for i, rule in enumerate(rules)
+            ],
+            "tied": [entry.names for entry in self.params if len(entry.names) > 1],
+            "issues": self.issues,
+            "exit_code": self.exit_code,
+        }
+
+
+def explain(policy: Policy, model: nn.Module, model_spec: str) -> Explanation:
+    """Match ``policy`` against ``model`` the way a guard does, and collect what attaching would refuse."""
+    strip = isinstance(model, _DATA_PARALLEL)
+    order: dict[int, ParamEntry] = {}
+    for raw_name, param in model.named_parameters(remove_duplicate=False):
+        name = canonical_name(raw_name, strip_module_prefix=strip)
+        entry = order.get(id(param))
+        if entry is None:
+            entry = order[id(param)] = ParamEntry(
+                [], list(param.shape), str(param.dtype).removeprefix("torch."), param.numel(), param.requires_grad, []
+            )
+        if name not in entry.names:
+            entry.names.append(name)
+    params = list(order.values())
+    members: list[list[int]] = [[] for _ in policy.rules]
+    for index, entry in enumerate(params):
+        names = tuple(entry.names)
+        entry.rules = [i for i, rule in enumerate(policy.rules) if rule_matches(rule, names)]
+        for i in entry.rules:
+            members[i].append(index)
+    issues: list[str] = []
+    try:
+        bind(policy, model)
+    except PolicyError as exc:
+        issues = [str(issue) for issue in exc.issues]
+    except GradGuardError as exc:
+        issues = [str(exc)]
+    return Explanation(policy, model_spec, type(model).__name__, params, members, issues)
+
+
+def window_text(rule_or_action: Any) -> str:
+    start, stop = rule_or_action.from_step, rule_or_action.until_step
+    if start is not None and stop is not None:
+        return f"steps {start}..{stop - 1}"
+    if start is not None:
+        return f"from step {start}"
+    if stop is not None:
+        return f"until step {stop}"
+    return ""
+
+
+_MAIN_FIELD = {"clip_norm": "max_norm", "clip_value": "limit", "scale": "factor"}
+
+
+def action_text(action: Any) -> str:
+    """``clip_norm(1.0, scope=group) until step 2000``: the action's non-default settings, compactly."""
+    data = action.model_dump(exclude_defaults=True)
+    name = str(data.pop("action", action.action))
+    data.pop("from_step", None)
+    data.pop("until_step", None)
+    args = []
+    main = _MAIN_FIELD.get(name)
+    if main is not None and main in data:
+        args.append(str(data.pop(main)))
+    args.extend(f"{key}={value}" for key, value in data.items())
+    text = name + (f"({', '.join(args)})" if args else "")
+    window = window_text(action)
+    return f"{text} {window}" if window else text
+
+
+def _rule_actions(rule: Rule) -> list[str]:
+    window = window_text(rule)
+    return [action_text(action) + (f" [rule {window}]" if window else "") for action in rule.actions]
+
+
+def explain_header(expl: Explanation) -> list[str]:
+    covered = sum(1 for entry in expl.params if entry.rules)
+    names = sum(len(entry.names) for entry in expl.params)
+    elements = sum(entry.numel for entry in expl.params)
+    return [
+        f"policy: {short_path(expl.policy.source)} ({len(expl.policy.rules)} rules, applied in this order: "
+        f"{', '.join(rule.name for rule in expl.policy.rules)})",
+        f"model: {expl.model_spec} -> {expl.model_class}: {len(expl.params):,} parameter tensors "
+        f"({names:,} names), {elements:,} elements; {covered:,} covered by a rule, "
+        f"{len(expl.params) - covered:,} not covered",
+    ]
+
+
+def explain_sections(expl: Explanation) -> list[Section]:
+    rules = expl.policy.rules
+    rows = []
+    for entry in expl.params:
+        notes = []
+        if len(entry.names) > 1:
+            notes.append("tied: also " + ", ".join(entry.names[1:]))
+        if not entry.requires_grad:
+            notes.append("frozen (requires_grad=False)")
+        actions = [text for i in entry.rules for text in _rule_actions(rules[i])]
+        rows.append(
+            [
+                entry.names[0],
+                "(" + ", ".join(map(str, entry.shape)) + ("," if len(entry.shape) == 1 else "") + ")",
+                entry.dtype,
+                ", ".join(rules[i].name for i in entry.rules) or "-",
+                "; ".join(actions) or "- (not covered)",
+                "; ".join(notes),
+            ]
+        )
+    parameters = Section(
+        "Parameters (model order; actions apply in this order at every step)",
+        [],
+        Table(["parameter", "shape", "dtype", "rules", "actions", "note"], rows),
+    )
+    rule_rows = []
+    for i, rule in enumerate(rules):
+        matched = expl.members[i]
+        if matched:
+            note = ""
+        elif rule.allow_no_match:
+            note = "matches nothing (allowed: allow_no_match)"
+        else:
+            note = "MATCHES NOTHING"
+        rule_rows.append(
+            [
+                rule.name,
+                f"{len(matched):,}",
+                f"{sum(expl.params[k].numel for k in matched):,}",
+                "; ".join(action_text(action) for action in rule.actions),
+                window_text(rule) or "all",
+                note,
+            ]
+        )
+    rule_section = Section(
+        "Rules", [], Table(["rule", "params", "elements", "actions", "steps", "note"], rule_rows, frozenset({1, 2}))
+    )
+    uncovered = [name for entry in expl.params if not entry.rules for name in entry.names]
+    uncovered_section = Section(
+        "Parameters no rule covers (the guard never touches their gradients)",
+        [", ".join(uncovered) if uncovered else "none"],
+    )
+    nothing = [rule.name for i, rule in enumerate(rules) if not expl.members[i]]
+    nothing_section = Section(
+        "Rules that match nothing",
+        [
+            f"{name}" + (" (allow_no_match: true)" if rules[[r.name for r in rules].index(name)].allow_no_match else "")
+            for name in nothing
+        ]
+        or ["none"],
+    )
+    tied = [entry for entry in expl.params if len(entry.names) > 1]
+    tied_section = Section(
+        "Tied parameters (one tensor, several names; each action applies once per tensor)",
+        [f"{' = '.join(entry.names)}: rules {', '.join(rules[i].name for i in entry.rules) or '-'}" for entry in tied]
+        or ["none"],
+    )
+    problems = Section("Problems GradGuard would raise when attaching", expl.issues or ["none"])
+    verdict = f"{len(expl.issues)} problem(s)" if expl.issues else "none"
+    return [
+        parameters,
+        rule_section,
+        uncovered_section,
+        nothing_section,
+        tied_section,
+        problems,
+        Section("Findings", [f"{verdict} (exit {expl.exit_code})"]),
+    ]

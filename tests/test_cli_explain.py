@@ -1,0 +1,236 @@
+"""``gradguard explain POLICY --model MODULE:CALLABLE``: which parameter gets which rules and actions."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from gradguard import GradGuard, Policy
+from gradguard._demo import TinyDecoder
+from gradguard.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+LLM_POLICY = REPO / "policies" / "llm-pretraining.yaml"
+
+MODELS = textwrap.dedent(
+    """\
+    from torch import nn
+
+
+    def build():
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 6), nn.Linear(6, 10, bias=False))
+        model[2].weight = model[0].weight  # tied: one tensor, names 0.weight and 2.weight
+        model[1].bias.requires_grad_(False)
+        return model
+
+
+    def broken():
+        return 1 / 0
+
+
+    def not_a_model():
+        return [1, 2, 3]
+
+
+    def needs_arguments(width):
+        return nn.Linear(width, width)
+
+
+    NOT_CALLABLE = 3
+    """
+)
+
+POLICY = textwrap.dedent(
+    """\
+    version: 1
+    rules:
+      - name: nonfinite
+        match: ["*"]
+        actions:
+          - {action: halt_on_nonfinite}
+      - name: dense
+        match: ["1.*"]
+        until_step: 500
+        actions:
+          - {action: clip_norm, max_norm: 1.0, norm_type: .inf}
+          - {action: scale, factor: 0.5}
+      - name: router
+        match: ["*router*"]
+        actions:
+          - {action: clip_value, limit: 0.1}
+    """
+)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "explain_models.py").write_text(MODELS)
+    (tmp_path / "policy.yaml").write_text(POLICY)
+    (tmp_path / "allowed.yaml").write_text(
+        POLICY.replace('match: ["*router*"]', 'match: ["*router*"]\n    allow_no_match: true')
+    )
+    (tmp_path / "partial.yaml").write_text(
+        "version: 1\nrules:\n  - {name: dense, match: ['1.*'], actions: [{action: clip_norm, max_norm: 1.0}]}\n"
+    )
+    return tmp_path
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["explain", *args])
+    return result.exit_code, result.output
+
+
+def test_the_table_lists_every_parameter_with_its_rules_and_actions(project: Path) -> None:
+    """Each tensor is listed once with shape, dtype, its rules and its actions in application order."""
+    _code, out = invoke(str(project / "policy.yaml"), "--model", f"{project / 'explain_models.py'}:build")
+    assert "3 parameter tensors (4 names), 70 elements; 3 covered by a rule, 0 not covered" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if "float32" in line}
+    assert "(10, 4)" in rows["0.weight"]
+    assert "float32" in rows["0.weight"]
+    assert "tied: also 2.weight" in rows["0.weight"]
+    assert "halt_on_nonfinite" in rows["0.weight"]
+    assert "clip_norm" not in rows["0.weight"]
+    dense = "halt_on_nonfinite; clip_norm(1.0, norm_type=inf) [rule until step 500]; scale(0.5) [rule until step 500]"
+    assert dense in rows["1.weight"]
+    assert "nonfinite, dense" in rows["1.weight"]
+    assert "(6, 4)" in rows["1.weight"]
+    assert "(6,)" in rows["1.bias"]
+    assert "frozen (requires_grad=False)" in rows["1.bias"]
+    assert "0.weight = 2.weight: rules nonfinite" in out
+
+
+def test_a_rule_that_matches_nothing_is_a_finding_with_exit_1(project: Path) -> None:
+    """A rule without allow_no_match that covers no parameter is flagged, with the guard's own error, and exits 1."""
+    code, out = invoke(str(project / "policy.yaml"), "--model", f"{project / 'explain_models.py'}:build")
+    assert code == 1
+    assert "MATCHES NOTHING" in out
+    assert "Rules that match nothing\n  router\n" in out
+    assert "rule 'router' matches no parameter of the model" in out
+    assert f"{project / 'policy.yaml'}:13: rules[2].match" in out
+    assert "1 problem(s) (exit 1)" in out
+
+
+def test_allow_no_match_makes_an_empty_rule_fine(project: Path) -> None:
+    """With allow_no_match, the empty rule is shown as allowed and the command exits 0."""
+    code, out = invoke(str(project / "allowed.yaml"), "--model", f"{project / 'explain_models.py'}:build")
+    assert code == 0, out
+    assert "matches nothing (allowed: allow_no_match)" in out
+    assert "router (allow_no_match: true)" in out
+    assert "Problems GradGuard would raise when attaching\n  none" in out
+
+
+def test_parameters_no_rule_covers_are_listed(project: Path) -> None:
+    """Parameters outside every rule are named, under all their names."""
+    code, out = invoke(str(project / "partial.yaml"), "--model", f"{project / 'explain_models.py'}:build")
+    assert code == 0, out
+    assert "Parameters no rule covers (the guard never touches their gradients)\n  0.weight, 2.weight\n" in out
+    assert "- (not covered)" in out
+
+
+def test_json_output_is_complete_and_machine_readable(project: Path) -> None:
+    """--format json gives every parameter with names, shape, dtype, rules and actions, plus rules, ties, issues."""
+    code, out = invoke(
+        str(project / "policy.yaml"), "--model", f"{project / 'explain_models.py'}:build", "--format", "json"
+    )
+    assert code == 1
+    data = json.loads(out)
+    params = {entry["name"]: entry for entry in data["parameters"]}
+    assert list(params) == ["0.weight", "1.weight", "1.bias"]
+    assert params["0.weight"]["names"] == ["0.weight", "2.weight"]
+    assert params["1.weight"]["shape"] == [6, 4]
+    assert params["1.weight"]["dtype"] == "float32"
+    assert params["1.weight"]["rules"] == ["nonfinite", "dense"]
+    actions = [(a["rule"], a["action"]) for a in params["1.weight"]["actions"]]
+    assert actions == [("nonfinite", "halt_on_nonfinite"), ("dense", "clip_norm"), ("dense", "scale")]
+    assert params["1.weight"]["actions"][1]["norm_type"] == "Infinity"
+    assert params["1.bias"]["requires_grad"] is False
+    rules = {rule["name"]: rule for rule in data["rules"]}
+    assert rules["router"]["matches_nothing"] is True
+    assert rules["dense"]["params"] == 2
+    assert rules["dense"]["until_step"] == 500
+    assert data["tied"] == [["0.weight", "2.weight"]]
+    assert data["uncovered"] == []
+    assert len(data["issues"]) == 1
+    assert data["exit_code"] == 1
+
+
+def test_explain_agrees_with_what_a_guard_binds() -> None:
+    """For the demo decoder and the shipped LLM policy, explain's rules per parameter equal guard.guarded."""
+    code, out = invoke(str(LLM_POLICY), "--model", "gradguard._demo:TinyDecoder", "--format", "json")
+    assert code == 0, out
+    data = json.loads(out)
+    shown = {entry["name"]: tuple(entry["rules"]) for entry in data["parameters"] if entry["rules"]}
+    with GradGuard(TinyDecoder(), Policy.from_file(LLM_POLICY), logger=None) as guard:
+        assert shown == guard.guarded
+    assert data["tied"] == [["embed.weight", "head.weight"]]
+
+
+def test_markdown_output_has_pipe_tables(project: Path) -> None:
+    """--format markdown renders the same sections as Markdown tables."""
+    code, out = invoke(
+        str(project / "allowed.yaml"), "--model", f"{project / 'explain_models.py'}:build", "--format", "markdown"
+    )
+    assert code == 0
+    assert out.startswith("## gradguard explain")
+    assert "### Parameters (model order; actions apply in this order at every step)" in out
+    assert "| parameter | shape | dtype | rules | actions | note |" in out
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("explain_models", "expected MODULE:CALLABLE"),
+        (
+            "explain_models:nope",
+            "has no attribute 'nope' (callables defined there: broken, build, needs_arguments, not_a_model)",
+        ),
+        ("explain_models:NOT_CALLABLE", "is not callable (it is a 'int' object)"),
+        ("explain_models:broken", "calling explain_models:broken() failed: ZeroDivisionError: division by zero (at "),
+        ("explain_models:not_a_model", "explain_models:not_a_model() returned a list, not a torch.nn.Module"),
+        ("explain_models:needs_arguments", "missing 1 required positional argument: 'width'"),
+        ("no_such_module_anywhere:build", "no module named 'no_such_module_anywhere'"),
+        ("missing/file.py:build", "no such file 'missing/file.py'"),
+    ],
+)
+def test_a_bad_model_spec_is_an_input_error_with_exit_2(
+    project: Path, monkeypatch: pytest.MonkeyPatch, spec: str, message: str
+) -> None:
+    """Every way MODULE:CALLABLE can fail gives one clear line on stderr, exit 2, and no traceback."""
+    monkeypatch.chdir(project)
+    monkeypatch.syspath_prepend(str(project))
+    code, out = invoke("policy.yaml", "--model", spec)
+    assert code == 2, out
+    assert message in out
+    assert "Traceback" not in out
+    sys.modules.pop("explain_models", None)
+
+
+def test_an_invalid_policy_is_an_input_error(project: Path) -> None:
+    """explain refuses a policy that does not validate, printing its problems, with exit 2."""
+    bad = project / "bad.yaml"
+    bad.write_text("version: 2\nrules: []\n")
+    code, out = invoke(str(bad), "--model", f"{project / 'explain_models.py'}:build")
+    assert code == 2
+    assert f"{bad}:1: version: got 2; expected 1" in out
+    assert "Traceback" not in out
+
+
+def test_explain_as_a_subprocess_imports_the_model_from_the_working_directory(project: Path) -> None:
+    """`python -m gradguard.cli explain` run where the user's module lives finds it, as `python -m` would."""
+    done = subprocess.run(
+        [sys.executable, "-m", "gradguard.cli", "explain", "allowed.yaml", "--model", "explain_models:build"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "model: explain_models:build -> Sequential: 3 parameter tensors (4 names)" in done.stdout
+    assert done.stderr == ""

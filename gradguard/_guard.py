@@ -21,6 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradguard._binding import Binding, bind
 from gradguard._counters import Counters
+from gradguard._distributed import Collective
 from gradguard._enforcer import Enforcer, Plan, StepContext
 from gradguard._errors import GuardStateError, GuardWarning
 from gradguard._events import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
@@ -99,6 +100,7 @@ class GradGuard:
         audit_log: str | os.PathLike[str] | None = None,
         logger: Any = DEFAULT_LOGGER,
         scaler: torch.amp.GradScaler | None = None,
+        process_group: Any = None,
         summary_every: int = 100,
         replace: bool = False,
     ) -> None:
@@ -116,7 +118,9 @@ class GradGuard:
         """Identifies this guard's events in a log that several runs append to."""
         self.rank = _distributed_rank()
         events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
-        self._enforcer = Enforcer(self._binding, self.counters, events, summary_every=summary_every)
+        self._enforcer = Enforcer(
+            self._binding, self.counters, events, summary_every=summary_every, collective=Collective(process_group)
+        )
         self._events = events
         self._model_ref = weakref.ref(model)
         self._manual_plan = Plan.build(self._binding, self._binding.params)

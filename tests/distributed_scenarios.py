@@ -1,0 +1,252 @@
+"""Multi-process scenarios for tests/test_distributed.py, run with real gloo process groups.
+
+Run as ``python tests/distributed_scenarios.py SCENARIO WORLD OUTDIR`` (spawns WORLD processes with
+torch.multiprocessing), or under torchrun with ``--torchrun`` (one process per rank, env:// init).
+Every rank writes ``OUTDIR/rank{r}.json``; the test compares the ranks' results.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradguard import GradGuard, GradientHalt, Policy
+
+STEPS = 5
+BAD_STEP = 2
+TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def digest(model: nn.Module) -> str:
+    sha = hashlib.sha256()
+    for _, tensor in sorted(model.state_dict().items()):
+        local = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        sha.update(local.detach().cpu().contiguous().numpy().tobytes())
+    return sha.hexdigest()
+
+
+def final_params(model: nn.Module) -> dict[str, list[float]]:
+    out = {}
+    for name, param in model.named_parameters():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        out[name.removeprefix("module.")] = full.detach().reshape(-1).tolist()
+    return out
+
+
+def make_model(seed: int = 0, unused: bool = False) -> nn.Module:
+    torch.manual_seed(seed)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(8, 16)
+            self.body = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 4)
+            self.unused = nn.Linear(16, 16) if unused else None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.head(torch.tanh(self.body(torch.tanh(self.embed(x)))))
+            return out
+
+    return Net()
+
+
+def batch(rank: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + 100 * rank + micro)
+    x = torch.randn(6, 8, generator=generator) * 3
+    y = torch.randn(6, 4, generator=generator)
+    return x, y
+
+
+POLICY = {
+    "version": 1,
+    "rules": [
+        {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+        {"name": "embed", "match": "embed.*", "actions": [{"action": "clip_norm", "max_norm": 0.05}]},
+        {
+            "name": "rest",
+            "match": "*",
+            "exclude": "embed.*",
+            "actions": [{"action": "clip_norm", "max_norm": 0.1, "scope": "group"}],
+        },
+    ],
+}
+
+SKIP_POLICY = {
+    "version": 1,
+    "rules": [
+        {"name": "nonfinite", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]},
+        {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.1}]},
+    ],
+}
+
+
+def train(
+    rank: int,
+    world: int,
+    model: nn.Module,
+    policy: dict[str, Any],
+    outdir: Path,
+    inject: Callable[[nn.Module, int], None] | None = None,
+    micro_batches: int = 1,
+) -> dict[str, Any]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    result: dict[str, Any] = {"rank": rank, "digests": [], "halt": None, "skipped": []}
+    log = outdir / f"audit-rank{rank}.jsonl"
+    with GradGuard(model, Policy.from_dict(policy), audit_log=log, logger=None) as guard:
+        for step in range(STEPS):
+            opt.zero_grad()
+            for micro in range(micro_batches):
+                x, y = batch(rank, step, micro)
+                last = micro == micro_batches - 1
+                context = model.no_sync() if (not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
+                with context:
+                    loss = nn.functional.mse_loss(model(x), y) / micro_batches
+                    loss.backward()
+            if inject is not None:
+                inject(model, step)
+            before = digest(model)
+            started = time.monotonic()
+            try:
+                opt.step()
+            except GradientHalt as exc:
+                result["halt"] = {
+                    "step": exc.step,
+                    "params": list(exc.params),
+                    "kind": exc.kind,
+                    "seconds": time.monotonic() - started,
+                    "unchanged": digest(model) == before,
+                }
+                break
+            if guard.last_step_skipped:
+                result["skipped"].append({"step": step, "unchanged": digest(model) == before})
+            result["digests"].append(digest(model))
+        result["counters"] = guard.counters.snapshot()
+    result["final"] = final_params(model)
+    result["log_ranks"] = sorted({json.loads(line)["rank"] for line in log.read_text().splitlines()})
+    return result
+
+
+def nan_on_rank_one_grad(model: nn.Module, step: int) -> None:
+    if step == BAD_STEP and dist.get_rank() == 1:
+        param = next(p for name, p in model.named_parameters() if name.endswith("body.weight"))
+        assert param.grad is not None
+        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+        local.view(-1)[0] = float("nan")
+
+
+def inf_on_rank_zero_grad(model: nn.Module, step: int) -> None:
+    if step == BAD_STEP and dist.get_rank() == 0:
+        param = next(p for name, p in model.named_parameters() if name.endswith("head.weight"))
+        assert param.grad is not None
+        param.grad.view(-1)[0] = float("inf")
+
+
+def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as Ddp
+
+    if name == "ddp_clip":
+        return train(rank, world, Ddp(make_model()), POLICY, outdir)
+    if name == "ddp_no_sync":
+        return train(rank, world, Ddp(make_model()), POLICY, outdir, micro_batches=3)
+    if name == "ddp_unused":
+        model = Ddp(make_model(unused=True), find_unused_parameters=True)
+        policy = {**POLICY, "rules": [*POLICY["rules"]]}
+        return train(rank, world, model, policy, outdir)
+    if name == "ddp_nan_one_rank":
+        return train(rank, world, Ddp(make_model()), POLICY, outdir, inject=nan_on_rank_one_grad)
+    if name == "ddp_skip_one_rank":
+        return train(rank, world, Ddp(make_model()), SKIP_POLICY, outdir, inject=inf_on_rank_zero_grad)
+    if name in {"fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard"}:
+        from torch.distributed.fsdp import fully_shard
+
+        model = make_model()
+        if name == "fsdp2_attach_before_shard":
+            return fsdp_attach_before_shard(rank, world, model, outdir)
+        for module in (model.embed, model.body, model.head):
+            fully_shard(module)
+        fully_shard(model)
+        inject = nan_on_rank_one_grad if name == "fsdp2_nan_one_rank" else None
+        return train(rank, world, model, POLICY, outdir, inject=inject)
+    raise SystemExit(f"unknown scenario {name!r}")
+
+
+def fsdp_attach_before_shard(rank: int, world: int, model: nn.Module, outdir: Path) -> dict[str, Any]:
+    """Attach first, shard after: the guard must re-bind to the DTensor parameters, not go quiet."""
+    from torch.distributed.fsdp import fully_shard
+
+    guard = GradGuard(model, Policy.from_dict(POLICY), audit_log=outdir / f"early-rank{rank}.jsonl", logger=None)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x, y = batch(rank, 0)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    guard.remove()
+    events = [json.loads(line) for line in (outdir / f"early-rank{rank}.jsonl").read_text().splitlines()]
+    return {
+        "rank": rank,
+        "events": [event["event"] for event in events],
+        "counters": guard.counters.snapshot(),
+        "digests": [digest(model)],
+        "halt": None,
+        "skipped": [],
+    }
+
+
+def run_all(names: str, rank: int, world: int, outdir: Path) -> None:
+    """Run comma-separated scenarios one after the other in the same process group."""
+    for name in names.split(","):
+        folder = outdir / name
+        folder.mkdir(parents=True, exist_ok=True)
+        result = scenario(name, rank, world, folder)
+        (folder / f"rank{rank}.json").write_text(json.dumps(result))
+        gc.collect()
+        dist.barrier()
+
+
+def shutdown() -> None:
+    # DDP's reducer must be gone before its process group, or gloo aborts at exit (torch 2.13).
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_rank(rank: int, world: int, name: str, outdir: str, port: int) -> None:
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+    try:
+        run_all(name, rank, world, Path(outdir))
+    finally:
+        shutdown()
+
+
+def main(argv: list[str]) -> None:
+    if argv[0] == "--torchrun":
+        name, outdir = argv[1], argv[2]
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+        try:
+            run_all(name, rank, world, Path(outdir))
+        finally:
+            shutdown()
+        return
+    name, world, outdir, port = argv[0], int(argv[1]), argv[2], int(argv[3])
+    torch.multiprocessing.spawn(run_rank, args=(world, name, outdir, port), nprocs=world, join=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,189 @@
+"""DDP and FSDP2 with real gloo process groups on the CPU: one verdict on every rank.
+
+Each scenario runs in its own processes (tests/distributed_scenarios.py) under a hard timeout, so a
+hang fails fast instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+import distributed_scenarios as scenarios
+
+SCRIPT = Path(__file__).parent / "distributed_scenarios.py"
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def launch(names: list[str], world: int, outdir: Path, *, torchrun: bool = False, timeout: float = 240) -> None:
+    """Run the scenarios in one launch of ``world`` processes; fail fast on a hang or a crash."""
+    # DETAIL wraps the process group to check that every rank calls the same collectives. In torch 2.13
+    # (CPU) it crashes DDP's constructor itself (in its logger), so DDP scenarios run under INFO.
+    debug = "DETAIL" if all(name.startswith("fsdp2") for name in names) else "INFO"
+    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": debug, "OMP_NUM_THREADS": "1"}
+    joined = ",".join(names)
+    if torchrun:
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}"),
+            *(f"--master_port={free_port()}", str(SCRIPT), "--torchrun", joined, str(outdir)),
+        ]
+    else:
+        command = [sys.executable, str(SCRIPT), joined, str(world), str(outdir), str(free_port())]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "mismatch" not in output.lower(), output[-4000:]
+
+
+def results_of(outdir: Path, name: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads((outdir / name / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+DDP_SCENARIOS = ["ddp_clip", "ddp_no_sync", "ddp_unused", "ddp_nan_one_rank", "ddp_skip_one_rank"]
+FSDP2_SCENARIOS = ["fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard"]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    outdir = tmp_path_factory.mktemp("ddp")
+    launch(DDP_SCENARIOS, 2, outdir)
+    return outdir
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    outdir = tmp_path_factory.mktemp("fsdp2")
+    launch(FSDP2_SCENARIOS, 2, outdir)
+    return outdir
+
+
+def reference_run(micro_batches: int = 1, world: int = 2) -> dict[str, torch.Tensor]:
+    """One process, the ranks' gradients averaged by hand, the policy applied with torch's own clips."""
+    model = scenarios.make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(scenarios.STEPS):
+        opt.zero_grad()
+        for rank in range(world):
+            for micro in range(micro_batches):
+                x, y = scenarios.batch(rank, step, micro)
+                (nn.functional.mse_loss(model(x), y) / (micro_batches * world)).backward()
+        for param in (model.embed.weight, model.embed.bias):
+            torch.nn.utils.clip_grad_norm_([param], 0.05)
+        rest = [p for name, p in model.named_parameters() if not name.startswith("embed.")]
+        torch.nn.utils.clip_grad_norm_(rest, 0.1)
+        opt.step()
+    return {name: p.detach().reshape(-1) for name, p in model.named_parameters()}
+
+
+def assert_matches_reference(result: dict[str, Any], reference: dict[str, torch.Tensor]) -> None:
+    for name, values in result["final"].items():
+        torch.testing.assert_close(torch.tensor(values), reference[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_ddp_policy_acts_on_the_averaged_gradient_identically_on_every_rank(ddp_runs: Path) -> None:
+    """DDP, 2 ranks: the result equals clipping the averaged gradient, and replicas stay bit-identical."""
+    results = results_of(ddp_runs, "ddp_clip", 2)
+    assert results[0]["digests"] == results[1]["digests"]
+    assert len(results[0]["digests"]) == scenarios.STEPS
+    assert results[0]["counters"] == results[1]["counters"]
+    assert results[0]["counters"]["embed"]["clip_norm"] > 0
+    assert_matches_reference(results[0], reference_run())
+    assert [r["log_ranks"] for r in results] == [[0], [1]]
+
+
+def test_ddp_with_four_ranks_keeps_replicas_identical(tmp_path: Path) -> None:
+    """DDP, 4 ranks: the same verdict and the same parameters on every rank."""
+    launch(["ddp_clip"], 4, tmp_path)
+    results = results_of(tmp_path, "ddp_clip", 4)
+    assert all(r["digests"] == results[0]["digests"] for r in results)
+    assert_matches_reference(results[0], reference_run(world=4))
+
+
+def test_ddp_started_by_torchrun_behaves_like_multiprocessing(tmp_path: Path) -> None:
+    """torchrun, 2 ranks: the same result as the torch.multiprocessing launch."""
+    launch(["ddp_clip"], 2, tmp_path, torchrun=True)
+    results = results_of(tmp_path, "ddp_clip", 2)
+    assert results[0]["digests"] == results[1]["digests"]
+    assert_matches_reference(results[0], reference_run())
+
+
+def test_ddp_no_sync_accumulation_clips_the_synchronised_sum_once(ddp_runs: Path) -> None:
+    """no_sync for two micro-batches, sync on the third: clip acts on the averaged sum, once per step."""
+    results = results_of(ddp_runs, "ddp_no_sync", 2)
+    assert results[0]["digests"] == results[1]["digests"]
+    assert_matches_reference(results[0], reference_run(micro_batches=3))
+
+
+def test_ddp_with_find_unused_parameters_guards_the_used_ones(ddp_runs: Path) -> None:
+    """find_unused_parameters=True: unused parameters have no gradient and are skipped on every rank alike."""
+    results = results_of(ddp_runs, "ddp_unused", 2)
+    assert results[0]["digests"] == results[1]["digests"]
+    assert len(results[0]["digests"]) == scenarios.STEPS
+
+
+def test_a_nan_on_one_rank_halts_every_rank_promptly_with_no_collective_timeout(ddp_runs: Path) -> None:
+    """NaN injected into rank 1's gradient only: both ranks halt at the same step within a second."""
+    results = results_of(ddp_runs, "ddp_nan_one_rank", 2)
+    for result in results:
+        halt = result["halt"]
+        assert halt is not None, result
+        assert halt["step"] == scenarios.BAD_STEP
+        assert halt["params"] == ["body.weight"]
+        assert halt["kind"] == "nan"
+        assert halt["unchanged"]
+        assert halt["seconds"] < 1.0
+    assert results[0]["digests"] == results[1]["digests"]
+
+
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ddp_runs: Path) -> None:
+    """Inf injected into rank 0's gradient only, skip policy: every rank skips that step and continues in step."""
+    results = results_of(ddp_runs, "ddp_skip_one_rank", 2)
+    for result in results:
+        assert result["skipped"] == [{"step": scenarios.BAD_STEP, "unchanged": True}]
+        assert len(result["digests"]) == scenarios.STEPS
+        assert result["counters"]["nonfinite"]["skip_step_on_nonfinite"] == 1
+        assert result["counters"]["nonfinite"]["inf"] == 1
+    assert results[0]["digests"] == results[1]["digests"]
+
+
+def test_fsdp2_norms_are_those_of_the_full_unsharded_gradient(fsdp2_runs: Path) -> None:
+    """fully_shard, 2 ranks: per-tensor and group clips equal the unsharded reference on every rank."""
+    results = results_of(fsdp2_runs, "fsdp2_clip", 2)
+    assert results[0]["digests"] == results[1]["digests"]
+    assert results[0]["counters"] == results[1]["counters"]
+    assert_matches_reference(results[0], reference_run())
+
+
+def test_fsdp2_a_nan_in_one_ranks_shard_halts_every_rank(fsdp2_runs: Path) -> None:
+    """fully_shard: a NaN in rank 1's local shard halts both ranks at the same step, parameters unchanged."""
+    results = results_of(fsdp2_runs, "fsdp2_nan_one_rank", 2)
+    for result in results:
+        assert result["halt"] is not None
+        assert result["halt"]["step"] == scenarios.BAD_STEP
+        assert result["halt"]["params"] == ["body.weight"]
+        assert result["halt"]["unchanged"]
+
+
+def test_fsdp2_guard_attached_before_sharding_rebinds_to_the_sharded_parameters(fsdp2_runs: Path) -> None:
+    """Attach, then fully_shard: the guard notices the new parameters, re-binds, says so and keeps guarding."""
+    results = results_of(fsdp2_runs, "fsdp2_attach_before_shard", 2)
+    for result in results:
+        assert "rebind" in result["events"]
+        assert result["counters"]["embed"]["clip_norm"] >= 1
+    assert results[0]["digests"] == results[1]["digests"]

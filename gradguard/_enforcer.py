@@ -35,6 +35,10 @@ SCALER_RULE = "grad_scaler"
 """Counter key for steps GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_OVERFLOW_NOTE = (
+    "every element is finite but the float32 2-norm overflowed; not a non-finite gradient. A clip_norm "
+    "on it zeroes it, as torch.nn.utils.clip_grad_norm_ does"
+)
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon; the same value keeps results bitwise equal.
 
 
@@ -58,9 +62,13 @@ def _stack_on(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
 
 
 def _clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_``'s coefficient, left at 1 where the norm is not finite."""
+    """``clip_grad_norm_``'s coefficient, left at 1 where the norm is NaN.
+
+    An infinite norm gives 0, as in torch: a gradient whose norm overflowed while every element is
+    finite must not reach the optimizer unclipped (and one with an Inf element is reported anyway).
+    """
     coef = torch.clamp(max_norm / (totals + _EPS), max=1.0)
-    return torch.where(torch.isfinite(totals), coef, torch.ones_like(coef))
+    return torch.where(torch.isnan(totals), torch.ones_like(coef), coef)
 
 
 @dataclass(eq=False)
@@ -73,6 +81,9 @@ class Plan:
     """Indices of the tensors whose untouched 2-norm is needed: halt/skip coverage and first-touch clips."""
     watchers_by_param: dict[int, tuple[int, ...]]
     """Tensor index -> indices of the rules with a halt or skip action covering it, in policy order."""
+    fragile: frozenset[int]
+    """Watched tensors that an action may make finite (zero, clip_value, drop, scale by 0): their
+    NaN/Inf verdict is taken from the max-abs norm before any action, not checked afterwards."""
 
     @classmethod
     def build(cls, binding: Binding, params: Sequence[GuardedParam]) -> Plan:
@@ -95,10 +106,18 @@ class Plan:
                 if isinstance(action, ClipNorm) and action.norm_type == 2.0:
                     raw.update(entry.index for entry in members if entry.index not in touched)
                 touched.update(entry.index for entry in members)
+        fragile = {
+            entry.index
+            for bound, members in rules
+            if any(_may_erase_nonfinite(action) for action in bound.actions)
+            for entry in members
+            if entry.index in watchers
+        }
         return cls(
             params=ordered,
             rules=rules,
             raw_norm_params=frozenset(raw),
+            fragile=frozenset(fragile),
             watchers_by_param={key: tuple(value) for key, value in watchers.items()},
         )
 
@@ -250,6 +269,7 @@ class Enforcer:
                 touched.update(ids)
 
         pending.sync()  # the step's one host sync
+        self._clear_overflows(outcome, plan, grads, names, step, collective)
         if outcome.scaler_found_inf:
             self.record_scaler_skip(step, fused=True)
             return True  # the optimizer's fused kernel skips the update itself
@@ -305,6 +325,45 @@ class Enforcer:
 
     # --- actions ------------------------------------------------------------------------------
 
+    def _clear_overflows(
+        self,
+        outcome: _StepOutcome,
+        plan: Plan,
+        grads: dict[int, torch.Tensor],
+        names: dict[int, str],
+        step: int,
+        collective: Collective | None,
+    ) -> None:
+        """A +inf 2-norm with no NaN/Inf element is an overflow, not a non-finite gradient.
+
+        Only on a step where some norm came out infinite: one more sync, to look at the elements.
+        """
+        suspects = sorted(
+            index
+            for index, (kind, _) in outcome.nonfinite.items()
+            if kind == "inf" and index not in plan.fragile and index in grads
+        )
+        if not suspects:
+            return
+        device = grads[suspects[0]].device
+        flags = torch.stack([(~torch.isfinite(grads[i])).any().to(device) for i in suspects]).float()
+        if collective is not None:
+            flags = collective.sum_(flags)
+        for index, nonfinite in zip(suspects, flags.tolist(), strict=True):
+            if nonfinite:
+                continue
+            _, rule_index = outcome.nonfinite.pop(index)
+            outcome.halted_by.pop(index, None)
+            outcome.skipped_by.pop(index, None)
+            rule = self.binding.policy.rules[rule_index].name
+            outcome.counts.append((rule, "norm_overflow", 1))
+            outcome.events.append(
+                (
+                    "norm_overflow",
+                    {"step": step, "rule": rule, "param": names[index], "note": _OVERFLOW_NOTE},
+                )
+            )
+
     def _grad_of(self, index: int) -> torch.Tensor:
         param = self.binding.params[index].ref()
         assert param is not None, "a tensor with a gradient this step is alive"
@@ -331,7 +390,14 @@ class Enforcer:
         local = _norms([grads[i] for i in raw_ids], 2.0)
         device = local[0].device
         stacked = _stack_on(local, device).float()
-        flags = torch.stack([torch.isnan(stacked), torch.isinf(stacked)]).float().reshape(-1)
+        evidence = stacked
+        fragile = [position for position, index in enumerate(raw_ids) if index in plan.fragile]
+        if fragile:
+            # A 2-norm can overflow while every element is finite; the max-abs norm cannot. Tensors an
+            # action may make finite are judged by it now, the others are re-checked after the sync.
+            peaks = _stack_on(_norms([grads[raw_ids[k]] for k in fragile], float("inf")), device).float()
+            evidence = stacked.index_copy(0, torch.tensor(fragile, device=device), peaks)
+        flags = torch.stack([torch.isnan(evidence), torch.isinf(evidence)]).float().reshape(-1)
         count = len(raw_ids)
         if collective is None:
             norms = local
@@ -536,8 +602,7 @@ class Enforcer:
             )
         if outcome.halted_by:
             offenders = sorted(outcome.halted_by)
-            kinds = sorted({outcome.nonfinite[i][0] for i in offenders})
-            kind = "+".join(kinds)
+            kind = _joined_kind(outcome.nonfinite[i][0] for i in offenders)
             rule = rules[outcome.halted_by[offenders[0]]].name
             for rule_index in sorted(set(outcome.halted_by.values())):
                 self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
@@ -547,7 +612,8 @@ class Enforcer:
             return  # the step will not happen: its interventions did not either
         self.counters.add_many(outcome.counts)
         for event, fields in outcome.events:
-            self.events.emit("warning" if event.startswith("nonfinite") else "debug", event, **fields)
+            level = "warning" if event.startswith("nonfinite") or event == "norm_overflow" else "debug"
+            self.events.emit(level, event, **fields)
         if self.summary_every and (step + 1) % self.summary_every == 0:
             self.emit_summary()
 
@@ -574,7 +640,7 @@ class Enforcer:
         offenders = sorted(outcome.skipped_by)
         params = [names[i] for i in offenders]
         kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
-        kind = "+".join(sorted(set(kinds.values())))
+        kind = _joined_kind(kinds.values())
         for rule_index in sorted(set(outcome.skipped_by.values())):
             rule = rules[rule_index]
             history = self.skip_history.setdefault(rule_index, _SkipHistory())
@@ -630,6 +696,16 @@ class Enforcer:
     def emit_summary(self) -> None:
         """Write the cumulative counters, so the log reproduces counts that are not logged per step."""
         self.events.emit("info", "counters", step=self.step - 1, steps=self.step, counters=self.counters.snapshot())
+
+
+def _may_erase_nonfinite(action: Action) -> bool:
+    return isinstance(action, Zero | ClipValue | Drop) or (isinstance(action, Scale) and action.factor == 0)
+
+
+def _joined_kind(kinds: Iterable[str]) -> str:
+    """``"nan"``, ``"inf"`` or ``"nan+inf"``, always in that order."""
+    present = set(kinds)
+    return "+".join(kind for kind in ("nan", "inf") if kind in present)
 
 
 def _has_active(actions: Sequence[Action], kind: type, step: int) -> bool:

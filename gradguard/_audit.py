@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from gradguard._audit_reader import FollowReader, ReadStats, read_merged, total_bytes
-from gradguard._audit_render import audit_header, audit_sections, audit_title, render
+from gradguard._audit_render import audit_header, audit_sections, audit_title, render, render_json
 from gradguard._audit_report import AuditSummary, Filters, Summarizer
 
 __all__ = ["PROGRESS_MIN_BYTES", "follow_files", "plot_files", "render_summary", "summarize_files"]
@@ -89,7 +89,7 @@ def follow_files(
         nonlocal seen, shown_at
         summary = summarizer.summary()
         if fmt == "json":
-            text = render_summary(summary, fmt, top).replace("\n", "")  # one JSON document per line
+            text = render_json(summary.as_json(), compact=True)  # one JSON document per line
         else:
             stamp = datetime.now().strftime("%H:%M:%S")
             note = f"following {len(paths)} file{'s' if len(paths) > 1 else ''} (Ctrl-C to stop); updated {stamp}"

@@ -154,11 +154,15 @@ def pick_series(summary: AuditSummary, count: int) -> tuple[list[str], str]:
     return keep, action
 
 
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, title: str) -> None:
     """Draw and save the figure (the format follows the file's suffix)."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(11, 7.5), layout="constrained")
+    figure = Figure(figsize=(12, 7.5), layout="constrained")
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
     drawn = False
     for index, key in enumerate(collector.series):
@@ -167,32 +171,52 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
             continue
         drawn = True
         colour = f"C{index % 10}"
-        top.plot(xs, before, "o-", color=colour, markersize=3, linewidth=1, label=key)
-        top.plot(xs, after, "--", color=colour, linewidth=1, alpha=0.8)
+        top.vlines(xs, after, before, color=colour, linewidth=1, alpha=0.45)
+        top.plot(xs, before, "o", color=colour, markersize=3.5, label=key)
+        top.plot(xs, after, "_", color=colour, markersize=7)
     quantity = "gradient norm" if collector.action == "clip_norm" else "largest |gradient| element"
     if drawn:
         top.set_yscale("log")
-        top.legend(loc="upper right", fontsize="small", title="before (solid) / after (dashed)", title_fontsize="small")
+        top.legend(
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1.0),
+            fontsize="small",
+            title="dot: before, dash: after",
+            title_fontsize="small",
+        )
     else:
         top.text(0.5, 0.5, "no clip in the log (or the filters)", ha="center", va="center", transform=top.transAxes)
-    top.set_ylabel(f"{quantity} (clipped steps)")
-    top.set_title(f"{quantity} before and after the guard: the most-clipped parameters and group rules", fontsize=10)
+    top.set_ylabel(f"{quantity} at each clip")
+    top.set_title(f"{quantity} cut by the guard, before and after: the most-clipped parameters and group rules")
 
     for index, (rule, bins) in enumerate(sorted(collector.per_rule.items())):
         xs, _, _, rate = bins.points()
-        bottom.plot(xs, rate, drawstyle="steps-mid", linewidth=1, color=f"C{(index + 3) % 10}", label=f"{rule}")
-    marks = (
-        (collector.nonfinite, "x", "red", "non-finite"),
-        (collector.skips, "v", "darkorange", "skipped step"),
-        (collector.scaler_skips, "|", "grey", "GradScaler skip"),
-    )
-    for bins, marker, colour, label in marks:
+        colour = f"C{(index + 3) % 10}"
+        bottom.vlines(xs, 0, rate, color=colour, linewidth=1.2, alpha=0.7)
+        bottom.plot(xs, rate, ".", color=colour, markersize=3, label=rule)
+    xs, _, _, _ = collector.nonfinite.points()
+    if xs:
+        bottom.plot(xs, [0.0] * len(xs), "x", color="red", markersize=8, clip_on=False, zorder=5, label="non-finite")
+    for bins, colour, label in (
+        (collector.skips, "darkorange", "skipped step"),
+        (collector.scaler_skips, "grey", "GradScaler skip"),
+    ):
         xs, _, _, _ = bins.points()
-        if xs:
-            bottom.plot(xs, [0.0] * len(xs), marker, color=colour, markersize=7, linestyle="none", label=label)
-    for axis in (top, bottom):
-        for step, _ in collector.halts:
-            axis.axvline(step, color="red", linewidth=1.5, alpha=0.8)
+        for position, x in enumerate(xs[:200]):
+            for axis in (top, bottom):
+                axis.axvline(
+                    x,
+                    color=colour,
+                    linestyle="--",
+                    linewidth=1,
+                    alpha=0.7,
+                    label=label if position == 0 and axis is bottom else None,
+                )
+    for position, (step, _) in enumerate(collector.halts):
+        for axis in (top, bottom):
+            axis.axvline(
+                step, color="red", linewidth=1.5, alpha=0.85, label="halt" if position == 0 and axis is bottom else None
+            )
     for step, rule in collector.halts[:5]:
         top.annotate(
             f"halt @ {step}\n({rule})",
@@ -205,14 +229,18 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
             color="red",
             fontsize="small",
         )
-    bottom.set_ylabel("interventions / step")
+    bottom.set_ylabel("interventions per step")
     bottom.set_xlabel("step")
+    bottom.set_ylim(bottom=0)
     if bottom.get_legend_handles_labels()[0]:
-        bottom.legend(loc="upper right", fontsize="small", ncols=2)
-    interventions = f"{summary.intervention_count:,} interventions"
+        bottom.legend(
+            loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="by rule", title_fontsize="small"
+        )
+    interventions = _plural(summary.intervention_count, "intervention")
     figure.suptitle(
         f"{title}: steps {summary.first_step}-{summary.last_step}, {interventions}, "
-        f"{summary.halts_total} halts, {summary.skips.events} skips, {summary.nonfinite.events} non-finite",
+        f"{_plural(summary.halts_total, 'halt')}, {_plural(summary.skips.events, 'skip')}, "
+        f"{summary.nonfinite.events:,} non-finite",
         fontsize=11,
     )
     figure.savefig(path, dpi=110)

@@ -223,7 +223,7 @@ class _FileState:
             if step is not None:
                 self.last_step = step
             self.events += 1
-            self.stats.events[self.name] = self.events
+            self.stats.events[self.name] += 1
             yield Record(self.last_step if step is None else step, self.index, number, parsed)
 
     def finish(self) -> Iterator[Record]:

@@ -100,8 +100,10 @@ def _md_text(text: str) -> str:
     return text.replace("*", "\\*").replace("_", "\\_")
 
 
-def render_json(data: Any) -> str:
-    """Indented JSON; NaN and infinities are written as the strings the audit log uses (``"Infinity"``)."""
+def render_json(data: Any, *, compact: bool = False) -> str:
+    """JSON (indented, or on one line); NaN and infinities are written as the log writes them (``"Infinity"``)."""
+    if compact:
+        return json.dumps(_json_safe(data), allow_nan=False, separators=(",", ":")) + "\n"
     return json.dumps(_json_safe(data), indent=2, allow_nan=False) + "\n"
 
 
@@ -242,7 +244,7 @@ def _runs(summary: AuditSummary) -> Section:
         start = run.start.replace("T", " ").split(".")[0].rstrip("Z") + " UTC" if run.start else ""
         steps = steps_range(run.first_step, run.last_step)
         if run.steps is not None:
-            steps += f" ({run.steps:,} steps)" if steps else f"{run.steps:,} steps"
+            steps += f" ({_plural(run.steps, 'step')})" if steps else _plural(run.steps, "step")
         rows.append(
             [
                 run.run,
@@ -290,8 +292,8 @@ def _interventions(summary: AuditSummary) -> Section:
         for row in summary.by_rule_action
     ]
     lines = [
-        f"{summary.intervention_count:,} gradients changed (a group clip counts each of its parameters) in "
-        f"{summary.intervention_events:,} events",
+        f"{_plural(summary.intervention_count, 'gradient')} changed (a group clip counts each of its parameters) "
+        f"in {_plural(summary.intervention_events, 'event')}",
         "largest before: the largest norm (clip_norm) or element (clip_value) the guard cut down",
     ]
     headers = ["rule", "action", "count", "events", "steps", "largest before", "at step"]
@@ -434,12 +436,14 @@ def _counters(summary: AuditSummary) -> Section:
         lines.append(f"and {len(runs) - 8} more runs (--format json has each run's counters)")
     if summary.mismatches_total:
         after = [
-            f"MISMATCH: run {m.run}, {m.rule}/{m.action}: the counters event at step {m.step} ({short_path(m.where)}) "
-            f"says {m.counters:,}, the events before it give {m.events:,}"
+            f"MISMATCH: run {m.run}, {m.rule}/{m.action}: the counters written at step {m.step} "
+            f"({short_path(m.where)}) say {m.counters:,}, the events before them give {m.events:,}"
             for m in summary.mismatches[:10]
         ]
         if summary.mismatches_total > 10:
             after.append(f"and {summary.mismatches_total - 10:,} more mismatches")
+    elif not any(run.snapshots for run in runs):
+        after = ["cross-check: no counters event in the log yet, so nothing to check"]
     else:
         after = [
             "cross-check: the per-event lines reproduce every clip, non-finite, halt and skip count of the "

@@ -196,6 +196,8 @@ class RunInfo:
     counters_source: str
     counters_complete: bool
     """False where ``scale``/``zero``/``drop`` counts after the last snapshot cannot be known."""
+    snapshots: int
+    """How many ``counters``/``halt``/``detach`` snapshots the log has of this run (each one cross-checked)."""
     rules_matching_nothing: list[str]
 
 
@@ -430,6 +432,7 @@ class _Run:
         self.snapshot: Counts | None = None
         self.snapshot_event = ""
         self.snapshot_step: int | None = None
+        self.snapshots = 0
         self.at_snapshot: dict[tuple[str, str], int] = {}
         self.unverifiable: set[str] = set()
         self.mismatched: set[tuple[str, str]] = set()
@@ -544,7 +547,9 @@ class Summarizer:
             else:
                 handler(event, run, record)
         except Malformed as exc:
-            self.stats.bad_line(self.paths[record.file], record.line, str(exc))
+            path = self.paths[record.file]
+            self.stats.events[path] = self.stats.events.get(path, 1) - 1
+            self.stats.bad_line(path, record.line, str(exc))
 
     def add_all(self, records: Iterable[Record]) -> None:
         for record in records:
@@ -611,6 +616,7 @@ class Summarizer:
             ):
                 self._check(run, key, 0, step, record)
         run.snapshot = counts
+        run.snapshots += 1
         run.snapshot_event = event["event"]
         run.snapshot_step = step if step is not None else run.last_step
         run.at_snapshot = dict(run.recomputed)
@@ -936,7 +942,7 @@ class Summarizer:
             complete = run.snapshot_event == "detach" or not late
         else:
             after = {key: n for key, n in run.recomputed.items() if _recomputable(key) and n}
-            source = "counted from the events (no counters event in the log)"
+            source = "events alone (no counters event in the log yet)"
             complete = False
         for (rule, action), n in after.items():
             into = counters.setdefault(rule, {})
@@ -974,6 +980,7 @@ class Summarizer:
             counters=counters,
             counters_source=source,
             counters_complete=complete,
+            snapshots=run.snapshots,
             rules_matching_nothing=[name for name, n in run.rules_matched.items() if n == 0],
         )
 

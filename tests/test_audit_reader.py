@@ -1,0 +1,161 @@
+"""Reading damaged and huge logs: every bad line reported with its number and skipped, nothing else lost."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from gradguard._audit_reader import LineSplitter, ReadStats, parse_line, read_file
+from gradguard._audit_report import Summarizer
+from gradguard._audit_synth import LogBuilder, write_synthetic_run
+from gradguard.cli import main
+
+
+def damaged_log(path: Path) -> LogBuilder:
+    """A clean 8-step run with garbage of every kind in between, and a last line torn mid-write."""
+    with LogBuilder(path) as log:
+        log.attach({"embed": 1})  # line 1
+        log.clip(0, "embed", "embed.weight", 2.0)  # 2
+        log.raw('{"ts": "2026-01-01T00:00:00Z", "level": "debug", "event": "intervention", "ru\n')  # 3: corrupt
+        log.clip(1, "embed", "embed.weight", 3.0)  # 4
+        log.raw("Epoch 1/10 - loss: 0.3412 - accuracy: 0.91\n")  # 5: another program's print
+        log.raw('{"event": "epoch_end", "epoch": 1, "loss": 0.34}\n')  # 6: another program's JSON log
+        log.raw("\n")  # 7: blank, ignored
+        log.raw('{"ts": "x", "event": "intervention", "run": "run0", "step": 2, "action": "clip_norm"}\n')  # 8
+        log.raw('{"ts": "x", "event": "intervention", "run": "run0", "step": "two"}\n')  # 9
+        log.clip(2, "embed", "embed.weight", 4.0)  # 10
+        log.raw("[1, 2, 3]\n")  # 11
+        log._file.flush()
+    with open(path, "ab") as handle:
+        handle.write(
+            b'{"ts": "2026-01-01T00:00:00Z", "event": "intervention", "run": "run0", "step": 2, "rule": "\xff"}\n'
+        )  # 12
+    with LogBuilder(path) as tail:
+        tail.counts = log.counts
+        for step in range(3, 8):
+            tail.clip(step, "embed", "embed.weight", 5.0)  # 13-17
+        tail.counters(7)  # 18
+        tail.detach(8)  # 19
+        tail.raw('{"ts": "2026-01-01T00:00:01Z", "level": "debug", "event": "interv')  # 20: torn mid-write
+    return tail
+
+
+def test_every_bad_line_is_reported_with_its_number_and_reason(tmp_path: Path) -> None:
+    """Corrupt, foreign, non-UTF-8, malformed and torn lines are listed by line number; good lines all count."""
+    path = tmp_path / "damaged.jsonl"
+    log = damaged_log(path)
+    result = CliRunner().invoke(main, ["audit", "--format", "json", str(path)])
+    data = json.loads(result.stdout)
+    assert result.exit_code == 1
+    reasons = {bad["line"]: bad["reason"] for bad in data["bad_lines"]}
+    assert sorted(reasons) == [3, 5, 6, 8, 9, 11, 12, 20]
+    assert reasons[3].startswith("not JSON (Unterminated string")
+    assert reasons[5].startswith("not JSON (Expecting value at column 1)")
+    assert reasons[6] == "JSON without gradguard's 'event' and 'run' fields: a line from another program?"
+    assert reasons[8].startswith("gradguard 'intervention' event without a 'rule' string")
+    assert reasons[9].startswith("gradguard 'intervention' event with an invalid 'step' ('two'")
+    assert reasons[11] == "a JSON list, not an event object: a line from another program?"
+    assert reasons[12].startswith("not UTF-8 text")
+    assert reasons[20].startswith("truncated last line (no newline at the end")
+    assert data["bad_lines_total"] == 8
+    assert data["files"] == [{"path": str(path), "lines": 20, "events": 11, "bad_lines": 8}]
+    assert data["totals"] == log.counts == {"embed": {"clip_norm": 8}}
+    assert data["mismatches"] == []
+    assert "8 unreadable lines" in data["findings"]
+
+
+def test_the_table_lists_bad_lines_as_file_line_reason_and_excerpt(tmp_path: Path) -> None:
+    """In the table, each skipped line reads path:line: reason: the start of the line."""
+    path = tmp_path / "damaged.jsonl"
+    damaged_log(path)
+    out = CliRunner().invoke(main, ["audit", str(path)]).output
+    assert f"{path}:5: not JSON (Expecting value at column 1): a corrupt line, or a line from another program: " in out
+    assert "Epoch 1/10 - loss: 0.3412 - accuracy: 0.91" in out
+    assert f"{path}:20: truncated last line" in out
+
+
+def test_a_last_line_missing_only_its_newline_is_read() -> None:
+    """A complete event without the final newline loses nothing: it is read like any other line."""
+    splitter = LineSplitter()
+    assert splitter.feed(b'{"a": 1}\n{"b"') == (1, [b'{"a": 1}'])
+    assert splitter.feed(b": 2}") == (2, [])
+    assert splitter.finish() == (2, b'{"b": 2}')
+    assert splitter.finish() is None
+
+
+def test_complete_last_line_without_newline_counts_in_the_summary(tmp_path: Path) -> None:
+    """The writer crashing just before the newline loses no event and is no finding."""
+    path = tmp_path / "nonl.jsonl"
+    with LogBuilder(path) as log:
+        log.attach({"embed": 1})
+        log.clip(0, "embed", "embed.weight", 2.0)
+        log.detach(1)
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))
+    result = CliRunner().invoke(main, ["audit", "--format", "json", str(path)])
+    data = json.loads(result.stdout)
+    assert result.exit_code == 0
+    assert data["bad_lines_total"] == 0
+    assert data["runs"][0]["ended"] == "detached (removed)"
+
+
+def test_lines_split_across_chunks_come_out_whole() -> None:
+    """Fed one byte at a time, the splitter gives the same numbered lines as fed at once."""
+    data = b'{"x": 1}\n\n{"y": "\xc3\xa9"}\nlast'
+    whole = LineSplitter()
+    first, lines = whole.feed(data)
+    assert (first, lines) == (1, [b'{"x": 1}', b"", b'{"y": "\xc3\xa9"}'])
+    assert whole.finish() == (4, b"last")
+    bytewise = LineSplitter()
+    got: list[tuple[int, bytes | None]] = []
+    for index in range(len(data)):
+        start, pieces = bytewise.feed(data[index : index + 1])
+        got.extend(enumerate(pieces, start))
+    assert got == list(enumerate(lines, 1))
+    assert bytewise.finish() == (4, b"last")
+
+
+def test_an_overlong_line_is_dropped_as_it_streams_and_reading_goes_on() -> None:
+    """A line over the limit is never held whole: it comes out as None, and the next line is intact."""
+    splitter = LineSplitter(max_line=16)
+    out: list[bytes | None] = []
+    for _ in range(10):
+        out.extend(splitter.feed(b"x" * 10)[1])
+    out.extend(splitter.feed(b'x\n{"ok": 1}\n')[1])
+    assert out == [None, b'{"ok": 1}']
+    assert splitter.lines_done == 2
+
+
+def test_parse_line_accepts_gradguard_events_only() -> None:
+    """An event needs an object with 'event' and 'run' strings; a non-negative integer step if any."""
+    assert parse_line(b'{"event": "attach", "run": "a", "rank": 0}') == {"event": "attach", "run": "a", "rank": 0}
+    assert parse_line(b"   ") is None
+    assert parse_line(b'{"event": "x", "run": "a", "step": -1}') == (
+        "gradguard 'x' event with an invalid 'step' (-1; expected an integer >= 0)"
+    )
+    assert parse_line(b'{"event": "x", "run": "a", "step": true}') is not None
+    assert isinstance(parse_line(b'{"event": "x", "run": "a", "step": true}'), str)
+    assert isinstance(parse_line(b"[" * 100_000), str)  # nested too deeply, reported not raised
+
+
+def test_a_large_log_is_summarized_in_bounded_memory(tmp_path: Path) -> None:
+    """Summarizing a 12,000-event log (about 5 MB) allocates a small, fixed amount (a read chunk and its lines)."""
+    path = tmp_path / "large.jsonl"
+    counts = write_synthetic_run(path, events=12_000, params=500)
+    size = path.stat().st_size
+    stats = ReadStats()
+    summarizer = Summarizer([str(path)], stats)
+    tracemalloc.start()
+    try:
+        summarizer.add_all(read_file(path, 0, stats))
+        summary = summarizer.summary()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert summary.events >= 12_000
+    assert summary.totals == counts
+    assert summary.mismatches_total == 0
+    assert size > 4_000_000
+    assert peak < 3_500_000, f"peak {peak / 1e6:.1f} MB for a {size / 1e6:.0f} MB log"

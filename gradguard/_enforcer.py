@@ -27,6 +27,7 @@ from gradguard._counters import Counters
 from gradguard._distributed import Collective, combine_shard_norms, is_sharded, local_tensor
 from gradguard._errors import GradientHalt, GuardWarning
 from gradguard._events import EventLog
+from gradguard._micro_batch import HookRecord, MicroBatchHooks, handled_in_hooks
 from gradguard._policy import Action, ClipNorm, ClipValue, Drop, HaltOnNonfinite, Scale, SkipStepOnNonfinite, Zero
 
 __all__ = ["SCALER_RULE", "Enforcer", "Plan", "StepContext"]
@@ -193,6 +194,8 @@ class Enforcer:
         self.summary_every = summary_every
         self.step = 0
         """0-based index of the next step the guard will treat."""
+        self.micro_batch: MicroBatchHooks | None = None
+        """Set in per-micro-batch mode: tensor-scope actions then run in hooks, not here."""
         self.skip_history: dict[int, _SkipHistory] = {}
         self._warned_scheduler = False
         self.applied_versions: dict[int, tuple[int, int]] = {}
@@ -224,6 +227,8 @@ class Enforcer:
         outcome = _StepOutcome()
         names = {entry.index: entry.name for entry in plan.params}
         self._adopt_fused_scaler(context, pending, outcome)
+        if self.micro_batch is not None:
+            self._read_hook_records(pending, outcome, names, step)
 
         collective = self.collective if self.collective.active() else None
         sharded = collective is not None and any(is_sharded(self._grad_of(i)) for i in grads)
@@ -240,7 +245,9 @@ class Enforcer:
             if not ids:
                 continue
             for action in bound.actions:
-                if not action.active_at(step) or isinstance(action, HaltOnNonfinite):
+                if not action.active_at(step) or isinstance(action, HaltOnNonfinite | SkipStepOnNonfinite):
+                    continue
+                if self.micro_batch is not None and handled_in_hooks(action):
                     continue
                 gs = [grads[i] for i in ids]
                 if isinstance(action, ClipNorm):
@@ -363,6 +370,44 @@ class Enforcer:
                     {"step": step, "rule": rule, "param": names[index], "note": _OVERFLOW_NOTE},
                 )
             )
+
+    def _read_hook_records(self, pending: _Pending, outcome: _StepOutcome, names: dict[int, str], step: int) -> None:
+        """Fold what the per-micro-batch hooks did into this step's sync, counters and events."""
+        assert self.micro_batch is not None
+        records, counts = self.micro_batch.drain()
+        rules = self.binding.policy.rules
+        outcome.counts.extend((rules[rule].name, action, count) for rule, action, count in counts)
+        if not records:
+            return
+        device = records[0].before.device
+        befores = [record.before.to(device, torch.float32) for record in records]
+        coefs = [
+            record.coef.to(device, torch.float32) if record.coef is not None else before
+            for record, before in zip(records, befores, strict=True)
+        ]
+        values = torch.stack(befores + coefs)
+
+        def read(host: list[float], records: list[HookRecord] = records) -> None:
+            for record, before, coef in zip(records, host[: len(records)], host[len(records) :], strict=True):
+                rule = rules[record.rule].name
+                action = record.action
+                if before != before or abs(before) == float("inf"):
+                    outcome.nonfinite.setdefault(record.index, ("nan" if before != before else "inf", record.rule))
+                    continue
+                if isinstance(action, ClipNorm):
+                    if coef >= 1.0:
+                        continue
+                    fields = {"scope": "tensor", "norm_type": action.norm_type, "max_norm": action.max_norm}
+                    fields |= {"before": before, "after": before * coef, "coef": coef}
+                else:
+                    if before <= action.limit:
+                        continue
+                    fields = {"limit": action.limit, "before": before, "after": action.limit}
+                outcome.counts.append((rule, action.action, 1))
+                event = {"step": step, "rule": rule, "action": action.action, "param": names.get(record.index)}
+                outcome.events.append(("intervention", event | fields | {"micro_batch": True}))
+
+        pending.add(values, read)
 
     def _grad_of(self, index: int) -> torch.Tensor:
         param = self.binding.params[index].ref()

@@ -11,13 +11,12 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from gradguard._binding import Binding, bind
 from gradguard._counters import Counters
@@ -25,11 +24,16 @@ from gradguard._distributed import Collective
 from gradguard._enforcer import Enforcer, Plan, StepContext
 from gradguard._errors import GuardStateError, GuardWarning
 from gradguard._events import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
+from gradguard._micro_batch import MicroBatchHooks
 from gradguard._policy import Policy
 
 __all__ = ["GradGuard"]
 
 _LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
+
+
+class _Removable(Protocol):
+    def remove(self) -> None: ...
 
 
 class _Attachment:
@@ -38,7 +42,7 @@ class _Attachment:
     def __init__(self, enforcer: Enforcer, events: EventLog) -> None:
         self.enforcer = enforcer
         self.events = events
-        self.handles: list[RemovableHandle] = []
+        self.handles: list[_Removable] = []
         self.open = True
 
     def close(self, reason: str) -> None:
@@ -101,6 +105,7 @@ class GradGuard:
         logger: Any = DEFAULT_LOGGER,
         scaler: torch.amp.GradScaler | None = None,
         process_group: Any = None,
+        per_micro_batch: bool = False,
         summary_every: int = 100,
         replace: bool = False,
     ) -> None:
@@ -129,6 +134,8 @@ class GradGuard:
         )
 
         self._attachment = _Attachment(self._enforcer, events)
+        if per_micro_batch:
+            self._attach_micro_batch_hooks()
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))
         if optimizer is None:
             self._attachment.handles.append(register_optimizer_step_pre_hook(hook))
@@ -282,6 +289,9 @@ class GradGuard:
         replaced = [entry.name for key, entry in new.by_id.items() if old_ids.get(entry.name) not in (None, key)]
         self._binding = new
         self._enforcer.rebind(new)
+        if self._enforcer.micro_batch is not None:
+            self._enforcer.micro_batch.remove()
+            self._attach_micro_batch_hooks()
         self._manual_plan = Plan.build(new, new.params)
         self._plans = weakref.WeakKeyDictionary()
         self._events.emit(
@@ -292,6 +302,12 @@ class GradGuard:
             params=len(new.params),
             rules={bound.name: len(bound.params) for bound in new.rules},
         )
+
+    def _attach_micro_batch_hooks(self) -> None:
+        enforcer = self._enforcer
+        hooks = MicroBatchHooks(self._binding, lambda: enforcer.step)
+        enforcer.micro_batch = hooks
+        self._attachment.handles.append(hooks)
 
     def _claim_parameters(self, replace: bool) -> None:
         mine = set(self._binding.by_id)
@@ -339,7 +355,7 @@ class _ScalerWatch:
             del self.scaler.step
 
 
-def _watch_scaler(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> Any:
+def _watch_scaler(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> _ScalerWatch:
     return _ScalerWatch(scaler, guard_ref)
 
 

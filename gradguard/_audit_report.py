@@ -39,6 +39,8 @@ SHOWN_STEPS: Final = 20
 KEPT_HALTS: Final = 50
 KEPT_MISMATCHES: Final = 50
 KEPT_EVENT_NAMES: Final = 100
+KEPT_GROUPS: Final = 1000
+"""Distinct (rule, parameter list) group clips pooled before attributing them to parameters one by one."""
 HALT_PARAMS_SHOWN: Final = 10
 
 RECOMPUTABLE_ACTIONS: Final = frozenset(
@@ -439,7 +441,8 @@ class _Run:
         self.watch_step: int | None = None
         self.halting_rules: dict[str, None] = {}
         self.skipping_rules: dict[str, None] = {}
-        self.last_intervention: str | None = None
+        self.last_intervention: tuple[int | None, str, str, str | int, float | None] | None = None
+        """(step, rule, action, parameter or group size, value before) of the last intervention."""
 
     def count(self, rule: str, action: str, n: int = 1) -> None:
         key = (rule, action)
@@ -482,8 +485,14 @@ def _counts(event: Mapping[str, Any]) -> Counts:
     raise Malformed(f"gradguard {event.get('event')!r} event whose 'counters' is not {{rule: {{action: count}}}}")
 
 
-def _fmt(value: float | None) -> str:
-    return "?" if value is None else f"{value:.4g}"
+def _describe(last: tuple[int | None, str, str, str | int, float | None] | None) -> str | None:
+    if last is None:
+        return None
+    step, rule, action, what, before = last
+    value = "?" if before is None else f"{before:.4g}"
+    if isinstance(what, int):
+        return f"{action} of {what} parameters as a group (rule {rule!r}) at step {step}, group norm before {value}"
+    return f"{action} of {what} (rule {rule!r}) at step {step}, before {value}"
 
 
 # --- the summarizer --------------------------------------------------------------------------------
@@ -504,6 +513,8 @@ class Summarizer:
         self._runs: dict[str, _Run] = {}
         self._rule_action: dict[tuple[str, str], _RuleAction] = {}
         self._params: dict[str, _Param] = {}
+        self._groups: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
+        """Group-clip events pooled by (rule, parameters): [events, first step, last step]."""
         self._series: dict[str, int] = {}
         self._nonfinite = _Steps()
         self._nonfinite_kind: dict[str, int] = {}
@@ -632,34 +643,46 @@ class Summarizer:
             self._mismatches.append(Mismatch(run.run, step, key[0], key[1], logged, counted, where))
 
     def _intervention(self, event: dict[str, Any], run: _Run, record: Record) -> None:
-        rule = _text(event, "rule")
-        action = _text(event, "action")
+        rule = event.get("rule")
+        action = event.get("action")
+        if type(rule) is not str or type(action) is not str:
+            raise Malformed(
+                f"gradguard 'intervention' event without a 'rule' and an 'action' string (got {rule!r}, {action!r})"
+            )
         param = event.get("param")
         step: int | None = event.get("step")
-        before = _number(event.get("before"))
-        if param is None:
+        before = event.get("before")
+        if type(before) is not float:
+            before = _number(before)
+        if type(param) is str:
+            n = 1
+            run.last_intervention = (step, rule, action, param, before)
+        elif param is None:
             names = _names(event, "params")
             n = event.get("n_params")
-            n = n if type(n) is int else len(names)
-            series = f"{rule} (group)"
-            run.last_intervention = f"{action} of {n} parameters as a group (rule {rule!r}) at step {step}"
-        elif type(param) is str:
-            names = [param]
-            n = 1
-            series = param
-            run.last_intervention = f"{action} of {param} (rule {rule!r}) at step {step}, before {_fmt(before)}"
+            if type(n) is not int:
+                n = len(names)
+            run.last_intervention = (step, rule, action, n, before)
         else:
             raise Malformed(f"gradguard 'intervention' event whose 'param' is {param!r}, not a name or null")
-        run.count(rule, action, n)
+        key = (rule, action)
+        recomputed = run.recomputed
+        recomputed[key] = recomputed.get(key, 0) + n
         if not self._shown(step, rule):
             return
-        if self._param_filter is not None:
-            names = self._narrow(names)
-            if not names:
-                return
-            if param is None:
+        if param is None:
+            if self._param_filter is not None:
+                names = self._narrow(names)
+                if not names:
+                    return
                 n = len(names)
-        key = (rule, action)
+            self._group_event(rule, names, step)
+            series = f"{rule} (group)"
+        else:
+            if self._param_filter is not None and not self._param_filter(param):
+                return
+            self._tensor_event(rule, action, param, step, before)
+            series = param
         row = self._rule_action.get(key)
         if row is None:
             row = self._rule_action[key] = _RuleAction()
@@ -672,24 +695,54 @@ class Summarizer:
         if before is not None and (row.best is None or before > row.best):
             row.best, row.best_step = before, step
         self._series[series] = self._series.get(series, 0) + 1
-        norm = before if param is not None and action == "clip_norm" else None
-        element = before if param is not None and action == "clip_value" else None
+
+    def _tensor_event(self, rule: str, action: str, name: str, step: int | None, before: float | None) -> None:
+        entry = self._params.get(name)
+        if entry is None:
+            entry = self._params[name] = _Param()
+        entry.count += 1
+        if step is not None:
+            if entry.first is None:
+                entry.first = step
+            entry.last = step
+        if rule not in entry.rules:
+            entry.rules[rule] = None
+        if before is None:
+            return
+        if action == "clip_norm":
+            if entry.norm is None or before > entry.norm:
+                entry.norm, entry.norm_step = before, step
+        elif action == "clip_value" and (entry.element is None or before > entry.element):
+            entry.element, entry.element_step = before, step
+
+    def _group_event(self, rule: str, names: list[str], step: int | None) -> None:
+        """A group clip counts once for each of its parameters; events of one (rule, parameters) are pooled first."""
+        key = (rule, tuple(names))
+        pooled = self._groups.get(key)
+        if pooled is None:
+            if len(self._groups) >= KEPT_GROUPS:
+                self._spread(rule, names, 1, step, step)
+                return
+            pooled = self._groups[key] = [0, step, step]
+        pooled[0] += 1
+        if step is not None:
+            if pooled[1] is None:
+                pooled[1] = step
+            pooled[2] = step
+
+    def _spread(self, rule: str, names: Iterable[str], count: int, first: int | None, last: int | None) -> None:
         params = self._params
         for name in names:
             entry = params.get(name)
             if entry is None:
                 entry = params[name] = _Param()
-            entry.count += 1
-            if step is not None:
-                if entry.first is None:
-                    entry.first = step
-                entry.last = step
+            entry.count += count
+            if first is not None and (entry.first is None or first < entry.first):
+                entry.first = first
+            if last is not None and (entry.last is None or last > entry.last):
+                entry.last = last
             if rule not in entry.rules:
                 entry.rules[rule] = None
-            if norm is not None and (entry.norm is None or norm > entry.norm):
-                entry.norm, entry.norm_step = norm, step
-            if element is not None and (entry.element is None or element > entry.element):
-                entry.element, entry.element_step = element, step
 
     def _watch(self, run: _Run, step: int | None) -> None:
         if step != run.watch_step:
@@ -783,7 +836,7 @@ class Summarizer:
                     n_params=len(params),
                     where=f"{self.paths[record.file]}:{record.line}",
                     ts=ts if type(ts) is str else None,
-                    preceded_by=run.last_intervention,
+                    preceded_by=_describe(run.last_intervention),
                 )
             )
 
@@ -852,6 +905,9 @@ class Summarizer:
             for (rule, action), acc in self._rule_action.items()
         ]
         by_rule_action.sort(key=lambda row: (-row.count, row.rule, row.action))
+        for (rule, names), (count, first, last) in self._groups.items():
+            self._spread(rule, names, count, first, last)
+        self._groups.clear()
         by_param = [
             ParamRow(
                 name,

@@ -14,7 +14,9 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 
 from __future__ import annotations
 
+import math
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -198,8 +200,8 @@ class Enforcer:
         """Set in per-micro-batch mode: tensor-scope actions then run in hooks, not here."""
         self.skip_history: dict[int, _SkipHistory] = {}
         self._warned_scheduler = False
-        self.applied_versions: dict[int, tuple[int, int]] = {}
-        """``(id(grad), grad._version)`` after the last pass, per tensor: a gradient already treated,
+        self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
+        """``(weakref to grad, version)`` after the last pass, per tensor: a gradient already treated,
         and unchanged since, is not treated again (a second ``step()`` on the same gradient)."""
 
     def run(self, plan: Plan, context: StepContext) -> bool:
@@ -215,7 +217,8 @@ class Enforcer:
             if grad is None:
                 continue
             local = local_tensor(grad)
-            if self.applied_versions.get(entry.index) == (id(grad), local._version):
+            seen = self.applied_versions.get(entry.index)
+            if seen is not None and seen[0]() is grad and seen[1] == local._version:
                 continue  # already treated, and unchanged since: a second step() on the same gradient
             grads[entry.index] = local
         if not grads:
@@ -286,7 +289,8 @@ class Enforcer:
             return False
         self._reset_consecutive_skips()
         for index, local in grads.items():
-            self.applied_versions[index] = (id(self._grad_of(index)), local._version)
+            # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
+            self.applied_versions[index] = (weakref.ref(self._grad_of(index)), local._version)
         return True
 
     def rebind(self, binding: Binding) -> None:
@@ -458,6 +462,8 @@ class Enforcer:
         rules = self.binding.policy.rules
 
         def read(values: list[float]) -> None:
+            if not any(values):
+                return  # every flag is 0: nothing non-finite (the common case, without a loop in Python)
             for position, index in enumerate(raw_ids):
                 has_nan, has_inf = values[position] > 0, values[count + position] > 0
                 if not has_nan and not has_inf:
@@ -501,6 +507,8 @@ class Enforcer:
 
             def read(values: list[float], device_ids: list[int] = device_ids) -> None:
                 count = len(device_ids)
+                if min(values[count:]) >= 1.0 and math.isfinite(sum(values[:count])):
+                    return  # nothing clipped, every norm finite (coefficients are never NaN)
                 for index, norm, coef in zip(device_ids, values[:count], values[count:], strict=False):
                     if norm != norm or abs(norm) == float("inf"):
                         outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
@@ -596,6 +604,8 @@ class Enforcer:
         for device_ids, positions in _by_device(ids, peaks):
 
             def read(values: list[float], device_ids: list[int] = device_ids) -> None:
+                if max(values) <= action.limit and math.isfinite(sum(values)):
+                    return  # nothing clamped, every peak finite
                 for index, peak in zip(device_ids, values, strict=False):
                     if peak != peak or abs(peak) == float("inf"):
                         outcome.nonfinite.setdefault(index, ("nan" if peak != peak else "inf", bound.index))

@@ -55,7 +55,7 @@ def test_every_bad_line_is_reported_with_its_number_and_reason(tmp_path: Path) -
     assert reasons[3].startswith("not JSON (Unterminated string")
     assert reasons[5].startswith("not JSON (Expecting value at column 1)")
     assert reasons[6] == "JSON without gradguard's 'event' and 'run' fields: a line from another program?"
-    assert reasons[8].startswith("gradguard 'intervention' event without a 'rule' string")
+    assert reasons[8].startswith("gradguard 'intervention' event without a 'rule' and an 'action' string")
     assert reasons[9].startswith("gradguard 'intervention' event with an invalid 'step' ('two'")
     assert reasons[11] == "a JSON list, not an event object: a line from another program?"
     assert reasons[12].startswith("not UTF-8 text")

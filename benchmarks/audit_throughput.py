@@ -1,0 +1,92 @@
+"""How fast ``gradguard audit`` reads a large log, and how much memory it takes.
+
+Writes a synthetic audit log of at least ``--events`` events (default 1,000,000) shaped like a long
+LLM run under the shipped policy (per-tensor clips of embeddings and attention on most steps, group
+clips naming every parameter during warm-up, router clip_value, NaN batches skipped, a counters event
+every 100 steps, a halt at the end; see ``gradguard._audit_synth.write_synthetic_run``), then runs
+``gradguard audit --format json`` on it in a fresh process, as a user would, and reports:
+
+- lines per second and MB per second (wall clock of the whole command, interpreter start included);
+- the peak resident memory of that process (``ru_maxrss`` from ``os.wait4``), next to the peak of the
+  same command on a tiny log (the interpreter and imports alone), and the log's size;
+- whether the audit's totals equal the counters the generator kept (they must).
+
+Run: ``python benchmarks/audit_throughput.py [--events N] [--params P] [--log PATH] [--keep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from gradguard._audit_synth import LogBuilder, write_synthetic_run
+
+
+def run_audit(log: Path, out: Path) -> tuple[float, int, int]:
+    """Wall seconds, peak RSS in bytes, and exit code of `python -m gradguard.cli audit LOG --format json`."""
+    command = [sys.executable, "-m", "gradguard.cli", "audit", str(log), "--format", "json", "--no-progress"]
+    with open(out, "wb") as handle:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=handle)
+        _, status, usage = os.wait4(process.pid, 0)
+        elapsed = time.perf_counter() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+    return elapsed, peak, process.returncode
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=1_000_000, help="events to write (at least)")
+    parser.add_argument("--params", type=int, default=200, help="parameter tensors of the synthetic model")
+    parser.add_argument("--log", type=Path, default=None, help="where to write the log (default: a temporary file)")
+    parser.add_argument("--keep", action="store_true", help="keep the log afterwards")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="gradguard-bench-"))
+    log = args.log or workdir / "audit.jsonl"
+    log.unlink(missing_ok=True)
+    started = time.perf_counter()
+    expected = write_synthetic_run(log, events=args.events, params=args.params)
+    generated = time.perf_counter() - started
+    with open(log, "rb") as handle:
+        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 24), b""))
+    size = log.stat().st_size
+
+    tiny = workdir / "tiny.jsonl"
+    with LogBuilder(tiny) as small:
+        small.attach({"r": 1})
+        small.clip(0, "r", "w", 2.0)
+        small.detach(1)
+    _, baseline, _ = run_audit(tiny, workdir / "tiny.json")
+
+    elapsed, peak, code = run_audit(log, workdir / "result.json")
+    result: dict[str, Any] = json.loads((workdir / "result.json").read_text())
+    ok = result["totals"] == expected and result["events"] == lines and result["mismatches_total"] == 0
+
+    print(f"machine: {os.cpu_count()} CPU cores, Python {sys.version.split()[0]}, {sys.platform}")
+    print(f"log: {lines:,} lines ({result['events']:,} events), {size / 1e6:,.0f} MB, written in {generated:.1f} s")
+    print(f"gradguard audit --format json: {elapsed:.2f} s wall, exit {code}")
+    print(f"throughput: {lines / elapsed:,.0f} lines/s, {size / 1e6 / elapsed:,.1f} MB/s")
+    print(f"peak memory (RSS): {peak / 2**20:,.1f} MiB; the same command on a 3-line log: {baseline / 2**20:,.1f} MiB")
+    print(f"totals equal the generator's counters: {ok}")
+    if not args.keep:
+        log.unlink(missing_ok=True)
+    for leftover in workdir.iterdir():
+        if leftover != log:
+            leftover.unlink()
+    if not args.keep and not any(workdir.iterdir()):
+        workdir.rmdir()
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

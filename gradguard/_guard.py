@@ -93,6 +93,20 @@ class GradGuard:
 
     Use it as a context manager, or call :meth:`remove`; a guard that is garbage-collected while
     attached removes its hooks and warns.
+
+    Args:
+        model: the module whose parameters are guarded (DDP-, torch.compile- and checkpoint-wrapped
+            modules are matched by the unwrapped names).
+        policy: a :class:`Policy`, or the path of a policy file.
+        optimizer: only these optimizers trigger the guard (default: any ``torch.optim`` optimizer that
+            holds guarded parameters).
+        audit_log: append every event to this JSON-lines file.
+        logger: a structlog logger for the events; ``None`` for none (default: ``gradguard``'s).
+        scaler: the ``GradScaler`` of the loop, so the steps it skips are logged and counted.
+        process_group: the group ranks agree over (default: the default group, when initialised).
+        per_micro_batch: treat each backward's contribution with the tensor-scope actions.
+        summary_every: write the cumulative counters every this many steps (0: only at the end).
+        replace: remove a guard already attached to the model instead of refusing.
     """
 
     def __init__(
@@ -113,6 +127,7 @@ class GradGuard:
             raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
         if summary_every < 0:
             raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
+        optimizers = _optimizers(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._binding: Binding = bind(self.policy, model)
         self._claim_parameters(replace)
@@ -137,14 +152,11 @@ class GradGuard:
         if per_micro_batch:
             self._attach_micro_batch_hooks()
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))
-        if optimizer is None:
+        if optimizers is None:
             self._attachment.handles.append(register_optimizer_step_pre_hook(hook))
             boundary = "any torch.optim optimizer"
         else:
-            optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
             for opt in optimizers:
-                if not isinstance(opt, Optimizer):
-                    raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(opt).__name__}")
                 self._attachment.handles.append(opt.register_step_pre_hook(hook))
             boundary = ", ".join(type(opt).__name__ for opt in optimizers)
         if scaler is not None:
@@ -321,6 +333,19 @@ class GradGuard:
                     "remove it and attach this one."
                 )
             other.remove()
+
+
+def _optimizers(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer] | None:
+    """The optimizers given, checked before anything is attached (so a bad one leaves nothing behind)."""
+    if optimizer is None:
+        return None
+    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    for opt in optimizers:
+        if not isinstance(opt, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got {type(opt).__name__}")
+    if not optimizers:
+        raise ValueError("optimizer=[] would never trigger the guard; pass None to guard every torch optimizer")
+    return optimizers
 
 
 def _parameters_of(model: nn.Module | None) -> Iterable[torch.Tensor]:

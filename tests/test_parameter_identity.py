@@ -1,0 +1,450 @@
+"""Parameter identity: tied weights, parameters replaced after attach, a second guard on one model,
+sparse and complex parameters, and wrappers (FSDP1, DeepSpeed) whose parameters cannot be matched.
+
+Where the guard trains, it is compared with an unguarded reference that applies the policy by hand.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradguard import GradGuard, GradientHalt, GuardStateError, Policy, PolicyError
+from gradguard._demo import TinyDecoder
+
+
+def make_policy(*rules: dict[str, Any]) -> Policy:
+    return Policy.from_dict({"version": 1, "rules": [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]})
+
+
+def decoder(seed: int = 0) -> TinyDecoder:
+    torch.manual_seed(seed)
+    return TinyDecoder(vocab=16, width=16, depth=1, heads=2, context=8)
+
+
+def decoder_backward(model: nn.Module, step: int) -> None:
+    tokens = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(4000 + step))
+    logits = model(tokens[:, :-1])
+    nn.functional.cross_entropy(logits.reshape(-1, 16), tokens[:, 1:].reshape(-1)).backward()
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def mlp_backward(model: nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(5000 + step)
+    x, y = torch.randn(16, 8, generator=gen) * 3, torch.randn(16, 4, generator=gen)
+    (nn.functional.mse_loss(model(x), y) * 10).backward()
+
+
+def assert_same_params(a: nn.Module, b: nn.Module, where: str) -> None:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert list(pa) == list(pb), where
+    for name in pa:
+        assert torch.equal(pa[name], pb[name]), f"{where}: {name} differs"
+
+
+def events(path: Path, kind: str) -> list[dict[str, Any]]:
+    return [event for line in path.read_text().splitlines() if (event := json.loads(line))["event"] == kind]
+
+
+# --- tied parameters ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pattern", ["head.weight", "embed.weight", ["head.*", "embed.*"]], ids=str)
+def test_a_tied_parameter_is_matched_under_every_name_and_treated_once(pattern: Any) -> None:
+    """TinyDecoder ties head.weight to embed.weight: a scale 0.5 matched through either name (or both) is applied
+    once per step (x0.5, never x0.25), and counted once, exactly as a reference that scales it once by hand."""
+    model = decoder()
+    ref = copy.deepcopy(model)
+    assert model.head.weight is model.embed.weight
+    opt_g = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
+    policy = make_policy({"match": pattern, "actions": [{"action": "scale", "factor": 0.5}]})
+    with GradGuard(model, policy, logger=None) as guard:
+        assert guard.guarded == {"embed.weight": ("r0",)}
+        for step in range(3):
+            for m, opt in ((model, opt_g), (ref, opt_r)):
+                opt.zero_grad()
+                decoder_backward(m, step)
+            ref.embed.weight.grad.mul_(0.5)
+            opt_r.step()
+            opt_g.step()
+            assert torch.equal(model.embed.weight.grad, ref.embed.weight.grad), f"step {step}"
+            assert_same_params(model, ref, f"step {step}")
+        assert guard.counters.snapshot() == {"r0": {"scale": 3}}
+
+
+def test_a_tied_parameter_in_a_group_clip_counts_once_in_the_joint_norm() -> None:
+    """A group clip over '*' sees the tied tensor once, as clip_grad_norm_(model.parameters()) does."""
+    model = decoder(1)
+    ref = copy.deepcopy(model)
+    policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.1, "scope": "group"}]})
+    with GradGuard(model, policy, logger=None) as guard:
+        for m in (model, ref):
+            decoder_backward(m, 0)
+        guard.step()
+        n_params = len(list(model.parameters()))
+        assert guard.counters.snapshot() == {"r0": {"clip_norm": n_params}}
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_two_rules_changing_a_tied_tensor_through_its_two_names_are_a_policy_error_naming_both() -> None:
+    """scale via embed.weight and clip via head.weight: most likely meant as two tensors; refused."""
+    policy = Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {"name": "embeddings", "match": "embed.weight", "actions": [{"action": "scale", "factor": 0.5}]},
+                {"name": "output-head", "match": "head.weight", "actions": [{"action": "clip_norm", "max_norm": 1.0}]},
+            ],
+        }
+    )
+    model = decoder()
+    with pytest.raises(PolicyError) as info:
+        GradGuard(model, policy, logger=None)
+    message = str(info.value)
+    for expected in ("embeddings", "output-head", "embed.weight", "head.weight", "tied"):
+        assert expected in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_drop_or_zero_with_another_gradient_change_on_one_tensor_is_a_policy_error_naming_both_rules() -> None:
+    """drop in one rule and scale in another, on the same tensor: the scale would be void; refused."""
+    policy = Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {"name": "freeze-out", "match": "out.*", "actions": [{"action": "drop"}]},
+                {"name": "slow-everything", "match": "*", "actions": [{"action": "scale", "factor": 0.1}]},
+            ],
+        }
+    )
+    with pytest.raises(PolicyError) as info:
+        GradGuard(MLP(), policy, logger=None)
+    message = str(info.value)
+    assert "freeze-out" in message
+    assert "slow-everything" in message
+    assert "out.weight" in message
+    assert "inp.weight" not in message, "only the tensors both rules change are named"
+
+
+def test_a_watching_rule_and_a_changing_rule_on_a_tied_tensor_do_not_conflict() -> None:
+    """halt_on_nonfinite via head.weight and a clip via embed.weight: only one of them changes the gradient."""
+    model = decoder()
+    policy = make_policy(
+        {"match": "head.weight", "actions": [{"action": "halt_on_nonfinite"}]},
+        {"match": "embed.weight", "actions": [{"action": "clip_norm", "max_norm": 1.0}]},
+    )
+    with GradGuard(model, policy, logger=None) as guard:
+        assert guard.guarded == {"embed.weight": ("r0", "r1")}
+        decoder_backward(model, 0)
+        model.embed.weight.grad[0, 0] = float("nan")
+        with pytest.raises(GradientHalt) as info:
+            guard.step()
+    assert info.value.params == ("embed.weight",)
+
+
+# --- parameters replaced after attach --------------------------------------------------------------------
+
+
+def train_two_steps(model: nn.Module, ref: nn.Module) -> None:
+    """Two steps with fresh SGD optimizers; the reference clips every tensor to 0.5 by hand."""
+    opt_g = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        for m, opt in ((model, opt_g), (ref, opt_r)):
+            opt.zero_grad()
+            mlp_backward(m, step)
+        for p in ref.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 0.5)
+        opt_r.step()
+        opt_g.step()
+        assert_same_params(model, ref, f"step {step}")
+
+
+CLIP = make_policy({"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.5}]})
+
+
+def replace_by_load_state_dict_assign(model: nn.Module) -> None:
+    model.load_state_dict({k: v.clone() * 2 for k, v in model.state_dict().items()}, assign=True)
+
+
+def replace_by_setattr(model: nn.Module) -> None:
+    model.out.weight = nn.Parameter(model.out.weight.detach().clone() * 2)
+
+
+REPLACEMENTS = {"load_state_dict(assign=True)": replace_by_load_state_dict_assign, "setattr": replace_by_setattr}
+
+
+@pytest.mark.parametrize("how", sorted(REPLACEMENTS))
+def test_a_parameter_replaced_after_attach_is_rebound_and_the_rebind_is_logged(how: str, tmp_path: Path) -> None:
+    """After load_state_dict(assign=True) or module.weight = nn.Parameter(...), a new optimizer's step applies
+    the policy to the new tensors (as the reference by hand), and a 'rebind' warning names the replaced ones."""
+    torch.manual_seed(0)
+    model = MLP()
+    log = tmp_path / "audit.jsonl"
+    with GradGuard(model, CLIP, logger=None, audit_log=log) as guard:
+        old_ids = {name: id(p) for name, p in model.named_parameters()}
+        REPLACEMENTS[how](model)
+        replaced = sorted(name for name, p in model.named_parameters() if id(p) != old_ids[name])
+        assert replaced, "precondition: the parameters really are new tensors"
+        ref = copy.deepcopy(model)
+        train_two_steps(model, ref)
+        assert guard.step_count == 2
+        assert guard.counters.total("clip_norm") > 0
+    (rebind,) = events(log, "rebind")
+    assert rebind["level"] == "warning"
+    assert sorted(rebind["replaced"]) == replaced
+    assert rebind["step"] == 0
+
+
+def test_a_model_built_on_meta_and_materialised_with_to_empty_is_guarded_after_it() -> None:
+    """Attach on the meta device, then to_empty(device='cpu') and initialise: the real tensors are guarded."""
+    with torch.device("meta"):
+        model = MLP()
+    with GradGuard(model, CLIP, logger=None) as guard:
+        model.to_empty(device="cpu")
+        torch.manual_seed(1)
+        for module in (model.inp, model.out):
+            module.reset_parameters()
+        ref = copy.deepcopy(model)
+        train_two_steps(model, ref)
+        assert guard.step_count == 2
+        assert guard.counters.total("clip_norm") > 0
+
+
+def test_guard_step_notices_replaced_parameters_in_a_loop_without_an_optimizer() -> None:
+    """guard.step() rebinds too: the new tensor's gradient is clipped, as by hand."""
+    torch.manual_seed(2)
+    model = MLP()
+    with GradGuard(model, CLIP, logger=None) as guard:
+        replace_by_setattr(model)
+        ref = copy.deepcopy(model)
+        for m in (model, ref):
+            mlp_backward(m, 0)
+        assert guard.step() is True
+        for p in ref.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 0.5)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), name
+        assert guard.counters.snapshot() == {"clip": {"clip_norm": 4}}
+
+
+# --- a second guard ------------------------------------------------------------------------------------
+
+
+def test_a_second_guard_on_the_same_model_raises_a_clear_error_and_never_stacks() -> None:
+    """Attaching twice (a notebook cell run again) raises GuardStateError; the first guard still acts once."""
+    torch.manual_seed(3)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.5}]})
+    with GradGuard(model, policy, logger=None) as first:
+        with pytest.raises(GuardStateError, match=r"already has a GradGuard attached.*replace=True"):
+            GradGuard(model, policy, logger=None)
+        with pytest.raises(GuardStateError, match="already has a GradGuard attached"):
+            GradGuard(torch.compile(model, backend="eager"), policy, logger=None)  # same tensors, another wrapper
+        assert first.attached
+        for m in (model, ref):
+            mlp_backward(m, 0)
+        first.step()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 0.5), "scaled once, not twice"
+
+
+def test_replace_true_removes_the_first_guard_and_attaches_the_new_one() -> None:
+    """replace=True: the old guard is detached, the new policy alone applies."""
+    torch.manual_seed(4)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    first = GradGuard(model, make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.5}]}), logger=None)
+    second_policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.25}]})
+    with GradGuard(model, second_policy, logger=None, replace=True) as second:
+        assert not first.attached
+        assert second.attached
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for m in (model, ref):
+            mlp_backward(m, 0)
+        opt.step()
+        assert first.step_count == 0
+        assert second.counters.snapshot() == {"r0": {"scale": 4}}
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 0.25)
+
+
+# --- sparse and complex parameters ---------------------------------------------------------------------
+
+
+class SparseModel(nn.Module):
+    def __init__(self, bag: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.EmbeddingBag(16, 8, sparse=True) if bag else nn.Embedding(16, 8, sparse=True)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return self.head(x if x.dim() == 2 else x.mean(dim=1))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("bag", [False, True], ids=["Embedding", "EmbeddingBag"])
+@pytest.mark.parametrize(
+    "action",
+    [
+        {"action": "halt_on_nonfinite"},
+        {"action": "clip_norm", "max_norm": 1.0},
+        {"action": "clip_value", "limit": 0.1},
+        {"action": "scale", "factor": 0.5},
+        {"action": "skip_step_on_nonfinite"},
+    ],
+    ids=lambda action: action["action"],
+)
+def test_a_sparse_gradient_parameter_is_refused_at_attach_with_its_name(action: dict[str, Any], bag: bool) -> None:
+    """nn.Embedding/EmbeddingBag(sparse=True) under any action: GuardStateError at attach, naming the parameter."""
+    model = SparseModel(bag)
+    with pytest.raises(GuardStateError) as info:
+        GradGuard(model, make_policy({"name": "rule-x", "match": "*", "actions": [action]}), logger=None)
+    message = str(info.value)
+    assert "'embed.weight'" in message
+    assert "sparse" in message
+    assert "rule-x" in message
+
+
+def test_a_sparse_parameter_left_out_of_the_policy_trains_while_the_rest_is_guarded() -> None:
+    """Excluding the sparse embedding lets the guard attach; the sparse gradient is untouched, the head clipped."""
+    torch.manual_seed(5)
+    model = SparseModel()
+    ref = copy.deepcopy(model)
+    opt_g = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    policy = make_policy({"match": "*", "exclude": "embed.*", "actions": [{"action": "clip_norm", "max_norm": 0.01}]})
+    with GradGuard(model, policy, logger=None) as guard:
+        assert list(guard.guarded) == ["head.weight", "head.bias"]
+        tokens = torch.randint(0, 16, (4, 3), generator=torch.Generator().manual_seed(0))
+        for m in (model, ref):
+            m(tokens).pow(2).sum().backward()
+        assert model.embed.weight.grad.is_sparse
+        for p in ref.head.parameters():
+            torch.nn.utils.clip_grad_norm_([p], 0.01)
+        opt_r.step()
+        opt_g.step()
+        assert guard.counters.snapshot() == {"r0": {"clip_norm": 2}}
+    assert_same_params(model, ref, "after one step")
+
+
+class ComplexModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotation = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+        self.real = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.real((x.to(torch.complex64) @ self.rotation).abs())  # type: ignore[no-any-return]
+
+
+def test_a_complex_parameter_under_clip_value_is_refused_at_attach_with_its_name() -> None:
+    """clip_value cannot clamp complex numbers: GuardStateError naming the parameter and the rule."""
+    policy = make_policy({"name": "clamp", "match": "*", "actions": [{"action": "clip_value", "limit": 1.0}]})
+    with pytest.raises(GuardStateError) as info:
+        GradGuard(ComplexModel(), policy, logger=None)
+    message = str(info.value)
+    assert "'rotation'" in message
+    assert "complex" in message
+    assert "'clamp'" in message
+
+
+def test_a_complex_parameter_is_clipped_scaled_and_halted_correctly() -> None:
+    """clip_norm (tensor and group) and scale on a complex gradient equal torch's functions by hand; NaN halts.
+
+    The group clip is over one dtype: over mixed dtypes clip_grad_norm_ sums the per-dtype norms in its own
+    order, which can differ in the last bit (a separate finding)."""
+    torch.manual_seed(6)
+    model = ComplexModel()
+    ref = copy.deepcopy(model)
+    opt_g = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    policy = make_policy(
+        {"match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+        {
+            "match": "rotation",
+            "actions": [{"action": "scale", "factor": 3.0}, {"action": "clip_norm", "max_norm": 0.2}],
+        },
+        {"match": "real.*", "actions": [{"action": "clip_norm", "max_norm": 0.5, "scope": "group"}]},
+        {"match": "rotation", "actions": [{"action": "clip_norm", "max_norm": 0.1, "scope": "group"}]},
+    )
+    with GradGuard(model, policy, logger=None) as guard:
+        for step in range(3):
+            x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+            for m, opt in ((model, opt_g), (ref, opt_r)):
+                opt.zero_grad()
+                m(x).pow(2).sum().backward()
+            assert model.rotation.grad.is_complex()
+            ref.rotation.grad.mul_(3.0)
+            torch.nn.utils.clip_grad_norm_([ref.rotation], 0.2)
+            torch.nn.utils.clip_grad_norm_(ref.real.parameters(), 0.5)
+            torch.nn.utils.clip_grad_norm_([ref.rotation], 0.1)
+            opt_r.step()
+            opt_g.step()
+            assert_same_params(model, ref, f"step {step}")
+        assert guard.counters.snapshot()["r1"] == {"scale": 3, "clip_norm": 3}
+        opt_g.zero_grad()
+        model(torch.randn(2, 4)).pow(2).sum().backward()
+        model.rotation.grad[0, 0] = complex(float("nan"), 0.0)
+        with pytest.raises(GradientHalt) as info:
+            opt_g.step()
+        assert info.value.params == ("rotation",)
+        assert info.value.kind == "nan"
+
+
+# --- wrappers whose parameters cannot be matched -------------------------------------------------------
+
+
+def test_an_fsdp1_wrapped_model_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    """FullyShardedDataParallel (FSDP1, single-rank gloo) flattens the parameters: GuardStateError pointing to FSDP2."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="NO_SHARD"):
+            wrapped = FullyShardedDataParallel(MLP(), device_id=torch.device("cpu"))
+        assert [name for name, _ in wrapped.named_parameters()] == ["_fsdp_wrapped_module._flat_param"]
+        policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
+        with pytest.raises(GuardStateError) as info:
+            GradGuard(wrapped, policy, logger=None)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    message = str(info.value)
+    assert "FullyShardedDataParallel" in message
+    assert "fully_shard" in message
+
+
+def test_a_deepspeed_engine_is_refused_with_a_clear_error() -> None:
+    """A DeepSpeed engine (recognised by its class name; DeepSpeed itself is not installed) is refused."""
+
+    class DeepSpeedEngine(nn.Module):
+        def __init__(self, module: nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+    policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
+    with pytest.raises(GuardStateError, match="DeepSpeedEngine"):
+        GradGuard(DeepSpeedEngine(MLP()), policy, logger=None)

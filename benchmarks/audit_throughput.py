@@ -28,18 +28,29 @@ from typing import Any
 
 from gradguard._audit_synth import LogBuilder, write_synthetic_run
 
+_LAUNCHER = """
+import json, os, subprocess, sys, time
+started = time.perf_counter()
+with open(sys.argv[1], "wb") as out:
+    process = subprocess.Popen(sys.argv[2:], stdout=out)
+    _, status, usage = os.wait4(process.pid, 0)
+elapsed = time.perf_counter() - started
+print(json.dumps([elapsed, usage.ru_maxrss, os.waitstatus_to_exitcode(status)]))
+"""
+"""A lean parent for the measured process: on Linux a child's ru_maxrss starts at its parent's peak
+(the pages it was forked from), so the benchmark, which has just written a large log, must not be
+that parent."""
+
 
 def run_audit(log: Path, out: Path) -> tuple[float, int, int]:
     """Wall seconds, peak RSS in bytes, and exit code of `python -m gradguard.cli audit LOG --format json`."""
     command = [sys.executable, "-m", "gradguard.cli", "audit", str(log), "--format", "json", "--no-progress"]
-    with open(out, "wb") as handle:
-        started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=handle)
-        _, status, usage = os.wait4(process.pid, 0)
-        elapsed = time.perf_counter() - started
-    process.returncode = os.waitstatus_to_exitcode(status)
-    peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
-    return elapsed, peak, process.returncode
+    done = subprocess.run(
+        [sys.executable, "-c", _LAUNCHER, str(out), *command], capture_output=True, text=True, check=True
+    )
+    elapsed, maxrss, code = json.loads(done.stdout)
+    peak = maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+    return float(elapsed), int(peak), int(code)
 
 
 def main() -> None:

@@ -186,7 +186,7 @@ class LineSplitter:
         return self.lines_done, line
 
 
-_scan_once = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[no-untyped-call]
+_scan_once: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 """The C scanner behind :func:`json.loads`, without its two regular-expression passes per line."""
 
 _OVERLONG = f"line longer than {MAX_LINE_BYTES >> 20} MiB: skipped (corrupt, or not a gradguard log)"

@@ -659,9 +659,8 @@ class Summarizer:
             run.last_intervention = (step, rule, action, param, before)
         elif param is None:
             names = _names(event, "params")
-            n = event.get("n_params")
-            if type(n) is not int:
-                n = len(names)
+            given = event.get("n_params")
+            n = given if type(given) is int else len(names)
             run.last_intervention = (step, rule, action, n, before)
         else:
             raise Malformed(f"gradguard 'intervention' event whose 'param' is {param!r}, not a name or null")

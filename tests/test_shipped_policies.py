@@ -1,0 +1,115 @@
+"""Every policy in policies/ loads, binds to a real model of the kind it is written for, and trains."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradguard import GradGuard, Policy
+
+POLICIES = Path(__file__).resolve().parent.parent / "policies"
+
+# Which small model each shipped policy is meant for (see conftest: names follow the real architectures).
+TARGETS = {
+    "default.yaml": ("mlp", "decoder", "resnet"),
+    "llm-pretraining.yaml": ("moe", "decoder"),
+    "finetune-frozen-backbone.toml": ("finetune",),
+    "vision.json": ("resnet",),
+}
+CASES = [(name, workload) for name, workloads in TARGETS.items() for workload in workloads]
+
+
+def test_every_shipped_policy_has_a_target_model():
+    """No policy file ships untested: the files in policies/ are exactly those listed here."""
+    assert sorted(path.name for path in POLICIES.iterdir() if path.is_file()) == sorted(TARGETS)
+
+
+def _train(workload, policy_path: Path, log: Path, steps: int = 5, opt_name: str = "adamw"):
+    opt = (
+        torch.optim.SGD(workload.model.parameters(), lr=0.05)
+        if opt_name == "sgd"
+        else torch.optim.AdamW(workload.model.parameters(), lr=1e-3)
+    )
+    start = {name: p.detach().clone() for name, p in workload.model.named_parameters()}
+    losses = []
+    with GradGuard(workload.model, policy_path, audit_log=log, logger=None) as guard:
+        for step in range(steps):
+            opt.zero_grad()
+            losses.append(float(workload.backward(step)))
+            opt.step()
+        guarded = guard.guarded
+        counters = guard.counters.snapshot()
+        assert guard.step_count == steps
+    moved = {name for name, p in workload.model.named_parameters() if not torch.equal(p, start[name])}
+    return guarded, counters, losses, moved
+
+
+@pytest.mark.parametrize(("policy_name", "workload_name"), CASES)
+def test_shipped_policy_loads_binds_and_trains(make_workload, read_audit, tmp_path, policy_name, workload_name):
+    """The policy loads, every rule binds (or may match nothing), every parameter is halt-covered, steps run."""
+    path = POLICIES / policy_name
+    policy = Policy.from_file(path)
+    workload = make_workload(workload_name)
+    names = [name for name, _ in workload.model.named_parameters()]
+    guarded, counters, losses, moved = _train(workload, path, tmp_path / "audit.jsonl")
+
+    assert list(guarded) == names  # every parameter is covered (by the halt rule at least)
+    assert all(rules[0] == "nonfinite" for rules in guarded.values())
+    for rule in policy.rules:
+        covering = [name for name, rules in guarded.items() if rule.name in rules]
+        assert covering or rule.allow_no_match, f"rule {rule.name!r} covers nothing on {workload_name}"
+    assert all(math.isfinite(loss) for loss in losses)
+    assert moved  # training happened
+    assert counters  # and the policy did something
+    assert "nonfinite" not in counters
+    events = read_audit(tmp_path / "audit.jsonl")
+    assert events[0]["policy"] == str(path)
+    assert events[0]["rules"] == {
+        rule.name: sum(rule.name in rules for rules in guarded.values()) for rule in policy.rules
+    }
+
+
+def test_llm_policy_covers_embeddings_attention_router_and_everything_on_a_moe_decoder(make_workload, tmp_path):
+    """On a MoE decoder, llm-pretraining.yaml clips the tied embedding, attention weights (not biases) and routers."""
+    workload = make_workload("moe")
+    guarded, counters, _, _ = _train(workload, POLICIES / "llm-pretraining.yaml", tmp_path / "a.jsonl")
+    assert guarded["embed.weight"] == ("nonfinite", "embeddings", "warmup-global")  # also head.weight, tied
+    assert "head.weight" not in guarded
+    for block in (0, 1):
+        assert guarded[f"blocks.{block}.attn.in_proj_weight"] == ("nonfinite", "attention", "warmup-global")
+        assert guarded[f"blocks.{block}.attn.out_proj.bias"] == ("nonfinite", "warmup-global")  # '*.bias' excluded
+        assert guarded[f"blocks.{block}.router.weight"] == ("nonfinite", "router", "warmup-global")
+        assert guarded[f"blocks.{block}.mlp.0.up.weight"] == ("nonfinite", "warmup-global")
+    assert counters["router"]["scale"] == 4 * 5  # two blocks x (weight, bias) x five steps
+
+
+def test_finetune_policy_holds_early_layers_still_and_slows_the_backbone(make_workload, tmp_path):
+    """finetune-frozen-backbone.toml: with plain SGD, embed and layers 0-1 do not move; layers 2-3 and head do."""
+    workload = make_workload("finetune")
+    path = POLICIES / "finetune-frozen-backbone.toml"
+    guarded, counters, _, moved = _train(workload, path, tmp_path / "f.jsonl", opt_name="sgd")
+    frozen = {name for name, rules in guarded.items() if "frozen-early-layers" in rules}
+    assert frozen == {"embed.weight", *(f"layers.{i}.0.{kind}" for i in (0, 1) for kind in ("weight", "bias"))}
+    assert not frozen & moved
+    assert moved == set(guarded) - frozen
+    assert all(guarded[f"layers.{i}.0.weight"] == ("nonfinite", "backbone-slow") for i in (2, 3))
+    assert guarded["head.weight"] == ("nonfinite", "head")
+    assert counters["frozen-early-layers"] == {"zero": len(frozen) * 5}
+    assert counters["backbone-slow"]["scale"] == 4 * 5
+
+
+def test_vision_policy_covers_convolutions_norms_and_classifier_of_a_resnet(make_workload, tmp_path):
+    """vision.json on a ResNet-like net: conv weights and downsample clipped by value, BN by norm, fc by norm."""
+    workload = make_workload("resnet")
+    guarded, counters, _, _ = _train(workload, POLICIES / "vision.json", tmp_path / "v.jsonl")
+    assert guarded["conv1.weight"] == ("nonfinite", "conv")
+    assert guarded["layer2.0.conv2.weight"] == ("nonfinite", "conv")
+    assert guarded["layer2.0.downsample.0.weight"] == ("nonfinite", "conv")
+    assert guarded["layer2.0.downsample.1.weight"] == ("nonfinite", "conv")
+    assert guarded["bn1.weight"] == ("nonfinite", "norm-layers")
+    assert guarded["layer1.0.bn2.bias"] == ("nonfinite", "norm-layers")
+    assert guarded["fc.weight"] == ("nonfinite", "classifier")
+    assert counters["conv"]["clip_value"] > 0

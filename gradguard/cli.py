@@ -10,6 +10,7 @@ without it.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -27,7 +28,26 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Group(click.Group):
+    """Ends quietly where a user would otherwise see a traceback: Ctrl-C, or a closed pipe (``| head``)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted", err=True)
+            sys.exit(130)
+        except BrokenPipeError:
+            # The reader went away (`gradguard audit big.jsonl | head`): stop writing, without a traceback.
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+            except (OSError, ValueError):
+                pass
+            sys.exit(1)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="gradguard")
 def main() -> None:
     """gradguard: per-parameter gradient policies for PyTorch, enforced and audited.

@@ -194,3 +194,54 @@ def test_the_demo_prints_the_audit_command_for_its_own_log(tmp_path: Path) -> No
     assert code == 0
     assert data["runs"][0]["model"] == "TinyDecoder"
     assert data["runs"][0]["steps"] == 4
+
+
+def test_skipped_steps_and_a_skip_limit_halt_are_reproduced_exactly(tmp_path: Path) -> None:
+    """Steps skipped on NaN, then a halt when a skip rule's limit is exceeded: totals and cross-check hold."""
+    policy = Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {
+                    "name": "skip-a",
+                    "match": ["0.*"],
+                    "actions": [{"action": "skip_step_on_nonfinite", "max_consecutive_skips": 2}],
+                },
+                {
+                    "name": "skip-b",
+                    "match": ["2.*"],
+                    "actions": [{"action": "skip_step_on_nonfinite", "max_consecutive_skips": 2}],
+                },
+                {"name": "clip", "match": ["*"], "actions": [{"action": "clip_norm", "max_norm": 0.01}]},
+            ],
+        }
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "skips.jsonl"
+    halt = None
+    with GradGuard(model, policy, audit_log=log, logger=None, summary_every=5) as guard:
+        for step in range(20):
+            x = torch.randn(8, 4)
+            if step in (6, 10, 11, 12):
+                x[0, 0] = float("nan")
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()  # type: ignore[no-untyped-call]
+            try:
+                optimizer.step()
+            except GradientHalt as exc:
+                halt = exc
+                break
+        counters = guard.counters.snapshot()
+    assert halt is not None
+    assert halt.step == 12
+    code, data = audit_json(str(log))
+    assert code == 1
+    assert data["totals"] == counters
+    assert data["mismatches"] == []
+    assert data["skips"]["steps"] == [6, 10, 11]
+    (row,) = data["halts"]
+    assert row["step"] == 12
+    assert row["rule"] == "skip-a"
+    assert row["reason"].startswith("skip limit exceeded: 3 consecutive skipped steps")

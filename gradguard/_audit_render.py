@@ -181,7 +181,7 @@ def _time_span(start: str | None, end: str | None, seconds: float | None) -> str
     a, b = a.split(".")[0], b.split(".")[0]
     if a[:10] == b[:10]:
         b = b[11:]
-    return f"{a} to {b} UTC ({duration(seconds)})"
+    return f"{a} to {b} UTC" + (f" ({duration(seconds)})" if seconds is not None else "")
 
 
 def _names(names: Sequence[str], shown: int, total: int | None = None) -> str:

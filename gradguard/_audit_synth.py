@@ -39,6 +39,10 @@ class LogBuilder:
     def close(self) -> None:
         self._file.close()
 
+    def flush(self) -> None:
+        """Hand what was written so far to the OS, so that a reader sees it."""
+        self._file.flush()
+
     def count(self, rule: str, action: str, n: int = 1) -> None:
         by_action = self.counts.setdefault(rule, {})
         by_action[action] = by_action.get(action, 0) + n

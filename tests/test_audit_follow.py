@@ -34,7 +34,7 @@ def test_follow_updates_the_summary_as_lines_arrive_and_stops_on_ctrl_c(tmp_path
     writer = LogBuilder(log_path, run="live")
     writer.attach({"embed": 1})
     writer.clip(0, "embed", "embed.weight", 2.0)
-    writer._file.flush()
+    writer.flush()
     with open(out_path, "w") as out, open(tmp_path / "err.txt", "w") as err:
         follower = subprocess.Popen(
             [sys.executable, "-m", "gradguard.cli", "audit", str(log_path), "--follow", "--interval", "0.1"],
@@ -47,7 +47,7 @@ def test_follow_updates_the_summary_as_lines_arrive_and_stops_on_ctrl_c(tmp_path
         for step in range(1, 6):
             writer.clip(step, "embed", "embed.weight", 3.0)
         writer.nonfinite(6, "embed", "embed.weight", "nan")
-        writer._file.flush()
+        writer.flush()
         assert wait_for(lambda: re.search(r"embed +clip_norm +6 ", out_path.read_text())), out_path.read_text()
         assert "following 1 file (Ctrl-C to stop); updated" in out_path.read_text()
     finally:

@@ -28,7 +28,7 @@ def damaged_log(path: Path) -> LogBuilder:
         log.raw('{"ts": "x", "event": "intervention", "run": "run0", "step": "two"}\n')  # 9
         log.clip(2, "embed", "embed.weight", 4.0)  # 10
         log.raw("[1, 2, 3]\n")  # 11
-        log._file.flush()
+        log.flush()
     with open(path, "ab") as handle:
         handle.write(
             b'{"ts": "2026-01-01T00:00:00Z", "event": "intervention", "run": "run0", "step": 2, "rule": "\xff"}\n'

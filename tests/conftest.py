@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -405,20 +405,15 @@ def _no_guard_outlives_its_test() -> Iterator[None]:
     assert not leftovers, f"test left guards attached: {leftovers}"
 
 
-def names_in_order(model: nn.Module, keep: Callable[[str, nn.Parameter], bool]) -> list[str]:
-    return [name for name, p in model.named_parameters() if keep(name, p)]
-
-
 @pytest.fixture
 def nonfinite_names() -> Callable[[nn.Module], list[str]]:
     """``nonfinite_names(model)``: names (model order) of parameters whose gradient holds NaN or Inf."""
 
     def find(model: nn.Module) -> list[str]:
-        return names_in_order(model, lambda _, p: p.grad is not None and not bool(torch.isfinite(p.grad).all()))
+        return [
+            name
+            for name, p in model.named_parameters()
+            if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        ]
 
     return find
-
-
-def expected_kind(grads: Sequence[torch.Tensor]) -> str:
-    kinds = {"nan" if bool(torch.isnan(g).any()) else "inf" for g in grads}
-    return "+".join(sorted(kinds))

@@ -16,7 +16,7 @@ from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
-from gradguard import GradGuard
+from gradguard import GradGuard, GradientHalt
 
 OPTIMIZERS = ("sgd", "adamw", "adamw_foreach", "adamw_fused")
 WORKLOADS = ("mlp", "decoder")
@@ -446,6 +446,46 @@ def test_one_host_sync_per_guarded_step_and_none_during_backward(make_workload, 
             assert _count_host_syncs(opt.step) - unguarded == 1
             assert guard.step_count == step + 1
         assert guard.counters.total("clip_norm") > 0
+
+
+SYNC_POLICIES = {
+    "halt-and-tensor-clip": (
+        {"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+        {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.05}]},
+    ),
+    "group-clip-value-scale": (
+        {
+            "name": "all",
+            "match": "*",
+            "actions": [
+                {"action": "clip_norm", "max_norm": 0.05, "scope": "group"},
+                {"action": "clip_value", "limit": 0.001},
+                {"action": "scale", "factor": 0.5},
+            ],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("poison", [False, True])
+@pytest.mark.parametrize("policy_name", list(SYNC_POLICIES))
+def test_one_host_sync_also_for_group_clips_and_for_a_step_with_nan(make_workload, make_policy, policy_name, poison):
+    """Group clip, clip_value and scale together, and a step whose gradient holds NaN (halted or not): one sync."""
+    workload = make_workload("mlp")
+    opt = torch.optim.SGD(workload.model.parameters(), lr=0.01)
+    with GradGuard(workload.model, make_policy(*SYNC_POLICIES[policy_name]), logger=None) as guard:
+        workload.backward(0)
+        if poison:
+            workload.model.hidden.weight.grad[0, 0] = float("nan")
+
+        def step():
+            try:
+                opt.step()
+            except GradientHalt:
+                assert poison
+
+        assert _count_host_syncs(step) == 1
+        assert guard.step_count == 1
 
 
 def test_sync_counter_sees_item_and_tolist(make_workload):

@@ -255,7 +255,8 @@ class Policy(_Strict):
             return NotImplemented
         return self.version == other.version and self.rules == other.rules
 
-    __hash__ = _Strict.__hash__
+    def __hash__(self) -> int:
+        return hash((self.version, self.rules))
 
     @property
     def source(self) -> str:

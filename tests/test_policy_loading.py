@@ -164,7 +164,10 @@ def test_yaml_yml_toml_json_and_dict_give_equal_policies(tmp_path):
     assert isinstance(embeddings.actions[0], ClipNorm)
     assert embeddings.actions[0].norm_type == math.inf
     assert from_dict.rules[2].match == ("blocks.0.*",)  # one pattern is a list of one
-    assert Policy.from_dict({**POLICY, "rules": POLICY["rules"][:1]}) != from_dict
+    other = Policy.from_dict({**POLICY, "rules": POLICY["rules"][:1]})
+    assert other != from_dict
+    assert hash(other) != hash(from_dict)  # the hash follows the content too
+    assert len({from_dict, other, *loaded.values()}) == 2
 
 
 def test_policy_is_frozen():

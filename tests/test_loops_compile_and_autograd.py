@@ -173,6 +173,36 @@ def test_a_guard_attached_to_the_module_guards_the_compiled_wrapper_of_it_too() 
         assert guard.step_count == 3
 
 
+def test_a_compiled_optimizer_step_still_runs_the_guard_before_the_update() -> None:
+    """torch.compile(opt.step) (backend eager): the guard's pre-hook runs inside it, so the result equals an
+    eager step after clip_grad_norm_ by hand, and a NaN still halts before the update."""
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt_g = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    step_g = torch.compile(opt_g.step, backend="eager")
+    with GradGuard(model, HALT_AND_CLIP, logger=None) as guard:
+        for step in range(3):
+            for m, opt in ((model, opt_g), (ref, opt_r)):
+                opt.zero_grad()
+                loss_of(m, step).backward()
+            clipped = clip_each(ref, 1.0)
+            opt_r.step()
+            step_g()
+            assert clipped > 0
+            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
+        assert guard.step_count == 3
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        opt_g.zero_grad()
+        loss_of(model, 3).backward()
+        model.hidden.bias.grad[0] = float("nan")
+        with pytest.raises(GradientHalt):
+            step_g()
+        assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+
+
 # --- autograd.grad, gradient penalties, double backward ----------------------------------------------
 
 

@@ -102,12 +102,25 @@ class Binding:
     by_id: dict[int, GuardedParam]
     all_names: tuple[str, ...]
     """Every canonical parameter name of the model, covered or not."""
-    model_param_ids: frozenset[int]
-    """``id`` of every parameter tensor of the model at bind time: a new one means a parameter was replaced."""
+    model_params: tuple[weakref.ReferenceType[nn.Parameter], ...]
+    """Every parameter tensor of the model at bind time, in ``parameters()`` order."""
+
+    def still_matches(self, model: nn.Module) -> bool:
+        """Whether the model still has exactly the tensors it was bound to (by identity, not by ``id``:
+        a new parameter may reuse a freed one's id)."""
+        current = list(model.parameters())
+        return len(current) == len(self.model_params) and all(
+            ref() is param for ref, param in zip(self.model_params, current, strict=True)
+        )
+
+    def model_param_ids(self) -> set[int]:
+        """``id`` of every live tensor the model had at bind time."""
+        return {id(param) for ref in self.model_params if (param := ref()) is not None}
 
 
 def bind(policy: Policy, model: nn.Module) -> Binding:
     """Match every rule against the model's parameters; raise :class:`PolicyError` for empty rules."""
+    _refuse_wrappers(model)
     strip = isinstance(model, _DATA_PARALLEL_TYPES)
     names_by_id: dict[int, list[str]] = {}
     tensors: dict[int, nn.Parameter] = {}
@@ -149,7 +162,7 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         rules=tuple(BoundRule(i, rule, tuple(members[i])) for i, rule in enumerate(policy.rules)),
         by_id={id(entry.ref()): entry for entry in guarded},
         all_names=tuple(all_names),
-        model_param_ids=frozenset(tensors),
+        model_params=tuple(weakref.ref(param) for param in model.parameters()),
     )
 
 
@@ -200,24 +213,52 @@ def _nearest_names(pattern: str, names: list[str], count: int = 3) -> list[str]:
     return sorted(unique, key=score, reverse=True)[:count]
 
 
-def _changing_actions(rule: Rule) -> set[str]:
-    return {action.action for action in rule.actions if action.action in GRADIENT_CHANGING_ACTIONS}
+_VOIDING = frozenset({"drop", "zero"})
+_Window = tuple[int, float]
+
+
+def _changing_actions(rule: Rule) -> list[tuple[str, _Window]]:
+    """Each gradient-changing action of the rule with the steps ``[lo, hi)`` on which it acts."""
+    out: list[tuple[str, _Window]] = []
+    for action in rule.actions:
+        if action.action not in GRADIENT_CHANGING_ACTIONS:
+            continue
+        lo = max(rule.from_step or 0, action.from_step or 0)
+        hi = min(
+            float("inf") if rule.until_step is None else rule.until_step,
+            float("inf") if action.until_step is None else action.until_step,
+        )
+        if lo < hi:
+            out.append((action.action, (lo, hi)))
+    return out
+
+
+def _overlap(a: _Window, b: _Window) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
 
 
 def _conflict_issue(policy: Policy, entry: GuardedParam) -> PolicyIssue | None:
-    """Two rules that both change one tensor's gradient in ways that cannot both be meant.
+    """Two rules that both change one tensor's gradient, on the same steps, in ways that cannot both be meant.
 
     - ``drop`` or ``zero`` in one rule and any other gradient change in another: the other is void.
     - a tied tensor reached by two rules through different names only, both changing its gradient:
       the user most likely believes they are two tensors.
+
+    Rules whose step windows never overlap do not conflict (freeze for N steps, then train slowly).
     """
     rules = [policy.rules[i] for i in entry.rules]
     for position, first in enumerate(rules):
         for second in rules[position + 1 :]:
-            a, b = _changing_actions(first), _changing_actions(second)
-            if not a or not b:
+            pairs = [
+                (x, y)
+                for x, x_window in _changing_actions(first)
+                for y, y_window in _changing_actions(second)
+                if _overlap(x_window, y_window)
+            ]
+            if not pairs:
                 continue
-            voiding = ({"drop", "zero"} & a and b - {"drop", "zero"}) or ({"drop", "zero"} & b and a - {"drop", "zero"})
+            a, b = {x for x, _ in pairs}, {y for _, y in pairs}
+            voiding = any((x in _VOIDING) != (y in _VOIDING) for x, y in pairs)
             first_names = {name for name in entry.names if rule_matches(first, (name,))}
             second_names = {name for name in entry.names if rule_matches(second, (name,))}
             tied_apart = len(entry.names) > 1 and not first_names & second_names
@@ -247,16 +288,30 @@ def _conflict_issue(policy: Policy, entry: GuardedParam) -> PolicyIssue | None:
 _SPARSE_MODULES: tuple[type[nn.Module], ...] = (nn.Embedding, nn.EmbeddingBag)
 
 
-def _refuse_unsupported(model: nn.Module, policy: Policy, guarded: list[GuardedParam]) -> None:
-    """Refuse, at attach time, what the guard could not treat correctly at step time."""
-    for module in model.modules():
-        kind = type(module).__name__
-        if kind == "FullyShardedDataParallel" or kind == "DeepSpeedEngine":
+def _refuse_wrappers(model: nn.Module) -> None:
+    """FSDP1 and DeepSpeed hide parameters in flat shards: refuse before matching any name.
+
+    Checked on the modules and on the parameters, so a model wrapped after the guard attached (the
+    inner module then holds FSDP1's ``FlatParameter``) is refused when the guard re-binds.
+    """
+    flat = next(
+        (name for name, p in model.named_parameters() if name.split(".")[-1] == "_flat_param"),  # FSDP1's
+        None,
+    )
+    kinds = [type(module).__name__ for module in model.modules()]
+    if flat is not None:
+        kinds.append("FullyShardedDataParallel")
+    for kind in kinds:
+        if kind in {"FullyShardedDataParallel", "DeepSpeedEngine"}:
             raise GuardStateError(
                 f"the model is wrapped by {kind}, which replaces parameters by flat shards that gradguard "
                 "cannot match by name. Use FSDP2 (torch.distributed.fsdp.fully_shard) or DDP, or attach the "
                 "guard to a model that is not wrapped this way."
             )
+
+
+def _refuse_unsupported(model: nn.Module, policy: Policy, guarded: list[GuardedParam]) -> None:
+    """Refuse, at attach time, what the guard could not treat correctly at step time."""
     sparse = {
         id(param)
         for module in model.modules()

@@ -27,7 +27,7 @@ import torch
 from gradguard._binding import Binding, BoundRule, GuardedParam
 from gradguard._counters import Counters
 from gradguard._distributed import Collective, combine_shard_norms, is_sharded, local_tensor
-from gradguard._errors import GradientHalt, GuardWarning
+from gradguard._errors import GradientHalt, GuardStateError, GuardWarning
 from gradguard._events import EventLog
 from gradguard._micro_batch import HookRecord, MicroBatchHooks, handled_in_hooks
 from gradguard._policy import Action, ClipNorm, ClipValue, Drop, HaltOnNonfinite, Scale, SkipStepOnNonfinite, Zero
@@ -39,8 +39,8 @@ SCALER_RULE = "grad_scaler"
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _OVERFLOW_NOTE = (
-    "every element is finite but the float32 2-norm overflowed; not a non-finite gradient. A clip_norm "
-    "on it zeroes it, as torch.nn.utils.clip_grad_norm_ does"
+    "every element is finite but the float32 2-norm overflowed: not a non-finite gradient; its tensor-scope "
+    "clips used a float64 norm"
 )
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon; the same value keeps results bitwise equal.
 
@@ -61,17 +61,34 @@ def _norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor
 
 
 def _stack_on(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if all(norm.device == device for norm in norms):
+        return torch.stack(list(norms))  # the common case: no per-tensor ``.to`` (a no-op, but a dispatch)
     return torch.stack([norm.to(device) for norm in norms])
 
 
-def _clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_``'s coefficient, left at 1 where the norm is NaN.
+def _in_torch_order(grads: Sequence[torch.Tensor], norms: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The per-tensor norms in the order ``clip_grad_norm_`` sums them: grouped by (device, dtype).
 
-    An infinite norm gives 0, as in torch: a gradient whose norm overflowed while every element is
-    finite must not reach the optimizer unclipped (and one with an Inf element is reported anyway).
+    The same order keeps a group clip over mixed dtypes bitwise equal to torch's.
+    """
+    first = grads[0]
+    if all(g.dtype == first.dtype and g.device == first.device for g in grads):
+        return norms
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    groups = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
+    return [norms[i] for _, (_, indices) in groups.items() for i in indices]
+
+
+def _clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_``'s coefficient, left at 1 where the norm is not finite.
+
+    A NaN or Inf gradient is left as it is and reported (torch would spread the NaN to every tensor
+    of a group clip). A finite gradient whose float32 norm overflowed is clipped after the sync, with
+    its norm taken in float64 (:meth:`Enforcer._clear_overflows`).
     """
     coef = torch.clamp(max_norm / (totals + _EPS), max=1.0)
-    return torch.where(torch.isnan(totals), torch.ones_like(coef), coef)
+    return torch.where(torch.isfinite(totals), coef, torch.ones_like(coef))
 
 
 @dataclass(eq=False)
@@ -198,6 +215,8 @@ class Enforcer:
         """0-based index of the next step the guard will treat."""
         self.micro_batch: MicroBatchHooks | None = None
         """Set in per-micro-batch mode: tensor-scope actions then run in hooks, not here."""
+        self.last_run_treated = False
+        """Whether the last :meth:`run` found new gradients to treat."""
         self.skip_history: dict[int, _SkipHistory] = {}
         self._warned_scheduler = False
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
@@ -217,10 +236,17 @@ class Enforcer:
             if grad is None:
                 continue
             local = local_tensor(grad)
+            if local.layout is not torch.strided:
+                raise GuardStateError(
+                    f"parameter {entry.name!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
+                    "sparse=True)), which gradguard's actions cannot treat. Exclude it from the policy's rules, "
+                    "or compute a dense gradient."
+                )
             seen = self.applied_versions.get(entry.index)
             if seen is not None and seen[0]() is grad and seen[1] == local._version:
                 continue  # already treated, and unchanged since: a second step() on the same gradient
             grads[entry.index] = local
+        self.last_run_treated = bool(grads)
         if not grads:
             return True
 
@@ -283,7 +309,15 @@ class Enforcer:
         if outcome.scaler_found_inf:
             self.record_scaler_skip(step, fused=True)
             return True  # the optimizer's fused kernel skips the update itself
-        self._report(outcome, names, step)  # raises GradientHalt, leaving the gradients to be re-checked
+        try:
+            self._report(outcome, names, step)
+        except GradientHalt:
+            # The other gradients were treated: a retry after the user dropped the bad ones must not
+            # treat them again. The offending ones stay untreated, so a retry checks them again.
+            for index, local in grads.items():
+                if index not in outcome.halted_by and index not in outcome.skipped_by:
+                    self.applied_versions[index] = (weakref.ref(self._grad_of(index)), local._version)
+            raise
         if outcome.skipped_by:
             self._skip(outcome, names, step, context)
             return False
@@ -311,7 +345,8 @@ class Enforcer:
         grad_scale = getattr(optimizer, "grad_scale", None)
         found_inf = getattr(optimizer, "found_inf", None)
         if isinstance(grad_scale, torch.Tensor):
-            grads = [p.grad for p in context.stepped_params() if p.grad is not None]
+            # Exactly the gradients the fused kernel would have unscaled: this optimizer's, each once.
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for grad in grads:
                 by_device.setdefault(grad.device, []).append(grad)
@@ -374,6 +409,33 @@ class Enforcer:
                     {"step": step, "rule": rule, "param": names[index], "note": _OVERFLOW_NOTE},
                 )
             )
+            self._clip_overflowed(outcome, index, grads[index], names, step)
+
+    def _clip_overflowed(
+        self, outcome: _StepOutcome, index: int, grad: torch.Tensor, names: dict[int, str], step: int
+    ) -> None:
+        """Apply the tensor-scope clips of a gradient whose float32 norm overflowed, with a float64 norm.
+
+        Rare (every element finite, some above ~1e19); one more sync. The clip comes after the step's
+        other actions here; in exact arithmetic a clip and a scale commute.
+        """
+        rules = self.binding.policy.rules
+        for rule_index in self.binding.params[index].rules:
+            rule = rules[rule_index]
+            for action in rule.actions:
+                tensor_clip = isinstance(action, ClipNorm) and action.scope == "tensor"
+                if not (tensor_clip and rule.active_at(step) and action.active_at(step)):
+                    continue
+                assert isinstance(action, ClipNorm)
+                norm = float(torch.linalg.vector_norm(grad.double(), action.norm_type))
+                coef = min(1.0, action.max_norm / (norm + _EPS))
+                if coef < 1.0:
+                    grad.mul_(coef)
+                    outcome.counts.append((rule.name, "clip_norm", 1))
+                    fields = {"scope": "tensor", "norm_type": action.norm_type, "max_norm": action.max_norm}
+                    fields |= {"before": norm, "after": norm * coef, "coef": coef, "overflowed": True}
+                    event = {"step": step, "rule": rule.name, "action": "clip_norm", "param": names[index]}
+                    outcome.events.append(("intervention", event | fields))
 
     def _read_hook_records(self, pending: _Pending, outcome: _StepOutcome, names: dict[int, str], step: int) -> None:
         """Fold what the per-micro-batch hooks did into this step's sync, counters and events."""
@@ -547,7 +609,7 @@ class Enforcer:
         step: int,
     ) -> None:
         device = norms[0].device
-        total = torch.linalg.vector_norm(_stack_on(norms, device), action.norm_type)
+        total = torch.linalg.vector_norm(_stack_on(_in_torch_order(gs, norms), device), action.norm_type)
         coef = _clip_coefficients(total, action.max_norm)
         for _, positions in _by_device(ids, gs):
             torch._foreach_mul_([gs[k] for k in positions], coef.to(gs[positions[0]].device))

@@ -130,7 +130,7 @@ class GradGuard:
         optimizers = _optimizers(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._binding: Binding = bind(self.policy, model)
-        self._claim_parameters(replace)
+        self._claim_parameters(model, replace)
 
         self.counters = Counters()
         """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
@@ -143,21 +143,22 @@ class GradGuard:
         )
         self._events = events
         self._model_ref = weakref.ref(model)
-        self._manual_plan = Plan.build(self._binding, self._binding.params)
-        self._plans: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], Plan | None]] = (
+        self._plan = Plan.build(self._binding, self._binding.params)
+        self._relevance: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], bool]] = (
             weakref.WeakKeyDictionary()
         )
+        self._expected: list[Optimizer] | None = optimizers
+        self._warned_unexpected = False
 
         self._attachment = _Attachment(self._enforcer, events)
         if per_micro_batch:
             self._attach_micro_batch_hooks()
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))
-        if optimizers is None:
-            self._attachment.handles.append(register_optimizer_step_pre_hook(hook))
-            boundary = "any torch.optim optimizer"
-        else:
-            for opt in optimizers:
-                self._attachment.handles.append(opt.register_step_pre_hook(hook))
+        # One global pre-hook either way: with optimizer=, another optimizer stepping the model's
+        # parameters (a new one after a checkpoint load, say) is still caught, with a warning.
+        self._attachment.handles.append(register_optimizer_step_pre_hook(hook))
+        boundary = "any torch.optim optimizer"
+        if optimizers is not None:
             boundary = ", ".join(type(opt).__name__ for opt in optimizers)
         if scaler is not None:
             self._attachment.handles.append(_watch_scaler(scaler, weakref.ref(self)))
@@ -217,12 +218,10 @@ class GradGuard:
         """
         self._require_attached()
         model = self._model_ref()
-        if model is not None:
-            current = {id(p) for p in model.parameters()}
-            if current != self._binding.model_param_ids:
-                self._rebind(model)
+        if model is not None and not self._binding.still_matches(model):
+            self._rebind(model)
         context = StepContext(optimizer=None, stepped_params=lambda: _parameters_of(self._model_ref()))
-        return self._record(self._enforcer.run(self._manual_plan, context))
+        return self._record(self._enforcer.run(self._plan, context))
 
     def remove(self) -> None:
         """Remove every hook and close the audit log; safe to call more than once."""
@@ -259,34 +258,50 @@ class GradGuard:
         return proceed
 
     def _enforce_for(self, optimizer: Optimizer) -> None:
+        """An optimizer is about to step: treat every guarded gradient of the model, once.
+
+        The backward is over by then, so all of the model's gradients are final, not only this
+        optimizer's: a rule spanning parameters of two optimizers sees their joint norm, and the step
+        counts once (the second optimizer finds the gradients already treated).
+        """
         if not self._attachment.open:
             return
         self._step_calls += 1
-        plan = self._plan_for(optimizer)
-        if plan is not None:
-            context = StepContext(
-                optimizer=optimizer,
-                stepped_params=lambda: (p for group in optimizer.param_groups for p in group["params"]),
-            )
-            self._record(self._enforcer.run(plan, context))
+        if not self._relevant(optimizer):
+            return
+        model = self._model_ref()
 
-    def _plan_for(self, optimizer: Optimizer) -> Plan | None:
-        fingerprint = tuple(id(p) for group in optimizer.param_groups for p in group["params"])
-        cached = self._plans.get(optimizer)
+        def stepped() -> Iterable[torch.Tensor]:
+            yield from _parameters_of(model)
+            yield from (p for group in optimizer.param_groups for p in group["params"])
+
+        self._record(self._enforcer.run(self._plan, StepContext(optimizer=optimizer, stepped_params=stepped)))
+        unexpected = self._expected is not None and all(optimizer is not opt for opt in self._expected)
+        if unexpected and self._enforcer.last_run_treated and not self._warned_unexpected:
+            self._warned_unexpected = True
+            name = type(optimizer).__name__
+            self._events.emit("warning", "unexpected_optimizer", step=self._enforcer.step - 1, optimizer=name)
+            warnings.warn(
+                f"a {name} that was not given as optimizer= stepped new gradients of the guarded model; "
+                "gradguard treated them, so nothing went unguarded. Pass it in optimizer= to silence this.",
+                GuardWarning,
+                stacklevel=4,
+            )
+
+    def _relevant(self, optimizer: Optimizer) -> bool:
+        """Whether the optimizer steps parameters of the model; re-binds if the model's tensors changed."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        fingerprint = tuple(id(p) for p in params)
+        cached = self._relevance.get(optimizer)
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
         model = self._model_ref()
-        if (
-            model is not None
-            and any(key not in self._binding.model_param_ids for key in fingerprint)
-            and {id(p) for p in model.parameters()} != self._binding.model_param_ids
-        ):
+        if model is not None and not self._binding.still_matches(model):
             self._rebind(model)
-        by_id = self._binding.by_id
-        members = [by_id[key] for key in fingerprint if key in by_id]
-        plan = Plan.build(self._binding, members) if members else None
-        self._plans[optimizer] = (fingerprint, plan)
-        return plan
+        known = self._binding.model_param_ids()
+        relevant = any(id(p) in known for p in params)
+        self._relevance[optimizer] = (fingerprint, relevant)
+        return relevant
 
     def _rebind(self, model: nn.Module) -> None:
         """The model's parameters were replaced after attach: match the policy again, and say so.
@@ -304,8 +319,8 @@ class GradGuard:
         if self._enforcer.micro_batch is not None:
             self._enforcer.micro_batch.remove()
             self._attach_micro_batch_hooks()
-        self._manual_plan = Plan.build(new, new.params)
-        self._plans = weakref.WeakKeyDictionary()
+        self._plan = Plan.build(new, new.params)
+        self._relevance = weakref.WeakKeyDictionary()
         self._events.emit(
             "warning",
             "rebind",
@@ -321,10 +336,12 @@ class GradGuard:
         enforcer.micro_batch = hooks
         self._attachment.handles.append(hooks)
 
-    def _claim_parameters(self, replace: bool) -> None:
+    def _claim_parameters(self, model: nn.Module, replace: bool) -> None:
         mine = set(self._binding.by_id)
         for other in list(_LIVE_GUARDS):
-            if other is self or not other.attached or not mine & set(other._binding.by_id):
+            if other is self or not other.attached:
+                continue
+            if other._model_ref() is not model and not mine & set(other._binding.by_id):
                 continue
             if not replace:
                 raise GuardStateError(
@@ -371,7 +388,7 @@ class _ScalerWatch:
         result = self.original(optimizer, *args, **kwargs)
         guard = self.guard_ref()
         skipped = guard is not None and guard.attached and guard._step_calls == calls
-        if skipped and guard is not None and guard._plan_for(optimizer) is not None:
+        if skipped and guard is not None and guard._relevant(optimizer):
             guard._enforcer.record_scaler_skip()
         return result
 

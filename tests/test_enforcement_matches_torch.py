@@ -325,8 +325,10 @@ def test_manual_step_without_torch_optimizer_equals_reference(make_workload, mak
         assert guard.counters.snapshot()["r0"]["clip_norm"] > 0
 
 
-def test_optimizer_argument_limits_the_guard_to_that_optimizer(make_workload, make_optimizer, make_policy, same):
-    """GradGuard(optimizer=opt) acts only in opt.step(); another optimizer's parameters are left alone."""
+def test_optimizer_argument_makes_that_optimizers_step_the_boundary_for_the_whole_model(
+    make_workload, make_optimizer, make_policy, same
+):
+    """GradGuard(optimizer=opt): opt.step() treats every guarded gradient once; the second optimizer finds them done."""
     policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.5}]})
     guarded = make_workload("mlp")
     ref = guarded.clone()
@@ -346,12 +348,13 @@ def test_optimizer_argument_limits_the_guard_to_that_optimizer(make_workload, ma
                 for opt in opts:
                     opt.zero_grad()
                 side.backward(step)
-            for p in r_first:
+            for p in ref.model.parameters():
                 p.grad.mul_(0.5)
             for opt in (*opts_g, *opts_r):
                 opt.step()
             same(dict(guarded.model.named_parameters()), dict(ref.model.named_parameters()))
-        assert guard.counters.snapshot() == {"r0": {"scale": 3 * len(g_first)}}
+        assert guard.counters.snapshot() == {"r0": {"scale": 3 * (len(g_first) + len(g_rest))}}
+        assert guard.step_count == 3
 
 
 def test_nan_in_one_gradient_does_not_spread_under_group_clip(

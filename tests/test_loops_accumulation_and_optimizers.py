@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradguard import GradGuard, GradientHalt, Policy
+from gradguard import GradGuard, GradientHalt, GuardWarning, Policy
 
 
 class MLP(nn.Module):
@@ -171,8 +171,8 @@ def test_an_lr_scheduler_around_the_optimizer_does_not_hide_the_step_boundary(ma
     assert opt_g.param_groups[0]["lr"] < 1e-2, "the schedule really moved the learning rate"
 
 
-def test_an_explicit_optimizer_is_guarded_and_another_optimizer_is_not() -> None:
-    """With optimizer=opt the guard acts in opt.step only; a second optimizer over the same model is left alone."""
+def test_an_unlisted_optimizer_stepping_the_model_is_guarded_too_and_warned_about() -> None:
+    """optimizer=opt names the expected boundary; another optimizer stepping the model first is treated too."""
     model, ref = pair()
     opt_g = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -182,13 +182,16 @@ def test_an_explicit_optimizer_is_guarded_and_another_optimizer_is_not() -> None
             for m, opt in ((model, opt_g), (ref, opt_r)):
                 opt.zero_grad()
                 backward(m, step)
-            raw = grads(model)
-            other.step()
-            assert_deep_equal(grads(model), raw, "the unlisted optimizer's step left the gradients untouched")
-            assert guard.step_count == step
             clip_each(ref, 1.0)
+            if step == 0:
+                with pytest.warns(GuardWarning, match="not given as optimizer="):
+                    other.step()
+            else:
+                other.step()  # warned once
+            assert_deep_equal(grads(model), grads(ref), "the unlisted optimizer's step treated the gradients")
+            assert guard.step_count == step + 1
             opt_r.step()
-            opt_g.step()
+            opt_g.step()  # the same gradients, already treated: not treated twice
             assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
         assert guard.step_count == 3
 

@@ -95,6 +95,8 @@ def _clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
 class Plan:
     """What one enforcement pass treats: a subset of the guarded tensors (those one optimizer steps)."""
 
+    names: dict[int, str]
+    """Tensor index -> first name, built once (``run`` used to rebuild it every step)."""
     params: tuple[GuardedParam, ...]
     rules: tuple[tuple[BoundRule, tuple[GuardedParam, ...]], ...]
     raw_norm_params: frozenset[int]
@@ -134,6 +136,7 @@ class Plan:
             if entry.index in watchers
         }
         return cls(
+            names={entry.index: entry.name for entry in ordered},
             params=ordered,
             rules=rules,
             raw_norm_params=frozenset(raw),
@@ -254,7 +257,7 @@ class Enforcer:
         self.step += 1
         pending = _Pending()
         outcome = _StepOutcome()
-        names = {entry.index: entry.name for entry in plan.params}
+        names = plan.names
         self._adopt_fused_scaler(context, pending, outcome)
         if self.micro_batch is not None:
             self._read_hook_records(pending, outcome, names, step)

@@ -233,12 +233,15 @@ class Enforcer:
         skip rule's limits are exceeded.
         """
         grads: dict[int, torch.Tensor] = {}
+        wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
         for entry in plan.params:
             param = entry.ref()
             grad = param.grad if param is not None else None
             if grad is None:
                 continue
-            local = local_tensor(grad)
+            local = grad if type(grad) is torch.Tensor else local_tensor(grad)
+            if local is not grad:
+                wrapped[entry.index] = grad
             if local.layout is not torch.strided:
                 raise GuardStateError(
                     f"parameter {entry.name!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
@@ -319,7 +322,7 @@ class Enforcer:
             # treat them again. The offending ones stay untreated, so a retry checks them again.
             for index, local in grads.items():
                 if index not in outcome.halted_by and index not in outcome.skipped_by:
-                    self.applied_versions[index] = (weakref.ref(self._grad_of(index)), local._version)
+                    self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version)
             raise
         if outcome.skipped_by:
             self._skip(outcome, names, step, context)
@@ -327,7 +330,7 @@ class Enforcer:
         self._reset_consecutive_skips()
         for index, local in grads.items():
             # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
-            self.applied_versions[index] = (weakref.ref(self._grad_of(index)), local._version)
+            self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version)
         return True
 
     def rebind(self, binding: Binding) -> None:

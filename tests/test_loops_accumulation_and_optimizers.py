@@ -196,6 +196,37 @@ def test_an_unlisted_optimizer_stepping_the_model_is_guarded_too_and_warned_abou
         assert guard.step_count == 3
 
 
+def test_a_rule_spanning_two_optimizers_is_treated_once_per_step_with_the_joint_norm() -> None:
+    """One optimizer per sub-module (SGD for inp/hidden, AdamW for out) and a group clip over '*': the clip uses
+    the joint norm of all of them, as clip_grad_norm_(model.parameters()), and each step counts once."""
+    model, ref = pair(3)
+    policy = make_policy(
+        {"match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+        {"match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0, "scope": "group"}]},
+    )
+
+    def optimizers(m: MLP) -> list[torch.optim.Optimizer]:
+        body = [*m.inp.parameters(), *m.hidden.parameters()]
+        return [torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.AdamW(m.out.parameters(), lr=1e-2)]
+
+    opts_g, opts_r = optimizers(model), optimizers(ref)
+    with GradGuard(model, policy, logger=None) as guard:
+        for step in range(3):
+            for m, opts in ((model, opts_g), (ref, opts_r)):
+                for opt in opts:
+                    opt.zero_grad()
+                backward(m, step)
+            total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            assert total > 1.0
+            for opt in (*opts_r, *opts_g):
+                opt.step()
+            assert_deep_equal(grads(model), grads(ref), f"treated gradients, step {step}")
+            for opt_g, opt_r in zip(opts_g, opts_r, strict=True):
+                assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
+            assert guard.step_count == step + 1, "two optimizers, one step"
+        assert guard.counters.snapshot() == {"r1": {"clip_norm": 6 * 3}}
+
+
 def test_guard_step_serves_a_loop_without_a_torch_optimizer() -> None:
     """A hand-written update after guard.step() sees exactly the clipped gradients; a second step() is a no-op."""
     model, ref = pair()

@@ -304,3 +304,27 @@ def test_a_finite_bfloat16_gradient_whose_norm_overflows_even_in_float32_is_not_
     assert events_of(log, "nonfinite") == []
     assert events_of(log, "halt") == []
     assert [event["param"] for event in events_of(log, "norm_overflow")] == ["0.weight"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_finite_gradient_whose_float32_norm_overflows_is_clipped_by_its_float64_norm(
+    dtype: torch.dtype, tmp_path: Path
+) -> None:
+    """1e20s everywhere: the float32 norm is inf, the true norm 4e20. The clip keeps the direction and brings the
+    norm to max_norm (torch's clip_grad_norm_ would zero it), and is counted and logged like any other clip."""
+    model = nn.Linear(4, 4).to(dtype)
+    log = tmp_path / "audit.jsonl"
+    policy = make_policy({"name": "clip", "match": "weight", "actions": [{"action": "clip_norm", "max_norm": 1.0}]})
+    with GradGuard(model, policy, logger=None, audit_log=log) as guard:
+        model.weight.grad = torch.full((4, 4), 1e20, dtype=dtype)
+        model.weight.grad[0, 0] = -1e20
+        raw = model.weight.grad.clone()
+        guard.step()
+        counters = guard.counters.snapshot()
+    treated = model.weight.grad.double()
+    assert 0.99 <= torch.linalg.vector_norm(treated) <= 1.0
+    assert torch.equal(torch.sign(treated), torch.sign(raw.double())), "the direction is kept"
+    assert counters["clip"]["clip_norm"] == 1
+    (event,) = events_of(log, "intervention")
+    assert event["param"] == "weight"
+    assert event["overflowed"] is True

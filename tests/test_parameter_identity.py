@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradguard import GradGuard, GradientHalt, GuardStateError, Policy, PolicyError
+from gradguard import GradGuard, GradientHalt, GuardStateError, GuardWarning, Policy, PolicyError
 from gradguard._demo import TinyDecoder
 
 
@@ -145,6 +145,43 @@ def test_drop_or_zero_with_another_gradient_change_on_one_tensor_is_a_policy_err
     assert "inp.weight" not in message, "only the tensors both rules change are named"
 
 
+def test_rules_whose_step_windows_never_overlap_do_not_conflict() -> None:
+    """'Freeze for 5 steps, then train slowly': zero on [0, 5) and scale from 5 never act on one step; both
+    apply, each in its window, as by hand."""
+    policy = make_policy(
+        {"name": "frozen-warmup", "match": "*", "until_step": 5, "actions": [{"action": "zero"}]},
+        {"name": "slow-after", "match": "*", "from_step": 5, "actions": [{"action": "scale", "factor": 0.1}]},
+    )
+    torch.manual_seed(9)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    with GradGuard(model, policy, logger=None) as guard:
+        assert guard.guarded["inp.weight"] == ("frozen-warmup", "slow-after")
+        for step in range(7):
+            for m in (model, ref):
+                m.zero_grad()
+                mlp_backward(m, step)
+            for p in ref.parameters():
+                if step < 5:
+                    p.grad.zero_()
+                else:
+                    p.grad.mul_(0.1)
+            guard.step()
+            for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(p.grad, q.grad), f"step {step}"
+        assert guard.counters.snapshot() == {"frozen-warmup": {"zero": 4 * 5}, "slow-after": {"scale": 4 * 2}}
+
+
+def test_rules_whose_step_windows_overlap_still_conflict() -> None:
+    """zero on [0, 5) and scale from 3: on steps 3 and 4 the scale would be void; refused, naming both."""
+    policy = make_policy(
+        {"name": "frozen-warmup", "match": "*", "until_step": 5, "actions": [{"action": "zero"}]},
+        {"name": "slow-after", "match": "*", "from_step": 3, "actions": [{"action": "scale", "factor": 0.1}]},
+    )
+    with pytest.raises(PolicyError, match=r"frozen-warmup.*slow-after"):
+        GradGuard(MLP(), policy, logger=None)
+
+
 def test_a_watching_rule_and_a_changing_rule_on_a_tied_tensor_do_not_conflict() -> None:
     """halt_on_nonfinite via head.weight and a clip via embed.weight: only one of them changes the gradient."""
     model = decoder()
@@ -247,6 +284,47 @@ def test_guard_step_notices_replaced_parameters_in_a_loop_without_an_optimizer()
         assert guard.counters.snapshot() == {"clip": {"clip_norm": 4}}
 
 
+def test_a_replaced_parameter_that_got_the_old_ones_id_is_still_guarded(tmp_path: Path) -> None:
+    """del module.weight, then a new Parameter: CPython often gives it the freed one's id. The guard matches by
+    identity, not id, so the new weight is rebound and guarded (scale 0.0 keeps it still)."""
+    torch.manual_seed(7)
+    model = nn.Linear(4, 2)
+    log = tmp_path / "audit.jsonl"
+    policy = make_policy({"match": "weight", "actions": [{"action": "scale", "factor": 0.0}]})
+    with GradGuard(model, policy, logger=None, audit_log=log) as guard:
+        new_value = torch.randn(2, 4)
+        del model.weight  # re-initialising a layer: the old Parameter is freed first
+        model.weight = nn.Parameter(new_value)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = model.weight.detach().clone()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        assert torch.equal(model.weight, before), "scale 0.0 keeps the new weight still"
+        assert guard.counters.snapshot() == {"r0": {"scale": 1}}
+    assert len(events(log, "rebind")) == 1
+
+
+def test_replacing_parameters_under_an_explicit_optimizer_is_never_silently_unguarded(tmp_path: Path) -> None:
+    """optimizer=opt, then load_state_dict(assign=True) and a new optimizer (a checkpoint load): the new
+    optimizer's step is still guarded, with a GuardWarning, an unexpected_optimizer and a rebind event."""
+    torch.manual_seed(8)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    log = tmp_path / "audit.jsonl"
+    policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.0}]})
+    with GradGuard(model, policy, optimizer=opt, logger=None, audit_log=log) as guard:
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        new_opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        model(torch.randn(3, 4)).sum().backward()
+        with pytest.warns(GuardWarning, match="not given as optimizer="):
+            new_opt.step()
+        assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
+        assert guard.counters.snapshot() == {"r0": {"scale": 2}}
+    assert [sorted(event["replaced"]) for event in events(log, "rebind")] == [["bias", "weight"]]
+    assert [event["optimizer"] for event in events(log, "unexpected_optimizer")] == ["SGD"]
+
+
 # --- a second guard ------------------------------------------------------------------------------------
 
 
@@ -267,6 +345,17 @@ def test_a_second_guard_on_the_same_model_raises_a_clear_error_and_never_stacks(
         first.step()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad * 0.5), "scaled once, not twice"
+
+
+def test_a_second_guard_with_a_disjoint_policy_on_the_same_model_is_refused_too() -> None:
+    """The first guard covers inp.*, the second out.*: still one model, so still GuardStateError."""
+    model = MLP()
+    second_policy = make_policy({"match": "out.*", "actions": [{"action": "scale", "factor": 0.5}]})
+    with (
+        GradGuard(model, make_policy({"match": "inp.*", "actions": [{"action": "scale", "factor": 0.5}]}), logger=None),
+        pytest.raises(GuardStateError, match="already has a GradGuard"),
+    ):
+        GradGuard(model, second_policy, logger=None)
 
 
 def test_replace_true_removes_the_first_guard_and_attaches_the_new_one() -> None:
@@ -412,6 +501,51 @@ def test_a_complex_parameter_is_clipped_scaled_and_halted_correctly() -> None:
         assert info.value.kind == "nan"
 
 
+def test_a_group_clip_over_mixed_dtypes_is_bitwise_clip_grad_norm() -> None:
+    """complex64 and float32 in one group clip: the guard sums the per-dtype norms in torch's order, so the
+    result is clip_grad_norm_'s to the bit (100 random cases)."""
+    torch.manual_seed(10)
+    policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.2, "scope": "group"}]})
+    for case in range(100):
+        model = nn.Module()
+        model.p = nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))
+        model.q = nn.Parameter(torch.zeros(4))
+        g_p = torch.randn(4, 4, dtype=torch.complex64) * torch.rand(()) * 100
+        g_q = torch.randn(4) * 10
+        with GradGuard(model, policy, logger=None) as guard:
+            model.p.grad, model.q.grad = g_p.clone(), g_q.clone()
+            guard.step()
+        ref_p, ref_q = nn.Parameter(torch.zeros_like(g_p)), nn.Parameter(torch.zeros_like(g_q))
+        ref_p.grad, ref_q.grad = g_p.clone(), g_q.clone()
+        torch.nn.utils.clip_grad_norm_([ref_p, ref_q], 0.2)
+        assert torch.equal(model.p.grad, ref_p.grad), case
+        assert torch.equal(model.q.grad, ref_q.grad), case
+
+
+class FunctionalSparse(nn.Module):
+    """A sparse gradient the attach check cannot foresee: F.embedding(sparse=True) on a plain Parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(tokens, self.table, sparse=True).sum()
+
+
+def test_a_sparse_gradient_the_attach_check_could_not_foresee_is_refused_at_the_step_naming_the_parameter() -> None:
+    """The step raises GuardStateError naming 'table' and its sparse layout, before the optimizer runs."""
+    model = FunctionalSparse()
+    before = model.table.detach().clone()
+    policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
+    with GradGuard(model, policy, logger=None):
+        model(torch.tensor([1, 2])).backward()
+        assert model.table.grad.is_sparse
+        with pytest.raises(GuardStateError, match=r"'table'.*sparse"):
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+    assert torch.equal(model.table, before)
+
+
 # --- wrappers whose parameters cannot be matched -------------------------------------------------------
 
 
@@ -448,3 +582,47 @@ def test_a_deepspeed_engine_is_refused_with_a_clear_error() -> None:
     policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
     with pytest.raises(GuardStateError, match="DeepSpeedEngine"):
         GradGuard(DeepSpeedEngine(MLP()), policy, logger=None)
+
+
+def _with_process_group(tmp_path: Path) -> bool:
+    if dist.is_initialized():
+        return False
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    return True
+
+
+def test_fsdp1_is_refused_even_when_the_policy_names_the_models_parameters(tmp_path: Path) -> None:
+    """A policy naming 'inp.*' gets the FSDP1 refusal, not a 'matches no parameter ... _flat_param' error."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    created = _with_process_group(tmp_path)
+    try:
+        with pytest.warns(UserWarning, match="NO_SHARD"):
+            wrapped = FullyShardedDataParallel(MLP(), device_id=torch.device("cpu"))
+        policy = make_policy({"match": "inp.*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]})
+        with pytest.raises(GuardStateError, match="FullyShardedDataParallel"):
+            GradGuard(wrapped, policy, logger=None)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_fsdp1_wrapping_after_attach_is_refused_at_the_step_not_silently_rebound(tmp_path: Path) -> None:
+    """Attach, then wrap in FSDP1: the next step raises the FSDP1 refusal instead of re-binding the policy to
+    the flat parameter (which would turn a per-tensor clip into a clip of the whole model)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    created = _with_process_group(tmp_path)
+    model = MLP()
+    guard = GradGuard(model, make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.01}]}))
+    try:
+        with pytest.warns(UserWarning, match="NO_SHARD"):
+            wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+        wrapped(torch.randn(3, 8)).sum().backward()
+        with pytest.raises(GuardStateError, match="FullyShardedDataParallel"):
+            opt.step()
+    finally:
+        guard.remove()
+        if created:
+            dist.destroy_process_group()

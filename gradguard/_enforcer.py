@@ -215,7 +215,9 @@ class Enforcer:
         self.events = events
         self.summary_every = summary_every
         self.step = 0
-        """0-based index of the next step the guard will treat."""
+        """How many steps have begun (the 0-based index of the next step)."""
+        self._in_step: set[int] = set()
+        self._scaler_skip_noted = False
         self.micro_batch: MicroBatchHooks | None = None
         """Set in per-micro-batch mode: tensor-scope actions then run in hooks, not here."""
         self.last_run_treated = False
@@ -256,8 +258,7 @@ class Enforcer:
         if not grads:
             return True
 
-        step = self.step
-        self.step += 1
+        step = self._begin_step(grads)
         pending = _Pending()
         outcome = _StepOutcome()
         names = plan.names
@@ -313,7 +314,7 @@ class Enforcer:
         pending.sync()  # the step's one host sync
         self._clear_overflows(outcome, plan, grads, names, step, collective)
         if outcome.scaler_found_inf:
-            self.record_scaler_skip(step, fused=True)
+            self.record_scaler_skip((), step=step, fused=True)
             return True  # the optimizer's fused kernel skips the update itself
         try:
             self._report(outcome, names, step)
@@ -367,11 +368,31 @@ class Enforcer:
 
             pending.add(found_inf.reshape(-1)[:1].float(), read)
 
-    def record_scaler_skip(self, step: int | None = None, *, fused: bool = False) -> None:
-        """GradScaler found inf/NaN and skipped the step: its business, so no halt and no clip; say so."""
-        if step is None:
-            step = self.step
+    def _begin_step(self, indices: Iterable[int]) -> int:
+        """The 0-based index of the step these tensors' gradients belong to.
+
+        Several optimizers each step their own parameters within one training step; a step begins
+        when a tensor already seen in the current step comes again. So the count (and every step
+        window) follows training steps, not optimizer calls.
+        """
+        ids = set(indices)
+        if self.step == 0 or ids & self._in_step:
             self.step += 1
+            self._in_step = set()
+            self._scaler_skip_noted = False
+        self._in_step |= ids
+        return self.step - 1
+
+    def record_scaler_skip(self, indices: Iterable[int], *, step: int | None = None, fused: bool = False) -> None:
+        """GradScaler found inf/NaN and skipped the step: its business, so no halt and no clip; say so.
+
+        Counted once per training step, however many optimizers the scaler skipped in it.
+        """
+        if step is None:
+            step = self._begin_step(indices)
+        if self._scaler_skip_noted:
+            return
+        self._scaler_skip_noted = True
         self.counters.add(SCALER_RULE, "skip")
         self.events.emit("info", "scaler_skip", step=step, fused=fused)
 
@@ -388,7 +409,10 @@ class Enforcer:
     ) -> None:
         """A +inf 2-norm with no NaN/Inf element is an overflow, not a non-finite gradient.
 
-        Only on a step where some norm came out infinite: one more sync, to look at the elements.
+        Only on a step where some norm came out infinite, and with one more sync: the elements are
+        checked, and a gradient that turns out finite gets its tensor-scope clips with a float64 norm,
+        all on the device and read back together. (Those clips come after the step's other actions
+        here; in exact arithmetic a clip and a scale commute.)
         """
         suspects = sorted(
             index
@@ -401,47 +425,47 @@ class Enforcer:
         flags = torch.stack([(~torch.isfinite(grads[i])).any().to(device) for i in suspects]).float()
         if collective is not None:
             flags = collective.sum_(flags)
-        for index, nonfinite in zip(suspects, flags.tolist(), strict=True):
-            if nonfinite:
-                continue
+        clips: list[tuple[int, BoundRule, ClipNorm, torch.Tensor, torch.Tensor]] = []
+        for position, index in enumerate(suspects):
+            finite = flags[position] == 0
+            for bound, action in self._tensor_clips(index, step):
+                grad = grads[index]
+                norm = torch.linalg.vector_norm(grad.double(), action.norm_type)
+                coef = torch.where(finite, torch.clamp(action.max_norm / (norm + _EPS), max=1.0), 1.0)
+                grad.mul_(coef.to(grad.dtype))
+                clips.append((index, bound, action, norm, coef))
+        host = torch.cat([flags.double(), *(torch.stack([n, c]) for *_, n, c in clips)]).tolist()
+        finite_ids = {index for index, nonfinite in zip(suspects, host, strict=False) if not nonfinite}
+        rules = self.binding.policy.rules
+        for index in finite_ids:
             _, rule_index = outcome.nonfinite.pop(index)
             outcome.halted_by.pop(index, None)
             outcome.skipped_by.pop(index, None)
-            rule = self.binding.policy.rules[rule_index].name
+            rule = rules[rule_index].name
             outcome.counts.append((rule, "norm_overflow", 1))
-            outcome.events.append(
-                (
-                    "norm_overflow",
-                    {"step": step, "rule": rule, "param": names[index], "note": _OVERFLOW_NOTE},
-                )
-            )
-            self._clip_overflowed(outcome, index, grads[index], names, step)
+            event = {"step": step, "rule": rule, "param": names[index], "note": _OVERFLOW_NOTE}
+            outcome.events.append(("norm_overflow", event))
+        for position, (index, bound, action, _, _) in enumerate(clips):
+            norm, coef = host[len(suspects) + 2 * position : len(suspects) + 2 * position + 2]
+            if index not in finite_ids or coef >= 1.0:
+                continue
+            outcome.counts.append((bound.name, "clip_norm", 1))
+            fields = {"scope": "tensor", "norm_type": action.norm_type, "max_norm": action.max_norm}
+            fields |= {"before": norm, "after": norm * coef, "coef": coef, "overflowed": True}
+            event = {"step": step, "rule": bound.name, "action": "clip_norm", "param": names[index]}
+            outcome.events.append(("intervention", event | fields))
 
-    def _clip_overflowed(
-        self, outcome: _StepOutcome, index: int, grad: torch.Tensor, names: dict[int, str], step: int
-    ) -> None:
-        """Apply the tensor-scope clips of a gradient whose float32 norm overflowed, with a float64 norm.
-
-        Rare (every element finite, some above ~1e19); one more sync. The clip comes after the step's
-        other actions here; in exact arithmetic a clip and a scale commute.
-        """
-        rules = self.binding.policy.rules
+    def _tensor_clips(self, index: int, step: int) -> list[tuple[BoundRule, ClipNorm]]:
+        """The tensor-scope clips active on ``step`` for one tensor, in policy order."""
+        out = []
         for rule_index in self.binding.params[index].rules:
-            rule = rules[rule_index]
-            for action in rule.actions:
+            bound = self.binding.rules[rule_index]
+            for action in bound.actions:
                 tensor_clip = isinstance(action, ClipNorm) and action.scope == "tensor"
-                if not (tensor_clip and rule.active_at(step) and action.active_at(step)):
-                    continue
-                assert isinstance(action, ClipNorm)
-                norm = float(torch.linalg.vector_norm(grad.double(), action.norm_type))
-                coef = min(1.0, action.max_norm / (norm + _EPS))
-                if coef < 1.0:
-                    grad.mul_(coef)
-                    outcome.counts.append((rule.name, "clip_norm", 1))
-                    fields = {"scope": "tensor", "norm_type": action.norm_type, "max_norm": action.max_norm}
-                    fields |= {"before": norm, "after": norm * coef, "coef": coef, "overflowed": True}
-                    event = {"step": step, "rule": rule.name, "action": "clip_norm", "param": names[index]}
-                    outcome.events.append(("intervention", event | fields))
+                if tensor_clip and bound.rule.active_at(step) and action.active_at(step):
+                    assert isinstance(action, ClipNorm)
+                    out.append((bound, action))
+        return out
 
     def _read_hook_records(self, pending: _Pending, outcome: _StepOutcome, names: dict[int, str], step: int) -> None:
         """Fold what the per-micro-batch hooks did into this step's sync, counters and events."""

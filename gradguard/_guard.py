@@ -144,9 +144,10 @@ class GradGuard:
         self._events = events
         self._model_ref = weakref.ref(model)
         self._plan = Plan.build(self._binding, self._binding.params)
-        self._relevance: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], bool]] = (
+        self._plans: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], Plan | None]] = (
             weakref.WeakKeyDictionary()
         )
+        self._warned_split: set[int] = set()
         self._expected: list[Optimizer] | None = optimizers
         self._warned_unexpected = False
 
@@ -258,24 +259,25 @@ class GradGuard:
         return proceed
 
     def _enforce_for(self, optimizer: Optimizer) -> None:
-        """An optimizer is about to step: treat every guarded gradient of the model, once.
+        """An optimizer is about to step: treat the guarded gradients it is about to apply.
 
-        The backward is over by then, so all of the model's gradients are final, not only this
-        optimizer's: a rule spanning parameters of two optimizers sees their joint norm, and the step
-        counts once (the second optimizer finds the gradients already treated).
+        Only this optimizer's: with several optimizers under one GradScaler, the others' gradients
+        are still scaled until their own ``scaler.step()``.
         """
         if not self._attachment.open:
             return
         self._step_calls += 1
-        if not self._relevant(optimizer):
+        plan = self._plan_for(optimizer)
+        if plan is None:
             return
         model = self._model_ref()
 
         def stepped() -> Iterable[torch.Tensor]:
-            yield from _parameters_of(model)
+            # A skipped step must be skipped by every optimizer of the model, not only this one.
             yield from (p for group in optimizer.param_groups for p in group["params"])
+            yield from _parameters_of(model)
 
-        self._record(self._enforcer.run(self._plan, StepContext(optimizer=optimizer, stepped_params=stepped)))
+        self._record(self._enforcer.run(plan, StepContext(optimizer=optimizer, stepped_params=stepped)))
         unexpected = self._expected is not None and all(optimizer is not opt for opt in self._expected)
         if unexpected and self._enforcer.last_run_treated and not self._warned_unexpected:
             self._warned_unexpected = True
@@ -288,20 +290,41 @@ class GradGuard:
                 stacklevel=4,
             )
 
-    def _relevant(self, optimizer: Optimizer) -> bool:
-        """Whether the optimizer steps parameters of the model; re-binds if the model's tensors changed."""
+    def _plan_for(self, optimizer: Optimizer) -> Plan | None:
+        """The guarded tensors this optimizer steps (None: none); re-binds if the model's tensors changed."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         fingerprint = tuple(id(p) for p in params)
-        cached = self._relevance.get(optimizer)
+        cached = self._plans.get(optimizer)
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
         model = self._model_ref()
         if model is not None and not self._binding.still_matches(model):
             self._rebind(model)
-        known = self._binding.model_param_ids()
-        relevant = any(id(p) in known for p in params)
-        self._relevance[optimizer] = (fingerprint, relevant)
-        return relevant
+        by_id = self._binding.by_id
+        members = [entry for p in params if (entry := by_id.get(id(p))) is not None and entry.ref() is p]
+        plan = Plan.build(self._binding, members) if members else None
+        if plan is not None:
+            self._warn_split_groups(plan)
+        self._plans[optimizer] = (fingerprint, plan)
+        return plan
+
+    def _warn_split_groups(self, plan: Plan) -> None:
+        """A group clip whose rule spans several optimizers clips each optimizer's share by its own norm."""
+        mine = {entry.index for entry in plan.params}
+        for bound in self._binding.rules:
+            group = any(
+                action.action == "clip_norm" and getattr(action, "scope", "") == "group" for action in bound.actions
+            )
+            split = {entry.index for entry in bound.params} - mine
+            if group and split and bound.index not in self._warned_split and len(split) < len(bound.params):
+                self._warned_split.add(bound.index)
+                warnings.warn(
+                    f"rule {bound.name!r} clips a group whose parameters are stepped by more than one optimizer; "
+                    "each optimizer's share is clipped by its own norm at its own step (under GradScaler the "
+                    "others' gradients are still scaled then). Split the rule per optimizer to make this explicit.",
+                    GuardWarning,
+                    stacklevel=5,
+                )
 
     def _rebind(self, model: nn.Module) -> None:
         """The model's parameters were replaced after attach: match the policy again, and say so.
@@ -312,15 +335,19 @@ class GradGuard:
         """
         old = self._binding
         new = bind(self.policy, model)
-        old_ids = {name: key for key, entry in old.by_id.items() for name in entry.names}
-        replaced = [entry.name for key, entry in new.by_id.items() if old_ids.get(entry.name) not in (None, key)]
+        old_refs = {name: entry.ref for entry in old.params for name in entry.names}
+        replaced = [
+            entry.name
+            for entry in new.params
+            if (before := old_refs.get(entry.name)) is not None and before() is not entry.ref()
+        ]
         self._binding = new
         self._enforcer.rebind(new)
         if self._enforcer.micro_batch is not None:
             self._enforcer.micro_batch.remove()
             self._attach_micro_batch_hooks()
         self._plan = Plan.build(new, new.params)
-        self._relevance = weakref.WeakKeyDictionary()
+        self._plans = weakref.WeakKeyDictionary()
         self._events.emit(
             "warning",
             "rebind",
@@ -388,8 +415,9 @@ class _ScalerWatch:
         result = self.original(optimizer, *args, **kwargs)
         guard = self.guard_ref()
         skipped = guard is not None and guard.attached and guard._step_calls == calls
-        if skipped and guard is not None and guard._relevant(optimizer):
-            guard._enforcer.record_scaler_skip()
+        plan = guard._plan_for(optimizer) if skipped and guard is not None else None
+        if guard is not None and plan is not None:
+            guard._enforcer.record_scaler_skip(entry.index for entry in plan.params)
         return result
 
     def remove(self) -> None:

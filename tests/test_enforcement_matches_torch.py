@@ -16,7 +16,7 @@ from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
-from gradguard import GradGuard, GradientHalt
+from gradguard import GradGuard, GradientHalt, GuardWarning
 
 OPTIMIZERS = ("sgd", "adamw", "adamw_foreach", "adamw_fused")
 WORKLOADS = ("mlp", "decoder")
@@ -325,10 +325,10 @@ def test_manual_step_without_torch_optimizer_equals_reference(make_workload, mak
         assert guard.counters.snapshot()["r0"]["clip_norm"] > 0
 
 
-def test_optimizer_argument_makes_that_optimizers_step_the_boundary_for_the_whole_model(
+def test_optimizer_argument_names_the_boundary_and_an_unlisted_optimizer_is_still_guarded(
     make_workload, make_optimizer, make_policy, same
 ):
-    """GradGuard(optimizer=opt): opt.step() treats every guarded gradient once; the second optimizer finds them done."""
+    """GradGuard(optimizer=opt): each optimizer treats what it steps; the unlisted one is guarded too, and warned of."""
     policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.5}]})
     guarded = make_workload("mlp")
     ref = guarded.clone()
@@ -350,8 +350,13 @@ def test_optimizer_argument_makes_that_optimizers_step_the_boundary_for_the_whol
                 side.backward(step)
             for p in ref.model.parameters():
                 p.grad.mul_(0.5)
-            for opt in (*opts_g, *opts_r):
+            for opt in (*opts_r, opts_g[0]):
                 opt.step()
+            if step == 0:
+                with pytest.warns(GuardWarning, match="not given as optimizer="):
+                    opts_g[1].step()
+            else:
+                opts_g[1].step()
             same(dict(guarded.model.named_parameters()), dict(ref.model.named_parameters()))
         assert guard.counters.snapshot() == {"r0": {"scale": 3 * (len(g_first) + len(g_rest))}}
         assert guard.step_count == 3

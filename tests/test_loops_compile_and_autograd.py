@@ -108,14 +108,17 @@ def clip_each(model: nn.Module, max_norm: float) -> int:
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 def test_a_compiled_model_gets_the_same_gradients_and_the_same_treatment_as_eager(
-    backend: str, monkeypatch: pytest.MonkeyPatch
+    backend: str, request: pytest.FixtureRequest
 ) -> None:
     """torch.compile (eager, aot_eager, inductor): eager's gradients, the policy matched through _orig_mod, and
     the guard's result is clip_grad_norm_ applied by hand to the compiled model's raw gradients."""
     import torch._inductor.config
 
     # Compile in this process: no pool of compile workers to start (and to wait for at exit) for two kernels.
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 1)
+    # torch's own config patch: pytest 9.2's monkeypatch deletes the attribute of torch's config module on undo.
+    patch = torch._inductor.config.patch(compile_threads=1)
+    patch.__enter__()
+    request.addfinalizer(lambda: patch.__exit__(None, None, None))
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = MLP()

@@ -376,7 +376,7 @@ class Enforcer:
         window) follows training steps, not optimizer calls.
         """
         ids = set(indices)
-        if self.step == 0 or ids & self._in_step:
+        if not self._in_step or ids & self._in_step:
             self.step += 1
             self._in_step = set()
             self._scaler_skip_noted = False

@@ -105,6 +105,8 @@ class GradGuard:
         scaler: the ``GradScaler`` of the loop, so the steps it skips are logged and counted.
         process_group: the group ranks agree over (default: the default group, when initialised).
         per_micro_batch: treat each backward's contribution with the tensor-scope actions.
+        start_step: the step this run starts at, for a run resumed from a checkpoint: step windows and
+            the log's step numbers continue where the first run stopped.
         summary_every: write the cumulative counters every this many steps (0: only at the end).
         replace: remove a guard already attached to the model instead of refusing.
     """
@@ -120,11 +122,14 @@ class GradGuard:
         scaler: torch.amp.GradScaler | None = None,
         process_group: Any = None,
         per_micro_batch: bool = False,
+        start_step: int = 0,
         summary_every: int = 100,
         replace: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0 (the step a resumed run starts at), got {start_step}")
         if summary_every < 0:
             raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
         optimizers = _optimizers(optimizer)
@@ -141,6 +146,7 @@ class GradGuard:
         self._enforcer = Enforcer(
             self._binding, self.counters, events, summary_every=summary_every, collective=Collective(process_group)
         )
+        self._enforcer.step = start_step
         self._events = events
         self._model_ref = weakref.ref(model)
         self._plan = Plan.build(self._binding, self._binding.params)
@@ -176,6 +182,7 @@ class GradGuard:
             policy=self.policy.source,
             model=type(model).__name__,
             boundary=boundary,
+            start_step=start_step,
             params=len(self._binding.params),
             rules={bound.name: len(bound.params) for bound in self._binding.rules},
             pid=os.getpid(),

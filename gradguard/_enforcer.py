@@ -236,21 +236,22 @@ class Enforcer:
         """
         grads: dict[int, torch.Tensor] = {}
         wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
+        applied, plain, strided = self.applied_versions, torch.Tensor, torch.strided  # locals: a loop per tensor
         for entry in plan.params:
             param = entry.ref()
             grad = param.grad if param is not None else None
             if grad is None:
                 continue
-            local = grad if type(grad) is torch.Tensor else local_tensor(grad)
+            local = grad if type(grad) is plain else local_tensor(grad)
             if local is not grad:
                 wrapped[entry.index] = grad
-            if local.layout is not torch.strided:
+            if local.layout is not strided:
                 raise GuardStateError(
                     f"parameter {entry.name!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
                     "sparse=True)), which gradguard's actions cannot treat. Exclude it from the policy's rules, "
                     "or compute a dense gradient."
                 )
-            seen = self.applied_versions.get(entry.index)
+            seen = applied.get(entry.index)
             if seen is not None and seen[0]() is grad and seen[1] == local._version:
                 continue  # already treated, and unchanged since: a second step() on the same gradient
             grads[entry.index] = local
@@ -329,9 +330,9 @@ class Enforcer:
             self._skip(outcome, names, step, context)
             return False
         self._reset_consecutive_skips()
-        for index, local in grads.items():
-            # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
-            self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version)
+        # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
+        ref = weakref.ref
+        applied.update({index: (ref(wrapped.get(index, local)), local._version) for index, local in grads.items()})
         return True
 
     def rebind(self, binding: Binding) -> None:

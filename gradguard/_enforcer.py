@@ -15,6 +15,7 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 import weakref
 from collections import deque
@@ -151,6 +152,15 @@ class _Pending:
 
     parts: list[torch.Tensor] = field(default_factory=list)
     readers: list[Callable[[list[float]], None]] = field(default_factory=list)
+    raw_stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
+    """The raw norms and their stack, so a clip over exactly those norms does not stack them again."""
+
+    def stack(self, norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """``_stack_on(norms, device)``, reusing the raw norms' stack when ``norms`` are those tensors."""
+        memo = self.raw_stack
+        if memo is not None and len(memo[0]) == len(norms) and all(map(operator.is_, memo[0], norms)):
+            return memo[1]
+        return _stack_on(norms, device)
 
     def add(self, values: torch.Tensor, reader: Callable[[list[float]], None]) -> None:
         self.parts.append(values.reshape(-1))
@@ -531,7 +541,8 @@ class Enforcer:
         """2-norms of the untouched gradients, and the non-finite verdict every rank agrees on."""
         local = _norms([grads[i] for i in raw_ids], 2.0)
         device = local[0].device
-        stacked = _stack_on(local, device).float()
+        pending.raw_stack = (local, _stack_on(local, device))
+        stacked = pending.raw_stack[1].float()
         evidence = stacked
         fragile = [position for position, index in enumerate(raw_ids) if index in plan.fragile]
         if fragile:
@@ -592,7 +603,7 @@ class Enforcer:
     ) -> None:
         for device_ids, positions in _by_device(ids, norms):
             device = norms[positions[0]].device
-            per_tensor = _stack_on([norms[k] for k in positions], device)
+            per_tensor = pending.stack([norms[k] for k in positions], device)
             # clip_grad_norm_([p]) takes the norm of the one-element stack of norms; so do we, row-wise.
             totals = torch.linalg.vector_norm(per_tensor.unsqueeze(1), action.norm_type, dim=1)
             coefs = _clip_coefficients(totals, action.max_norm)

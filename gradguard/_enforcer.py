@@ -39,6 +39,7 @@ SCALER_RULE = "grad_scaler"
 """Counter key for steps GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+_WATCHING = (HaltOnNonfinite, SkipStepOnNonfinite)
 _OVERFLOW_NOTE = (
     "every element is finite but the float32 2-norm overflowed: not a non-finite gradient; its tensor-scope "
     "clips used a float64 norm"
@@ -107,6 +108,10 @@ class Plan:
     fragile: frozenset[int]
     """Watched tensors that an action may make finite (zero, clip_value, drop, scale by 0): their
     NaN/Inf verdict is taken from the max-abs norm before any action, not checked afterwards."""
+    raw_sorted: tuple[int, ...] = ()
+    """``sorted(raw_norm_params)``: the raw norms to take when every tensor of the plan has a gradient."""
+    member_ids: tuple[tuple[int, ...], ...] = ()
+    """Per rule, the indices of its members: its tensors to treat when every tensor has a gradient."""
 
     @classmethod
     def build(cls, binding: Binding, params: Sequence[GuardedParam]) -> Plan:
@@ -143,6 +148,8 @@ class Plan:
             raw_norm_params=frozenset(raw),
             fragile=frozenset(fragile),
             watchers_by_param={key: tuple(value) for key, value in watchers.items()},
+            raw_sorted=tuple(sorted(raw)),
+            member_ids=tuple(tuple(entry.index for entry in members) for _, members in rules),
         )
 
 
@@ -279,16 +286,23 @@ class Enforcer:
 
         collective = self.collective if self.collective.active() else None
         sharded = collective is not None and any(is_sharded(self._grad_of(i)) for i in grads)
-        raw_ids = sorted(index for index in plan.raw_norm_params if index in grads)
+        everyone = len(plan.params)  # while len(grads) is this, every tensor of the plan has a gradient
+        if len(grads) == everyone:
+            raw_ids = list(plan.raw_sorted)
+        else:
+            raw_ids = sorted(index for index in plan.raw_norm_params if index in grads)
         raw: dict[int, torch.Tensor] = {}
         if raw_ids:
             raw = self._raw_norms(pending, outcome, plan, raw_ids, grads, step, collective, sharded)
 
         touched: set[int] = set()
-        for bound, members in plan.rules:
-            if not bound.rule.active_at(step):
-                continue
-            ids = [entry.index for entry in members if entry.index in grads]
+        for (bound, members), member_ids in zip(plan.rules, plan.member_ids, strict=True):
+            if not bound.rule.active_at(step) or all(isinstance(a, _WATCHING) for a in bound.actions):
+                continue  # inactive, or it only watches (halt/skip): its verdict came with the raw norms
+            if len(grads) == everyone:
+                ids = list(member_ids)
+            else:
+                ids = [entry.index for entry in members if entry.index in grads]
             if not ids:
                 continue
             for action in bound.actions:

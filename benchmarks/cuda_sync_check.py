@@ -88,10 +88,10 @@ def step_syncs(work: Workload) -> int:
     return _synchronizing(caught)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--require", action="store_true", help="fail (exit 1) when no CUDA device is available")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("cuda_sync_check: skipped, no CUDA device is available")
         return 1 if args.require else 0

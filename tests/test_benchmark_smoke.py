@@ -1,33 +1,47 @@
 """The step-overhead benchmark still starts: its ``--quick`` run finishes in seconds and reports everything.
 
 The benchmark itself (``python benchmarks/step_overhead.py``, minutes) is not part of the test run.
+Both scripts run in this process (no second torch import), with torch's thread count restored after.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS = ROOT / "benchmarks"
+import pytest
+import torch
 
-
-def run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(BENCHMARKS / script), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, check=False, cwd=ROOT)
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
-def test_the_quick_benchmark_run_prints_every_table_and_the_targets(tmp_path: Path) -> None:
+@pytest.fixture
+def benchmarks() -> Iterator[dict[str, ModuleType]]:
+    """The benchmark scripts as modules; torch's intra-op thread count is put back afterwards."""
+    threads = torch.get_num_threads()
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import cuda_sync_check
+        import step_overhead
+
+        yield {"step_overhead": step_overhead, "cuda_sync_check": cuda_sync_check}
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        torch.set_num_threads(threads)
+
+
+def test_the_quick_benchmark_run_prints_every_table_and_the_targets(
+    benchmarks: dict[str, ModuleType], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--quick`` measures every treatment on both models and the sweep, and writes its JSON."""
     out = tmp_path / "result.json"
-    done = run("step_overhead.py", "--quick", "--json", str(out))
-    assert done.returncode == 0, done.stderr[-4000:]
+    assert benchmarks["step_overhead"].main(["--quick", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
     for heading in ("**gpt**", "**deep**", "**sweep**", "**targets**"):
-        assert heading in done.stdout, done.stdout
+        assert heading in printed, printed
     result = json.loads(out.read_text())
     assert set(result["models"]) == {"gpt", "deep"}
     rows = {row["name"]: row for row in result["models"]["gpt"]["rows"]}
@@ -37,15 +51,16 @@ def test_the_quick_benchmark_run_prints_every_table_and_the_targets(tmp_path: Pa
     assert rows["gg-a"]["backward_syncs"] == 0, "and none while backward runs"
     assert rows["item-hook"]["backward_syncs"] > 0, "the sync counter sees a sync inside a hook"
     assert len(result["sweep"]["sizes"]) == 2
+    assert not torch.is_anomaly_enabled(), "the anomaly row switched detection off again"
 
 
-def test_the_cuda_sync_check_says_it_is_skipped_without_a_gpu() -> None:
-    """Without CUDA the sync check exits 0 and says why it checked nothing (with --require it fails)."""
-    import torch
-
+def test_the_cuda_sync_check_says_it_is_skipped_without_a_gpu(
+    benchmarks: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without CUDA the sync check exits 0 and says why it checked nothing; with --require it fails."""
     if torch.cuda.is_available():
-        return  # on a GPU machine it runs for real: python benchmarks/cuda_sync_check.py
-    done = run("cuda_sync_check.py")
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "skipped, no CUDA device" in done.stdout
-    assert run("cuda_sync_check.py", "--require").returncode == 1
+        pytest.skip("a GPU is here: run python benchmarks/cuda_sync_check.py for the real check")
+    check = benchmarks["cuda_sync_check"]
+    assert check.main([]) == 0
+    assert "skipped, no CUDA device" in capsys.readouterr().out
+    assert check.main(["--require"]) == 1

@@ -381,9 +381,16 @@ class Guarded(Treatment):
         return text
 
 
+class SecondCopy(NoTreatment):
+    """No treatment either, on another copy of the model: the A/A control, the measurement's floor."""
+
+    name, label = "none-2", "no treatment, again (A/A control)"
+
+
 def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
     treatments: list[Treatment] = [
         NoTreatment(),
+        SecondCopy(),
         GlobalClip(),
         LoopClip(),
         ItemHook(),
@@ -440,6 +447,25 @@ def train_step(work: Workload, treatment: Treatment) -> StepTime:
         return StepTime(end - wall, time.process_time() - cpu, end - update)
     finally:
         treatment.after_step()
+
+
+def share_memory(works: Sequence[Workload]) -> None:
+    """Let every copy of a model use the first copy's parameter and AdamW state tensors.
+
+    Each row has its own copy of the model (its own parameter objects, so each can carry its own
+    hooks or guard), but they all read and write the same memory: otherwise each copy's placement in
+    memory (huge pages, alignment) makes some copies several percent faster than others in the
+    memory-bound optimizer step, whatever the treatment.
+    """
+    master = works[0]
+    for work in works[1:]:
+        for param, shared in zip(work.params, master.params, strict=True):
+            param.data = shared.data
+    if any(param not in master.opt.state for param in master.params):
+        train_step(master, NoTreatment())  # AdamW creates its state on its first step
+    for work in works[1:]:
+        for param, shared in zip(work.params, master.params, strict=True):
+            work.opt.state[param] = master.opt.state[shared]
 
 
 @contextlib.contextmanager
@@ -604,6 +630,7 @@ def run_model(
     make: Callable[[], Workload], treatments: list[Treatment], rounds: int, scratch: Path, seed: int, warmup: int = 2
 ) -> ModelResult:
     works = [make() for _ in treatments]
+    share_memory(works)
     names = [t.name for t in treatments]
     with set_up(works, treatments, scratch):
         times = interleaved(works, treatments, rounds, warmup, seed, works[0].name)
@@ -682,6 +709,8 @@ def run_sweep(links: list[int], device: torch.device, rounds: int, scratch: Path
     pairs = [(chain_workload(n, device), kind()) for n in links for kind in kinds]
     works = [work for work, _ in pairs]
     treatments = [treatment for _, treatment in pairs]
+    for start in range(0, len(works), len(kinds)):
+        share_memory(works[start : start + len(kinds)])
     with set_up(works, treatments, scratch):
         times = interleaved(works, treatments, rounds, 2, seed, "sweep")
     by_key = {(w.name, t.name): steps for w, t, steps in zip(works, treatments, times, strict=True)}

@@ -72,6 +72,13 @@ def worker(rank: int, world: int, port: int, rounds: int, steps: int, width: int
             medians[name].append(statistics.median(timed_steps(model, opt, steps, width)))
             if guard is not None:
                 guard.remove()
+    flags = torch.zeros(2 * sum(1 for _ in model.parameters()))
+    for _ in range(20):
+        dist.all_reduce(flags)
+    start = time.perf_counter()
+    for _ in range(200):
+        dist.all_reduce(flags)
+    collective_ms = (time.perf_counter() - start) / 200 * 1e3
     if rank == 0:
         tensors = sum(1 for _ in model.parameters())
         print(f"DDP, gloo, {world} ranks, {tensors} parameter tensors, width {width}, depth {depth}")
@@ -79,6 +86,7 @@ def worker(rank: int, world: int, port: int, rounds: int, steps: int, width: int
         for name, values in medians.items():
             ratios = [value / base for value, base in zip(values, medians["none"], strict=True)]
             print(f"{name:<14}{statistics.median(values) * 1e3:>16.3f}{statistics.median(ratios):>16.4f}")
+        print(f"the agreement all_reduce alone ({flags.numel()} floats): {collective_ms:.3f} ms per call")
     del model, opt
     dist.barrier()
     dist.destroy_process_group()

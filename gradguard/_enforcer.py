@@ -176,7 +176,13 @@ class _Pending:
     def sync(self) -> None:
         if not self.parts:
             return
-        host = torch.cat([part.detach().to("cpu", torch.float64) for part in self.parts]).tolist()
+        device = self.parts[0].device
+        if all(part.device == device for part in self.parts):
+            # Joined on the device first: one device-to-host copy, so one sync (a copy per part would
+            # be a sync each on a GPU). cat promotes floats exactly, as the per-part float64 did.
+            host = torch.cat([part.detach() for part in self.parts]).to("cpu", torch.float64).tolist()
+        else:
+            host = torch.cat([part.detach().to("cpu", torch.float64) for part in self.parts]).tolist()
         offset = 0
         for part, reader in zip(self.parts, self.readers, strict=False):
             size = part.numel()

@@ -580,7 +580,8 @@ def probe(work: Workload, treatment: Treatment) -> Probe:
 
 
 def _window(events: Sequence[Any], name: str) -> tuple[int, int]:
-    found = next(e for e in events if e.name() == name)
+    """The host-side span of a ``record_function`` range (with CUDA, the GPU has one of that name too)."""
+    found = next(e for e in events if e.name() == name and e.device_type() == torch.autograd.DeviceType.CPU)
     return found.start_ns(), found.end_ns()
 
 

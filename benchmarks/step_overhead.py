@@ -188,7 +188,8 @@ def chain_workload(links: int, device: torch.device, batch: int = 8) -> Workload
 
     def loss() -> torch.Tensor:
         x = torch.randn(batch, 16, generator=generator, device=device)
-        return model(x).square().mean()
+        out: torch.Tensor = model(x)
+        return out.square().mean()
 
     return Workload(f"chain-{2 * links}", model, loss, device, f"{links} x Linear(16, 16), {2 * links} tensors")
 
@@ -289,7 +290,7 @@ class ItemHook(Treatment):
                 raise FloatingPointError("non-finite gradient")
             return grad * (MAX_NORM / (norm + 1e-6)) if norm > MAX_NORM else grad
 
-        self.handles = [param.register_hook(clip) for param in work.params]
+        self.handles = [param.register_hook(clip) for param in work.params]  # type: ignore[no-untyped-call]
 
     def teardown(self, work: Workload) -> None:
         for handle in self.handles:
@@ -513,11 +514,11 @@ def counting_tolist(phase: list[str], counts: dict[str, int]) -> Iterator[None]:
     """Count ``Tensor.tolist()`` calls by phase: a read of device values the profiler does not name."""
     original = torch.Tensor.tolist
 
-    def tolist(self: torch.Tensor) -> Any:
+    def tolist(self: torch.Tensor) -> list[Any]:
         counts[phase[0]] = counts.get(phase[0], 0) + 1
         return original(self)
 
-    torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+    torch.Tensor.tolist = tolist  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -534,7 +535,7 @@ def probe(work: Workload, treatment: Treatment) -> Probe:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if work.device.type == "cuda" else [])
-    phase, reads = ["outside"], {}
+    phase, reads = ["outside"], dict[str, int]()
     with profile(activities=activities, profile_memory=True) as prof, counting_tolist(phase, reads):
         train_step(work, treatment)
         treatment.before_step()
@@ -581,7 +582,8 @@ def probe(work: Workload, treatment: Treatment) -> Probe:
 
 def _window(events: Sequence[Any], name: str) -> tuple[int, int]:
     """The host-side span of a ``record_function`` range (with CUDA, the GPU has one of that name too)."""
-    found = next(e for e in events if e.name() == name and e.device_type() == torch.autograd.DeviceType.CPU)
+    host = torch._C._autograd.DeviceType.CPU
+    found = next(e for e in events if e.name() == name and e.device_type() == host)
     return found.start_ns(), found.end_ns()
 
 

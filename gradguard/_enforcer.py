@@ -68,6 +68,25 @@ def _stack_on(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     return torch.stack([norm.to(device) for norm in norms])
 
 
+def _clamp_(grads: list[torch.Tensor], limit: float) -> None:
+    """``clip_grad_value_``'s clamp, with the limit capped at each dtype's largest finite value.
+
+    torch refuses a float16 clamp bound above 65504; no finite float16 exceeds it, so the cap changes
+    nothing but the (reported) Inf, which becomes the largest finite value instead of staying Inf.
+    """
+    if all(limit <= torch.finfo(g.dtype).max for g in grads):
+        torch._foreach_clamp_min_(grads, -limit)
+        torch._foreach_clamp_max_(grads, limit)
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for dtype, group in by_dtype.items():
+        bound = min(limit, torch.finfo(dtype).max)
+        torch._foreach_clamp_min_(group, -bound)
+        torch._foreach_clamp_max_(group, bound)
+
+
 def _in_torch_order(grads: Sequence[torch.Tensor], norms: list[torch.Tensor]) -> list[torch.Tensor]:
     """The per-tensor norms in the order ``clip_grad_norm_`` sums them: grouped by (device, dtype).
 
@@ -723,8 +742,7 @@ class Enforcer:
         sharded: bool,
     ) -> None:
         peaks = self._norms(gs, float("inf"), sharded)
-        torch._foreach_clamp_min_(gs, -action.limit)
-        torch._foreach_clamp_max_(gs, action.limit)
+        _clamp_(gs, action.limit)
         for device_ids, positions in _by_device(ids, peaks):
 
             def read(values: list[float], device_ids: list[int] = device_ids) -> None:

@@ -231,6 +231,14 @@ class GradGuard:
         context = StepContext(optimizer=None, stepped_params=lambda: _parameters_of(self._model_ref()))
         return self._record(self._enforcer.run(self._plan, context))
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event so far is in the audit log (it is written by a background thread).
+
+        Returns False if ``timeout`` seconds passed first. Halts, :meth:`remove` and interpreter exit
+        flush by themselves; call this to read the log of a run that is still going.
+        """
+        return self._events.flush(timeout)
+
     def remove(self) -> None:
         """Remove every hook and close the audit log; safe to call more than once."""
         if self._finalizer.detach() is not None:

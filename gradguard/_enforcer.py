@@ -222,6 +222,22 @@ class _StepOutcome:
     counts: list[tuple[str, str, int]] = field(default_factory=list)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
+    def norm_clipped(
+        self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any
+    ) -> None:
+        """Count a clip_norm that changed ``extra.get("n_params", 1)`` tensors, and log it."""
+        self.counts.append((rule, "clip_norm", int(extra.get("n_params", 1))))
+        event = {"step": step, "rule": rule, "action": "clip_norm", "param": param, **extra}
+        event |= {"scope": action.scope, "norm_type": action.norm_type, "max_norm": action.max_norm}
+        event |= {"before": before, "after": before * coef, "coef": coef}
+        self.events.append(("intervention", event))
+
+    def value_clipped(self, step: int, rule: str, param: str, limit: float, before: float, **extra: Any) -> None:
+        """Count a clip_value that clamped one tensor, and log it."""
+        self.counts.append((rule, "clip_value", 1))
+        event = {"step": step, "rule": rule, "action": "clip_value", "param": param, **extra}
+        self.events.append(("intervention", event | {"limit": limit, "before": before, "after": limit}))
+
 
 @dataclass
 class StepContext:
@@ -499,11 +515,7 @@ class Enforcer:
             norm, coef = host[len(suspects) + 2 * position : len(suspects) + 2 * position + 2]
             if index not in finite_ids or coef >= 1.0:
                 continue
-            outcome.counts.append((bound.name, "clip_norm", 1))
-            fields = {"scope": "tensor", "norm_type": action.norm_type, "max_norm": action.max_norm}
-            fields |= {"before": norm, "after": norm * coef, "coef": coef, "overflowed": True}
-            event = {"step": step, "rule": bound.name, "action": "clip_norm", "param": names[index]}
-            outcome.events.append(("intervention", event | fields))
+            outcome.norm_clipped(step, bound.name, names[index], action, norm, coef, overflowed=True)
 
     def _tensor_clips(self, index: int, step: int) -> list[tuple[BoundRule, ClipNorm]]:
         """The tensor-scope clips active on ``step`` for one tensor, in policy order."""
@@ -540,18 +552,11 @@ class Enforcer:
                 if before != before or abs(before) == float("inf"):
                     outcome.nonfinite.setdefault(record.index, ("nan" if before != before else "inf", record.rule))
                     continue
-                if isinstance(action, ClipNorm):
-                    if coef >= 1.0:
-                        continue
-                    fields = {"scope": "tensor", "norm_type": action.norm_type, "max_norm": action.max_norm}
-                    fields |= {"before": before, "after": before * coef, "coef": coef}
-                else:
-                    if before <= action.limit:
-                        continue
-                    fields = {"limit": action.limit, "before": before, "after": action.limit}
-                outcome.counts.append((rule, action.action, 1))
-                event = {"step": step, "rule": rule, "action": action.action, "param": names.get(record.index)}
-                outcome.events.append(("intervention", event | fields | {"micro_batch": True}))
+                param = self.binding.params[record.index].name
+                if isinstance(action, ClipNorm) and coef < 1.0:
+                    outcome.norm_clipped(step, rule, param, action, before, coef, micro_batch=True)
+                elif isinstance(action, ClipValue) and before > action.limit:
+                    outcome.value_clipped(step, rule, param, action.limit, before, micro_batch=True)
 
         pending.add(values, read)
 
@@ -656,24 +661,7 @@ class Enforcer:
                     if norm != norm or abs(norm) == float("inf"):
                         outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
                     elif coef < 1.0:
-                        outcome.counts.append((bound.name, "clip_norm", 1))
-                        outcome.events.append(
-                            (
-                                "intervention",
-                                {
-                                    "step": step,
-                                    "rule": bound.name,
-                                    "action": "clip_norm",
-                                    "param": names[index],
-                                    "scope": "tensor",
-                                    "norm_type": action.norm_type,
-                                    "max_norm": action.max_norm,
-                                    "before": norm,
-                                    "after": norm * coef,
-                                    "coef": coef,
-                                },
-                            )
-                        )
+                        outcome.norm_clipped(step, bound.name, names[index], action, norm, coef)
 
             pending.add(torch.cat([totals, coefs]), read)
 
@@ -706,26 +694,8 @@ class Enforcer:
                     )
                 )
             elif factor < 1.0:
-                outcome.counts.append((bound.name, "clip_norm", len(ids)))
-                outcome.events.append(
-                    (
-                        "intervention",
-                        {
-                            "step": step,
-                            "rule": bound.name,
-                            "action": "clip_norm",
-                            "param": None,
-                            "params": [names[i] for i in ids],
-                            "n_params": len(ids),
-                            "scope": "group",
-                            "norm_type": action.norm_type,
-                            "max_norm": action.max_norm,
-                            "before": norm,
-                            "after": norm * factor,
-                            "coef": factor,
-                        },
-                    )
-                )
+                params = [names[i] for i in ids]
+                outcome.norm_clipped(step, bound.name, None, action, norm, factor, params=params, n_params=len(ids))
 
         pending.add(torch.stack([total, coef]), read)
 
@@ -752,21 +722,7 @@ class Enforcer:
                     if peak != peak or abs(peak) == float("inf"):
                         outcome.nonfinite.setdefault(index, ("nan" if peak != peak else "inf", bound.index))
                     elif peak > action.limit:
-                        outcome.counts.append((bound.name, "clip_value", 1))
-                        outcome.events.append(
-                            (
-                                "intervention",
-                                {
-                                    "step": step,
-                                    "rule": bound.name,
-                                    "action": "clip_value",
-                                    "param": names[index],
-                                    "limit": action.limit,
-                                    "before": peak,
-                                    "after": action.limit,
-                                },
-                            )
-                        )
+                        outcome.value_clipped(step, bound.name, names[index], action.limit, peak)
 
             pending.add(_stack_on([peaks[k] for k in positions], peaks[positions[0]].device), read)
 

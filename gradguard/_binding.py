@@ -113,10 +113,6 @@ class Binding:
             ref() is param for ref, param in zip(self.model_params, current, strict=True)
         )
 
-    def model_param_ids(self) -> set[int]:
-        """``id`` of every live tensor the model had at bind time."""
-        return {id(param) for ref in self.model_params if (param := ref()) is not None}
-
 
 def bind(policy: Policy, model: nn.Module) -> Binding:
     """Match every rule against the model's parameters; raise :class:`PolicyError` for empty rules."""

@@ -168,7 +168,7 @@ class GradGuard:
         if optimizers is not None:
             boundary = ", ".join(type(opt).__name__ for opt in optimizers)
         if scaler is not None:
-            self._attachment.handles.append(_watch_scaler(scaler, weakref.ref(self)))
+            self._attachment.handles.append(_ScalerWatch(scaler, weakref.ref(self)))
         self._last_step_skipped = False
         self._step_calls = 0
         self._finalizer = weakref.finalize(self, self._attachment.collected)
@@ -438,10 +438,6 @@ class _ScalerWatch:
     def remove(self) -> None:
         if self.scaler.__dict__.get("step") is self:
             del self.scaler.step
-
-
-def _watch_scaler(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> _ScalerWatch:
-    return _ScalerWatch(scaler, guard_ref)
 
 
 def _distributed_rank() -> int:

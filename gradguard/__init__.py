@@ -19,6 +19,7 @@ from gradguard._errors import (
     GuardWarning,
     PolicyError,
     PolicyIssue,
+    UnsupportedOptimizerError,
 )
 from gradguard._policy import (
     ClipNorm,
@@ -52,6 +53,7 @@ __all__ = [
     "Rule",
     "Scale",
     "SkipStepOnNonfinite",
+    "UnsupportedOptimizerError",
     "Zero",
 ]
 

@@ -247,6 +247,12 @@ class StepContext:
     """The ``torch.optim.Optimizer`` about to step, or ``None`` for ``guard.step()``."""
     stepped_params: Callable[[], Iterable[torch.Tensor]]
     """Every parameter the update would change: a skipped step sets all their gradients to None."""
+    explicit: bool = False
+    """An explicit boundary (``guard.step()``, a framework integration), not an optimizer's step pre-hook:
+    the gradients it treats are left alone by the optimizer's coming step, whatever changes them between."""
+    found_inf: Sequence[torch.Tensor] = ()
+    """A GradScaler's inf/NaN flags for gradients it has already unscaled: if set, the step is the
+    scaler's to skip (no halt, no intervention counted)."""
 
 
 @dataclass
@@ -282,10 +288,17 @@ class Enforcer:
         """Whether the last :meth:`run` found new gradients to treat."""
         self.skip_history: dict[int, _SkipHistory] = {}
         self._warned_scheduler = False
-        self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
-        """``(weakref to grad, version)`` after the last pass, per tensor: a gradient already treated,
-        and unchanged since, is not treated again (a second ``step()`` on the same gradient)."""
+        self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
+        """``(weakref to grad, version, held)`` after the last pass, per tensor: a gradient already
+        treated, and unchanged since, is not treated again (a second ``step()`` on the same gradient).
+        ``held`` marks a gradient treated at an explicit boundary: the optimizer's step pre-hook leaves
+        it alone even if changed since (a framework's own clip), until :meth:`seal_explicit` runs after
+        the optimizer step."""
+        self._explicit_marks = False
+        self.scaler_skip_at_boundary = False
+        """This step's GradScaler skip was already recorded at an explicit boundary (one-shot)."""
 
+    @torch.no_grad()
     def run(self, plan: Plan, context: StepContext) -> bool:
         """Treat the current gradients of ``plan``'s tensors; return False if the step must be skipped.
 
@@ -295,6 +308,7 @@ class Enforcer:
         grads: dict[int, torch.Tensor] = {}
         wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
         applied, plain, strided = self.applied_versions, torch.Tensor, torch.strided  # locals: a loop per tensor
+        honour_explicit = not context.explicit
         for entry in plan.params:
             param = entry.ref()
             grad = param.grad if param is not None else None
@@ -310,8 +324,12 @@ class Enforcer:
                     "or compute a dense gradient."
                 )
             seen = applied.get(entry.index)
-            if seen is not None and seen[0]() is grad and seen[1] == local._version:
-                continue  # already treated, and unchanged since: a second step() on the same gradient
+            if (
+                seen is not None
+                and seen[0]() is grad
+                and (seen[1] == local._version or (honour_explicit and seen[2]))
+            ):
+                continue  # already treated (and unchanged since, or at this step's explicit boundary)
             grads[entry.index] = local
         self.last_run_treated = bool(grads)
         if not grads:
@@ -322,6 +340,7 @@ class Enforcer:
         outcome = _StepOutcome()
         names = plan.names
         self._adopt_fused_scaler(context, pending, outcome)
+        self._read_found_inf(context, pending, outcome)
         if self.micro_batch is not None:
             self._read_hook_records(pending, outcome, names, step)
 
@@ -380,8 +399,9 @@ class Enforcer:
         pending.sync()  # the step's one host sync
         self._clear_overflows(outcome, plan, grads, names, step, collective)
         if outcome.scaler_found_inf:
-            self.record_scaler_skip((), step=step, fused=True)
-            return True  # the optimizer's fused kernel skips the update itself
+            self.record_scaler_skip((), step=step, fused=context.optimizer is not None and not context.explicit)
+            self.scaler_skip_at_boundary = context.explicit
+            return True  # the scaler (or the fused kernel it drives) skips the update itself
         try:
             self._report(outcome, names, step)
         except GradientHalt:
@@ -389,7 +409,7 @@ class Enforcer:
             # treat them again. The offending ones stay untreated, so a retry checks them again.
             for index, local in grads.items():
                 if index not in outcome.halted_by and index not in outcome.skipped_by:
-                    self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version)
+                    self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
         if outcome.skipped_by:
             self._skip(outcome, names, step, context)
@@ -397,8 +417,24 @@ class Enforcer:
         self._reset_consecutive_skips()
         # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
         ref = weakref.ref
-        applied.update({index: (ref(wrapped.get(index, local)), local._version) for index, local in grads.items()})
+        held = context.explicit
+        self._explicit_marks |= held
+        applied.update({i: (ref(wrapped.get(i, local)), local._version, held) for i, local in grads.items()})
         return True
+
+    def seal_explicit(self) -> None:
+        """The optimizer has stepped: gradients treated at an explicit boundary become plain "treated".
+
+        From now on they count as treated only while unchanged, so the next backward (which
+        accumulates into them in place, after ``zero_grad(set_to_none=False)``) is treated again.
+        """
+        if not self._explicit_marks:
+            return
+        self._explicit_marks = False
+        for index, (ref, _, held) in list(self.applied_versions.items()):
+            grad = ref()
+            if held and grad is not None:
+                self.applied_versions[index] = (ref, local_tensor(grad)._version, False)
 
     def rebind(self, binding: Binding) -> None:
         """Switch to a new binding (the model's parameters were replaced); tensor indices start afresh."""
@@ -434,6 +470,18 @@ class Enforcer:
 
             pending.add(found_inf.reshape(-1)[:1].float(), read)
 
+    def _read_found_inf(self, context: StepContext, pending: _Pending, outcome: _StepOutcome) -> None:
+        """Read a GradScaler's inf/NaN flags with the step's one sync (explicit boundary after its unscale_)."""
+        if not context.found_inf:
+            return
+        device = context.found_inf[0].device
+        total = torch.stack([flag.reshape(-1)[:1].to(device, torch.float32) for flag in context.found_inf]).sum()
+
+        def read(values: list[float]) -> None:
+            outcome.scaler_found_inf = outcome.scaler_found_inf or values[0] > 0
+
+        pending.add(total, read)
+
     def _begin_step(self, indices: Iterable[int]) -> int:
         """The 0-based index of the step these tensors' gradients belong to.
 
@@ -446,6 +494,7 @@ class Enforcer:
             self.step += 1
             self._in_step = set()
             self._scaler_skip_noted = False
+            self.scaler_skip_at_boundary = False
         self._in_step |= ids
         return self.step - 1
 
@@ -841,6 +890,30 @@ class Enforcer:
                 GuardWarning,
                 stacklevel=6,
             )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The step number and every rule's skip history: what decides future steps."""
+        rules = self.binding.policy.rules
+        skips = {
+            rules[index].name: {"consecutive": history.consecutive, "recent": list(history.recent)}
+            for index, history in sorted(self.skip_history.items())
+        }
+        return {"step": self.step, "skips": skips}
+
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Take over a saved :meth:`state_dict`; returns the rule names it held that this policy lacks."""
+        by_name = {rule.name: index for index, rule in enumerate(self.binding.policy.rules)}
+        self.step = int(state["step"])
+        self._in_step = set()
+        self.skip_history = {}
+        unknown = []
+        for name, saved in dict(state.get("skips", {})).items():
+            if name not in by_name:
+                unknown.append(name)
+                continue
+            history = _SkipHistory(int(saved["consecutive"]), deque(int(step) for step in saved["recent"]))
+            self.skip_history[by_name[name]] = history
+        return unknown
 
     def _reset_consecutive_skips(self) -> None:
         for history in self.skip_history.values():

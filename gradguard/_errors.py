@@ -6,6 +6,7 @@ Every exception gradguard raises on purpose derives from :class:`GradGuardError`
     ├── PolicyError (also ValueError)      a policy file or dict is wrong, or does not fit the model
     ├── GradientHalt (also RuntimeError)   a non-finite gradient stopped training before the optimizer step
     └── GuardStateError (also RuntimeError) the guard was used in a way it cannot honour
+        └── UnsupportedOptimizerError       an optimizer whose step the guard cannot treat soundly
 
     GuardWarning (UserWarning)             something the user should know, that does not stop training
 
@@ -24,6 +25,7 @@ __all__ = [
     "GuardWarning",
     "PolicyError",
     "PolicyIssue",
+    "UnsupportedOptimizerError",
 ]
 
 
@@ -91,6 +93,15 @@ class GradientHalt(GradGuardError, RuntimeError):
 
 class GuardStateError(GradGuardError, RuntimeError):
     """The guard cannot do what was asked in its current state (e.g. a second guard on one model)."""
+
+
+class UnsupportedOptimizerError(GuardStateError):
+    """An optimizer steps guarded parameters in a way the guard cannot treat soundly.
+
+    ``torch.optim.LBFGS`` (with ``max_iter > 1`` or a line search) evaluates its closure several times
+    in one ``step()`` and moves the parameters between evaluations: there is no single gradient to
+    treat before the update.
+    """
 
 
 class GuardWarning(UserWarning):

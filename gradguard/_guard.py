@@ -8,21 +8,22 @@ import os
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradguard._binding import Binding, bind
 from gradguard._counters import Counters
 from gradguard._distributed import Collective
 from gradguard._enforcer import Enforcer, Plan, StepContext
-from gradguard._errors import GuardStateError, GuardWarning
+from gradguard._errors import GuardStateError, GuardWarning, UnsupportedOptimizerError
 from gradguard._events import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
 from gradguard._micro_batch import MicroBatchHooks
 from gradguard._policy import Policy
@@ -76,10 +77,49 @@ class _Attachment:
         )
 
 
-def _on_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer, *_: Any) -> None:
+_StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _on_optimizer_step(
+    guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _StepArgs | None:
+    guard = guard_ref()
+    return guard._before_optimizer_step(optimizer, args, kwargs) if guard is not None else None
+
+
+def _after_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], *_: Any) -> None:
     guard = guard_ref()
     if guard is not None:
-        guard._enforce_for(optimizer)
+        guard._enforcer.seal_explicit()
+
+
+class _TreatAfterClosure:
+    """Stands in for the closure of ``optimizer.step(closure)``: runs it, then treats what it produced.
+
+    A step pre-hook runs before the closure has computed the step's gradients, so with a closure the
+    guard acts inside it, right after it returns and before the optimizer reads ``p.grad``.
+    """
+
+    def __init__(self, closure: Callable[[], Any], guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer):
+        self.closure = closure
+        self.guard_ref = guard_ref
+        self.optimizer = optimizer
+        self.calls = 0
+
+    def __call__(self) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            raise UnsupportedOptimizerError(
+                f"{type(self.optimizer).__name__} evaluated its closure a second time within one step(); "
+                "the parameters may already have moved once, on the gradients of the first evaluation, which "
+                "the guard treated. gradguard cannot treat a step that makes several gradients: use an optimizer "
+                "that evaluates the closure once per step, or leave its parameters out of the guarded model."
+            )
+        loss = self.closure()
+        guard = self.guard_ref()
+        if guard is not None:
+            guard._enforce_for(self.optimizer)
+        return loss
 
 
 class GradGuard:
@@ -135,6 +175,9 @@ class GradGuard:
         optimizers = _optimizers(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._binding: Binding = bind(self.policy, model)
+        for opt in optimizers or ():
+            if any(id(p) in self._binding.by_id for group in opt.param_groups for p in group["params"]):
+                _refuse_reevaluating(opt)
         self._claim_parameters(model, replace)
 
         self.counters = Counters()
@@ -164,6 +207,9 @@ class GradGuard:
         # One global pre-hook either way: with optimizer=, another optimizer stepping the model's
         # parameters (a new one after a checkpoint load, say) is still caught, with a warning.
         self._attachment.handles.append(register_optimizer_step_pre_hook(hook))
+        after = functools.partial(_after_optimizer_step, weakref.ref(self))
+        self._attachment.handles.append(register_optimizer_step_post_hook(after))
+        self._scaler = scaler
         boundary = "any torch.optim optimizer"
         if optimizers is not None:
             boundary = ", ".join(type(opt).__name__ for opt in optimizers)
@@ -216,20 +262,68 @@ class GradGuard:
         """Whether the last step the guard saw was skipped by a ``skip_step_on_nonfinite`` rule."""
         return self._last_step_skipped
 
-    def step(self) -> bool:
-        """Enforce the policy now on every guarded gradient; for loops without a torch optimizer.
+    def step(self, optimizer: Optimizer | None = None) -> bool:
+        """Enforce the policy now: an explicit step boundary, placed by the loop.
 
-        Call it after the step's last backward and before the parameter update. Returns ``False``
-        when a ``skip_step_on_nonfinite`` rule skipped the step (every gradient of the model was then
-        set to ``None``: do not update), else ``True``. Raises :class:`GradientHalt` where a halt rule
-        sees NaN or Inf.
+        Call it after the step's last backward and before anything else reads the gradients: a loop
+        without a torch optimizer calls it before its own update, and a loop that clips globally
+        (``clip_grad_norm_`` spreads one NaN to every gradient) calls it before that clip, so a halt
+        names the parameter that went bad. The gradients it treats count as treated until the
+        optimizer has stepped: the coming ``optimizer.step()`` does not treat them again, whatever
+        changes them in between.
+
+        Args:
+            optimizer: treat only the guarded gradients this optimizer steps (a skip then clears every
+                gradient of the model); default: every guarded gradient of the model.
+
+        Returns ``False`` when a skip rule skipped the step (every gradient of the model was then set to
+        ``None``: do not update) or the guard's ``scaler`` found inf/NaN (its ``step()`` skips the
+        update), else ``True``. Raises :class:`GradientHalt` where a halt rule sees NaN or Inf, and
+        :class:`GuardStateError` when the guard's ``scaler`` has not unscaled the gradients yet.
         """
         self._require_attached()
-        model = self._model_ref()
-        if model is not None and not self._binding.still_matches(model):
-            self._rebind(model)
-        context = StepContext(optimizer=None, stepped_params=lambda: _parameters_of(self._model_ref()))
-        return self._record(self._enforcer.run(self._plan, context))
+        if optimizer is None:
+            model = self._model_ref()
+            if model is not None and not self._binding.still_matches(model):
+                self._rebind(model)
+            plan = self._plan
+        else:
+            found = self._plan_for(optimizer)
+            if found is None:
+                return True
+            plan = found
+        context = StepContext(
+            optimizer=optimizer,
+            stepped_params=self._stepped_by(optimizer),
+            explicit=True,
+            found_inf=self._unscaled_found_inf(optimizer),
+        )
+        proceed = self._enforcer.run(plan, context)
+        return self._record(proceed and not self._enforcer.scaler_skip_at_boundary)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What decides the guard's future steps: the step number and each skip rule's history.
+
+        Save it with the model and the optimizer; :meth:`load_state_dict` on a new guard (same policy)
+        carries the run on: step windows, skip limits and the log's step numbers continue.
+        """
+        return {"format": 1, **self._enforcer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take over a guard's :meth:`state_dict` (a run resumed from a checkpoint)."""
+        if not isinstance(state, dict) or state.get("format") != 1 or "step" not in state:
+            raise GuardStateError(
+                f"not a gradguard state_dict (expected a dict with format 1 and a step): got {state!r:.200}"
+            )
+        unknown = self._enforcer.load_state_dict(state)
+        if unknown:
+            warnings.warn(
+                f"the saved guard state has skip histories for rules this policy does not have: {unknown}; "
+                "they were dropped",
+                GuardWarning,
+                stacklevel=2,
+            )
+        self._events.emit("info", "state_loaded", step=self._enforcer.step)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event so far is in the audit log (it is written by a background thread).
@@ -273,6 +367,54 @@ class GradGuard:
         self._last_step_skipped = not proceed
         return proceed
 
+    def _before_optimizer_step(
+        self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _StepArgs | None:
+        """An optimizer's ``step()`` begins: treat its gradients now, or after its closure computes them."""
+        if not self._attachment.open:
+            return None
+        closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._enforce_for(optimizer)
+            return None
+        if self._plan_for(optimizer) is None:
+            return None  # it steps nothing of the model
+        _refuse_reevaluating(optimizer)
+        treated = _TreatAfterClosure(closure, weakref.ref(self), optimizer)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": treated}
+        return (args[0], treated, *args[2:]), kwargs
+
+    def _stepped_by(self, optimizer: Optimizer | None) -> Callable[[], Iterable[torch.Tensor]]:
+        """Every parameter a skipped step must clear: the optimizer's and the whole model's."""
+        model_ref = self._model_ref
+
+        def stepped() -> Iterable[torch.Tensor]:
+            if optimizer is not None:
+                yield from (p for group in optimizer.param_groups for p in group["params"])
+            yield from _parameters_of(model_ref())
+
+        return stepped
+
+    def _unscaled_found_inf(self, optimizer: Optimizer | None) -> tuple[torch.Tensor, ...]:
+        """The guard's GradScaler's inf/NaN flags for gradients it has unscaled (explicit boundary)."""
+        scaler = self._scaler
+        if scaler is None or not scaler.is_enabled():
+            return ()
+        states = scaler._per_optimizer_states
+        if optimizer is None:
+            chosen = [state for state in states.values() if state["stage"] is OptState.UNSCALED]
+        else:
+            state = states.get(id(optimizer))
+            chosen = [state] if state is not None and state["stage"] is OptState.UNSCALED else []
+        if not chosen:
+            raise GuardStateError(
+                "guard.step() was called while the guard's GradScaler still holds scaled gradients; thresholds "
+                "would be compared against the scaled values. Call scaler.unscale_(optimizer) first, then "
+                "guard.step(optimizer), then scaler.step(optimizer)."
+            )
+        return tuple(flag for state in chosen for flag in state["found_inf_per_device"].values())
+
     def _enforce_for(self, optimizer: Optimizer) -> None:
         """An optimizer is about to step: treat the guarded gradients it is about to apply.
 
@@ -285,14 +427,9 @@ class GradGuard:
         plan = self._plan_for(optimizer)
         if plan is None:
             return
-        model = self._model_ref()
-
-        def stepped() -> Iterable[torch.Tensor]:
-            # A skipped step must be skipped by every optimizer of the model, not only this one.
-            yield from (p for group in optimizer.param_groups for p in group["params"])
-            yield from _parameters_of(model)
-
-        self._record(self._enforcer.run(plan, StepContext(optimizer=optimizer, stepped_params=stepped)))
+        # A skipped step must be skipped by every optimizer of the model, not only this one.
+        context = StepContext(optimizer=optimizer, stepped_params=self._stepped_by(optimizer))
+        self._record(self._enforcer.run(plan, context))
         unexpected = self._expected is not None and all(optimizer is not opt for opt in self._expected)
         if unexpected and self._enforcer.last_run_treated and not self._warned_unexpected:
             self._warned_unexpected = True
@@ -407,6 +544,21 @@ def _optimizers(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optim
     return optimizers
 
 
+def _refuse_reevaluating(optimizer: Optimizer) -> None:
+    """Refuse an optimizer that evaluates its closure several times in one step (LBFGS's iterations)."""
+    if not isinstance(optimizer, torch.optim.LBFGS):
+        return
+    for group in optimizer.param_groups:
+        if group["max_iter"] > 1 or group["line_search_fn"] is not None:
+            raise UnsupportedOptimizerError(
+                f"LBFGS(max_iter={group['max_iter']}, line_search_fn={group['line_search_fn']!r}) steps guarded "
+                "parameters, and it evaluates its closure several times per step(), moving the parameters between "
+                "evaluations: there is no single gradient for the guard to treat before the update. Use "
+                "LBFGS(max_iter=1, line_search_fn=None) (one evaluation, treated like any step), or a first-order "
+                "optimizer."
+            )
+
+
 def _parameters_of(model: nn.Module | None) -> Iterable[torch.Tensor]:
     return model.parameters() if model is not None else ()
 
@@ -430,9 +582,16 @@ class _ScalerWatch:
         result = self.original(optimizer, *args, **kwargs)
         guard = self.guard_ref()
         skipped = guard is not None and guard.attached and guard._step_calls == calls
-        plan = guard._plan_for(optimizer) if skipped and guard is not None else None
-        if guard is not None and plan is not None:
-            guard._enforcer.record_scaler_skip(entry.index for entry in plan.params)
+        if guard is None or not skipped:
+            return result
+        enforcer = guard._enforcer
+        enforcer.seal_explicit()  # no optimizer step ran, so its post-hook did not
+        if enforcer.scaler_skip_at_boundary:
+            enforcer.scaler_skip_at_boundary = False  # already recorded by guard.step() after unscale_
+            return result
+        plan = guard._plan_for(optimizer)
+        if plan is not None:
+            enforcer.record_scaler_skip(entry.index for entry in plan.params)
         return result
 
     def remove(self) -> None:

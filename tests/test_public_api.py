@@ -27,6 +27,7 @@ EXPECTED = {
     "Rule",
     "Scale",
     "SkipStepOnNonfinite",
+    "UnsupportedOptimizerError",
     "Zero",
 }
 

@@ -3,7 +3,7 @@
 Writes a synthetic audit log of at least ``--events`` events (default 1,000,000) shaped like a long
 LLM run under the shipped policy (per-tensor clips of embeddings and attention on most steps, group
 clips naming every parameter during warm-up, router clip_value, NaN batches skipped, a counters event
-every 100 steps, a halt at the end; see ``gradguard._audit_synth.write_synthetic_run``), then runs
+every 100 steps, a halt at the end; see ``gradguard.audit.synthetic.write_synthetic_run``), then runs
 ``gradguard audit --format json`` on it in a fresh process, as a user would, and reports:
 
 - lines per second and MB per second (wall clock of the whole command, interpreter start included);
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradguard._audit_synth import LogBuilder, write_synthetic_run
+from gradguard.audit.synthetic import LogBuilder, write_synthetic_run
 
 _LAUNCHER = """
 import json, os, subprocess, sys, time

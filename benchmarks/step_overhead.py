@@ -65,7 +65,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-import gradguard._events
+import gradguard.events.log
 from gradguard import GradGuard, Policy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -345,12 +345,12 @@ class Guarded(Treatment):
         log = scratch / f"{work.name}-{self.name}.jsonl" if self.audit_log else None
         registry = _global_step_hooks()
         before = set(registry)
-        saved = gradguard._events.RENDER_ON_WRITER
-        gradguard._events.RENDER_ON_WRITER = self.render_on_writer
+        saved = gradguard.events.log.RENDER_ON_WRITER
+        gradguard.events.log.RENDER_ON_WRITER = self.render_on_writer
         try:
             self.guard = GradGuard(work.model, self.policy(), audit_log=log, logger=None)
         finally:
-            gradguard._events.RENDER_ON_WRITER = saved
+            gradguard.events.log.RENDER_ON_WRITER = saved
         self.hooks = {key: hook for key, hook in registry.items() if key not in before}
         self.after_step()
 

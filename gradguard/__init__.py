@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gradguard._counters import Counters
-from gradguard._errors import (
+from gradguard.errors import (
     GradGuardError,
     GradientHalt,
     GuardStateError,
@@ -21,7 +20,8 @@ from gradguard._errors import (
     PolicyIssue,
     UnsupportedOptimizerError,
 )
-from gradguard._policy import (
+from gradguard.events.counters import Counters
+from gradguard.policy.schema import (
     ClipNorm,
     ClipValue,
     Drop,
@@ -34,7 +34,7 @@ from gradguard._policy import (
 )
 
 if TYPE_CHECKING:
-    from gradguard._guard import GradGuard
+    from gradguard.guard import GradGuard
 
 __all__ = [
     "ClipNorm",
@@ -62,7 +62,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "GradGuard":
-        from gradguard._guard import GradGuard
+        from gradguard.guard import GradGuard
 
         return GradGuard
     raise AttributeError(f"module 'gradguard' has no attribute {name!r}")

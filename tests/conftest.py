@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gradguard import GradGuard, Policy
-from gradguard._demo import TinyDecoder
+from gradguard.cli.demo import TinyDecoder
 
 # --- models ---------------------------------------------------------------------------------------
 
@@ -396,7 +396,7 @@ def _one_intra_op_thread() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _no_guard_outlives_its_test() -> Iterator[None]:
     """A guard left attached would act on every later test's optimizers: remove it and fail."""
-    from gradguard._guard import _LIVE_GUARDS
+    from gradguard.guard import _LIVE_GUARDS
 
     yield
     leftovers = [guard for guard in list(_LIVE_GUARDS) if guard.attached]

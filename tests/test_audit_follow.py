@@ -14,7 +14,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from gradguard._audit_synth import LogBuilder
+from gradguard.audit.synthetic import LogBuilder
 from gradguard.cli import main
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradguard import GradGuard, Policy
-from gradguard._events import EventLog
+from gradguard.events.log import EventLog
 
 CLIP = Policy.from_dict(
     {"version": 1, "rules": [{"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1e-3}]}]}

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from gradguard._audit_plot import PlotCollector, pick_series
-from gradguard._audit_reader import ReadStats, read_merged
-from gradguard._audit_report import Filters, Summarizer
-from gradguard._audit_synth import LogBuilder
+from gradguard.audit.plot import PlotCollector, pick_series
+from gradguard.audit.reader import ReadStats, read_merged
+from gradguard.audit.report import Filters, Summarizer
+from gradguard.audit.synthetic import LogBuilder
 from gradguard.cli import main
 
 
@@ -83,7 +83,7 @@ def test_the_plot_shows_the_most_affected_series_with_skips_and_halts(tmp_path: 
 
 def test_long_runs_are_binned_into_a_bounded_number_of_points(tmp_path: Path) -> None:
     """A series of many steps is kept in at most MAX_BINS bins, each holding the largest norm it saw."""
-    from gradguard._audit_plot import MAX_BINS, _Bins
+    from gradguard.audit.plot import MAX_BINS, _Bins
 
     bins = _Bins()
     for step in range(10 * MAX_BINS):

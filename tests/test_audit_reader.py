@@ -8,9 +8,9 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from gradguard._audit_reader import LineSplitter, ReadStats, parse_line, read_file
-from gradguard._audit_report import Summarizer
-from gradguard._audit_synth import LogBuilder, write_synthetic_run
+from gradguard.audit.reader import LineSplitter, ReadStats, parse_line, read_file
+from gradguard.audit.report import Summarizer
+from gradguard.audit.synthetic import LogBuilder, write_synthetic_run
 from gradguard.cli import main
 
 

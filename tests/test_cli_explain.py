@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from gradguard import GradGuard, Policy
-from gradguard._demo import TinyDecoder
 from gradguard.cli import main
+from gradguard.cli.demo import TinyDecoder
 
 REPO = Path(__file__).resolve().parent.parent
 LLM_POLICY = REPO / "policies" / "llm-pretraining.yaml"
@@ -162,7 +162,7 @@ def test_json_output_is_complete_and_machine_readable(project: Path) -> None:
 
 def test_explain_agrees_with_what_a_guard_binds() -> None:
     """For the demo decoder and the shipped LLM policy, explain's rules per parameter equal guard.guarded."""
-    code, out = invoke(str(LLM_POLICY), "--model", "gradguard._demo:TinyDecoder", "--format", "json")
+    code, out = invoke(str(LLM_POLICY), "--model", "gradguard.cli.demo:TinyDecoder", "--format", "json")
     assert code == 0, out
     data = json.loads(out)
     shown = {entry["name"]: tuple(entry["rules"]) for entry in data["parameters"] if entry["rules"]}

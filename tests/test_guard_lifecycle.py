@@ -20,7 +20,7 @@ def _guard_hooks(guard=None) -> list:
     found = []
     for hook in _global_optimizer_pre_hooks.values():
         func = getattr(hook, "func", None)
-        if func is None or getattr(func, "__module__", "") != "gradguard._guard":
+        if func is None or getattr(func, "__module__", "") != "gradguard.guard":
             continue
         owner = hook.args[0]() if hook.args and isinstance(hook.args[0], weakref.ref) else None
         if guard is None or owner is guard or owner is None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, GuardWarning, Policy, PolicyError
-from gradguard._demo import TinyDecoder
+from gradguard.cli.demo import TinyDecoder
 
 
 def make_policy(*rules: dict[str, Any]) -> Policy:

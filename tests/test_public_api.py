@@ -68,7 +68,7 @@ def test_importing_gradguard_and_policy_does_not_import_torch(tmp_path):
 
 def test_gradguard_attribute_imports_torch_on_first_use():
     """gradguard.GradGuard is resolved lazily (and the same class every time); unknown names raise AttributeError."""
-    from gradguard._guard import GradGuard
+    from gradguard.guard import GradGuard
 
     assert gradguard.GradGuard is GradGuard
     with pytest.raises(AttributeError, match="NoSuchThing"):

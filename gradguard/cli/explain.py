@@ -2,9 +2,9 @@
 
 The model comes from ``MODULE:CALLABLE`` (a dotted module importable from the working directory, or
 a ``path/to/file.py``, and a callable there that takes no arguments and returns an ``nn.Module``).
-Matching uses the guard's own functions (:func:`~gradguard._binding.canonical_name`,
-:func:`~gradguard._binding.rule_matches`), and the problems listed are the ones
-:func:`~gradguard._binding.bind` raises when a guard attaches, so what is shown is what the guard does.
+Matching uses the guard's own functions (:func:`~gradguard.policy.matching.canonical_name`,
+:func:`~gradguard.policy.matching.rule_matches`), and the problems listed are the ones
+:func:`~gradguard.policy.matching.bind` raises when a guard attaches, so what is shown is what the guard does.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 
 from torch import nn
 
-from gradguard._audit_render import Section, Table, short_path
-from gradguard._binding import bind, canonical_name, rule_matches
-from gradguard._errors import GradGuardError, PolicyError
-from gradguard._policy import Policy, Rule
+from gradguard.audit.render import Section, Table, short_path
+from gradguard.errors import GradGuardError, PolicyError
+from gradguard.policy.matching import bind, canonical_name, rule_matches
+from gradguard.policy.schema import Policy, Rule
 
 __all__ = ["Explanation", "ModelSpecError", "explain", "explain_sections", "load_model"]
 
@@ -148,7 +148,7 @@ class Explanation:
     members: list[list[int]]
     """For each rule, the indices into :attr:`params` that it covers."""
     issues: list[str] = field(default_factory=list)
-    """What :func:`~gradguard._binding.bind` refuses: the errors GradGuard would raise at attach."""
+    """What :func:`~gradguard.policy.matching.bind` refuses: the errors GradGuard would raise at attach."""
 
     @property
     def findings(self) -> list[str]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradguard._audit_report import AuditSummary, StepList
+from gradguard.audit.report import AuditSummary, StepList
 
 __all__ = [
     "Section",

@@ -19,14 +19,14 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from gradguard._binding import Binding, bind
-from gradguard._counters import Counters
-from gradguard._distributed import Collective
-from gradguard._enforcer import Enforcer, Plan, StepContext
-from gradguard._errors import GuardStateError, GuardWarning, UnsupportedOptimizerError
-from gradguard._events import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
-from gradguard._micro_batch import MicroBatchHooks
-from gradguard._policy import Policy
+from gradguard.enforce.distributed import Collective
+from gradguard.enforce.engine import Enforcer, Plan, StepContext
+from gradguard.enforce.micro_batch import MicroBatchHooks
+from gradguard.errors import GuardStateError, GuardWarning, UnsupportedOptimizerError
+from gradguard.events.counters import Counters
+from gradguard.events.log import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
+from gradguard.policy.matching import Binding, bind
+from gradguard.policy.schema import Policy
 
 __all__ = ["GradGuard"]
 

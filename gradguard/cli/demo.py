@@ -12,9 +12,9 @@ from typing import cast
 import torch
 from torch import nn
 
-from gradguard._errors import GradientHalt
-from gradguard._guard import GradGuard
-from gradguard._policy import Policy
+from gradguard.errors import GradientHalt
+from gradguard.guard import GradGuard
+from gradguard.policy.schema import Policy
 
 __all__ = ["DemoResult", "TinyDecoder", "bundled_policy_path", "run_demo"]
 
@@ -65,7 +65,7 @@ def _batch(generator: torch.Generator, vocab: int, batch: int, length: int) -> t
 
 def bundled_policy_path() -> Path:
     """The demo's default policy, ``policies/llm-pretraining.yaml`` of the source checkout."""
-    return Path(__file__).resolve().parent.parent / "policies" / "llm-pretraining.yaml"
+    return Path(__file__).resolve().parents[2] / "policies" / "llm-pretraining.yaml"
 
 
 @dataclass(frozen=True)

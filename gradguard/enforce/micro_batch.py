@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradguard._binding import Binding, GuardedParam
-from gradguard._policy import Action, ClipNorm, ClipValue, Scale, Zero
+from gradguard.policy.matching import Binding, GuardedParam
+from gradguard.policy.schema import Action, ClipNorm, ClipValue, Scale, Zero
 
 __all__ = ["HookRecord", "MicroBatchHooks", "handled_in_hooks"]
 

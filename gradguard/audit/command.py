@@ -15,9 +15,9 @@ from pathlib import Path
 
 import click
 
-from gradguard._audit_reader import FollowReader, ReadStats, read_merged, total_bytes
-from gradguard._audit_render import audit_header, audit_sections, audit_title, render, render_json
-from gradguard._audit_report import AuditSummary, Filters, Summarizer
+from gradguard.audit.reader import FollowReader, ReadStats, read_merged, total_bytes
+from gradguard.audit.render import audit_header, audit_sections, audit_title, render, render_json
+from gradguard.audit.report import AuditSummary, Filters, Summarizer
 
 __all__ = ["PROGRESS_MIN_BYTES", "follow_files", "plot_files", "render_summary", "summarize_files"]
 
@@ -54,7 +54,7 @@ def render_summary(summary: AuditSummary, fmt: str, top: int) -> str:
 
 def plot_files(paths: Sequence[Path], filters: Filters, summary: AuditSummary, out: Path, series: int) -> None:
     """Read the files again, gathering the most-affected series the summary found, and draw them to ``out``."""
-    from gradguard._audit_plot import PlotCollector, pick_series, write_plot
+    from gradguard.audit.plot import PlotCollector, pick_series, write_plot
 
     keys, action = pick_series(summary, series)
     collector = PlotCollector(filters, keys, action)

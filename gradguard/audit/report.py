@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any, Final
 
-from gradguard._audit_reader import BadLine, ReadStats, Record
+from gradguard.audit.reader import BadLine, ReadStats, Record
 
 __all__ = [
     "AuditSummary",

@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from gradguard._binding import Binding, BoundRule, GuardedParam
-from gradguard._counters import Counters
-from gradguard._distributed import Collective, combine_shard_norms, is_sharded, local_tensor
-from gradguard._errors import GradientHalt, GuardStateError, GuardWarning
-from gradguard._events import EventLog
-from gradguard._micro_batch import HookRecord, MicroBatchHooks, handled_in_hooks
-from gradguard._policy import Action, ClipNorm, ClipValue, Drop, HaltOnNonfinite, Scale, SkipStepOnNonfinite, Zero
+from gradguard.enforce.distributed import Collective, combine_shard_norms, is_sharded, local_tensor
+from gradguard.enforce.micro_batch import HookRecord, MicroBatchHooks, handled_in_hooks
+from gradguard.errors import GradientHalt, GuardStateError, GuardWarning
+from gradguard.events.counters import Counters
+from gradguard.events.log import EventLog
+from gradguard.policy.matching import Binding, BoundRule, GuardedParam
+from gradguard.policy.schema import Action, ClipNorm, ClipValue, Drop, HaltOnNonfinite, Scale, SkipStepOnNonfinite, Zero
 
 __all__ = ["SCALER_RULE", "Enforcer", "Plan", "StepContext"]
 

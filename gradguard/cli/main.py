@@ -68,8 +68,8 @@ def validate(policies: tuple[Path, ...]) -> None:
     Every problem is printed with its file, line, field, what was given and what is expected.
     Exit 1 if any file is invalid. Does not import torch.
     """
-    from gradguard._errors import PolicyError
-    from gradguard._policy import Policy
+    from gradguard.errors import PolicyError
+    from gradguard.policy.schema import Policy
 
     invalid = 0
     for path in policies:
@@ -109,16 +109,16 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     GradGuard would raise when attaching. Exit 1 if there are such problems (e.g. a rule that matches
     nothing without allow_no_match).
     """
-    from gradguard._errors import PolicyError
-    from gradguard._policy import Policy
+    from gradguard.errors import PolicyError
+    from gradguard.policy.schema import Policy
 
     try:
         policy = Policy.from_file(policy_path)
     except PolicyError as exc:
         _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(policy_path))}` after fixing it)")
 
-    from gradguard._audit_render import render
-    from gradguard._explain import ModelSpecError, explain, explain_header, explain_sections, load_model
+    from gradguard.audit.render import render
+    from gradguard.cli.explain import ModelSpecError, explain, explain_header, explain_sections, load_model
 
     try:
         model = load_model(model_spec)
@@ -206,8 +206,8 @@ def audit(
     cover the whole log. Exit 1 on findings: halts, non-finite gradients, skipped steps,
     unreadable lines, counter mismatches.
     """
-    from gradguard import _audit
-    from gradguard._audit_report import Filters
+    from gradguard.audit import command as _audit
+    from gradguard.audit.report import Filters
 
     if since is not None and until is not None and since > until:
         raise click.BadParameter(f"--since {since} is after --until {until}", param_hint="'--since'/'--until'")
@@ -222,7 +222,7 @@ def audit(
             continue
         paths.append(path)
     if plot_path is not None:
-        from gradguard._audit_plot import PLOT_SUFFIXES, PlotUnavailable, require_matplotlib
+        from gradguard.audit.plot import PLOT_SUFFIXES, PlotUnavailable, require_matplotlib
 
         if plot_path.suffix.lower() not in PLOT_SUFFIXES:
             raise click.BadParameter(
@@ -290,9 +290,9 @@ def audit(
 @click.option("--steps", type=click.IntRange(min=1), default=120, show_default=True, help="Training steps.")
 def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     """Train a small decoder on the CPU with a spike and a NaN injected, guarded by a shipped policy."""
-    from gradguard._demo import bundled_policy_path, run_demo
-    from gradguard._errors import PolicyError
-    from gradguard._policy import Policy
+    from gradguard.cli.demo import bundled_policy_path, run_demo
+    from gradguard.errors import PolicyError
+    from gradguard.policy.schema import Policy
 
     path = policy_path or bundled_policy_path()
     try:
@@ -304,7 +304,3 @@ def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     click.echo(f"  next: gradguard audit {shlex.quote(str(log_path))}")
     if result.halt is not None and not result.params_untouched:
         sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

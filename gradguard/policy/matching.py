@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from gradguard._errors import GuardStateError, PolicyError, PolicyIssue
-from gradguard._policy import GRADIENT_CHANGING_ACTIONS, Action, Policy, Rule
+from gradguard.errors import GuardStateError, PolicyError, PolicyIssue
+from gradguard.policy.schema import GRADIENT_CHANGING_ACTIONS, Action, Policy, Rule
 
 __all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher"]
 

@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from gradguard._errors import PolicyError, PolicyIssue
-from gradguard._policy import (
+from gradguard.errors import PolicyError, PolicyIssue
+from gradguard.policy.schema import (
     ACTION_NAMES,
     DUPLICATE_RULE_NAME,
     EMPTY_STEP_WINDOW,

@@ -271,13 +271,13 @@ class Policy(_Strict):
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Policy:
         """Load and validate a policy from a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file."""
-        from gradguard._policy_loading import load_policy_file
+        from gradguard.policy.loading import load_policy_file
 
         return load_policy_file(path)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Policy:
         """Validate a policy given as plain data, with the same checks and errors as a file."""
-        from gradguard._policy_loading import validate_policy_data
+        from gradguard.policy.loading import validate_policy_data
 
         return validate_policy_data(data, source=source, locate=None)

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from gradguard._audit_reader import Record
-from gradguard._audit_report import AuditSummary, EventFilter, Filters
+from gradguard.audit.reader import Record
+from gradguard.audit.report import AuditSummary, EventFilter, Filters
 
 __all__ = ["PLOT_SUFFIXES", "PlotCollector", "PlotUnavailable", "require_matplotlib", "write_plot"]
 

@@ -1,0 +1,1 @@
+"""What the guard records: the JSON-lines event log and the thread-safe counters."""

@@ -21,17 +21,8 @@ from gradguard.errors import (
     UnsupportedOptimizerError,
 )
 from gradguard.events.counters import Counters
-from gradguard.policy.schema import (
-    ClipNorm,
-    ClipValue,
-    Drop,
-    HaltOnNonfinite,
-    Policy,
-    Rule,
-    Scale,
-    SkipStepOnNonfinite,
-    Zero,
-)
+from gradguard.policy.document import Policy
+from gradguard.policy.schema import ClipNorm, ClipValue, Drop, HaltOnNonfinite, Rule, Scale, SkipStepOnNonfinite, Zero
 
 if TYPE_CHECKING:
     from gradguard.guard import GradGuard

@@ -15,18 +15,21 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from gradguard.enforce.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
 from gradguard.enforce.distributed import Collective
-from gradguard.enforce.engine import Enforcer, Plan, StepContext
+from gradguard.enforce.engine import Enforcer
 from gradguard.enforce.micro_batch import MicroBatchHooks
-from gradguard.errors import GuardStateError, GuardWarning, UnsupportedOptimizerError
+from gradguard.enforce.plans import PlanBook
+from gradguard.enforce.scaler import ScalerWatch, unscaled_found_inf
+from gradguard.enforce.step import StepContext
+from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
-from gradguard.policy.matching import Binding, bind
-from gradguard.policy.schema import Policy
+from gradguard.policy.document import Policy
+from gradguard.policy.matching import Binding
 
 __all__ = ["GradGuard"]
 
@@ -77,12 +80,9 @@ class _Attachment:
         )
 
 
-_StepArgs = tuple[tuple[Any, ...], dict[str, Any]]
-
-
 def _on_optimizer_step(
     guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> _StepArgs | None:
+) -> StepArgs | None:
     guard = guard_ref()
     return guard._before_optimizer_step(optimizer, args, kwargs) if guard is not None else None
 
@@ -91,35 +91,6 @@ def _after_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], *_: Any) 
     guard = guard_ref()
     if guard is not None:
         guard._enforcer.seal_explicit()
-
-
-class _TreatAfterClosure:
-    """Stands in for the closure of ``optimizer.step(closure)``: runs it, then treats what it produced.
-
-    A step pre-hook runs before the closure has computed the step's gradients, so with a closure the
-    guard acts inside it, right after it returns and before the optimizer reads ``p.grad``.
-    """
-
-    def __init__(self, closure: Callable[[], Any], guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer):
-        self.closure = closure
-        self.guard_ref = guard_ref
-        self.optimizer = optimizer
-        self.calls = 0
-
-    def __call__(self) -> Any:
-        self.calls += 1
-        if self.calls > 1:
-            raise UnsupportedOptimizerError(
-                f"{type(self.optimizer).__name__} evaluated its closure a second time within one step(); "
-                "the parameters may already have moved once, on the gradients of the first evaluation, which "
-                "the guard treated. gradguard cannot treat a step that makes several gradients: use an optimizer "
-                "that evaluates the closure once per step, or leave its parameters out of the guarded model."
-            )
-        loss = self.closure()
-        guard = self.guard_ref()
-        if guard is not None:
-            guard._enforce_for(self.optimizer)
-        return loss
 
 
 class GradGuard:
@@ -174,10 +145,11 @@ class GradGuard:
             raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
         optimizers = _optimizers(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
-        self._binding: Binding = bind(self.policy, model)
+        self._plans = PlanBook(self.policy, model, _weak_call(self._rebound))
+        binding = self._plans.binding
         for opt in optimizers or ():
-            if any(id(p) in self._binding.by_id for group in opt.param_groups for p in group["params"]):
-                _refuse_reevaluating(opt)
+            if any(id(p) in binding.by_id for group in opt.param_groups for p in group["params"]):
+                refuse_reevaluating(opt)
         self._claim_parameters(model, replace)
 
         self.counters = Counters()
@@ -187,16 +159,11 @@ class GradGuard:
         self.rank = _distributed_rank()
         events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
         self._enforcer = Enforcer(
-            self._binding, self.counters, events, summary_every=summary_every, collective=Collective(process_group)
+            binding, self.counters, events, summary_every=summary_every, collective=Collective(process_group)
         )
         self._enforcer.step = start_step
         self._events = events
         self._model_ref = weakref.ref(model)
-        self._plan = Plan.build(self._binding, self._binding.params)
-        self._plans: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], Plan | None]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._warned_split: set[int] = set()
         self._expected: list[Optimizer] | None = optimizers
         self._warned_unexpected = False
 
@@ -214,7 +181,7 @@ class GradGuard:
         if optimizers is not None:
             boundary = ", ".join(type(opt).__name__ for opt in optimizers)
         if scaler is not None:
-            self._attachment.handles.append(_ScalerWatch(scaler, weakref.ref(self)))
+            self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
         self._last_step_skipped = False
         self._step_calls = 0
         self._finalizer = weakref.finalize(self, self._attachment.collected)
@@ -229,8 +196,8 @@ class GradGuard:
             model=type(model).__name__,
             boundary=boundary,
             start_step=start_step,
-            params=len(self._binding.params),
-            rules={bound.name: len(bound.params) for bound in self._binding.rules},
+            params=len(binding.params),
+            rules={bound.name: len(bound.params) for bound in binding.rules},
             pid=os.getpid(),
         )
 
@@ -255,7 +222,7 @@ class GradGuard:
     def guarded(self) -> dict[str, tuple[str, ...]]:
         """``{parameter name: names of the rules that cover it}``, in model order."""
         rules = self.policy.rules
-        return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._binding.params}
+        return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._plans.binding.params}
 
     @property
     def last_step_skipped(self) -> bool:
@@ -283,12 +250,9 @@ class GradGuard:
         """
         self._require_attached()
         if optimizer is None:
-            model = self._model_ref()
-            if model is not None and not self._binding.still_matches(model):
-                self._rebind(model)
-            plan = self._plan
+            plan = self._plans.current()
         else:
-            found = self._plan_for(optimizer)
+            found = self._plans.for_optimizer(optimizer)
             if found is None:
                 return True
             plan = found
@@ -296,7 +260,7 @@ class GradGuard:
             optimizer=optimizer,
             stepped_params=self._stepped_by(optimizer),
             explicit=True,
-            found_inf=self._unscaled_found_inf(optimizer),
+            found_inf=unscaled_found_inf(self._scaler, optimizer),
         )
         proceed = self._enforcer.run(plan, context)
         return self._record(proceed and not self._enforcer.scaler_skip_at_boundary)
@@ -353,7 +317,7 @@ class GradGuard:
     def __repr__(self) -> str:
         state = "attached" if self.attached else "removed"
         return (
-            f"<GradGuard {state} policy={self.policy.source!r} params={len(self._binding.params)} "
+            f"<GradGuard {state} policy={self.policy.source!r} params={len(self._plans.binding.params)} "
             f"steps={self.step_count}>"
         )
 
@@ -369,21 +333,25 @@ class GradGuard:
 
     def _before_optimizer_step(
         self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> _StepArgs | None:
+    ) -> StepArgs | None:
         """An optimizer's ``step()`` begins: treat its gradients now, or after its closure computes them."""
         if not self._attachment.open:
             return None
-        closure = kwargs.get("closure") if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+        closure = closure_of(args, kwargs)
         if closure is None:
             self._enforce_for(optimizer)
             return None
-        if self._plan_for(optimizer) is None:
+        if self._plans.for_optimizer(optimizer) is None:
             return None  # it steps nothing of the model
-        _refuse_reevaluating(optimizer)
-        treated = _TreatAfterClosure(closure, weakref.ref(self), optimizer)
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": treated}
-        return (args[0], treated, *args[2:]), kwargs
+        refuse_reevaluating(optimizer)
+        guard_ref = weakref.ref(self)
+
+        def treat() -> None:
+            guard = guard_ref()
+            if guard is not None:
+                guard._enforce_for(optimizer)
+
+        return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
 
     def _stepped_by(self, optimizer: Optimizer | None) -> Callable[[], Iterable[torch.Tensor]]:
         """Every parameter a skipped step must clear: the optimizer's and the whole model's."""
@@ -396,24 +364,16 @@ class GradGuard:
 
         return stepped
 
-    def _unscaled_found_inf(self, optimizer: Optimizer | None) -> tuple[torch.Tensor, ...]:
-        """The guard's GradScaler's inf/NaN flags for gradients it has unscaled (explicit boundary)."""
-        scaler = self._scaler
-        if scaler is None or not scaler.is_enabled():
-            return ()
-        states = scaler._per_optimizer_states
-        if optimizer is None:
-            chosen = [state for state in states.values() if state["stage"] is OptState.UNSCALED]
-        else:
-            state = states.get(id(optimizer))
-            chosen = [state] if state is not None and state["stage"] is OptState.UNSCALED else []
-        if not chosen:
-            raise GuardStateError(
-                "guard.step() was called while the guard's GradScaler still holds scaled gradients; thresholds "
-                "would be compared against the scaled values. Call scaler.unscale_(optimizer) first, then "
-                "guard.step(optimizer), then scaler.step(optimizer)."
-            )
-        return tuple(flag for state in chosen for flag in state["found_inf_per_device"].values())
+    def _scaler_skipped(self, optimizer: Optimizer) -> None:
+        """The guard's GradScaler skipped this optimizer's step (its ``step()`` was never called)."""
+        enforcer = self._enforcer
+        enforcer.seal_explicit()  # no optimizer step ran, so its post-hook did not
+        if enforcer.scaler_skip_at_boundary:
+            enforcer.scaler_skip_at_boundary = False  # already recorded by guard.step() after unscale_
+            return
+        plan = self._plans.for_optimizer(optimizer)
+        if plan is not None:
+            enforcer.record_scaler_skip(entry.index for entry in plan.params)
 
     def _enforce_for(self, optimizer: Optimizer) -> None:
         """An optimizer is about to step: treat the guarded gradients it is about to apply.
@@ -424,12 +384,16 @@ class GradGuard:
         if not self._attachment.open:
             return
         self._step_calls += 1
-        plan = self._plan_for(optimizer)
+        plan = self._plans.for_optimizer(optimizer)
         if plan is None:
             return
         # A skipped step must be skipped by every optimizer of the model, not only this one.
         context = StepContext(optimizer=optimizer, stepped_params=self._stepped_by(optimizer))
-        self._record(self._enforcer.run(plan, context))
+        proceed = self._enforcer.run(plan, context)
+        if self._enforcer.last_run_treated:
+            # A pass that found every gradient already treated (after guard.step(), or a second
+            # optimizer's step) says nothing about the step: it must not undo a skip's verdict.
+            self._record(proceed)
         unexpected = self._expected is not None and all(optimizer is not opt for opt in self._expected)
         if unexpected and self._enforcer.last_run_treated and not self._warned_unexpected:
             self._warned_unexpected = True
@@ -442,64 +406,12 @@ class GradGuard:
                 stacklevel=4,
             )
 
-    def _plan_for(self, optimizer: Optimizer) -> Plan | None:
-        """The guarded tensors this optimizer steps (None: none); re-binds if the model's tensors changed."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        fingerprint = tuple(id(p) for p in params)
-        cached = self._plans.get(optimizer)
-        if cached is not None and cached[0] == fingerprint:
-            return cached[1]
-        model = self._model_ref()
-        if model is not None and not self._binding.still_matches(model):
-            self._rebind(model)
-        by_id = self._binding.by_id
-        members = [entry for p in params if (entry := by_id.get(id(p))) is not None and entry.ref() is p]
-        plan = Plan.build(self._binding, members) if members else None
-        if plan is not None:
-            self._warn_split_groups(plan)
-        self._plans[optimizer] = (fingerprint, plan)
-        return plan
-
-    def _warn_split_groups(self, plan: Plan) -> None:
-        """A group clip whose rule spans several optimizers clips each optimizer's share by its own norm."""
-        mine = {entry.index for entry in plan.params}
-        for bound in self._binding.rules:
-            group = any(
-                action.action == "clip_norm" and getattr(action, "scope", "") == "group" for action in bound.actions
-            )
-            split = {entry.index for entry in bound.params} - mine
-            if group and split and bound.index not in self._warned_split and len(split) < len(bound.params):
-                self._warned_split.add(bound.index)
-                warnings.warn(
-                    f"rule {bound.name!r} clips a group whose parameters are stepped by more than one optimizer; "
-                    "each optimizer's share is clipped by its own norm at its own step (under GradScaler the "
-                    "others' gradients are still scaled then). Split the rule per optimizer to make this explicit.",
-                    GuardWarning,
-                    stacklevel=5,
-                )
-
-    def _rebind(self, model: nn.Module) -> None:
-        """The model's parameters were replaced after attach: match the policy again, and say so.
-
-        (``load_state_dict(assign=True)``, ``module.weight = nn.Parameter(...)``, ``to_empty``, FSDP2's
-        ``fully_shard`` after attach.) A guard never keeps guarding tensors the model no longer has
-        while the new ones go unguarded.
-        """
-        old = self._binding
-        new = bind(self.policy, model)
-        old_refs = {name: entry.ref for entry in old.params for name in entry.names}
-        replaced = [
-            entry.name
-            for entry in new.params
-            if (before := old_refs.get(entry.name)) is not None and before() is not entry.ref()
-        ]
-        self._binding = new
+    def _rebound(self, new: Binding, replaced: list[str]) -> None:
+        """The model's parameters were replaced after attach and the policy bound again: follow, and say so."""
         self._enforcer.rebind(new)
         if self._enforcer.micro_batch is not None:
             self._enforcer.micro_batch.remove()
             self._attach_micro_batch_hooks()
-        self._plan = Plan.build(new, new.params)
-        self._plans = weakref.WeakKeyDictionary()
         self._events.emit(
             "warning",
             "rebind",
@@ -511,16 +423,16 @@ class GradGuard:
 
     def _attach_micro_batch_hooks(self) -> None:
         enforcer = self._enforcer
-        hooks = MicroBatchHooks(self._binding, lambda: enforcer.step)
+        hooks = MicroBatchHooks(self._plans.binding, lambda: enforcer.step)
         enforcer.micro_batch = hooks
         self._attachment.handles.append(hooks)
 
     def _claim_parameters(self, model: nn.Module, replace: bool) -> None:
-        mine = set(self._binding.by_id)
+        mine = set(self._plans.binding.by_id)
         for other in list(_LIVE_GUARDS):
             if other is self or not other.attached:
                 continue
-            if other._model_ref() is not model and not mine & set(other._binding.by_id):
+            if other._model_ref() is not model and not mine & set(other._plans.binding.by_id):
                 continue
             if not replace:
                 raise GuardStateError(
@@ -544,59 +456,33 @@ def _optimizers(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optim
     return optimizers
 
 
-def _refuse_reevaluating(optimizer: Optimizer) -> None:
-    """Refuse an optimizer that evaluates its closure several times in one step (LBFGS's iterations)."""
-    if not isinstance(optimizer, torch.optim.LBFGS):
-        return
-    for group in optimizer.param_groups:
-        if group["max_iter"] > 1 or group["line_search_fn"] is not None:
-            raise UnsupportedOptimizerError(
-                f"LBFGS(max_iter={group['max_iter']}, line_search_fn={group['line_search_fn']!r}) steps guarded "
-                "parameters, and it evaluates its closure several times per step(), moving the parameters between "
-                "evaluations: there is no single gradient for the guard to treat before the update. Use "
-                "LBFGS(max_iter=1, line_search_fn=None) (one evaluation, treated like any step), or a first-order "
-                "optimizer."
-            )
+def _weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding, list[str]], None]:
+    """Calls ``method`` while its object lives, without keeping it alive (a guard must stay collectable)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(binding: Binding, replaced: list[str]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(binding, replaced)
+
+    return call
 
 
 def _parameters_of(model: nn.Module | None) -> Iterable[torch.Tensor]:
     return model.parameters() if model is not None else ()
 
 
-class _ScalerWatch:
-    """Wraps one GradScaler's ``step`` to see the steps it skips (inf/NaN in a loss-scale search).
+def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> ScalerWatch:
+    def calls() -> int:
+        guard = guard_ref()
+        return guard._step_calls if guard is not None else 0
 
-    Without a fused optimizer, a skipping GradScaler never calls ``optimizer.step()``, so the guard's
-    step pre-hook does not run: no halt and no clip, as it should be; this wrapper logs the skip.
-    """
+    def on_skip(optimizer: Optimizer) -> None:
+        guard = guard_ref()
+        if guard is not None and guard.attached:
+            guard._scaler_skipped(optimizer)
 
-    def __init__(self, scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> None:
-        self.scaler = scaler
-        self.guard_ref = guard_ref
-        self.original = scaler.step
-        scaler.step = self  # type: ignore[method-assign]
-
-    def __call__(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        guard = self.guard_ref()
-        calls = guard._step_calls if guard is not None else 0
-        result = self.original(optimizer, *args, **kwargs)
-        guard = self.guard_ref()
-        skipped = guard is not None and guard.attached and guard._step_calls == calls
-        if guard is None or not skipped:
-            return result
-        enforcer = guard._enforcer
-        enforcer.seal_explicit()  # no optimizer step ran, so its post-hook did not
-        if enforcer.scaler_skip_at_boundary:
-            enforcer.scaler_skip_at_boundary = False  # already recorded by guard.step() after unscale_
-            return result
-        plan = guard._plan_for(optimizer)
-        if plan is not None:
-            enforcer.record_scaler_skip(entry.index for entry in plan.params)
-        return result
-
-    def remove(self) -> None:
-        if self.scaler.__dict__.get("step") is self:
-            del self.scaler.step
+    return ScalerWatch(scaler, calls, on_skip)
 
 
 def _distributed_rank() -> int:

@@ -14,7 +14,7 @@ from torch import nn
 
 from gradguard.errors import GradientHalt
 from gradguard.guard import GradGuard
-from gradguard.policy.schema import Policy
+from gradguard.policy.document import Policy
 
 __all__ = ["DemoResult", "TinyDecoder", "bundled_policy_path", "run_demo"]
 

@@ -24,8 +24,9 @@ from torch import nn
 
 from gradguard.audit.render import Section, Table, short_path
 from gradguard.errors import GradGuardError, PolicyError
+from gradguard.policy.document import Policy
 from gradguard.policy.matching import bind, canonical_name, rule_matches
-from gradguard.policy.schema import Policy, Rule
+from gradguard.policy.schema import Rule
 
 __all__ = ["Explanation", "ModelSpecError", "explain", "explain_sections", "load_model"]
 

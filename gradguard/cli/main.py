@@ -69,7 +69,7 @@ def validate(policies: tuple[Path, ...]) -> None:
     Exit 1 if any file is invalid. Does not import torch.
     """
     from gradguard.errors import PolicyError
-    from gradguard.policy.schema import Policy
+    from gradguard.policy.document import Policy
 
     invalid = 0
     for path in policies:
@@ -110,7 +110,7 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     nothing without allow_no_match).
     """
     from gradguard.errors import PolicyError
-    from gradguard.policy.schema import Policy
+    from gradguard.policy.document import Policy
 
     try:
         policy = Policy.from_file(policy_path)
@@ -292,7 +292,7 @@ def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     """Train a small decoder on the CPU with a spike and a NaN injected, guarded by a shipped policy."""
     from gradguard.cli.demo import bundled_policy_path, run_demo
     from gradguard.errors import PolicyError
-    from gradguard.policy.schema import Policy
+    from gradguard.policy.document import Policy
 
     path = policy_path or bundled_policy_path()
     try:

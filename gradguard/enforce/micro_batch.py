@@ -20,13 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
+from gradguard.enforce.step import StepWork
+from gradguard.enforce.tensors import EPS, LOW_PRECISION
 from gradguard.policy.matching import Binding, GuardedParam
 from gradguard.policy.schema import Action, ClipNorm, ClipValue, Scale, Zero
 
 __all__ = ["HookRecord", "MicroBatchHooks", "handled_in_hooks"]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-_EPS = 1e-6
 
 
 def handled_in_hooks(action: Action) -> bool:
@@ -96,9 +95,9 @@ class MicroBatchHooks:
                 if not (rules[rule_index].active_at(step) and action.active_at(step)):
                     continue
                 if isinstance(action, ClipNorm):
-                    source = out.float() if out.dtype in _LOW_PRECISION else out
+                    source = out.float() if out.dtype in LOW_PRECISION else out
                     norm = torch.linalg.vector_norm(source, action.norm_type)
-                    coef = torch.clamp(action.max_norm / (norm + _EPS), max=1.0)
+                    coef = torch.clamp(action.max_norm / (norm + EPS), max=1.0)
                     coef = torch.where(torch.isnan(norm), torch.ones_like(coef), coef)
                     out = out * coef.to(out.dtype)
                     records.append(HookRecord(rule_index, entry.index, action, norm, coef))
@@ -125,6 +124,37 @@ class MicroBatchHooks:
             records, self._records = self._records, []
             counts, self._counts = self._counts, []
         return records, counts
+
+    def report(self, work: StepWork) -> None:
+        """Fold what the hooks did since the last step into this step's sync, counters and events."""
+        records, counts = self.drain()
+        binding, outcome, step = work.binding, work.outcome, work.step
+        rules = binding.policy.rules
+        outcome.counts.extend((rules[rule].name, action, count) for rule, action, count in counts)
+        if not records:
+            return
+        device = records[0].before.device
+        befores = [record.before.to(device, torch.float32) for record in records]
+        coefs = [
+            record.coef.to(device, torch.float32) if record.coef is not None else before
+            for record, before in zip(records, befores, strict=True)
+        ]
+        values = torch.stack(befores + coefs)
+
+        def read(host: list[float], records: list[HookRecord] = records) -> None:
+            for record, before, coef in zip(records, host[: len(records)], host[len(records) :], strict=True):
+                rule = rules[record.rule].name
+                action = record.action
+                if before != before or abs(before) == float("inf"):
+                    outcome.nonfinite.setdefault(record.index, ("nan" if before != before else "inf", record.rule))
+                    continue
+                param = binding.params[record.index].name
+                if isinstance(action, ClipNorm) and coef < 1.0:
+                    outcome.norm_clipped(step, rule, param, action, before, coef, micro_batch=True)
+                elif isinstance(action, ClipValue) and before > action.limit:
+                    outcome.value_clipped(step, rule, param, action.limit, before, micro_batch=True)
+
+        work.pending.add(values, read)
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -14,7 +14,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 from pydantic import ValidationError
@@ -28,7 +28,7 @@ from gradguard.policy.schema import (
     ClipValue,
     Drop,
     HaltOnNonfinite,
-    Policy,
+    PolicyFields,
     Rule,
     Scale,
     SkipStepOnNonfinite,
@@ -41,6 +41,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 __all__ = ["load_policy_file", "validate_policy_data"]
+
+P = TypeVar("P", bound=PolicyFields)
+"""The policy class to validate into (:class:`gradguard.Policy`)."""
 
 Locator = Callable[[Sequence[int | str]], int | None]
 """Maps a field path to the 1-based line where it (or its nearest parent) is written."""
@@ -59,10 +62,10 @@ _FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
     "zero": tuple(Zero.model_fields),
 }
 _RULE_FIELDS = tuple(Rule.model_fields)
-_POLICY_FIELDS = tuple(name for name in Policy.model_fields)
+_POLICY_FIELDS = tuple(PolicyFields.model_fields)
 
 
-def load_policy_file(path: str | os.PathLike[str]) -> Policy:
+def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
     """Read, parse and validate the policy file at ``path``."""
     source = os.fspath(path)
     suffix = Path(source).suffix.lower()
@@ -96,10 +99,10 @@ def load_policy_file(path: str | os.PathLike[str]) -> Policy:
                 )
             ]
         )
-    return validate_policy_data(data, source=source, locate=locate)
+    return validate_policy_data(cls, data, source=source, locate=locate)
 
 
-def validate_policy_data(data: Mapping[str, Any], *, source: str, locate: Locator | None) -> Policy:
+def validate_policy_data(cls: type[P], data: Mapping[str, Any], *, source: str, locate: Locator | None) -> P:
     """Validate already-parsed policy data; ``locate`` supplies line numbers where known."""
     if not isinstance(data, Mapping):
         raise PolicyError(
@@ -109,7 +112,7 @@ def validate_policy_data(data: Mapping[str, Any], *, source: str, locate: Locato
     # of its fields are valid, and every problem should be reported at once.
     cross = _cross_field_issues(data, source, locate)
     try:
-        policy = Policy.model_validate(data)
+        policy = cls.model_validate(data)
     except ValidationError as exc:
         issues = _issues_from(exc, data, source, locate) + cross
         if locate is not None:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from gradguard.errors import GuardStateError, PolicyError, PolicyIssue
-from gradguard.policy.schema import GRADIENT_CHANGING_ACTIONS, Action, Policy, Rule
+from gradguard.policy.document import Policy
+from gradguard.policy.schema import GRADIENT_CHANGING_ACTIONS, Action, Rule
 
 __all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher"]
 

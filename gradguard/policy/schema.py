@@ -7,9 +7,7 @@ A policy is data, validated once when it is loaded; nothing here touches torch, 
 from __future__ import annotations
 
 import math
-import os
 import re
-from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -21,7 +19,7 @@ __all__ = [
     "ClipValue",
     "Drop",
     "HaltOnNonfinite",
-    "Policy",
+    "PolicyFields",
     "Rule",
     "Scale",
     "SkipStepOnNonfinite",
@@ -215,12 +213,8 @@ class Rule(_StepWindow):
         return tuple(_check_pattern(pattern) for pattern in value)
 
 
-class Policy(_Strict):
-    """A validated, immutable gradient policy.
-
-    Build one with :meth:`from_file` or :meth:`from_dict`; both raise :class:`~gradguard.PolicyError`
-    with the file, line and field of every problem.
-    """
+class PolicyFields(_Strict):
+    """The fields of a policy document and their checks; :class:`gradguard.Policy` adds loading."""
 
     version: Literal[1]
     rules: tuple[Rule, ...] = Field(min_length=1)
@@ -236,7 +230,7 @@ class Policy(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _rule_names_are_unique(self) -> Policy:
+    def _rule_names_are_unique(self) -> PolicyFields:
         seen: dict[str, int] = {}
         for index, rule in enumerate(self.rules):
             if rule.name in seen:
@@ -248,36 +242,3 @@ class Policy(_Strict):
                 )
             seen[rule.name] = index
         return self
-
-    def __eq__(self, other: object) -> bool:
-        """Policies are equal when their rules are: a file and the dict it holds give equal policies."""
-        if not isinstance(other, Policy):
-            return NotImplemented
-        return self.version == other.version and self.rules == other.rules
-
-    def __hash__(self) -> int:
-        return hash((self.version, self.rules))
-
-    @property
-    def source(self) -> str:
-        """Where the policy came from: a file path, or ``<dict>``."""
-        return self._source
-
-    def rule_location(self, index: int) -> str:
-        """``file:line`` of ``rules[index]`` where known, else the source alone."""
-        line = self._rule_lines[index] if index < len(self._rule_lines) else None
-        return self._source if line is None else f"{self._source}:{line}"
-
-    @classmethod
-    def from_file(cls, path: str | os.PathLike[str]) -> Policy:
-        """Load and validate a policy from a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file."""
-        from gradguard.policy.loading import load_policy_file
-
-        return load_policy_file(path)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Policy:
-        """Validate a policy given as plain data, with the same checks and errors as a file."""
-        from gradguard.policy.loading import validate_policy_data
-
-        return validate_policy_data(data, source=source, locate=None)

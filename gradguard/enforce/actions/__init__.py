@@ -1,0 +1,37 @@
+"""The action families, one module each, behind one interface (:class:`~.base.ActionKernel`).
+
+- ``clipping``: ``clip_norm`` (tensor or group scope) and ``clip_value``;
+- ``shaping``: ``scale``, ``zero`` and ``drop``;
+- ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits).
+
+:func:`kernel_for` maps a policy action to the kernel that executes it.
+"""
+
+from __future__ import annotations
+
+from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.actions.clipping import ClipNormKernel, ClipValueKernel
+from gradguard.enforce.actions.nonfinite import HaltKernel, SkipKernel
+from gradguard.enforce.actions.shaping import DropKernel, ScaleKernel, ZeroKernel
+from gradguard.policy.schema import Action
+
+__all__ = ["ActionKernel", "kernel_for"]
+
+_KERNELS: dict[type, ActionKernel] = {
+    schema: kernel
+    for kernel in (
+        ClipNormKernel(),
+        ClipValueKernel(),
+        ScaleKernel(),
+        ZeroKernel(),
+        DropKernel(),
+        HaltKernel(),
+        SkipKernel(),
+    )
+    for schema in kernel.schemas
+}
+
+
+def kernel_for(action: Action) -> ActionKernel:
+    """The kernel that executes ``action`` (every schema action has one; a test checks it)."""
+    return _KERNELS[type(action)]

@@ -1,0 +1,45 @@
+"""The one interface every action family implements for the step engine.
+
+An action family says what it needs from the step (:meth:`ActionKernel.wants_raw_norm`), what it
+does to the gradients (:meth:`ActionKernel.apply`, batched on the device) and what it reports (by
+queueing device figures into ``work.pending`` with a reader that records into ``work.outcome``). The
+engine gathers what all actions need, runs them in policy order and reads every figure back in the
+step's one host transfer.
+
+Adding an action means adding its schema to :mod:`gradguard.policy.schema` and one kernel here.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from gradguard.enforce.step import StepWork
+from gradguard.policy.matching import BoundRule
+from gradguard.policy.schema import Action
+
+__all__ = ["ActionKernel"]
+
+
+class ActionKernel:
+    """How one action family acts at the step boundary. Kernels are stateless; one instance serves all."""
+
+    schemas: ClassVar[tuple[type[Action], ...]] = ()
+    """The policy schema classes this kernel executes."""
+    watches: ClassVar[bool] = False
+    """The action only watches for NaN/Inf (halt, skip): its verdict comes with the raw norms, and
+    :meth:`apply` is never called for it."""
+
+    def wants_raw_norm(self, action: Action) -> bool:
+        """Whether the action can use the 2-norm of each gradient as it arrived (shared, taken once)."""
+        return False
+
+    def may_erase_nonfinite(self, action: Action) -> bool:
+        """Whether the action can make a NaN/Inf gradient finite (so the watch must judge it before)."""
+        return False
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        """Act on the gradients of tensors ``ids`` (members of ``bound`` with a gradient this step).
+
+        Returns ``False`` when the rule's later actions have nothing left to act on (``drop``).
+        """
+        raise NotImplementedError

@@ -1,0 +1,198 @@
+"""Clipping: ``clip_norm`` (per tensor or per group) and ``clip_value``, bitwise as torch's own.
+
+Also the one clean-up clipping needs after the sync: a float32 2-norm that overflowed while every
+element is finite is not a non-finite gradient; such a tensor gets its tensor-scope clips again with
+a float64 norm (:func:`clear_overflows`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.step import StepWork
+from gradguard.enforce.tensors import EPS, by_device, clamp_, clip_coefficients, in_torch_order, stack_on
+from gradguard.policy.matching import Binding, BoundRule
+from gradguard.policy.schema import Action, ClipNorm, ClipValue
+
+__all__ = ["ClipNormKernel", "ClipValueKernel", "clear_overflows"]
+
+_OVERFLOW_NOTE = (
+    "every element is finite but the float32 2-norm overflowed: not a non-finite gradient; its tensor-scope "
+    "clips used a float64 norm"
+)
+
+
+class ClipNormKernel(ActionKernel):
+    """``clip_norm``: rescale by ``max_norm / (norm + 1e-6)`` where that is below 1, as ``clip_grad_norm_``."""
+
+    schemas = (ClipNorm,)
+
+    def wants_raw_norm(self, action: Action) -> bool:
+        assert isinstance(action, ClipNorm)
+        return action.norm_type == 2.0
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        assert isinstance(action, ClipNorm)
+        gs = [work.grads[i] for i in ids]
+        raw, touched = work.raw, work.touched
+        reuse = action.norm_type == 2.0 and all(i in raw and i not in touched for i in ids)
+        norms = [raw[i] for i in ids] if reuse else work.norms(gs, action.norm_type)
+        if action.scope == "tensor":
+            _clip_tensors(work, bound, action, ids, gs, norms)
+        else:
+            _clip_group(work, bound, action, ids, gs, norms)
+        return True
+
+
+class ClipValueKernel(ActionKernel):
+    """``clip_value``: clamp into ``[-limit, limit]``, as ``clip_grad_value_``."""
+
+    schemas = (ClipValue,)
+
+    def may_erase_nonfinite(self, action: Action) -> bool:
+        return True
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        assert isinstance(action, ClipValue)
+        gs = [work.grads[i] for i in ids]
+        peaks = work.norms(gs, float("inf"))
+        clamp_(gs, action.limit)
+        outcome, names, step = work.outcome, work.names, work.step
+        for device_ids, positions in by_device(ids, peaks):
+
+            def read(values: list[float], device_ids: list[int] = device_ids) -> None:
+                if max(values) <= action.limit and math.isfinite(sum(values)):
+                    return  # nothing clamped, every peak finite
+                for index, peak in zip(device_ids, values, strict=False):
+                    if peak != peak or abs(peak) == float("inf"):
+                        outcome.nonfinite.setdefault(index, ("nan" if peak != peak else "inf", bound.index))
+                    elif peak > action.limit:
+                        outcome.value_clipped(step, bound.name, names[index], action.limit, peak)
+
+            work.pending.add(stack_on([peaks[k] for k in positions], peaks[positions[0]].device), read)
+        return True
+
+
+def _clip_tensors(
+    work: StepWork,
+    bound: BoundRule,
+    action: ClipNorm,
+    ids: list[int],
+    gs: list[torch.Tensor],
+    norms: list[torch.Tensor],
+) -> None:
+    outcome, names, step, pending = work.outcome, work.names, work.step, work.pending
+    for device_ids, positions in by_device(ids, norms):
+        device = norms[positions[0]].device
+        per_tensor = pending.stack([norms[k] for k in positions], device)
+        # clip_grad_norm_([p]) takes the norm of the one-element stack of norms; so do we, row-wise.
+        totals = torch.linalg.vector_norm(per_tensor.unsqueeze(1), action.norm_type, dim=1)
+        coefs = clip_coefficients(totals, action.max_norm)
+        torch._foreach_mul_([gs[k] for k in positions], list(coefs.unbind()))
+
+        def read(values: list[float], device_ids: list[int] = device_ids) -> None:
+            count = len(device_ids)
+            if min(values[count:]) >= 1.0 and math.isfinite(sum(values[:count])):
+                return  # nothing clipped, every norm finite (coefficients are never NaN)
+            for index, norm, coef in zip(device_ids, values[:count], values[count:], strict=False):
+                if norm != norm or abs(norm) == float("inf"):
+                    outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
+                elif coef < 1.0:
+                    outcome.norm_clipped(step, bound.name, names[index], action, norm, coef)
+
+        pending.add(torch.cat([totals, coefs]), read)
+
+
+def _clip_group(
+    work: StepWork,
+    bound: BoundRule,
+    action: ClipNorm,
+    ids: list[int],
+    gs: list[torch.Tensor],
+    norms: list[torch.Tensor],
+) -> None:
+    outcome, names, step = work.outcome, work.names, work.step
+    device = norms[0].device
+    total = torch.linalg.vector_norm(stack_on(in_torch_order(gs, norms), device), action.norm_type)
+    coef = clip_coefficients(total, action.max_norm)
+    for _, positions in by_device(ids, gs):
+        torch._foreach_mul_([gs[k] for k in positions], coef.to(gs[positions[0]].device))
+
+    def read(values: list[float]) -> None:
+        norm, factor = values
+        if norm != norm or abs(norm) == float("inf"):
+            kind = "nan" if norm != norm else "inf"
+            outcome.events.append(
+                (
+                    "nonfinite_group_norm",
+                    {"step": step, "rule": bound.name, "action": "clip_norm", "kind": kind, "n_params": len(ids)},
+                )
+            )
+        elif factor < 1.0:
+            params = [names[i] for i in ids]
+            outcome.norm_clipped(step, bound.name, None, action, norm, factor, params=params, n_params=len(ids))
+
+    work.pending.add(torch.stack([total, coef]), read)
+
+
+def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:
+    """A +inf 2-norm with no NaN/Inf element is an overflow, not a non-finite gradient.
+
+    Only on a step where some norm came out infinite, and with one more sync: the elements are
+    checked, and a gradient that turns out finite gets its tensor-scope clips with a float64 norm,
+    all on the device and read back together. (Those clips come after the step's other actions
+    here; in exact arithmetic a clip and a scale commute.)
+    """
+    outcome, grads, names, step = work.outcome, work.grads, work.names, work.step
+    suspects = sorted(
+        index
+        for index, (kind, _) in outcome.nonfinite.items()
+        if kind == "inf" and index not in fragile and index in grads
+    )
+    if not suspects:
+        return
+    device = grads[suspects[0]].device
+    flags = torch.stack([(~torch.isfinite(grads[i])).any().to(device) for i in suspects]).float()
+    if work.collective is not None:
+        flags = work.collective.sum_(flags)
+    clips: list[tuple[int, BoundRule, ClipNorm, torch.Tensor, torch.Tensor]] = []
+    for position, index in enumerate(suspects):
+        finite = flags[position] == 0
+        for bound, action in _tensor_clips(work.binding, index, step):
+            grad = grads[index]
+            norm = torch.linalg.vector_norm(grad.double(), action.norm_type)
+            coef = torch.where(finite, torch.clamp(action.max_norm / (norm + EPS), max=1.0), 1.0)
+            grad.mul_(coef.to(grad.dtype))
+            clips.append((index, bound, action, norm, coef))
+    host = torch.cat([flags.double(), *(torch.stack([n, c]) for *_, n, c in clips)]).tolist()
+    finite_ids = {index for index, nonfinite in zip(suspects, host, strict=False) if not nonfinite}
+    rules = work.binding.policy.rules
+    for index in finite_ids:
+        _, rule_index = outcome.nonfinite.pop(index)
+        outcome.halted_by.pop(index, None)
+        outcome.skipped_by.pop(index, None)
+        rule = rules[rule_index].name
+        outcome.counts.append((rule, "norm_overflow", 1))
+        event = {"step": step, "rule": rule, "param": names[index], "note": _OVERFLOW_NOTE}
+        outcome.events.append(("norm_overflow", event))
+    for position, (index, bound, action, _, _) in enumerate(clips):
+        norm, coef = host[len(suspects) + 2 * position : len(suspects) + 2 * position + 2]
+        if index not in finite_ids or coef >= 1.0:
+            continue
+        outcome.norm_clipped(step, bound.name, names[index], action, norm, coef, overflowed=True)
+
+
+def _tensor_clips(binding: Binding, index: int, step: int) -> list[tuple[BoundRule, ClipNorm]]:
+    """The tensor-scope clips active on ``step`` for one tensor, in policy order."""
+    out = []
+    for rule_index in binding.params[index].rules:
+        bound = binding.rules[rule_index]
+        for action in bound.actions:
+            tensor_clip = isinstance(action, ClipNorm) and action.scope == "tensor"
+            if tensor_clip and bound.rule.active_at(step) and action.active_at(step):
+                assert isinstance(action, ClipNorm)
+                out.append((bound, action))
+    return out

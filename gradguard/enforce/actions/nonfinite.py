@@ -1,0 +1,162 @@
+"""The non-finite watch: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite``.
+
+Neither changes a gradient. Their verdict comes from the 2-norms of the gradients as they arrived
+(shared with the clips that can reuse them) and NaN/Inf flags that every rank agrees on, read in the
+step's one sync; the engine then halts (before any optimizer state changes) or skips the step.
+Skip limits escalate to a halt after too many skips in a row or within a window of steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.step import StepWork
+from gradguard.enforce.tensors import norms, stack_on
+from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite
+
+if TYPE_CHECKING:
+    from gradguard.enforce.plan import Plan
+
+__all__ = ["HaltKernel", "SkipKernel", "SkipLimits", "has_active", "joined_kind", "watch_raw_norms"]
+
+
+class HaltKernel(ActionKernel):
+    """``halt_on_nonfinite``: raise ``GradientHalt`` before the optimizer step."""
+
+    schemas = (HaltOnNonfinite,)
+    watches = True
+
+
+class SkipKernel(ActionKernel):
+    """``skip_step_on_nonfinite``: skip the whole update, escalating to a halt past its limits."""
+
+    schemas = (SkipStepOnNonfinite,)
+    watches = True
+
+
+def watch_raw_norms(work: StepWork, plan: Plan, raw_ids: list[int]) -> dict[int, torch.Tensor]:
+    """2-norms of the untouched gradients, and the non-finite verdict every rank agrees on."""
+    grads, pending, outcome, step, collective = work.grads, work.pending, work.outcome, work.step, work.collective
+    local = norms([grads[i] for i in raw_ids], 2.0)
+    device = local[0].device
+    pending.raw_stack = (local, stack_on(local, device))
+    stacked = pending.raw_stack[1].float()
+    evidence = stacked
+    fragile = [position for position, index in enumerate(raw_ids) if index in plan.fragile]
+    if fragile:
+        # A 2-norm can overflow while every element is finite; the max-abs norm cannot. Tensors an
+        # action may make finite are judged by it now, the others are re-checked after the sync.
+        peaks = stack_on(norms([grads[raw_ids[k]] for k in fragile], float("inf")), device).float()
+        evidence = stacked.index_copy(0, torch.tensor(fragile, device=device), peaks)
+    flags = torch.stack([torch.isnan(evidence), torch.isinf(evidence)]).float().reshape(-1)
+    count = len(raw_ids)
+    if collective is None:
+        result = local
+    elif work.sharded:
+        # One collective: the shards' squared norms (summed into full norms) and every rank's flags.
+        payload = collective.sum_(torch.cat([stacked.square(), flags]))
+        result = list(payload[:count].sqrt().unbind())
+        flags = payload[count:]
+    else:
+        # Replicas hold the same averaged gradient; a NaN injected on one rank must stop them all.
+        flags = collective.sum_(flags)
+        result = local
+    binding = work.binding
+    rules = binding.policy.rules
+
+    def read(values: list[float]) -> None:
+        if not any(values):
+            return  # every flag is 0: nothing non-finite (the common case, without a loop in Python)
+        for position, index in enumerate(raw_ids):
+            has_nan, has_inf = values[position] > 0, values[count + position] > 0
+            if not has_nan and not has_inf:
+                continue
+            kind = "nan" if has_nan else "inf"
+            watchers = [r for r in plan.watchers_by_param.get(index, ()) if rules[r].active_at(step)]
+            halts = [r for r in watchers if has_active(rules[r].actions, HaltOnNonfinite, step)]
+            skips = [r for r in watchers if has_active(rules[r].actions, SkipStepOnNonfinite, step)]
+            if halts:
+                outcome.halted_by[index] = halts[0]
+            elif skips:
+                outcome.skipped_by[index] = skips[0]
+            reported_under = (halts or skips or [binding.params[index].rules[0]])[0]
+            outcome.nonfinite.setdefault(index, (kind, reported_under))
+
+    pending.add(flags, read)
+    return dict(zip(raw_ids, result, strict=True))
+
+
+@dataclass
+class _SkipHistory:
+    consecutive: int = 0
+    recent: deque[int] = field(default_factory=deque)
+
+
+class SkipLimits:
+    """Each skip rule's history of skipped steps, and when it escalates to a halt."""
+
+    def __init__(self) -> None:
+        self.history: dict[int, _SkipHistory] = {}
+        """Rule index -> its skips: how many in a row, and at which recent steps."""
+
+    def record(self, rule_index: int, rule: Rule, step: int) -> str | None:
+        """Note a skip by ``rule`` at ``step``; return why it must halt instead, or ``None``."""
+        history = self.history.setdefault(rule_index, _SkipHistory())
+        history.consecutive += 1
+        history.recent.append(step)
+        for action in rule.actions:
+            if not isinstance(action, SkipStepOnNonfinite) or not action.active_at(step):
+                continue
+            reason = None
+            if action.max_consecutive_skips is not None and history.consecutive > action.max_consecutive_skips:
+                reason = f"{history.consecutive} consecutive skipped steps (max_consecutive_skips: "
+                reason += f"{action.max_consecutive_skips})"
+            if action.max_skips is not None and action.window_steps is not None:
+                while history.recent and history.recent[0] <= step - action.window_steps:
+                    history.recent.popleft()
+                if len(history.recent) > action.max_skips:
+                    reason = f"{len(history.recent)} skipped steps within the last {action.window_steps} steps "
+                    reason += f"(max_skips: {action.max_skips})"
+            if reason is not None:
+                return reason
+        return None
+
+    def step_applied(self) -> None:
+        """A step went through: no rule's skips are consecutive any more."""
+        for history in self.history.values():
+            history.consecutive = 0
+
+    def state_dict(self, rules: Sequence[Rule]) -> dict[str, Any]:
+        return {
+            rules[index].name: {"consecutive": history.consecutive, "recent": list(history.recent)}
+            for index, history in sorted(self.history.items())
+        }
+
+    def load_state_dict(self, saved: dict[str, Any], rules: Sequence[Rule]) -> list[str]:
+        """Take over saved histories, by rule name; returns the names this policy lacks."""
+        by_name = {rule.name: index for index, rule in enumerate(rules)}
+        self.history = {}
+        unknown = []
+        for name, entry in saved.items():
+            if name not in by_name:
+                unknown.append(name)
+                continue
+            recent = deque(int(step) for step in entry["recent"])
+            self.history[by_name[name]] = _SkipHistory(int(entry["consecutive"]), recent)
+        return unknown
+
+
+def joined_kind(kinds: Iterable[str]) -> str:
+    """``"nan"``, ``"inf"`` or ``"nan+inf"``, always in that order."""
+    present = set(kinds)
+    return "+".join(kind for kind in ("nan", "inf") if kind in present)
+
+
+def has_active(actions: Sequence[Action], kind: type, step: int) -> bool:
+    return any(isinstance(action, kind) and action.active_at(step) for action in actions)

@@ -1,0 +1,77 @@
+"""A plan: what one enforcement pass treats, and what its actions need from the step.
+
+Built once per (binding, optimizer) and cached: which tensors, which rules over them, which raw
+2-norms to take (for the non-finite watch and the clips that can reuse them), and which watched
+tensors an action could make finite (judged by their max-abs before any action).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gradguard.enforce.actions import kernel_for
+from gradguard.policy.matching import Binding, BoundRule, GuardedParam
+
+__all__ = ["Plan"]
+
+
+@dataclass(eq=False)
+class Plan:
+    """What one enforcement pass treats: a subset of the guarded tensors (those one optimizer steps)."""
+
+    names: dict[int, str]
+    """Tensor index -> first name, built once (``run`` used to rebuild it every step)."""
+    params: tuple[GuardedParam, ...]
+    rules: tuple[tuple[BoundRule, tuple[GuardedParam, ...]], ...]
+    raw_norm_params: frozenset[int]
+    """Indices of the tensors whose untouched 2-norm is needed: halt/skip coverage and first-touch clips."""
+    watchers_by_param: dict[int, tuple[int, ...]]
+    """Tensor index -> indices of the rules with a halt or skip action covering it, in policy order."""
+    fragile: frozenset[int]
+    """Watched tensors that an action may make finite (zero, clip_value, drop, scale by 0): their
+    NaN/Inf verdict is taken from the max-abs norm before any action, not checked afterwards."""
+    raw_sorted: tuple[int, ...] = ()
+    """``sorted(raw_norm_params)``: the raw norms to take when every tensor of the plan has a gradient."""
+    member_ids: tuple[tuple[int, ...], ...] = ()
+    """Per rule, the indices of its members: its tensors to treat when every tensor has a gradient."""
+
+    @classmethod
+    def build(cls, binding: Binding, params: Sequence[GuardedParam]) -> Plan:
+        chosen = {entry.index for entry in params}
+        ordered = tuple(entry for entry in binding.params if entry.index in chosen)
+        rules = tuple(
+            (bound, tuple(entry for entry in bound.params if entry.index in chosen)) for bound in binding.rules
+        )
+        raw: set[int] = set()
+        touched: set[int] = set()
+        watchers: dict[int, list[int]] = {}
+        for bound, members in rules:
+            for action in bound.actions:
+                kernel = kernel_for(action)
+                if kernel.watches:
+                    for entry in members:
+                        raw.add(entry.index)
+                        if bound.index not in watchers.setdefault(entry.index, []):
+                            watchers[entry.index].append(bound.index)
+                    continue
+                if kernel.wants_raw_norm(action):
+                    raw.update(entry.index for entry in members if entry.index not in touched)
+                touched.update(entry.index for entry in members)
+        fragile = {
+            entry.index
+            for bound, members in rules
+            if any(kernel_for(action).may_erase_nonfinite(action) for action in bound.actions)
+            for entry in members
+            if entry.index in watchers
+        }
+        return cls(
+            names={entry.index: entry.name for entry in ordered},
+            params=ordered,
+            rules=rules,
+            raw_norm_params=frozenset(raw),
+            fragile=frozenset(fragile),
+            watchers_by_param={key: tuple(value) for key, value in watchers.items()},
+            raw_sorted=tuple(sorted(raw)),
+            member_ids=tuple(tuple(entry.index for entry in members) for _, members in rules),
+        )

@@ -1,0 +1,97 @@
+"""The plans of one guard: the policy bound to the model, and what each optimizer's step treats.
+
+An optimizer's plan is cached by the identity of the tensors it holds; when the model's tensors
+were replaced after attach (``load_state_dict(assign=True)``, a new ``nn.Parameter``, ``to_empty``,
+FSDP2's ``fully_shard``), the policy is bound again, so a guard never keeps guarding tensors the
+model no longer has while the new ones go unguarded.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+
+from torch import nn
+from torch.optim import Optimizer
+
+from gradguard.enforce.plan import Plan
+from gradguard.errors import GuardWarning
+from gradguard.policy.document import Policy
+from gradguard.policy.matching import Binding, bind
+
+__all__ = ["PlanBook"]
+
+
+class PlanBook:
+    """The binding, the whole-model plan and each optimizer's plan; re-binds when the model changes."""
+
+    def __init__(self, policy: Policy, model: nn.Module, on_rebind: Callable[[Binding, list[str]], None]) -> None:
+        self.policy = policy
+        self.binding = bind(policy, model)
+        self.whole = Plan.build(self.binding, self.binding.params)
+        """Every guarded tensor of the model (``guard.step()`` without an optimizer)."""
+        self._model_ref = weakref.ref(model)
+        self._on_rebind = on_rebind
+        self._by_optimizer: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], Plan | None]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._warned_split: set[int] = set()
+
+    def current(self) -> Plan:
+        """The whole-model plan, bound again first if the model's tensors changed."""
+        self._check_model()
+        return self.whole
+
+    def for_optimizer(self, optimizer: Optimizer) -> Plan | None:
+        """The guarded tensors this optimizer steps (None: none); re-binds if the model's tensors changed."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        fingerprint = tuple(id(p) for p in params)
+        cached = self._by_optimizer.get(optimizer)
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
+        self._check_model()
+        by_id = self.binding.by_id
+        members = [entry for p in params if (entry := by_id.get(id(p))) is not None and entry.ref() is p]
+        plan = Plan.build(self.binding, members) if members else None
+        if plan is not None:
+            self._warn_split_groups(plan)
+        self._by_optimizer[optimizer] = (fingerprint, plan)
+        return plan
+
+    def _check_model(self) -> None:
+        model = self._model_ref()
+        if model is not None and not self.binding.still_matches(model):
+            self._rebind(model)
+
+    def _rebind(self, model: nn.Module) -> None:
+        old = self.binding
+        new = bind(self.policy, model)
+        old_refs = {name: entry.ref for entry in old.params for name in entry.names}
+        replaced = [
+            entry.name
+            for entry in new.params
+            if (before := old_refs.get(entry.name)) is not None and before() is not entry.ref()
+        ]
+        self.binding = new
+        self.whole = Plan.build(new, new.params)
+        self._by_optimizer = weakref.WeakKeyDictionary()
+        self._on_rebind(new, replaced)
+
+    def _warn_split_groups(self, plan: Plan) -> None:
+        """A group clip whose rule spans several optimizers clips each optimizer's share by its own norm."""
+        mine = {entry.index for entry in plan.params}
+        for bound in self.binding.rules:
+            group = any(
+                action.action == "clip_norm" and getattr(action, "scope", "") == "group" for action in bound.actions
+            )
+            split = {entry.index for entry in bound.params} - mine
+            if group and split and bound.index not in self._warned_split and len(split) < len(bound.params):
+                self._warned_split.add(bound.index)
+                warnings.warn(
+                    f"rule {bound.name!r} clips a group whose parameters are stepped by more than one optimizer; "
+                    "each optimizer's share is clipped by its own norm at its own step (under GradScaler the "
+                    "others' gradients are still scaled then). Split the rule per optimizer to make this explicit.",
+                    GuardWarning,
+                    stacklevel=5,
+                )

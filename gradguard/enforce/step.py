@@ -1,0 +1,131 @@
+"""What one pass of the step engine works with: its context, its figures and the one host sync.
+
+Actions queue the device figures they want read into :class:`Pending` with a reader that records
+what they did into :class:`StepOutcome`; the engine reads everything back in one transfer.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradguard.enforce.distributed import Collective, combine_shard_norms
+from gradguard.enforce.tensors import norms, stack_on
+from gradguard.policy.matching import Binding
+from gradguard.policy.schema import ClipNorm
+
+__all__ = ["Pending", "StepContext", "StepOutcome", "StepWork"]
+
+
+@dataclass
+class StepContext:
+    """What one enforcement pass needs to know about the update it precedes."""
+
+    optimizer: Any | None
+    """The ``torch.optim.Optimizer`` about to step, or ``None`` for ``guard.step()``."""
+    stepped_params: Callable[[], Iterable[torch.Tensor]]
+    """Every parameter the update would change: a skipped step sets all their gradients to None."""
+    explicit: bool = False
+    """An explicit boundary (``guard.step()``, a framework integration), not an optimizer's step pre-hook:
+    the gradients it treats are left alone by the optimizer's coming step, whatever changes them between."""
+    found_inf: Sequence[torch.Tensor] = ()
+    """A GradScaler's inf/NaN flags for gradients it has already unscaled: if set, the step is the
+    scaler's to skip (no halt, no intervention counted)."""
+
+
+@dataclass
+class Pending:
+    """Device tensors to read back in the step's one sync, and how to interpret them."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    readers: list[Callable[[list[float]], None]] = field(default_factory=list)
+    raw_stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
+    """The raw norms and their stack, so a clip over exactly those norms does not stack them again."""
+
+    def stack(self, norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """``stack_on(norms, device)``, reusing the raw norms' stack when ``norms`` are those tensors."""
+        memo = self.raw_stack
+        if memo is not None and len(memo[0]) == len(norms) and all(map(operator.is_, memo[0], norms)):
+            return memo[1]
+        return stack_on(norms, device)
+
+    def add(self, values: torch.Tensor, reader: Callable[[list[float]], None]) -> None:
+        self.parts.append(values.reshape(-1))
+        self.readers.append(reader)
+
+    def sync(self) -> None:
+        if not self.parts:
+            return
+        device = self.parts[0].device
+        if all(part.device == device for part in self.parts):
+            # Joined on the device first: one device-to-host copy, so one sync (a copy per part would
+            # be a sync each on a GPU). cat promotes floats exactly, as the per-part float64 did.
+            host = torch.cat([part.detach() for part in self.parts]).to("cpu", torch.float64).tolist()
+        else:
+            host = torch.cat([part.detach().to("cpu", torch.float64) for part in self.parts]).tolist()
+        offset = 0
+        for part, reader in zip(self.parts, self.readers, strict=False):
+            size = part.numel()
+            reader(host[offset : offset + size])
+            offset += size
+
+
+@dataclass
+class StepOutcome:
+    nonfinite: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """Tensor index -> (kind, rule index to report it under)."""
+    halted_by: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> halt rule index, for non-finite tensors an active halt rule covers."""
+    skipped_by: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> skip rule index, for non-finite tensors an active skip rule (and no halt rule) covers."""
+    scaler_found_inf: bool = False
+    """GradScaler (fused optimizer path) found inf/NaN: the optimizer skips this step itself."""
+    counts: list[tuple[str, str, int]] = field(default_factory=list)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    def norm_clipped(
+        self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any
+    ) -> None:
+        """Count a clip_norm that changed ``extra.get("n_params", 1)`` tensors, and log it."""
+        self.counts.append((rule, "clip_norm", int(extra.get("n_params", 1))))
+        event = {"step": step, "rule": rule, "action": "clip_norm", "param": param, **extra}
+        event |= {"scope": action.scope, "norm_type": action.norm_type, "max_norm": action.max_norm}
+        event |= {"before": before, "after": before * coef, "coef": coef}
+        self.events.append(("intervention", event))
+
+    def value_clipped(self, step: int, rule: str, param: str, limit: float, before: float, **extra: Any) -> None:
+        """Count a clip_value that clamped one tensor, and log it."""
+        self.counts.append((rule, "clip_value", 1))
+        event = {"step": step, "rule": rule, "action": "clip_value", "param": param, **extra}
+        self.events.append(("intervention", event | {"limit": limit, "before": before, "after": limit}))
+
+
+@dataclass
+class StepWork:
+    """Everything an action needs from the step it acts in (one per enforcement pass)."""
+
+    binding: Binding
+    names: dict[int, str]
+    """Tensor index -> first name."""
+    grads: dict[int, torch.Tensor]
+    """Tensor index -> its (local) gradient, for the tensors treated in this pass."""
+    step: int
+    pending: Pending
+    outcome: StepOutcome
+    collective: Collective | None
+    """The process group ranks agree over, when one is active."""
+    sharded: bool
+    """Some gradient is an FSDP2 shard: per-tensor norms must be combined across ranks."""
+    raw: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Tensor index -> 2-norm of its gradient as it arrived, where some action asked for it."""
+    touched: set[int] = field(default_factory=set)
+    """Tensors an earlier action of this pass changed (their raw norms are stale)."""
+
+    def norms(self, grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+        """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""
+        local = norms(grads, norm_type)
+        return combine_shard_norms(self.collective, local, norm_type) if self.sharded and self.collective else local

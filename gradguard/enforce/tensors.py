@@ -1,0 +1,108 @@
+"""Tensor helpers shared by the step engine and its actions: batched norms, clip coefficients, clamps.
+
+Norms follow ``torch.nn.utils.clip_grad_norm_`` operation for operation, so results are bitwise
+equal to it, except in two deliberate ways: float16/bfloat16 gradients have their norms computed in
+float32 (a finite gradient is never called infinite because a half-precision norm overflowed), and
+a non-finite norm never rescales anything (torch would turn every gradient of the group into NaN).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "EPS",
+    "LOW_PRECISION",
+    "by_device",
+    "clamp_",
+    "clip_coefficients",
+    "in_torch_order",
+    "norms",
+    "stack_on",
+]
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon; the same value keeps results bitwise equal.
+
+
+def norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Per-tensor norms, in float32 for half-precision gradients, in one ``_foreach_norm`` per dtype."""
+    if all(g.dtype not in LOW_PRECISION for g in grads):
+        return list(torch._foreach_norm(list(grads), norm_type))
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    low = [i for i, g in enumerate(grads) if g.dtype in LOW_PRECISION]
+    high = [i for i, g in enumerate(grads) if g.dtype not in LOW_PRECISION]
+    for indices, kwargs in ((low, {"dtype": torch.float32}), (high, {})):
+        if indices:
+            norms = torch._foreach_norm([grads[i] for i in indices], norm_type, **kwargs)
+            for i, norm in zip(indices, norms, strict=True):
+                out[i] = norm
+    return [norm for norm in out if norm is not None]
+
+
+def stack_on(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if all(norm.device == device for norm in norms):
+        return torch.stack(list(norms))  # the common case: no per-tensor ``.to`` (a no-op, but a dispatch)
+    return torch.stack([norm.to(device) for norm in norms])
+
+
+def clamp_(grads: list[torch.Tensor], limit: float) -> None:
+    """``clip_grad_value_``'s clamp, with the limit capped at each dtype's largest finite value.
+
+    torch refuses a float16 clamp bound above 65504; no finite float16 exceeds it, so the cap changes
+    nothing but the (reported) Inf, which becomes the largest finite value instead of staying Inf.
+    """
+    if all(limit <= torch.finfo(g.dtype).max for g in grads):
+        torch._foreach_clamp_min_(grads, -limit)
+        torch._foreach_clamp_max_(grads, limit)
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for dtype, group in by_dtype.items():
+        bound = min(limit, torch.finfo(dtype).max)
+        torch._foreach_clamp_min_(group, -bound)
+        torch._foreach_clamp_max_(group, bound)
+
+
+def in_torch_order(grads: Sequence[torch.Tensor], norms: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The per-tensor norms in the order ``clip_grad_norm_`` sums them: grouped by (device, dtype).
+
+    The same order keeps a group clip over mixed dtypes bitwise equal to torch's.
+    """
+    first = grads[0]
+    if all(g.dtype == first.dtype and g.device == first.device for g in grads):
+        return norms
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    groups = _group_tensors_by_device_and_dtype([list(grads)], with_indices=True)
+    return [norms[i] for _, (_, indices) in groups.items() for i in indices]
+
+
+def clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_``'s coefficient, left at 1 where the norm is not finite.
+
+    A NaN or Inf gradient is left as it is and reported (torch would spread the NaN to every tensor
+    of a group clip). A finite gradient whose float32 norm overflowed is clipped after the sync, with
+    its norm taken in float64 (:func:`gradguard.enforce.actions.clipping.clear_overflows`).
+    """
+    coef = torch.clamp(max_norm / (totals + EPS), max=1.0)
+    return torch.where(torch.isfinite(totals), coef, torch.ones_like(coef))
+
+
+def by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
+    """Group positions of parallel lists by device, keeping order: ``[(ids, positions), ...]``.
+
+    One group in the common single-device case, found without building anything per tensor.
+    """
+    first = tensors[0].device
+    if all(t.device == first for t in tensors):
+        return [(list(ids), list(range(len(ids))))]
+    groups: dict[torch.device, tuple[list[int], list[int]]] = {}
+    for position, (index, tensor) in enumerate(zip(ids, tensors, strict=False)):
+        bucket = groups.setdefault(tensor.device, ([], []))
+        bucket[0].append(index)
+        bucket[1].append(position)
+    return list(groups.values())

@@ -1,0 +1,49 @@
+"""``Policy``: a validated, immutable policy document, from a file or a dict."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from gradguard.policy.loading import load_policy_file, validate_policy_data
+from gradguard.policy.schema import PolicyFields
+
+__all__ = ["Policy"]
+
+
+class Policy(PolicyFields):
+    """A validated, immutable gradient policy.
+
+    Build one with :meth:`from_file` or :meth:`from_dict`; both raise :class:`~gradguard.PolicyError`
+    with the file, line and field of every problem.
+    """
+
+    def __eq__(self, other: object) -> bool:
+        """Policies are equal when their rules are: a file and the dict it holds give equal policies."""
+        if not isinstance(other, Policy):
+            return NotImplemented
+        return self.version == other.version and self.rules == other.rules
+
+    def __hash__(self) -> int:
+        return hash((self.version, self.rules))
+
+    @property
+    def source(self) -> str:
+        """Where the policy came from: a file path, or ``<dict>``."""
+        return self._source
+
+    def rule_location(self, index: int) -> str:
+        """``file:line`` of ``rules[index]`` where known, else the source alone."""
+        line = self._rule_lines[index] if index < len(self._rule_lines) else None
+        return self._source if line is None else f"{self._source}:{line}"
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Policy:
+        """Load and validate a policy from a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file."""
+        return load_policy_file(cls, path)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Policy:
+        """Validate a policy given as plain data, with the same checks and errors as a file."""
+        return validate_policy_data(cls, data, source=source, locate=None)

@@ -1,0 +1,93 @@
+"""The package's rooms: no import cycle, and each room imports only the rooms beneath it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "gradguard"
+
+# Which rooms each room may import (besides itself and the top-level errors module).
+ALLOWED = {
+    "policy": set(),
+    "events": set(),
+    "enforce": {"policy", "events"},
+    "audit": set(),
+    "guard": {"policy", "events", "enforce"},
+    "cli": {"policy", "events", "enforce", "audit", "guard"},
+    "integrations": {"guard"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """gradguard modules imported when ``path`` is imported (module level; not under TYPE_CHECKING)."""
+    found: set[str] = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        for child in ast.walk(node) if not isinstance(node, ast.FunctionDef | ast.ClassDef) else ():
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("gradguard"):
+                found.add(child.module)
+            elif isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names if alias.name.startswith("gradguard"))
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for target in _imports(path):
+            while target not in modules and "." in target:
+                target = target.rsplit(".", 1)[0]
+            if target in modules and target != name:
+                targets.add(target)
+        graph[name] = targets
+    return graph
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "gradguard"
+
+
+def test_no_module_of_the_package_imports_itself_back_through_others():
+    """The module-level import graph of gradguard has no cycle."""
+    graph = _graph()
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycle = [*path[path.index(nxt) :], nxt] if nxt in path else [node, nxt]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_each_room_imports_only_the_rooms_it_may():
+    """policy, events and audit stand alone; enforce builds on policy and events; the guard on those."""
+    wrong = []
+    for module, targets in _graph().items():
+        room = _room(module)
+        if room not in ALLOWED:
+            continue
+        for target in targets:
+            other = _room(target)
+            if other not in (room, "errors", "gradguard") and other not in ALLOWED[room]:
+                wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+

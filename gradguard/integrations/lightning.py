@@ -155,7 +155,7 @@ class GradGuardCallback(Callback):
     ) -> None:
         """Log the cumulative counters; Lightning passes them to the loggers every ``log_every_n_steps``."""
         guard = self.guard
-        if not self.log_counters or guard is None:
+        if not self.log_counters or guard is None or not trainer.loggers:
             return
         pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, logger=True, batch_size=1)
 

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers:UserWarning",
     "ignore:.*isinstance\\(treespec, LeafSpec\\).*",
     "ignore:.*is smaller than the logging interval.*",
+    "ignore:Be aware that when using `ckpt_path`.*",
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +213,9 @@ def test_manual_optimization_is_treated_at_the_lightning_optimizer_step(make_pol
     assert 0 < counts["r0"]["clip_norm"] <= run.global_step * 3
 
 
-def test_accumulate_grad_batches_clips_the_summed_gradient_once_per_optimizer_step(make_policy, same, read_audit, tmp_path):
+def test_accumulate_grad_batches_clips_the_summed_gradient_once_per_optimizer_step(
+    make_policy, same, read_audit, tmp_path
+):
     """accumulate_grad_batches=2: one group clip of g1 + g2 per step, as clip_grad_norm_ does; steps numbered 0..2."""
     policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.01, "scope": "group"}]})
     log = tmp_path / "audit.jsonl"
@@ -327,7 +330,7 @@ def test_16_mixed_step_that_the_scaler_skips_is_counted_not_halted(make_policy, 
 
 
 def test_16_mixed_with_a_fused_optimizer_falls_back_to_the_optimizer_step(make_policy):
-    """A fused AdamW unscales in its kernel: the callback leaves the step to the guard's pre-hook, which still treats it."""
+    """A fused AdamW unscales in its kernel: the callback leaves it to the guard's pre-hook, which still treats it."""
     probe = nn.Parameter(torch.ones(2))
     probe.grad = torch.ones(2)
     try:
@@ -475,7 +478,8 @@ def test_resumed_fit_continues_the_guards_step_numbers_and_matches_an_uninterrup
     run = trainer(second, max_steps=6)
     run.fit(resumed, loader(3), ckpt_path=checkpoint)
 
-    assert second.guard is not None and straight.guard is not None
+    assert second.guard is not None
+    assert straight.guard is not None
     assert second.guard.step_count == run.global_step == 6
     same(params(resumed), params(reference))
     assert second.guard.counters.snapshot() == {"r0": {"clip_norm": 2 * n_params(resumed)}}
@@ -507,6 +511,56 @@ def test_resuming_a_checkpoint_without_guard_state_starts_at_its_global_step(mak
     assert sorted({e["step"] for e in events if e["event"] == "intervention"}) == [3, 4]
 
 
+class TwoOptimizers(pl.LightningModule):
+    """Manual optimization with two optimizers (encoder, head), each stepped once per batch."""
+
+    def __init__(self, reference: Hook | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(8, 16), nn.Tanh())
+        self.head = nn.Linear(16, 4)
+        self.reference = reference
+        self.automatic_optimization = False
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        enc_opt, head_opt = self.optimizers()
+        enc_opt.zero_grad()
+        head_opt.zero_grad()
+        self.manual_backward(nn.functional.mse_loss(self.head(self.encoder(x)), y) * 10)
+        if self.reference is not None:
+            self.reference(self, self.trainer.global_step)  # type: ignore[arg-type]
+        enc_opt.step()
+        head_opt.step()
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.SGD(self.encoder.parameters(), lr=0.05),
+            torch.optim.AdamW(self.head.parameters(), lr=1e-2, foreach=False),
+        ]
+
+
+def test_two_optimizers_in_manual_optimization_are_each_treated_once_per_batch(make_policy, same):
+    """Each optimizer's step treats its own gradients; the guard counts batches, Lightning counts optimizer steps."""
+    policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.05}]})
+
+    def by_hand(module: nn.Module, step: int) -> None:
+        for p in module.parameters():
+            clip_grad_norm_([p], 0.05)
+
+    callback = GradGuardCallback(policy, logger=None)
+    guarded, ref = TwoOptimizers(), TwoOptimizers(reference=by_hand)
+    run = trainer(callback, max_steps=6)
+    run.fit(guarded, loader())
+    trainer(max_steps=6).fit(ref, loader())
+
+    same(params(guarded), params(ref))
+    assert callback.guard is not None
+    assert run.global_step == 6, "Lightning counts each optimizer's step"
+    assert callback.guard.step_count == 3, "the guard counts training steps (batches)"
+    assert callback.guard.counters.snapshot() == {"r0": {"clip_norm": 3 * n_params(guarded)}}
+
+
 # --- the module itself ----------------------------------------------------------------------------
 
 
@@ -528,9 +582,11 @@ def test_a_second_fit_gets_a_new_guard_and_none_is_left_attached(make_policy):
     trainer(callback, max_steps=2).fit(module, loader())
     first = callback.guard
     trainer(callback, max_steps=3).fit(module, loader())
-    assert first is not None and callback.guard is not None
+    assert first is not None
+    assert callback.guard is not None
     assert callback.guard is not first
-    assert not first.attached and not callback.guard.attached
+    assert not first.attached
+    assert not callback.guard.attached
     assert (first.step_count, callback.guard.step_count) == (2, 3)
 
 
@@ -542,12 +598,13 @@ def test_policy_file_path_is_accepted(tmp_path):
     assert isinstance(callback.policy, Policy)
     run = trainer(callback, max_steps=2)
     run.fit(Net("sgd"), loader())
-    assert callback.guard is not None and callback.guard.step_count == 2
+    assert callback.guard is not None
+    assert callback.guard.step_count == 2
 
 
 # --- the README example ---------------------------------------------------------------------------
 
-README_EXAMPLE = '''\
+README_EXAMPLE = """\
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -591,7 +648,7 @@ trainer = pl.Trainer(
 )
 trainer.fit(Regressor(), data)  # a NaN or Inf raises GradientHalt before the optimizer step
 print(guard_callback.guard.step_count, guard_callback.guard.counters.snapshot())
-'''
+"""
 
 
 def test_readme_lightning_example_runs(tmp_path, monkeypatch, capsys):

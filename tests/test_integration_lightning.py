@@ -397,6 +397,28 @@ def test_skip_rule_skips_the_poisoned_step_and_training_goes_on(make_policy, sam
     assert callback.guard.counters.snapshot() == {"r0": {"nan": 1, "skip_step_on_nonfinite": 1}}
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="core: GradGuard._enforce_for records run()'s True when it found nothing new to treat, so the "
+    "optimizer's own step after guard.step(opt) resets last_step_skipped to False",
+)
+def test_last_step_skipped_is_still_true_when_the_skipped_batch_ends(make_policy):
+    """After the guard skipped a step, guard.last_step_skipped is True in on_train_batch_end (scheduler logic)."""
+    policy = make_policy({"match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]})
+    seen: list[bool] = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            assert callback.guard is not None
+            seen.append(callback.guard.last_step_skipped)
+
+    callback = GradGuardCallback(policy, logger=None)
+    trainer(callback, Watch(), max_steps=3).fit(Net("sgd", tamper=poison("net.0.weight", 1)), loader())
+    assert callback.guard is not None
+    assert callback.guard.counters.snapshot()["r0"]["skip_step_on_nonfinite"] == 1
+    assert seen == [False, True, False]
+
+
 # --- logging --------------------------------------------------------------------------------------
 
 

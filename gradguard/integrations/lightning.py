@@ -1,0 +1,204 @@
+"""Lightning integration: ``GradGuardCallback`` guards ``trainer.fit`` with a gradguard policy.
+
+``pip install 'gradguard[lightning]'``. Add the callback to the ``Trainer``; it attaches a
+:class:`~gradguard.GradGuard` to the ``LightningModule`` when fitting starts and removes it when
+fitting ends or fails::
+
+    from lightning.pytorch import Trainer
+    from gradguard.integrations.lightning import GradGuardCallback
+
+    trainer = Trainer(callbacks=[GradGuardCallback("policies/default.yaml")], gradient_clip_val=1.0)
+    trainer.fit(model)
+
+Where it acts: in ``on_before_optimizer_step``, after the step's backward passes (all micro-batches
+of ``accumulate_grad_batches``) and after GradScaler's ``unscale_`` (``precision="16-mixed"``), and
+before the module's own ``on_before_optimizer_step`` and Lightning's ``gradient_clip_val``: the policy
+acts first, then Lightning's clip, exactly once per optimizer step. A halt ends ``trainer.fit`` with
+:class:`~gradguard.GradientHalt` before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.optim import Optimizer
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+except ImportError as exc:  # tested by hiding lightning from sys.modules
+    raise ImportError(
+        "gradguard.integrations.lightning needs Lightning 2.6 (the `lightning` package); install it with "
+        "pip install 'gradguard[lightning]'"
+    ) from exc
+
+from gradguard import GradGuard, Policy
+
+__all__ = ["GradGuardCallback"]
+
+_GUARD_STATE = "guard"
+
+
+class GradGuardCallback(Callback):
+    """Enforce a gradguard policy on a ``LightningModule`` during ``trainer.fit``.
+
+    Args:
+        policy: a :class:`~gradguard.Policy` or the path of a policy file. Patterns match the names of
+            ``pl_module.named_parameters()`` (a module that holds ``self.model`` has ``model.*`` names).
+        log_counters: log the guard's counters through the module's loggers as
+            ``gradguard/<rule>/<action>`` (cumulative counts) and ``gradguard/steps``, on the
+            trainer's ``log_every_n_steps`` schedule.
+        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+            ``per_micro_batch``, ``summary_every``, ``process_group``, ``replace``, ...). By default
+            ``optimizer`` is the trainer's optimizers, ``scaler`` the precision plugin's GradScaler
+            (``precision="16-mixed"``), and ``start_step`` the step saved in the checkpoint being
+            resumed (else the resumed ``global_step``, else 0).
+
+    After ``trainer.fit``, :attr:`guard` is the (detached) guard of that fit, so its counters, step
+    count and audit log stay readable.
+    """
+
+    def __init__(
+        self,
+        policy: Policy | str | os.PathLike[str],
+        *,
+        log_counters: bool = True,
+        **guard_options: Any,
+    ) -> None:
+        super().__init__()
+        self.policy: Policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
+        self.log_counters = log_counters
+        self.guard_options: dict[str, Any] = dict(guard_options)
+        self.guard: GradGuard | None = None
+        """The guard of the current (or last) fit; ``None`` before the first fit starts."""
+        self._scaler: torch.amp.GradScaler | None = None
+        self._saved_state: dict[str, Any] | None = None
+        self._checkpoint_step: int | None = None
+
+    # --- attach and detach ---------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Attach the guard: after the strategy set the model and optimizers up, before the first step.
+
+        A checkpoint being resumed has already given its callback state by now (``load_state_dict``),
+        except under strategies that restore after setup: those hand it over later, to the live guard.
+        """
+        self._detach()
+        options = dict(self.guard_options)
+        if "scaler" not in options:
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            options["scaler"] = scaler if isinstance(scaler, torch.amp.GradScaler) else None
+        self._scaler = options["scaler"]
+        if "optimizer" not in options:
+            optimizers = [opt for opt in trainer.optimizers if isinstance(opt, Optimizer)]
+            options["optimizer"] = optimizers or None
+        state, self._saved_state = self._saved_state, None
+        if state is not None:
+            options["start_step"] = int(state["step"])
+        elif "start_step" not in options:
+            checkpoint_step = self._checkpoint_step
+            options["start_step"] = checkpoint_step if checkpoint_step is not None else trainer.global_step
+        self._checkpoint_step = None
+        guard = GradGuard(pl_module, self.policy, **options)
+        self.guard = guard
+        if state is not None:
+            guard.load_state_dict(state)  # skip histories; logged as a state_loaded event
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._detach()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._detach()
+        else:  # validate/test/predict from a checkpoint: its guard state is not for a later fit
+            self._saved_state = None
+            self._checkpoint_step = None
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The fit failed (a ``GradientHalt`` among others): detach, keeping the guard readable."""
+        self._detach()
+
+    def _detach(self) -> None:
+        if self.guard is not None and self.guard.attached:
+            self.guard.remove()
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        """Treat the gradients this optimizer is about to apply: before Lightning's gradient clipping.
+
+        The gradients count as treated until the optimizer has stepped, so Lightning's clip changing
+        them does not make the optimizer's own step treat them again. Where the explicit boundary
+        cannot work (a GradScaler that has not unscaled this optimizer: a fused optimizer unscales in
+        its kernel), the guard acts in the optimizer's ``step()`` instead, as without Lightning.
+        """
+        guard = self.guard
+        if guard is None or not guard.attached:
+            return
+        opt: Any = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        if not isinstance(opt, Optimizer):
+            return
+        if self._scaler is not None and not _has_unscaled(self._scaler, opt):
+            return
+        guard.step(opt)
+
+    # --- logging -------------------------------------------------------------------------------
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the cumulative counters; Lightning passes them to the loggers every ``log_every_n_steps``."""
+        guard = self.guard
+        if not self.log_counters or guard is None or not trainer.loggers:
+            return
+        pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, logger=True, batch_size=1)
+
+    def metrics(self) -> dict[str, float]:
+        """``{"gradguard/steps": n, "gradguard/<rule>/<action>": count, ...}`` for the current guard."""
+        guard = self.guard
+        if guard is None:
+            return {}
+        metrics = {"gradguard/steps": float(guard.step_count)}
+        for rule, counts in guard.counters.snapshot().items():
+            for action, count in counts.items():
+                metrics[f"gradguard/{rule}/{action}"] = float(count)
+        return metrics
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning checkpoints: the guard's step number and skip histories."""
+        if self.guard is None:
+            return {}
+        return {_GUARD_STATE: self.guard.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the guard's steps: now if it is attached (restore after setup), else when it attaches."""
+        state = state_dict.get(_GUARD_STATE)
+        if state is None:
+            return
+        if self.guard is not None and self.guard.attached:
+            self.guard.load_state_dict(state)
+        else:
+            self._saved_state = state
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Remember the checkpoint's global step: the guard's start step if it saved no guard state."""
+        step = checkpoint.get("global_step")
+        self._checkpoint_step = int(step) if isinstance(step, int) else None
+
+
+def _has_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
+    """Whether ``scaler`` has unscaled this optimizer's gradients in the current step (or is disabled)."""
+    if not scaler.is_enabled():
+        return True
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is OptState.UNSCALED

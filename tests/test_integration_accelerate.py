@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -13,10 +14,23 @@ from gradguard import GradientHalt, Policy
 
 accelerate = pytest.importorskip("accelerate")
 
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+
 from gradguard.integrations.accelerate import guard_accelerator  # noqa: E402
 
 HALT_ALL = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}
 CLIP_FIRST = {"name": "first-layer", "match": "0.*", "actions": [{"action": "clip_norm", "max_norm": 0.01}]}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state() -> Iterator[None]:
+    """accelerate keeps process-wide singletons: a Trainer run earlier in the session leaves its gradient
+    state (an unfinished dataloader makes every micro-batch a sync step). Each test starts afresh."""
+    GradientState._reset_state()
+    AcceleratorState._reset_state()
+    yield
+    GradientState._reset_state()
+    AcceleratorState._reset_state()
 
 
 def policy_of(*rules: dict[str, Any]) -> Policy:
@@ -57,7 +71,7 @@ def reference(model: nn.Module, micro_batches: int, steps: int) -> dict[str, tor
 
 
 def test_nan_is_attributed_before_accelerators_clip_spreads_it(nonfinite_names, same):
-    """accelerator.clip_grad_norm_ raises GradientHalt naming the one poisoned parameter; nothing was clipped or applied."""
+    """accelerator.clip_grad_norm_ raises GradientHalt naming the one poisoned parameter; nothing clipped or applied."""
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_model()
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -157,7 +171,7 @@ def test_removing_the_guard_puts_the_accelerator_back():
     """After the with-block (guard.remove()), unscale_gradients and backward are the accelerator's own again."""
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_model()
-    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
     with guard_accelerator(accelerator, model, policy_of(HALT_ALL), logger=None) as guard:
         assert "unscale_gradients" in vars(accelerator)
         assert "backward" in vars(accelerator)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import io
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ pytest.importorskip("accelerate")
 from gradguard.integrations.transformers import STATE_FILE, GradGuardCallback, guard_trainer  # noqa: E402
 
 NAN_PARAM = "transformer.h.1.mlp.c_fc.weight"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- tiny models, data and arguments ----------------------------------------------------------------
@@ -208,10 +212,11 @@ def run_regression(tmp_path: Path, *, bare: bool) -> tuple[Any, RecordingCollato
 
 
 def test_guard_trainer_clips_before_trainers_clip_exactly_as_a_plain_torch_loop(tmp_path, same):
-    """guard_trainer + accumulation 2: weights equal, bit for bit, a torch loop doing per-tensor clip, then Trainer's."""
+    """guard_trainer, accumulation 2: weights equal bit for bit a torch loop doing per-tensor clip, then Trainer's."""
     trainer, collator, start, run = run_regression(tmp_path, bare=False)
     torch_adamw = trainer.optimizer.optimizer
-    assert type(torch_adamw) is torch.optim.AdamW and torch_adamw.defaults["fused"]
+    assert type(torch_adamw) is torch.optim.AdamW
+    assert torch_adamw.defaults["fused"]
     assert [group["weight_decay"] for group in torch_adamw.param_groups] == [0.0, 0.0]
     batches = collator.batches[:6]  # 3 steps x 2 micro-batches (accelerate's loader fetches one more ahead)
     grad_norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
@@ -225,7 +230,7 @@ def test_guard_trainer_clips_before_trainers_clip_exactly_as_a_plain_torch_loop(
 
 
 def test_bare_callback_acts_after_trainers_clip(tmp_path, same):
-    """The callback alone treats gradients Trainer has already clipped: equal to a torch loop clipping globally first."""
+    """The callback alone treats gradients Trainer already clipped: equal to a torch loop clipping globally first."""
     _, collator, start, run = run_regression(tmp_path, bare=True)
     expected = reference_run(copy.deepcopy(start), collator.batches[:6], lr=1e-2, clip="global-first")
     same(state_of(run["model"]), expected)
@@ -234,7 +239,7 @@ def test_bare_callback_acts_after_trainers_clip(tmp_path, same):
 
 
 def test_nan_in_one_gradient_halts_naming_that_parameter_with_the_default_max_grad_norm(tmp_path, same):
-    """max_grad_norm=1.0: GradientHalt names the one poisoned parameter at its step; weights are as after the last good step."""
+    """max_grad_norm=1.0: GradientHalt names the poisoned parameter at its step; weights as after the last good step."""
     model = tiny_gpt2()
     args = training_args(tmp_path, max_steps=4)
     assert args.max_grad_norm == 1.0
@@ -264,7 +269,10 @@ def test_bare_callback_halts_at_the_right_step_but_names_every_parameter(tmp_pat
     snapshots = Snapshots()
     callback = GradGuardCallback(policy_of(HALT_ALL), logger=None)
     trainer = transformers.Trainer(
-        model=model, args=training_args(tmp_path, max_steps=4), train_dataset=token_data(), callbacks=[snapshots, callback]
+        model=model,
+        args=training_args(tmp_path, max_steps=4),
+        train_dataset=token_data(),
+        callbacks=[snapshots, callback],
     )
     handle = poison_at(trainer, model, NAN_PARAM, step=2)
     try:
@@ -286,7 +294,9 @@ def test_counters_reach_log_history_and_every_on_log_callback(tmp_path):
     recorder = LogRecorder()
     trainer = transformers.Trainer(model=model, args=training_args(tmp_path), train_dataset=token_data())
     trainer.callback_handler.callbacks.insert(0, recorder)  # where report_to integrations sit: before ours
-    policy = policy_of(HALT_ALL, {"name": "attn", "match": "*.attn.*", "actions": [{"action": "clip_norm", "max_norm": 1e-4}]})
+    policy = policy_of(
+        HALT_ALL, {"name": "attn", "match": "*.attn.*", "actions": [{"action": "clip_norm", "max_norm": 1e-4}]}
+    )
     callback = guard_trainer(trainer, policy, logger=None)
     trainer.train()
     step_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -305,7 +315,8 @@ def test_counters_reach_log_history_and_every_on_log_callback(tmp_path):
 def test_resumed_run_carries_on_the_guard_step_numbers(tmp_path, read_audit):
     """Stop at a checkpoint, resume with a new Trainer: attach start_step and event steps continue; a window holds."""
     policy = policy_of(
-        HALT_ALL, {"name": "warmup", "match": "*", "until_step": 3, "actions": [{"action": "clip_norm", "max_norm": 1e-4}]}
+        HALT_ALL,
+        {"name": "warmup", "match": "*", "until_step": 3, "actions": [{"action": "clip_norm", "max_norm": 1e-4}]},
     )
     first_log, second_log = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
     args = training_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
@@ -358,12 +369,16 @@ def test_resume_true_finds_the_last_checkpoint_and_its_guard_state(tmp_path, rea
 
 def test_a_second_train_call_gets_a_new_guard_and_the_wrappers_are_undone_between(tmp_path):
     """Each train() attaches a fresh guard at global_step; between runs Trainer's own methods are back."""
-    trainer = transformers.Trainer(model=tiny_gpt2(), args=training_args(tmp_path, max_steps=1), train_dataset=token_data())
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(), args=training_args(tmp_path, max_steps=1), train_dataset=token_data()
+    )
     callback = guard_trainer(trainer, policy_of(HALT_ALL), logger=None)
     trainer.train()
     first = callback.guard
-    assert first is not None and not first.attached
-    assert "log" not in vars(trainer) and "unscale_gradients" not in vars(trainer.accelerator)
+    assert first is not None
+    assert not first.attached
+    assert "log" not in vars(trainer)
+    assert "unscale_gradients" not in vars(trainer.accelerator)
     trainer.train()
     assert callback.guard is not first
     assert callback.guard.step_count == 1
@@ -383,9 +398,110 @@ def test_start_step_is_refused_because_it_comes_from_the_trainer():
 def test_importing_without_the_framework_says_how_to_install_it(monkeypatch, module, hidden):
     """With the framework missing, the import fails with pip install 'gradguard[transformers]'."""
     for name in list(sys.modules):
-        if name == module or name == hidden or name.startswith(hidden + "."):
+        if name in (module, hidden) or name.startswith(hidden + "."):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, hidden, None)
     monkeypatch.delitem(sys.modules, "gradguard.integrations.accelerate", raising=False)
     with pytest.raises(ImportError, match=r"pip install 'gradguard\[transformers\]'"):
         importlib.import_module(module)
+
+
+# --- the documentation's examples, as written -------------------------------------------------------
+
+HF_TRAINER_EXAMPLE = """\
+import torch
+import transformers
+
+from gradguard import Policy
+from gradguard.integrations.transformers import guard_trainer
+
+torch.manual_seed(0)
+config = transformers.GPT2Config(
+    n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16, bos_token_id=0, eos_token_id=0
+)
+model = transformers.GPT2LMHeadModel(config)
+data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 32, (16, 8))]
+args = transformers.TrainingArguments(
+    output_dir="hf-out",
+    max_steps=4,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    logging_steps=2,
+    report_to=[],  # or "wandb", "tensorboard", ...: they receive the gradguard/... keys too
+    save_strategy="no",
+    use_cpu=True,  # drop on a GPU
+)
+policy = Policy.from_dict(
+    {
+        "version": 1,
+        "rules": [
+            {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+            {"name": "attention", "match": "*.attn.*", "actions": [{"action": "clip_norm", "max_norm": 0.05}]},
+        ],
+    }
+)
+trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+callback = guard_trainer(trainer, policy, audit_log="hf-run.jsonl")  # or a policy file's path
+trainer.train()  # a NaN/Inf gradient raises GradientHalt naming its parameter, before Trainer's clip
+print(callback.guard.counters.snapshot())  # e.g. {'attention': {'clip_norm': 17}}
+print(trainer.state.log_history[-1]["gradguard/attention/clip_norm"])  # the same count (cumulative in every log)
+"""
+
+ACCELERATE_EXAMPLE = """\
+import torch
+from accelerate import Accelerator
+from torch import nn
+
+from gradguard.integrations.accelerate import guard_accelerator
+
+torch.manual_seed(0)
+accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)  # drop cpu=True on a GPU
+model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
+model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+with guard_accelerator(accelerator, model, "policies/default.yaml", audit_log="accelerate-run.jsonl") as guard:
+    for step in range(20):
+        x = torch.randn(32, 16)
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)))
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)  # the guard acts first, inside
+            opt.step()
+            opt.zero_grad()
+print(guard.step_count, guard.counters.snapshot())  # 10 optimizer steps
+"""
+
+EXAMPLES = {"hf-trainer": HF_TRAINER_EXAMPLE, "accelerate": ACCELERATE_EXAMPLE}
+
+
+def documented_examples(path: Path) -> dict[str, str]:
+    text = path.read_text(encoding="utf-8")
+    return dict(re.findall(r"<!-- example: ([\w-]+) -->\n```python\n(.*?)```", text, re.S))
+
+
+def test_the_documented_examples_are_the_ones_tested():
+    """docs/readme-transformers.md (and README.md, once pasted there) hold exactly the code the next test runs."""
+    docs = documented_examples(ROOT / "docs" / "readme-transformers.md")
+    assert {name: docs.get(name) for name in EXAMPLES} == EXAMPLES
+    readme = documented_examples(ROOT / "README.md")
+    for name, code in EXAMPLES.items():
+        if name in readme:
+            assert readme[name] == code, f"README.md's {name} example differs from the tested one"
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_the_documented_example_runs_as_written(name, tmp_path, monkeypatch, read_audit):
+    """Each example runs from the repository root's layout, guards, logs, and leaves no guard attached."""
+    (tmp_path / "policies").symlink_to(ROOT / "policies")
+    monkeypatch.chdir(tmp_path)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(EXAMPLES[name], f"<{name} example>", "exec"), {"__name__": "__example__"})
+    log = tmp_path / ("hf-run.jsonl" if name == "hf-trainer" else "accelerate-run.jsonl")
+    events = read_audit(log)
+    assert events[0]["event"] == "attach"
+    assert events[-1]["event"] == "detach"
+    printed = out.getvalue()
+    if name == "hf-trainer":
+        assert re.search(r"\{'attention': \{'clip_norm': \d+\}\}", printed), printed
+    else:
+        assert printed.splitlines()[-1].startswith("10 {'per-tensor-clip': {'clip_norm': "), printed

@@ -31,8 +31,7 @@ try:
     from gradguard.integrations.accelerate import AcceleratorBoundary
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
-        "gradguard.integrations.transformers needs transformers and accelerate: "
-        "pip install 'gradguard[transformers]'"
+        "gradguard.integrations.transformers needs transformers and accelerate: pip install 'gradguard[transformers]'"
     ) from exc
 
 from torch import nn
@@ -47,7 +46,7 @@ STATE_FILE = "gradguard_state.json"
 _MISSING = object()
 
 
-class GradGuardCallback(transformers.TrainerCallback):  # type: ignore[misc]
+class GradGuardCallback(transformers.TrainerCallback):
     """Attaches a :class:`~gradguard.GradGuard` to the Trainer's model for each ``trainer.train()``.
 
     Prefer :func:`guard_trainer`, which adds this callback *and* places the guard before Trainer's
@@ -96,7 +95,9 @@ class GradGuardCallback(transformers.TrainerCallback):  # type: ignore[misc]
         self.remove()  # a guard a previous, failed train() left attached
         model = kwargs.get("model")
         if not isinstance(model, nn.Module):
-            raise TypeError(f"GradGuardCallback needs the Trainer's model at on_train_begin, got {type(model).__name__}")
+            raise TypeError(
+                f"GradGuardCallback needs the Trainer's model at on_train_begin, got {type(model).__name__}"
+            )
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
         options = dict(self.guard_options)
         if trainer is not None:
@@ -127,7 +128,7 @@ class GradGuardCallback(transformers.TrainerCallback):  # type: ignore[misc]
         guard = self.guard
         if guard is None or not guard.attached or not args.should_save:
             return
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if folder.is_dir():
             (folder / STATE_FILE).write_text(json.dumps(guard.state_dict()), encoding="utf-8")
 
@@ -176,7 +177,7 @@ class GradGuardCallback(transformers.TrainerCallback):  # type: ignore[misc]
         if folder is None:
             if state.global_step == 0:
                 return
-            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         path = Path(folder) / STATE_FILE
         if not path.is_file():
             return
@@ -247,8 +248,8 @@ def guard_trainer(
         resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
     ) -> transformers.trainer_utils.TrainOutput:
         if isinstance(resume_from_checkpoint, bool):
-            found = get_last_checkpoint(trainer.args.output_dir) if resume_from_checkpoint else None
-            callback._resume_from = found
+            found = get_last_checkpoint(str(trainer.args.output_dir)) if resume_from_checkpoint else None  # type: ignore[no-untyped-call]
+            callback._resume_from = None if found is None else str(found)
         else:
             callback._resume_from = None if resume_from_checkpoint is None else os.fspath(resume_from_checkpoint)
         try:
@@ -256,5 +257,5 @@ def guard_trainer(
         finally:
             callback.remove()  # also when train() raised (a GradientHalt): on_train_end did not run
 
-    trainer.train = guarded_train
+    trainer.train = guarded_train  # type: ignore[method-assign]
     return callback

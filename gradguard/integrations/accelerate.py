@@ -1,0 +1,184 @@
+"""gradguard for plain ``accelerate`` loops: the guard acts before ``accelerator.clip_grad_norm_``.
+
+``accelerator.clip_grad_norm_`` (and ``clip_grad_value_``) first calls
+``accelerator.unscale_gradients()`` (GradScaler's unscale under fp16, a no-op otherwise) and then
+torch's clip, which turns one NaN gradient into NaN everywhere. :func:`guard_accelerator` places
+the guard's explicit step boundary, ``guard.step(optimizer)``, right after that unscale, on the
+step's final gradient (``accelerator.sync_gradients``): thresholds apply to true (unscaled)
+gradients, a halt names the parameter that went bad, and the optimizer's coming ``step()`` does not
+treat the gradients again after the global clip changed them.
+
+Install with ``pip install 'gradguard[transformers]'`` (it brings ``accelerate``).
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+try:
+    import accelerate
+    from accelerate.optimizer import AcceleratedOptimizer
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides accelerate
+    raise ImportError(
+        "gradguard.integrations.accelerate needs accelerate: pip install 'gradguard[transformers]'"
+    ) from exc
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from gradguard import GradGuard, Policy
+
+__all__ = ["AcceleratorBoundary", "guard_accelerator"]
+
+_MISSING = object()
+
+
+def _unwrap(optimizer: Any) -> Optimizer | None:
+    """The ``torch.optim.Optimizer`` inside an ``AcceleratedOptimizer`` (any depth)."""
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer if isinstance(optimizer, Optimizer) else None
+
+
+class AcceleratorBoundary:
+    """Calls ``guard.step(optimizer)`` inside ``accelerator.unscale_gradients``, after the real unscale.
+
+    Installed on the accelerator *instance* (its ``unscale_gradients`` and ``backward``); ``remove()``
+    puts back what was there. The boundary acts only on the step's last micro-batch
+    (``accelerator.sync_gradients``) and at most once per optimizer per step: a second
+    ``unscale_gradients`` in the same step (``clip_grad_norm_`` then ``clip_grad_value_``) does not
+    treat the already-treated, since clipped, gradients again. A new step begins at the optimizer's
+    ``step()`` or at the next ``accelerator.backward``.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` whose ``unscale_gradients`` is wrapped.
+        guard_of: returns the guard to call; looked up at every call.
+        remove_with_guard: take the boundary off when ``guard_of()`` is ``None`` or removed.
+    """
+
+    def __init__(
+        self,
+        accelerator: accelerate.Accelerator,
+        guard_of: Callable[[], GradGuard | None],
+        *,
+        remove_with_guard: bool = True,
+    ) -> None:
+        self.accelerator = accelerator
+        self.guard_of = guard_of
+        self.remove_with_guard = remove_with_guard
+        self._treated: set[int] = set()
+        self._previous: dict[str, Any] = {}
+        self._originals: dict[str, Callable[..., Any]] = {}
+        for name, replacement in (("unscale_gradients", self._unscale_gradients), ("backward", self._backward)):
+            self._previous[name] = accelerator.__dict__.get(name, _MISSING)
+            self._originals[name] = getattr(accelerator, name)
+            setattr(accelerator, name, replacement)
+        ref = weakref.ref(self)
+        self._post_hook = register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: _stepped(ref, optimizer)  # an optimizer has stepped: a new step
+        )
+        self.installed = True
+
+    def remove(self) -> None:
+        """Put the accelerator's methods back as they were; safe to call more than once."""
+        if not self.installed:
+            return
+        self.installed = False
+        self._post_hook.remove()
+        mine = {"unscale_gradients": self._unscale_gradients, "backward": self._backward}
+        for name, previous in self._previous.items():
+            if self.accelerator.__dict__.get(name) != mine[name]:
+                continue  # someone wrapped it after us: leave their wrapper in place
+            if previous is _MISSING:
+                del self.accelerator.__dict__[name]
+            else:
+                setattr(self.accelerator, name, previous)
+        self._treated.clear()
+
+    # --- the wrappers -----------------------------------------------------------------------------
+
+    def _unscale_gradients(self, optimizer: Any = None) -> None:
+        self._originals["unscale_gradients"](optimizer=optimizer)
+        guard = self.guard_of()
+        if guard is None or not guard.attached:
+            if self.remove_with_guard:
+                self.remove()  # the guard is gone (removed or garbage-collected): so is its boundary
+            return
+        if not self.accelerator.sync_gradients:
+            return  # a micro-batch that does not end the step: its gradients are not final yet
+        if optimizer is None:
+            chosen: Sequence[Any] = list(self.accelerator._optimizers)
+        elif isinstance(optimizer, list | tuple):
+            chosen = optimizer
+        else:
+            chosen = [optimizer]
+        targets: list[Optimizer | None] = [opt for opt in map(_unwrap, chosen) if opt is not None] or [None]
+        for target in targets:
+            key = id(target)
+            if key in self._treated:
+                continue  # treated at this step's boundary already (and clipped since, perhaps)
+            guard.step(target)
+            self._treated.add(key)
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
+        self._treated.clear()  # new gradients: the next boundary treats them
+        return self._originals["backward"](loss, **kwargs)
+
+    def _stepped(self, optimizer: Optimizer) -> None:
+        self._treated.discard(id(optimizer))
+        self._treated.discard(id(None))  # a model-wide boundary (no optimizer prepared) ends at any step
+
+
+def _stepped(ref: weakref.ReferenceType[AcceleratorBoundary], optimizer: Optimizer) -> None:
+    boundary = ref()
+    if boundary is not None:
+        boundary._stepped(optimizer)
+
+
+class _AcceleratorGuard(GradGuard):
+    """A GradGuard that also takes its boundary off the accelerator when removed."""
+
+    _boundary: AcceleratorBoundary | None = None
+
+    def remove(self) -> None:
+        super().remove()
+        if self._boundary is not None:
+            self._boundary.remove()
+
+
+def guard_accelerator(
+    accelerator: accelerate.Accelerator,
+    model: nn.Module,
+    policy: Policy | str | os.PathLike[str],
+    **guard_options: Any,
+) -> GradGuard:
+    """Attach a :class:`~gradguard.GradGuard` to ``model`` and act before accelerate's gradient clip.
+
+    The guard treats each step's final gradients inside ``accelerator.unscale_gradients`` (which
+    ``accelerator.clip_grad_norm_`` and ``clip_grad_value_`` call first), after GradScaler's unscale:
+    so a NaN is attributed to the one parameter that produced it before the global clip spreads it,
+    and the policy's clips come before the global one. Steps without such a call are treated at the
+    optimizer's ``step()``, as by a plain ``GradGuard``.
+
+    Call it before or after ``accelerator.prepare``; pass the model you train (prepared or not). The
+    accelerator's GradScaler (fp16) is given to the guard as ``scaler=`` unless you pass one, so a
+    step the scaler skips is logged and never halts. Use the result as a context manager or call
+    ``guard.remove()``: that also puts the accelerator's methods back.
+
+    Args:
+        accelerator: the ``accelerate.Accelerator`` of the loop.
+        model: the module whose parameters are guarded.
+        policy: a :class:`~gradguard.Policy` or the path of a policy file.
+        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+            ``start_step``, ``optimizer``, ``summary_every``, ...).
+    """
+    guard_options.setdefault("scaler", accelerator.scaler)
+    guard = _AcceleratorGuard(model, policy, **guard_options)
+    guard_ref = weakref.ref(guard)
+    guard._boundary = AcceleratorBoundary(accelerator, guard_ref)
+    return guard

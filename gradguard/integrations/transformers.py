@@ -1,0 +1,261 @@
+"""gradguard for the Hugging Face ``Trainer``: :func:`guard_trainer` (and :class:`GradGuardCallback`).
+
+``Trainer`` clips the step's gradients with ``accelerator.clip_grad_norm_(model.parameters(),
+max_grad_norm)`` right after the last backward (with ``max_grad_norm=0`` it still calls it, with an
+infinite norm, to measure the norm), and no callback event runs in between. That clip turns one NaN
+gradient into NaN everywhere, so a guard acting at the optimizer's ``step()`` would halt naming
+every parameter. :func:`guard_trainer` is the way to use gradguard with ``Trainer``: it places the
+guard before Trainer's clip (inside ``accelerator.unscale_gradients``, after GradScaler's unscale),
+puts the guard's counters into Trainer's logs (``gradguard/<rule>/<action>``, in
+``trainer.state.log_history`` and in what ``report_to`` integrations receive), saves the guard's
+state beside each checkpoint, and removes the guard when ``trainer.train()`` ends, also by an
+exception such as :class:`~gradguard.GradientHalt`.
+
+Install with ``pip install 'gradguard[transformers]'``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+try:
+    import transformers
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+    from gradguard.integrations.accelerate import AcceleratorBoundary
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides transformers
+    raise ImportError(
+        "gradguard.integrations.transformers needs transformers and accelerate: pip install 'gradguard[transformers]'"
+    ) from exc
+
+from torch import nn
+
+from gradguard import GradGuard, GuardWarning, Policy
+
+__all__ = ["STATE_FILE", "GradGuardCallback", "guard_trainer"]
+
+STATE_FILE = "gradguard_state.json"
+"""The guard's ``state_dict()``, written into each checkpoint folder the Trainer saves."""
+
+_MISSING = object()
+
+
+class GradGuardCallback(transformers.TrainerCallback):
+    """Attaches a :class:`~gradguard.GradGuard` to the Trainer's model for each ``trainer.train()``.
+
+    Prefer :func:`guard_trainer`, which adds this callback *and* places the guard before Trainer's
+    gradient clip. Added on its own (``Trainer(..., callbacks=[GradGuardCallback(policy)])``) the
+    guard acts at the optimizer's ``step()``, after Trainer's clip: clips then come after the global
+    one, and a NaN, already spread to every gradient by that clip, halts at the right step but names
+    every parameter. A :class:`~gradguard.GradientHalt` raised out of ``trainer.train()`` then leaves
+    the guard attached (``on_train_end`` does not run): call :meth:`remove`.
+
+    The guard is created at ``on_train_begin`` with ``start_step=state.global_step`` (a resumed run
+    carries the step numbers on) and removed at ``on_train_end``; :attr:`guard` keeps the last run's
+    guard, detached, so its counters can be read. At every checkpoint, ``guard.state_dict()`` (step
+    number, skip histories) is written to ``<checkpoint>/gradguard_state.json`` and read back when a
+    run resumes from that checkpoint.
+
+    Args:
+        policy: a :class:`~gradguard.Policy` or the path of a policy file (loaded, and checked, now).
+        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+            ``summary_every``, ``scaler``, ...); ``start_step`` comes from the Trainer.
+    """
+
+    def __init__(self, policy: Policy | str | os.PathLike[str], **guard_options: Any) -> None:
+        if "start_step" in guard_options:
+            raise TypeError(
+                "GradGuardCallback sets start_step from the Trainer's state.global_step (a resumed run carries on "
+                "from its checkpoint's step); do not pass it"
+            )
+        self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
+        self.guard_options = guard_options
+        self.guard: GradGuard | None = None
+        """The guard of the current (or last) ``trainer.train()``; detached once that run ended."""
+        self._trainer_ref: weakref.ReferenceType[transformers.Trainer] | None = None
+        self._resume_from: str | None = None
+        self._boundary: AcceleratorBoundary | None = None
+        self._log_patch: _InstancePatch | None = None
+
+    # --- Trainer events ---------------------------------------------------------------------------
+
+    def on_train_begin(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.remove()  # a guard a previous, failed train() left attached
+        model = kwargs.get("model")
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"GradGuardCallback needs the Trainer's model at on_train_begin, got {type(model).__name__}"
+            )
+        trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        options = dict(self.guard_options)
+        if trainer is not None:
+            options.setdefault("scaler", trainer.accelerator.scaler)
+        guard = GradGuard(model, self.policy, start_step=state.global_step, **options)
+        self.guard = guard
+        self._load_saved_state(guard, args, state)
+        if trainer is not None:
+            self._boundary = AcceleratorBoundary(trainer.accelerator, self._current_guard, remove_with_guard=False)
+            self._log_patch = _InstancePatch(trainer, "log", self._wrap_log(trainer.log))
+
+    def on_train_end(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        self.remove()
+
+    def on_save(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        guard = self.guard
+        if guard is None or not guard.attached or not args.should_save:
+            return
+        folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if folder.is_dir():
+            (folder / STATE_FILE).write_text(json.dumps(guard.state_dict()), encoding="utf-8")
+
+    # --- public -----------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Detach the guard (kept in :attr:`guard` for its counters) and undo every wrapper; idempotent."""
+        if self._boundary is not None:
+            self._boundary.remove()
+            self._boundary = None
+        if self._log_patch is not None:
+            self._log_patch.remove()
+            self._log_patch = None
+        if self.guard is not None:
+            self.guard.remove()
+
+    def log_entries(self) -> dict[str, int]:
+        """The guard's counters as flat log keys: ``{"gradguard/<rule>/<action>": count}``."""
+        if self.guard is None:
+            return {}
+        return {
+            f"gradguard/{rule}/{action}": count
+            for rule, actions in self.guard.counters.snapshot().items()
+            for action, count in actions.items()
+        }
+
+    # --- internals --------------------------------------------------------------------------------
+
+    def _current_guard(self) -> GradGuard | None:
+        return self.guard
+
+    def _wrap_log(self, log: Callable[..., None]) -> Callable[..., None]:
+        def log_with_counters(logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+            # Before Trainer.log appends to state.log_history and calls the reporting integrations.
+            logs.update(self.log_entries())
+            log(logs, *args, **kwargs)
+
+        return log_with_counters
+
+    def _load_saved_state(
+        self, guard: GradGuard, args: transformers.TrainingArguments, state: transformers.TrainerState
+    ) -> None:
+        """A resumed run: take the skip histories saved beside the checkpoint; the step stays global_step."""
+        folder = self._resume_from
+        self._resume_from = None
+        if folder is None:
+            if state.global_step == 0:
+                return
+            folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        path = Path(folder) / STATE_FILE
+        if not path.is_file():
+            return
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(saved, dict) and saved.get("step") != state.global_step:
+            warnings.warn(
+                f"{path} holds the guard's state at step {saved.get('step')}, but the Trainer resumes at global step "
+                f"{state.global_step}; the guard carries on from the Trainer's step",
+                GuardWarning,
+                stacklevel=2,
+            )
+        if isinstance(saved, dict):
+            saved = {**saved, "step": state.global_step}
+        guard.load_state_dict(saved)
+
+
+class _InstancePatch:
+    """Sets ``obj.<name>`` on the instance; ``remove()`` restores what the instance had (or nothing)."""
+
+    def __init__(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
+        self.obj = obj
+        self.name = name
+        self.replacement = replacement
+        self.previous = obj.__dict__.get(name, _MISSING)
+        setattr(obj, name, replacement)
+
+    def remove(self) -> None:
+        if self.obj.__dict__.get(self.name) is not self.replacement:
+            return  # wrapped again by someone else since: leave theirs
+        if self.previous is _MISSING:
+            del self.obj.__dict__[self.name]
+        else:
+            setattr(self.obj, self.name, self.previous)
+
+
+def guard_trainer(
+    trainer: transformers.Trainer, policy: Policy | str | os.PathLike[str], **guard_options: Any
+) -> GradGuardCallback:
+    """Guard ``trainer``'s model with ``policy``, before Trainer's gradient clip: THE way with ``Trainer``.
+
+    Adds a :class:`GradGuardCallback` and, for each ``trainer.train()``:
+
+    - treats every step's final gradients inside ``trainer.accelerator.unscale_gradients``, which
+      Trainer's ``clip_grad_norm_`` calls first (after GradScaler's unscale under fp16): the policy
+      acts before the global ``max_grad_norm`` clip, and a NaN halts naming the one parameter it
+      came from, with the weights as after the last good step;
+    - adds the guard's counters to every ``trainer.log`` call as ``gradguard/<rule>/<action>``
+      (cumulative over this ``train()``), so they are in ``trainer.state.log_history`` and reach the
+      ``report_to`` integrations;
+    - starts the guard at ``state.global_step`` and, resuming from a checkpoint, reads back the guard
+      state saved beside it;
+    - removes the guard and every wrapper when ``train()`` returns or raises.
+
+    Returns the callback; ``callback.guard`` is the (last) run's guard.
+
+    Args:
+        trainer: a ``transformers.Trainer`` (not yet training).
+        policy: a :class:`~gradguard.Policy` or the path of a policy file.
+        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+            ``summary_every``, ...). ``scaler`` defaults to the Trainer's GradScaler (fp16).
+    """
+    callback = GradGuardCallback(policy, **guard_options)
+    callback._trainer_ref = weakref.ref(trainer)
+    trainer.add_callback(callback)
+    train = trainer.train
+
+    def guarded_train(
+        resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> transformers.trainer_utils.TrainOutput:
+        if isinstance(resume_from_checkpoint, bool):
+            found = get_last_checkpoint(str(trainer.args.output_dir)) if resume_from_checkpoint else None  # type: ignore[no-untyped-call]
+            callback._resume_from = None if found is None else str(found)
+        else:
+            callback._resume_from = None if resume_from_checkpoint is None else os.fspath(resume_from_checkpoint)
+        try:
+            return train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            callback.remove()  # also when train() raised (a GradientHalt): on_train_end did not run
+
+    trainer.train = guarded_train  # type: ignore[method-assign]
+    return callback

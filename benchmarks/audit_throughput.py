@@ -3,8 +3,8 @@
 Writes a synthetic audit log of at least ``--events`` events (default 1,000,000) shaped like a long
 LLM run under the shipped policy (per-tensor clips of embeddings and attention on most steps, group
 clips naming every parameter during warm-up, router clip_value, NaN batches skipped, a counters event
-every 100 steps, a halt at the end; see ``gradguard.audit.synthetic.write_synthetic_run``), then runs
-``gradguard audit --format json`` on it in a fresh process, as a user would, and reports:
+every 100 steps, a halt at the end; see ``write_synthetic_run`` in ``tests/support/synthetic_log.py``),
+then runs ``gradguard audit --format json`` on it in a fresh process, as a user would, and reports:
 
 - lines per second and MB per second (wall clock of the whole command, interpreter start included);
 - the peak resident memory of that process (``ru_maxrss`` from ``os.wait4``), next to the peak of the
@@ -26,7 +26,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradguard.audit.synthetic import LogBuilder, write_synthetic_run
+# The synthetic-log builder is test support code, kept out of the package: import it from tests/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from support.synthetic_log import LogBuilder, write_synthetic_run
 
 _LAUNCHER = """
 import json, os, subprocess, sys, time

@@ -1,7 +1,8 @@
 """Shared fixtures: small real models, real optimizers, a guarded-versus-reference runner, log readers.
 
-Helpers are handed to tests as fixtures (not imported from this module), so the suite works in any
-pytest import mode.
+Helpers are handed to tests as fixtures (not imported from this module). Plain helpers that tests
+import live in ``tests/support/`` (``support.training``, ``support.synthetic_log``), which needs
+pytest's default ``prepend`` import mode (it puts ``tests/`` on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -14,27 +15,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import support.training
 import torch
+from support.training import SmallMLP, assert_same, grads_of
 from torch import nn
 
 from gradguard import GradGuard, Policy
 from gradguard.cli.demo import TinyDecoder
 
 # --- models ---------------------------------------------------------------------------------------
-
-
-class SmallMLP(nn.Module):
-    """Three linear layers; ``spare`` is never used in forward, so its gradient stays None."""
-
-    def __init__(self, with_spare: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 4)
-        self.spare = nn.Linear(4, 4) if with_spare else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
 
 
 class _Expert(nn.Module):
@@ -244,12 +233,7 @@ def make_optimizer() -> Callable[[str, Any], torch.optim.Optimizer]:
 @pytest.fixture
 def make_policy() -> Callable[..., Policy]:
     """``make_policy(rule, ...)``: a version-1 policy from rule dicts (name defaults to r0, r1, ...)."""
-
-    def make(*rules: Mapping[str, Any]) -> Policy:
-        listed = [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]
-        return Policy.from_dict({"version": 1, "rules": listed})
-
-    return make
+    return support.training.make_policy
 
 
 def _reject_constant(token: str) -> Any:
@@ -278,27 +262,6 @@ def read_audit() -> Callable[[Path], list[dict[str, Any]]]:
 # --- comparing tensors bit for bit ----------------------------------------------------------------
 
 
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    """Deep equality of nested dicts/lists of tensors and plain values, tensors compared with torch.equal."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype, where
-        assert a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: tensors differ (max abs diff {(a - b).abs().max().item()})"
-    elif isinstance(a, Mapping):
-        assert isinstance(b, Mapping), where
-        assert set(a) == set(b), where
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple), where
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
 @pytest.fixture
 def same() -> Callable[..., None]:
     """``same(a, b)``: deep, bitwise equality of tensors, state dicts, lists of tensors."""
@@ -308,10 +271,6 @@ def same() -> Callable[..., None]:
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers, detached and cloned."""
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
-
-
-def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
 @dataclass

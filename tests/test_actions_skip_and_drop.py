@@ -9,40 +9,18 @@ state tensor and every step count, compared with ``torch.equal``.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.training import assert_same, clip_each, events_of, make_policy, mlp_pair
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, GuardWarning, Policy
 
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
-
-
 NAMES = ["inp.weight", "inp.bias", "hidden.weight", "hidden.bias", "out.weight", "out.bias"]
-
-
-def make_policy(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]})
-
-
-def pair(seed: int = 0) -> tuple[MLP, MLP]:
-    torch.manual_seed(seed)
-    model = MLP()
-    return model, copy.deepcopy(model)
 
 
 def backward(model: nn.Module, step: int) -> None:
@@ -64,24 +42,6 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     }
 
 
-def assert_same(a: Any, b: Any, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype, where
-        assert torch.equal(a, b), f"{where}: tensors differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict), where
-        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def events(path: Path, kind: str) -> list[dict[str, Any]]:
-    return [event for line in path.read_text().splitlines() if (event := json.loads(line))["event"] == kind]
-
-
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01),
     "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
@@ -95,15 +55,6 @@ SKIP_AND_CLIP = make_policy(
 )
 
 
-def clip_each(model: nn.Module, max_norm: float) -> int:
-    changed = 0
-    for p in model.parameters():
-        if p.grad is not None:
-            norm = torch.nn.utils.clip_grad_norm_([p], max_norm)
-            changed += bool(max_norm / (norm + 1e-6) < 1.0)
-    return changed
-
-
 # --- skip_step_on_nonfinite --------------------------------------------------------------------------
 
 
@@ -111,7 +62,7 @@ def clip_each(model: nn.Module, max_norm: float) -> int:
 def test_a_skipped_step_changes_no_parameter_and_no_optimizer_state(name: str, tmp_path: Path) -> None:
     """NaN at step 2, Inf at step 4: the guarded run equals a reference that did not call opt.step() there,
     moments and step counts included; each skip is logged with its parameters and kinds, and counted."""
-    model, ref = pair()
+    model, ref = mlp_pair()
     opt_g, opt_r = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
     bad = {2: ("hidden.weight", float("nan")), 4: ("out.bias", float("inf"))}
     log = tmp_path / "audit.jsonl"
@@ -137,26 +88,26 @@ def test_a_skipped_step_changes_no_parameter_and_no_optimizer_state(name: str, t
         counters = guard.counters.snapshot()
     assert opt_g.state_dict()["state"], "the optimizer did build state on the applied steps"
     assert counters == {"skip": {"skip_step_on_nonfinite": 2, "nan": 1, "inf": 1}, "clip": {"clip_norm": clipped}}
-    skips = events(log, "skip")
+    skips = events_of(log, "skip")
     assert [(e["step"], e["params"], e["kinds"], e["kind"]) for e in skips] == [
         (2, ["hidden.weight"], {"hidden.weight": "nan"}, "nan"),
         (4, ["out.bias"], {"out.bias": "inf"}, "inf"),
     ]
     assert all(e["level"] == "warning" for e in skips)
-    nonfinite = events(log, "nonfinite")
+    nonfinite = events_of(log, "nonfinite")
     assert [(e["step"], e["param"], e["kind"], e["skips"], e["halts"]) for e in nonfinite] == [
         (2, "hidden.weight", "nan", True, False),
         (4, "out.bias", "inf", True, False),
     ]
     # A skipped step's clips did not happen either: no intervention is logged for steps 2 and 4.
-    assert not {e["step"] for e in events(log, "intervention")} & set(bad)
-    assert events(log, "halt") == []
+    assert not {e["step"] for e in events_of(log, "intervention")} & set(bad)
+    assert events_of(log, "halt") == []
 
 
 def test_an_lr_scheduler_around_a_skipping_optimizer_warns_once_and_stays_in_step_when_the_loop_asks() -> None:
     """A skipped step with StepLR: one GuardWarning that explains it; calling scheduler.step() only when
     guard.last_step_skipped is False keeps the schedule on applied steps, exactly as the reference."""
-    model, ref = pair(1)
+    model, ref = mlp_pair(1)
     opt_g = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
     sched_g = torch.optim.lr_scheduler.StepLR(opt_g, step_size=1, gamma=0.5)
@@ -189,7 +140,7 @@ def test_an_lr_scheduler_around_a_skipping_optimizer_warns_once_and_stays_in_ste
 
 def test_a_skipped_step_without_a_scheduler_does_not_warn() -> None:
     """No LR scheduler, no warning (pytest turns a GuardWarning into an error here)."""
-    model, _ = pair(2)
+    model, _ = mlp_pair(2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with GradGuard(model, SKIP_AND_CLIP, logger=None) as guard:
         backward(model, 0)
@@ -200,7 +151,7 @@ def test_a_skipped_step_without_a_scheduler_does_not_warn() -> None:
 
 def test_guard_step_returns_false_on_a_skipped_step_and_clears_every_gradient() -> None:
     """In a loop without a torch optimizer, guard.step() says False and leaves no gradient to apply."""
-    model, _ = pair(3)
+    model, _ = mlp_pair(3)
     with GradGuard(model, SKIP_AND_CLIP, logger=None) as guard:
         backward(model, 0)
         assert guard.step() is True
@@ -218,7 +169,7 @@ def run_with_nonfinite_steps(
     policy: Policy, nonfinite_steps: set[int], steps: int
 ) -> tuple[list[int], GradientHalt | None, dict[str, Any], dict[str, Any], dict[str, dict[str, int]]]:
     """Train guarded and reference side by side; return the skipped steps, the halt, both final states."""
-    model, ref = pair(4)
+    model, ref = mlp_pair(4)
     opt_g = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
     skipped: list[int] = []
@@ -295,7 +246,7 @@ def test_halt_wins_over_skip_when_both_cover_a_nonfinite_gradient() -> None:
 
 def test_nan_and_inf_are_told_apart_in_events_counters_and_the_halt(tmp_path: Path) -> None:
     """One NaN tensor and one Inf tensor: separate nan/inf counts, per-parameter kinds, kind 'nan+inf'."""
-    model, _ = pair(5)
+    model, _ = mlp_pair(5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     policy = make_policy({"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
     log = tmp_path / "audit.jsonl"
@@ -308,9 +259,12 @@ def test_nan_and_inf_are_told_apart_in_events_counters_and_the_halt(tmp_path: Pa
         assert guard.counters.snapshot() == {"halt": {"inf": 1, "nan": 1, "halt_on_nonfinite": 1}}
     assert info.value.kind == "nan+inf"
     assert info.value.params == ("inp.weight", "out.weight")
-    (halt,) = events(log, "halt")
+    (halt,) = events_of(log, "halt")
     assert halt["kinds"] == {"inp.weight": "inf", "out.weight": "nan"}
-    assert {(e["param"], e["kind"]) for e in events(log, "nonfinite")} == {("inp.weight", "inf"), ("out.weight", "nan")}
+    assert {(e["param"], e["kind"]) for e in events_of(log, "nonfinite")} == {
+        ("inp.weight", "inf"),
+        ("out.weight", "nan"),
+    }
 
 
 # --- drop versus zero --------------------------------------------------------------------------------
@@ -322,7 +276,7 @@ def test_drop_leaves_the_parameter_exactly_as_it_was_while_zero_lets_the_optimiz
     momentum and weight decay still move it. Both equal a reference that does the same by hand."""
     results = {}
     for action in ("drop", "zero"):
-        model, ref = pair(6)
+        model, ref = mlp_pair(6)
         opt_g, opt_r = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
         policy = make_policy({"match": "hidden.*", "from_step": 2, "actions": [{"action": action}]})
         with GradGuard(model, policy, logger=None) as guard:
@@ -358,7 +312,7 @@ def test_drop_leaves_the_parameter_exactly_as_it_was_while_zero_lets_the_optimiz
 def test_drop_runs_before_later_actions_and_counts_only_tensors_that_had_a_gradient() -> None:
     """drop on one tensor of a rule that also clips others: the clip acts on the rest; an absent gradient
     is not counted as dropped."""
-    model, ref = pair(7)
+    model, ref = mlp_pair(7)
     policy = make_policy(
         {"match": "out.*", "actions": [{"action": "drop"}]},
         {"match": "*", "exclude": "out.*", "actions": [{"action": "clip_norm", "max_norm": 0.5, "scope": "group"}]},
@@ -382,7 +336,7 @@ def test_drop_runs_before_later_actions_and_counts_only_tensors_that_had_a_gradi
 
 def test_step_windows_on_rules_and_on_actions_apply_exactly_on_their_steps() -> None:
     """Rule window [1, 3) and action windows (scale until 2, clip_value from 2, clip_norm [3, 4)): by hand."""
-    model, ref = pair(8)
+    model, ref = mlp_pair(8)
     opt_g = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     policy = make_policy(
@@ -421,7 +375,7 @@ def test_step_windows_on_rules_and_on_actions_apply_exactly_on_their_steps() -> 
 
 def test_a_halt_window_halts_only_inside_it() -> None:
     """halt_on_nonfinite from_step 2: an Inf on step 0 is reported, not halted; the same Inf on step 2 halts."""
-    model, _ = pair(9)
+    model, _ = mlp_pair(9)
     policy = make_policy({"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite", "from_step": 2}]})
     with GradGuard(model, policy, logger=None) as guard:
         for step in range(3):

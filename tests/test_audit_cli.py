@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from support.synthetic_log import LogBuilder
 
 from gradguard.audit.reader import ReadStats, read_merged
-from gradguard.audit.synthetic import LogBuilder
 from gradguard.cli import main
 
 ATTN = ["blocks.0.attn.q", "blocks.0.attn.k"]

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 from click.testing import CliRunner
+from support.synthetic_log import LogBuilder
 
-from gradguard.audit.synthetic import LogBuilder
 from gradguard.cli import main
 
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.synthetic_log import LogBuilder
 
+from gradguard.audit.filters import Filters
 from gradguard.audit.plot import PlotCollector, pick_series
 from gradguard.audit.reader import ReadStats, read_merged
-from gradguard.audit.report import Filters, Summarizer
-from gradguard.audit.synthetic import LogBuilder
+from gradguard.audit.summarizer import Summarizer
 from gradguard.cli import main
 
 

@@ -7,10 +7,10 @@ import tracemalloc
 from pathlib import Path
 
 from click.testing import CliRunner
+from support.synthetic_log import LogBuilder, write_synthetic_run
 
 from gradguard.audit.reader import LineSplitter, ReadStats, parse_line, read_file
-from gradguard.audit.report import Summarizer
-from gradguard.audit.synthetic import LogBuilder, write_synthetic_run
+from gradguard.audit.summarizer import Summarizer
 from gradguard.cli import main
 
 

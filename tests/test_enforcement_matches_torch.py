@@ -12,9 +12,8 @@ import math
 
 import pytest
 import torch
+from support.host_syncs import count_host_syncs
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_
-from torch.overrides import TorchFunctionMode
-from torch.profiler import ProfilerActivity, profile
 
 from gradguard import GradGuard, GradientHalt, GuardWarning
 
@@ -408,30 +407,6 @@ def test_nan_in_one_gradient_does_not_spread_under_group_clip(
 # --- what a step costs: host syncs, hooks ---------------------------------------------------------
 
 
-class _HostReads(TorchFunctionMode):
-    """Counts Python-level reads of tensor data by the host (tolist bypasses the profiler's view)."""
-
-    READS = frozenset({"tolist", "numpy"})
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in self.READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _count_host_syncs(fn) -> int:
-    """Host syncs in fn(): aten::_local_scalar_dense (item, bool, float of a tensor), plus tolist/numpy reads."""
-    reads = _HostReads()
-    with profile(activities=[ProfilerActivity.CPU]) as prof, reads:
-        fn()
-    scalar = sum(1 for event in prof.events() if event.name == "aten::_local_scalar_dense")
-    return scalar + reads.count
-
-
 def test_one_host_sync_per_guarded_step_and_none_during_backward(make_workload, make_optimizer, make_policy):
     """A guarded optimizer step (per-tensor clip + halt on every param) costs one host sync; backward costs none."""
     policy = make_policy(
@@ -444,14 +419,14 @@ def test_one_host_sync_per_guarded_step_and_none_during_backward(make_workload, 
 
     opt.zero_grad()
     workload.loss(batch).backward()
-    unguarded = _count_host_syncs(opt.step)  # what the optimizer itself costs
+    unguarded = count_host_syncs(opt.step)  # what the optimizer itself costs
 
     with GradGuard(workload.model, policy, logger=None) as guard:
         for step in range(2):
             opt.zero_grad()
             loss = workload.loss(batch)
-            assert _count_host_syncs(loss.backward) == 0
-            assert _count_host_syncs(opt.step) - unguarded == 1
+            assert count_host_syncs(loss.backward) == 0
+            assert count_host_syncs(opt.step) - unguarded == 1
             assert guard.step_count == step + 1
         assert guard.counters.total("clip_norm") > 0
 
@@ -492,16 +467,16 @@ def test_one_host_sync_also_for_group_clips_and_for_a_step_with_nan(make_workloa
             except GradientHalt:
                 assert poison
 
-        assert _count_host_syncs(step) == 1
+        assert count_host_syncs(step) == 1
         assert guard.step_count == 1
 
 
 def test_sync_counter_sees_item_and_tolist(make_workload):
     """The sync counter used above is not blind: .item() and .tolist() each count once."""
     t = torch.ones(3)
-    assert _count_host_syncs(lambda: t.sum().item()) == 1
-    assert _count_host_syncs(lambda: t.tolist()) == 1
-    assert _count_host_syncs(lambda: t * 2) == 0
+    assert count_host_syncs(lambda: t.sum().item()) == 1
+    assert count_host_syncs(lambda: t.tolist()) == 1
+    assert count_host_syncs(lambda: t * 2) == 0
 
 
 def test_no_hooks_are_registered_on_parameters(make_workload, make_policy):

@@ -8,32 +8,22 @@ Every comparison is bitwise (``torch.equal``): the guard promises results identi
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
+from support.training import (
+    SmallMLP,
+    assert_same,
+    assert_same_training_state,
+    clip_each,
+    grads_of,
+    make_policy,
+    mlp_pair,
+)
 from torch import nn
 
-from gradguard import GradGuard, GradientHalt, GuardWarning, Policy
-
-
-class MLP(nn.Module):
-    """Three linear layers, big enough that a clip at max_norm 1.0 bites every step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
-
-
-def make_policy(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]})
+from gradguard import GradGuard, GradientHalt, GuardWarning
 
 
 def batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,60 +35,6 @@ def backward(model: nn.Module, step: int, micro: int = 0, scale: float = 1.0) ->
     x, y = batch(step, micro)
     loss = nn.functional.mse_loss(model(x), y) * 10 * scale
     loss.backward()  # type: ignore[no-untyped-call]
-
-
-def pair(seed: int = 0) -> tuple[MLP, MLP]:
-    torch.manual_seed(seed)
-    model = MLP()
-    return model, copy.deepcopy(model)
-
-
-def assert_deep_equal(a: Any, b: Any, where: str = "") -> None:
-    """Nested dicts/lists of tensors and plain values; tensors compared with torch.equal (dtype and shape too)."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype, f"{where}: {a.dtype} != {b.dtype}"
-        assert a.shape == b.shape, f"{where}: {a.shape} != {b.shape}"
-        assert torch.equal(a, b), f"{where}: max abs diff {(a.double() - b.double()).abs().max().item()}"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict), where
-        assert set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
-        for key in a:
-            assert_deep_equal(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, list | tuple):
-        assert isinstance(b, list | tuple), where
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            assert_deep_equal(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def assert_same_training_state(
-    guarded: nn.Module, reference: nn.Module, opt_g: torch.optim.Optimizer, opt_r: torch.optim.Optimizer, where: str
-) -> None:
-    assert_deep_equal(dict(guarded.named_parameters()), dict(reference.named_parameters()), f"{where}: parameters")
-    state_g, state_r = opt_g.state_dict(), opt_r.state_dict()
-    assert state_g["state"], f"{where}: the optimizer has no state to compare"
-    assert_deep_equal(state_g["state"], state_r["state"], f"{where}: optimizer state")
-    assert_deep_equal(state_g["param_groups"], state_r["param_groups"], f"{where}: param groups")
-
-
-def clip_each(model: nn.Module, max_norm: float) -> int:
-    """The reference for a tensor-scope clip_norm: torch's clip_grad_norm_ on each parameter alone.
-
-    Returns how many tensors it changed (clip coefficient below 1), which is what the guard counts.
-    """
-    changed = 0
-    for p in model.parameters():
-        if p.grad is not None:
-            norm = torch.nn.utils.clip_grad_norm_([p], max_norm)
-            changed += bool(max_norm / (norm + 1e-6) < 1.0)
-    return changed
-
-
-def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
 OPTIMIZERS: dict[str, Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -120,7 +56,7 @@ CLIP_AND_HALT = make_policy(
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_the_guard_finds_the_step_boundary_of_every_torch_optimizer_by_itself(name: str) -> None:
     """Without optimizer=, every SGD/Adam/AdamW flavour gets exactly clip_grad_norm_ per tensor, once per step."""
-    model, ref = pair()
+    model, ref = mlp_pair()
     opt_g, opt_r = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
     clipped = 0
     with GradGuard(model, CLIP_AND_HALT, logger=None) as guard:
@@ -128,12 +64,12 @@ def test_the_guard_finds_the_step_boundary_of_every_torch_optimizer_by_itself(na
             for m, opt in ((model, opt_g), (ref, opt_r)):
                 opt.zero_grad()
                 backward(m, step)
-            assert_deep_equal(grads(model), grads(ref), f"raw gradients, step {step}")
+            assert_same(grads_of(model), grads_of(ref), f"raw gradients, step {step}")
             clipped += clip_each(ref, 1.0)
             opt_r.step()
             opt_g.step()
-            assert_deep_equal(grads(model), grads(ref), f"treated gradients, step {step}")
-            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
+            assert_same(grads_of(model), grads_of(ref), f"treated gradients, step {step}")
+            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}", param_groups=True)
         assert guard.step_count == 4
         counters = guard.counters.snapshot()
     # Each (tensor, step) the clip changed is counted once; most of these gradients are far above 1.0.
@@ -151,7 +87,7 @@ def test_the_guard_finds_the_step_boundary_of_every_torch_optimizer_by_itself(na
 )
 def test_an_lr_scheduler_around_the_optimizer_does_not_hide_the_step_boundary(make_scheduler: Callable) -> None:
     """StepLR/LambdaLR wrap opt.step; the guard still acts at every step and the schedule is unchanged."""
-    model, ref = pair()
+    model, ref = mlp_pair()
     opt_g = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
     sched_g, sched_r = make_scheduler(opt_g), make_scheduler(opt_r)
@@ -166,14 +102,14 @@ def test_an_lr_scheduler_around_the_optimizer_does_not_hide_the_step_boundary(ma
             sched_r.step()
             sched_g.step()
             assert sched_g.get_last_lr() == sched_r.get_last_lr()
-            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
+            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}", param_groups=True)
         assert guard.step_count == 5
     assert opt_g.param_groups[0]["lr"] < 1e-2, "the schedule really moved the learning rate"
 
 
 def test_an_unlisted_optimizer_stepping_the_model_is_guarded_too_and_warned_about() -> None:
     """optimizer=opt names the expected boundary; another optimizer stepping the model first is treated too."""
-    model, ref = pair()
+    model, ref = mlp_pair()
     opt_g = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
     other = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: stepping it changes no parameter
@@ -188,27 +124,27 @@ def test_an_unlisted_optimizer_stepping_the_model_is_guarded_too_and_warned_abou
                     other.step()
             else:
                 other.step()  # warned once
-            assert_deep_equal(grads(model), grads(ref), "the unlisted optimizer's step treated the gradients")
+            assert_same(grads_of(model), grads_of(ref), "the unlisted optimizer's step treated the gradients")
             assert guard.step_count == step + 1
             opt_r.step()
             opt_g.step()  # the same gradients, already treated: not treated twice
-            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
+            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}", param_groups=True)
         assert guard.step_count == 3
 
 
 def test_a_group_rule_spanning_two_optimizers_clips_each_share_and_counts_one_step() -> None:
     """One optimizer per sub-module and a group clip over '*': each optimizer's share is clipped by its own norm at
     its own step (under GradScaler the other's gradients are still scaled then), with a warning; one step counted."""
-    model, ref = pair(3)
+    model, ref = mlp_pair(3)
     policy = make_policy(
         {"match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
         {"match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0, "scope": "group"}]},
     )
 
-    def shares(m: MLP) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    def shares(m: SmallMLP) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
         return [*m.inp.parameters(), *m.hidden.parameters()], list(m.out.parameters())
 
-    def optimizers(m: MLP) -> list[torch.optim.Optimizer]:
+    def optimizers(m: SmallMLP) -> list[torch.optim.Optimizer]:
         body, head = shares(m)
         return [torch.optim.SGD(body, lr=0.05, momentum=0.9), torch.optim.AdamW(head, lr=1e-2)]
 
@@ -229,16 +165,16 @@ def test_a_group_rule_spanning_two_optimizers_clips_each_share_and_counts_one_st
             else:
                 opts_g[0].step()
             opts_g[1].step()
-            assert_deep_equal(grads(model), grads(ref), f"treated gradients, step {step}")
+            assert_same(grads_of(model), grads_of(ref), f"treated gradients, step {step}")
             for opt_g, opt_r in zip(opts_g, opts_r, strict=True):
-                assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
+                assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}", param_groups=True)
             assert guard.step_count == step + 1, "two optimizers, one step"
         assert guard.counters.snapshot() == {"r1": {"clip_norm": 6 * 3}}
 
 
 def test_guard_step_serves_a_loop_without_a_torch_optimizer() -> None:
     """A hand-written update after guard.step() sees exactly the clipped gradients; a second step() is a no-op."""
-    model, ref = pair()
+    model, ref = mlp_pair()
     clipped = 0
     with GradGuard(model, CLIP_AND_HALT, logger=None) as guard:
         for step in range(3):
@@ -247,15 +183,15 @@ def test_guard_step_serves_a_loop_without_a_torch_optimizer() -> None:
                 backward(m, step)
             clipped += clip_each(ref, 1.0)
             assert guard.step() is True
-            treated = grads(model)
+            treated = grads_of(model)
             assert guard.step() is True  # same, unchanged gradient: treated at most once
-            assert_deep_equal(grads(model), treated, "a second step() on the same gradient changed it")
-            assert_deep_equal(treated, grads(ref), f"treated gradients, step {step}")
+            assert_same(grads_of(model), treated, "a second step() on the same gradient changed it")
+            assert_same(treated, grads_of(ref), f"treated gradients, step {step}")
             with torch.no_grad():
                 for m in (model, ref):
                     for p in m.parameters():
                         p -= 0.05 * p.grad
-            assert_deep_equal(dict(model.named_parameters()), dict(ref.named_parameters()), f"step {step}")
+            assert_same(dict(model.named_parameters()), dict(ref.named_parameters()), f"step {step}")
         assert guard.step_count == 3
         assert guard.counters.snapshot() == {"r1": {"clip_norm": clipped}}
 
@@ -265,7 +201,7 @@ def test_guard_step_serves_a_loop_without_a_torch_optimizer() -> None:
 def test_gradient_accumulation_is_clipped_once_on_the_sum_of_the_micro_batches(name: str, scope: str) -> None:
     """k=3 backward passes then one step: clip_norm acts on g1 + g2 + g3, once, as clip_grad_norm_ would."""
     k = 3
-    model, ref = pair()
+    model, ref = mlp_pair()
     opt_g, opt_r = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](ref.parameters())
     policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0, "scope": scope}]})
     clipped = 0
@@ -276,7 +212,7 @@ def test_gradient_accumulation_is_clipped_once_on_the_sum_of_the_micro_batches(n
                 for micro in range(k):
                     backward(m, step, micro, scale=1.0 / k)
             assert guard.step_count == step, "backward passes are not steps"
-            assert_deep_equal(grads(model), grads(ref), f"accumulated gradients, step {step}")
+            assert_same(grads_of(model), grads_of(ref), f"accumulated gradients, step {step}")
             if scope == "tensor":
                 clipped += clip_each(ref, 1.0)
             else:
@@ -284,8 +220,8 @@ def test_gradient_accumulation_is_clipped_once_on_the_sum_of_the_micro_batches(n
                 clipped += 6 * bool(1.0 / (total + 1e-6) < 1.0)
             opt_r.step()
             opt_g.step()
-            assert_deep_equal(grads(model), grads(ref), f"treated gradients, step {step}")
-            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
+            assert_same(grads_of(model), grads_of(ref), f"treated gradients, step {step}")
+            assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}", param_groups=True)
         assert guard.step_count == 3
         # One count per (tensor, step) the clip changed (a group clip counts its 6 members), never one per
         # micro-batch: with a count per backward pass this would be up to three times as large.
@@ -295,7 +231,7 @@ def test_gradient_accumulation_is_clipped_once_on_the_sum_of_the_micro_batches(n
 
 def test_clipping_each_micro_batch_would_have_given_a_different_result() -> None:
     """The accumulation test is meaningful: clipping g1, g2, g3 separately does not give clip(g1 + g2 + g3)."""
-    model, per_micro = pair()
+    model, per_micro = mlp_pair()
     policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]})
     with GradGuard(model, policy, logger=None) as guard:
         for micro in range(3):
@@ -314,7 +250,7 @@ def test_clipping_each_micro_batch_would_have_given_a_different_result() -> None
 
 def test_accumulation_into_a_nan_halts_once_before_the_step_and_leaves_the_optimizer_untouched() -> None:
     """A NaN in the second micro-batch halts at the step, not in backward, with the last step's optimizer state."""
-    model, ref = pair()
+    model, ref = mlp_pair()
     opt_g = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, foreach=True)
     with GradGuard(model, CLIP_AND_HALT, logger=None) as guard:
@@ -337,5 +273,5 @@ def test_accumulation_into_a_nan_halts_once_before_the_step_and_leaves_the_optim
         assert info.value.step == 2
         assert info.value.kind == "nan"
         assert info.value.params == tuple(name for name, _ in model.named_parameters())
-        assert_same_training_state(model, ref, opt_g, opt_r, "after the halt")
+        assert_same_training_state(model, ref, opt_g, opt_r, "after the halt", param_groups=True)
         assert guard.counters.snapshot()["r0"] == {"nan": 6, "halt_on_nonfinite": 1}

@@ -11,26 +11,14 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import Any
 
 import pytest
 import torch
+from support.training import SmallMLP, assert_same, assert_same_training_state, clip_each, grads_of, make_policy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gradguard import GradGuard, GradientHalt, Policy
-
-
-class MLP(nn.Module):
-    def __init__(self, with_spare: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.hidden = nn.Linear(16, 16)
-        self.out = nn.Linear(16, 4)
-        self.spare = nn.Linear(4, 4) if with_spare else None  # never used in forward
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
+from gradguard import GradGuard, GradientHalt
 
 
 class Checkpointed(nn.Module):
@@ -48,10 +36,6 @@ class Checkpointed(nn.Module):
         return self.head(x)  # type: ignore[no-any-return]
 
 
-def make_policy(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]})
-
-
 HALT_AND_CLIP = make_policy(
     {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
     {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]},
@@ -67,40 +51,6 @@ def loss_of(model: nn.Module, step: int) -> torch.Tensor:
     x, y = batch(step)
     out = model(x)
     return nn.functional.mse_loss(out, y[:, : out.shape[1]]) * 10
-
-
-def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
-    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-
-
-def assert_same(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
-    assert list(a) == list(b), where
-    for key in a:
-        if a[key] is None or b[key] is None:
-            assert a[key] is None, f"{where}[{key}]"
-            assert b[key] is None, f"{where}[{key}]"
-        elif isinstance(a[key], dict):
-            assert_same(a[key], b[key], f"{where}[{key}]")
-        elif isinstance(a[key], torch.Tensor):
-            assert torch.equal(a[key], b[key]), f"{where}[{key}]: tensors differ"
-        else:
-            assert a[key] == b[key], f"{where}[{key}]"
-
-
-def assert_same_training_state(
-    model: nn.Module, ref: nn.Module, opt_g: torch.optim.Optimizer, opt_r: torch.optim.Optimizer, where: str
-) -> None:
-    assert_same(dict(model.named_parameters()), dict(ref.named_parameters()), f"{where}: parameters")
-    assert_same(opt_g.state_dict()["state"], opt_r.state_dict()["state"], f"{where}: optimizer state")
-
-
-def clip_each(model: nn.Module, max_norm: float) -> int:
-    changed = 0
-    for p in model.parameters():
-        if p.grad is not None:
-            norm = torch.nn.utils.clip_grad_norm_([p], max_norm)
-            changed += bool(max_norm / (norm + 1e-6) < 1.0)
-    return changed
 
 
 # --- torch.compile ---------------------------------------------------------------------------------
@@ -121,7 +71,7 @@ def test_a_compiled_model_gets_the_same_gradients_and_the_same_treatment_as_eage
     request.addfinalizer(lambda: patch.__exit__(None, None, None))
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = MLP()
+    model = SmallMLP()
     eager = copy.deepcopy(model)
     compiled = torch.compile(model, backend=backend)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2, foreach=True)
@@ -135,7 +85,7 @@ def test_a_compiled_model_gets_the_same_gradients_and_the_same_treatment_as_eage
             for m, opt in ((compiled, opt_c), (eager, opt_e)):
                 opt.zero_grad()
                 loss_of(m, step).backward()
-            raw = grads(model)
+            raw = grads_of(model)
             for name, p in eager.named_parameters():
                 if backend == "inductor":
                     # inductor fuses the backward kernels, so float32 sums round differently.
@@ -149,7 +99,7 @@ def test_a_compiled_model_gets_the_same_gradients_and_the_same_treatment_as_eage
             clip_each(eager, 1.0)
             opt_e.step()
             opt_c.step()
-            assert_same(grads(model), grads(expected), f"{backend}: treated gradients, step {step}")
+            assert_same(grads_of(model), grads_of(expected), f"{backend}: treated gradients, step {step}")
         assert guard.step_count == 3
         assert guard.counters.total("clip_norm") > 0
     assert time.perf_counter() - started < 60
@@ -159,7 +109,7 @@ def test_a_guard_attached_to_the_module_guards_the_compiled_wrapper_of_it_too() 
     """Attach to the plain module, train through torch.compile(module): same parameters, so the guard still acts."""
     torch._dynamo.reset()
     torch.manual_seed(1)
-    model = MLP()
+    model = SmallMLP()
     ref = copy.deepcopy(model)
     compiled = torch.compile(model, backend="eager")
     opt_g = torch.optim.SGD(compiled.parameters(), lr=0.05, momentum=0.9)
@@ -181,7 +131,7 @@ def test_a_compiled_optimizer_step_still_runs_the_guard_before_the_update() -> N
     eager step after clip_grad_norm_ by hand, and a NaN still halts before the update."""
     torch._dynamo.reset()
     torch.manual_seed(2)
-    model = MLP()
+    model = SmallMLP()
     ref = copy.deepcopy(model)
     opt_g = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
@@ -213,7 +163,7 @@ def test_autograd_grad_and_a_gradient_penalty_are_untouched_by_the_guard_and_not
     """torch.autograd.grad(create_graph=True) for a gradient penalty, then backward through it (double backward):
     the penalty's gradients equal the unguarded ones, only the optimizer step is treated, once."""
     torch.manual_seed(2)
-    model = MLP()
+    model = SmallMLP()
     ref = copy.deepcopy(model)
     opt_g = torch.optim.Adam(model.parameters(), lr=1e-2)
     opt_r = torch.optim.Adam(ref.parameters(), lr=1e-2)
@@ -238,7 +188,7 @@ def test_autograd_grad_and_a_gradient_penalty_are_untouched_by_the_guard_and_not
             assert torch.equal(penalties[0][0], penalties[1][0])
             assert all(torch.equal(a, b) for a, b in zip(penalties[0][1], penalties[1][1], strict=True))
             assert guard.step_count == step
-            assert_same(grads(model), grads(ref), f"double-backward gradients, step {step}")
+            assert_same(grads_of(model), grads_of(ref), f"double-backward gradients, step {step}")
             clip_each(ref, 0.5)
             for p in ref.parameters():
                 p.grad.mul_(0.5)
@@ -252,7 +202,7 @@ def test_autograd_grad_and_a_gradient_penalty_are_untouched_by_the_guard_and_not
 def test_autograd_grad_outside_any_step_does_not_trigger_the_guard_even_on_a_nan() -> None:
     """A NaN produced by torch.autograd.grad (e.g. for a diagnostic) is not the optimizer's gradient: no halt."""
     torch.manual_seed(3)
-    model = MLP()
+    model = SmallMLP()
     with GradGuard(model, HALT_AND_CLIP, logger=None) as guard:
         x, y = batch(0)
         x[0, 0] = float("nan")
@@ -314,7 +264,7 @@ def test_the_checkpoint_wrapper_prefix_is_transparent_to_the_policy() -> None:
             m(x).sum().backward()
         guard.step()
     ref[0].weight.grad.mul_(0.25)
-    assert_same(grads(model), grads(ref), "gradients")
+    assert_same(grads_of(model), grads_of(ref), "gradients")
 
 
 # --- unused, frozen and unfrozen parameters -------------------------------------------------------------
@@ -323,7 +273,7 @@ def test_the_checkpoint_wrapper_prefix_is_transparent_to_the_policy() -> None:
 def test_unused_and_frozen_then_unfrozen_parameters_are_handled_like_the_unguarded_run() -> None:
     """A parameter never used (grad None), and a layer frozen on steps 2-3 then unfrozen: same run as by hand."""
     torch.manual_seed(6)
-    model = MLP(with_spare=True)
+    model = SmallMLP(with_spare=True)
     ref = copy.deepcopy(model)
     opt_g = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=True)
@@ -350,7 +300,7 @@ def test_unused_and_frozen_then_unfrozen_parameters_are_handled_like_the_unguard
 def test_a_parameter_frozen_after_attach_with_a_stale_gradient_is_still_guarded() -> None:
     """Freezing a parameter does not unguard it: a NaN left in its .grad still halts the step that would apply it."""
     torch.manual_seed(7)
-    model = MLP()
+    model = SmallMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     with GradGuard(model, HALT_AND_CLIP, logger=None):
         loss_of(model, 0).backward()
@@ -372,7 +322,7 @@ def test_an_exception_halfway_through_backward_leaves_the_guard_consistent() -> 
     """A user's hook raises mid-backward (some gradients written, some not); after zero_grad training resumes
     and matches an unguarded run that skipped the same step, and the failed backward was never a step."""
     torch.manual_seed(8)
-    model = MLP()
+    model = SmallMLP()
     ref = copy.deepcopy(model)
     opt_g = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt_r = torch.optim.AdamW(ref.parameters(), lr=1e-2)

@@ -10,69 +10,19 @@ the fused path where the guard, not the fused kernel, divides by the scale.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from support.training import SmallMLP, assert_same, assert_same_training_state, clip_each, events_of, make_policy
 from torch import nn
 
-from gradguard import GradGuard, GradientHalt, Policy
-
-
-class MLP(nn.Module):
-    def __init__(self, width: int = 16) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, width)
-        self.hidden = nn.Linear(width, width)
-        self.out = nn.Linear(width, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.hidden(torch.tanh(self.inp(x)))))
-
-
-def make_policy(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]})
-
+from gradguard import GradGuard, GradientHalt
 
 HALT_AND_CLIP = make_policy(
     {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
     {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]},
 )
-
-
-def assert_equal_tensors(a: dict[str, Any], b: dict[str, Any], where: str) -> None:
-    assert set(a) == set(b), where
-    for key in a:
-        if isinstance(a[key], dict):
-            assert_equal_tensors(a[key], b[key], f"{where}[{key!r}]")
-        elif isinstance(a[key], torch.Tensor):
-            assert a[key].dtype == b[key].dtype, f"{where}[{key!r}]"
-            assert torch.equal(a[key], b[key]), f"{where}[{key!r}]: tensors differ"
-        else:
-            assert a[key] == b[key], f"{where}[{key!r}]"
-
-
-def assert_same_training_state(
-    model: nn.Module, ref: nn.Module, opt_g: torch.optim.Optimizer, opt_r: torch.optim.Optimizer, where: str
-) -> None:
-    assert_equal_tensors(dict(model.named_parameters()), dict(ref.named_parameters()), f"{where}: parameters")
-    assert_equal_tensors(opt_g.state_dict()["state"], opt_r.state_dict()["state"], f"{where}: optimizer state")
-
-
-def clip_each(model: nn.Module, max_norm: float) -> int:
-    """clip_grad_norm_ on each parameter alone; returns how many it changed."""
-    changed = 0
-    for p in model.parameters():
-        if p.grad is not None:
-            norm = torch.nn.utils.clip_grad_norm_([p], max_norm)
-            changed += bool(max_norm / (norm + 1e-6) < 1.0)
-    return changed
-
-
-def events_of(path: Path, kind: str) -> list[dict[str, Any]]:
-    return [event for line in path.read_text().splitlines() if (event := json.loads(line))["event"] == kind]
 
 
 def autocast_backward(model: nn.Module, scaler: torch.amp.GradScaler, step: int) -> None:
@@ -105,7 +55,7 @@ def test_a_gradscaler_loss_scale_search_gives_exactly_the_policys_result_on_unsc
     """GradScaler from 2**40 under float16 autocast: clip thresholds see unscaled gradients, and the overflowing
     steps of the scale search are skipped by the scaler alone: no halt, no clip, one scaler_skip event each."""
     torch.manual_seed(0)
-    model = MLP()
+    model = SmallMLP()
     ref = copy.deepcopy(model)
     opt_g, opt_r = make_optimizer(kind, model), make_optimizer(kind, ref)
     scaler_g = torch.amp.GradScaler("cpu", init_scale=2.0**40)
@@ -155,7 +105,7 @@ def test_a_gradscaler_loss_scale_search_gives_exactly_the_policys_result_on_unsc
 def test_a_fused_optimizer_is_guarded_under_gradscaler_without_passing_the_scaler() -> None:
     """With fused=True the guard reads the scaler's grad_scale/found_inf itself: skips are counted without scaler=."""
     torch.manual_seed(1)
-    model = MLP()
+    model = SmallMLP()
     ref = copy.deepcopy(model)
     opt_g, opt_r = make_optimizer("adamw-fused", model), make_optimizer("adamw-fused", ref)
     scaler_g = torch.amp.GradScaler("cpu", init_scale=2.0**30)
@@ -184,7 +134,7 @@ def test_a_fused_optimizer_is_guarded_under_gradscaler_without_passing_the_scale
 def test_a_genuine_nan_after_the_scale_search_is_still_the_scalers_skip_not_a_halt() -> None:
     """Under GradScaler a NaN gradient makes the scaler skip the step; the guard logs that skip and does not halt."""
     torch.manual_seed(2)
-    model = MLP()
+    model = SmallMLP()
     opt = make_optimizer("sgd", model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     with GradGuard(model, HALT_AND_CLIP, logger=None, scaler=scaler) as guard:
@@ -234,7 +184,7 @@ def test_half_precision_parameters_are_clipped_by_their_norm_taken_in_float32(dt
             opt_r.step()
             opt_g.step()
             treated = {n: p.grad for n, p in model.named_parameters()}
-            assert_equal_tensors(treated, {n: p.grad for n, p in ref.named_parameters()}, "grads")
+            assert_same(treated, {n: p.grad for n, p in ref.named_parameters()}, "grads")
             assert_same_training_state(model, ref, opt_g, opt_r, f"step {step}")
         assert clipped == 12
         assert guard.counters.snapshot() == {"clip": {"clip_norm": clipped}}

@@ -9,28 +9,13 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from support.training import SmallMLP, make_policy
 from torch import nn
 
-from gradguard import GradGuard, GradientHalt, Policy
-
-
-def make_policy(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]})
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.inp(x)))
-
+from gradguard import GradGuard, GradientHalt
 
 # 1 -------------------------------------------------------------------------------------------------
 
@@ -57,7 +42,7 @@ def test_the_rebind_event_names_a_replaced_parameter_that_got_the_old_ones_id(tm
 # 2 -------------------------------------------------------------------------------------------------
 
 
-def amp_backward(model: MLP, scaler: torch.amp.GradScaler, step: int) -> None:
+def amp_backward(model: SmallMLP, scaler: torch.amp.GradScaler, step: int) -> None:
     gen = torch.Generator().manual_seed(step)
     x, y = torch.randn(16, 8, generator=gen) * 3, torch.randn(16, 4, generator=gen)
     with torch.autocast("cpu", dtype=torch.float16):
@@ -65,7 +50,7 @@ def amp_backward(model: MLP, scaler: torch.amp.GradScaler, step: int) -> None:
     scaler.scale(nn.functional.mse_loss(out.float(), y) * 10).backward()
 
 
-def two_optimizers(model: MLP, fused: bool) -> list[torch.optim.Optimizer]:
+def two_optimizers(model: SmallMLP, fused: bool) -> list[torch.optim.Optimizer]:
     if fused:
         return [
             torch.optim.AdamW(model.inp.parameters(), lr=1e-2, fused=True),
@@ -78,7 +63,7 @@ def two_optimizers(model: MLP, fused: bool) -> list[torch.optim.Optimizer]:
 def test_two_optimizers_under_one_gradscaler_get_the_policy_on_unscaled_gradients(fused: bool) -> None:
     """One GradScaler, two optimizers (torch's recipe): each share is clipped on its unscaled gradient, as by hand."""
     torch.manual_seed(0)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     ref = copy.deepcopy(model)
     opts_g, opts_r = two_optimizers(model, fused), two_optimizers(ref, fused)
     scaler_g = torch.amp.GradScaler("cpu", init_scale=2.0**40)
@@ -108,7 +93,7 @@ def test_two_optimizers_under_one_gradscaler_get_the_policy_on_unscaled_gradient
 def test_an_overflow_in_the_second_optimizers_scaled_gradients_is_not_a_halt() -> None:
     """opt_b's overflowed scaled gradients are the scaler's business: no halt at opt_a's step."""
     torch.manual_seed(0)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     opts = two_optimizers(model, fused=False)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
@@ -129,7 +114,7 @@ def test_an_overflow_in_the_second_optimizers_scaled_gradients_is_not_a_halt() -
 def test_a_step_the_scaler_skipped_counts_once_however_many_optimizers_it_skipped(fused: bool) -> None:
     """A training step the scaler skipped counts one skip and one step, however many optimizers it skipped."""
     torch.manual_seed(0)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     opts = two_optimizers(model, fused)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
     policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 1e6}]})

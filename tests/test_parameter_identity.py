@@ -7,21 +7,17 @@ Where the guard trains, it is compared with an unguarded reference that applies 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from support.training import SmallMLP, assert_same_params, events_of, make_policy
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, GuardWarning, Policy, PolicyError
 from gradguard.cli.demo import TinyDecoder
-
-
-def make_policy(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": [{"name": f"r{i}", **rule} for i, rule in enumerate(rules)]})
 
 
 def decoder(seed: int = 0) -> TinyDecoder:
@@ -35,31 +31,10 @@ def decoder_backward(model: nn.Module, step: int) -> None:
     nn.functional.cross_entropy(logits.reshape(-1, 16), tokens[:, 1:].reshape(-1)).backward()
 
 
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.out = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.inp(x)))
-
-
 def mlp_backward(model: nn.Module, step: int) -> None:
     gen = torch.Generator().manual_seed(5000 + step)
     x, y = torch.randn(16, 8, generator=gen) * 3, torch.randn(16, 4, generator=gen)
     (nn.functional.mse_loss(model(x), y) * 10).backward()
-
-
-def assert_same_params(a: nn.Module, b: nn.Module, where: str) -> None:
-    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
-    assert list(pa) == list(pb), where
-    for name in pa:
-        assert torch.equal(pa[name], pb[name]), f"{where}: {name} differs"
-
-
-def events(path: Path, kind: str) -> list[dict[str, Any]]:
-    return [event for line in path.read_text().splitlines() if (event := json.loads(line))["event"] == kind]
 
 
 # --- tied parameters ---------------------------------------------------------------------------------
@@ -137,7 +112,7 @@ def test_drop_or_zero_with_another_gradient_change_on_one_tensor_is_a_policy_err
         }
     )
     with pytest.raises(PolicyError) as info:
-        GradGuard(MLP(), policy, logger=None)
+        GradGuard(SmallMLP(hidden=False), policy, logger=None)
     message = str(info.value)
     assert "freeze-out" in message
     assert "slow-everything" in message
@@ -153,7 +128,7 @@ def test_rules_whose_step_windows_never_overlap_do_not_conflict() -> None:
         {"name": "slow-after", "match": "*", "from_step": 5, "actions": [{"action": "scale", "factor": 0.1}]},
     )
     torch.manual_seed(9)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     ref = copy.deepcopy(model)
     with GradGuard(model, policy, logger=None) as guard:
         assert guard.guarded["inp.weight"] == ("frozen-warmup", "slow-after")
@@ -179,7 +154,7 @@ def test_rules_whose_step_windows_overlap_still_conflict() -> None:
         {"name": "slow-after", "match": "*", "from_step": 3, "actions": [{"action": "scale", "factor": 0.1}]},
     )
     with pytest.raises(PolicyError, match=r"frozen-warmup.*slow-after"):
-        GradGuard(MLP(), policy, logger=None)
+        GradGuard(SmallMLP(hidden=False), policy, logger=None)
 
 
 def test_a_watching_rule_and_a_changing_rule_on_a_tied_tensor_do_not_conflict() -> None:
@@ -235,7 +210,7 @@ def test_a_parameter_replaced_after_attach_is_rebound_and_the_rebind_is_logged(h
     """After load_state_dict(assign=True) or module.weight = nn.Parameter(...), a new optimizer's step applies
     the policy to the new tensors (as the reference by hand), and a 'rebind' warning names the replaced ones."""
     torch.manual_seed(0)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     log = tmp_path / "audit.jsonl"
     with GradGuard(model, CLIP, logger=None, audit_log=log) as guard:
         old_ids = {name: id(p) for name, p in model.named_parameters()}
@@ -246,7 +221,7 @@ def test_a_parameter_replaced_after_attach_is_rebound_and_the_rebind_is_logged(h
         train_two_steps(model, ref)
         assert guard.step_count == 2
         assert guard.counters.total("clip_norm") > 0
-    (rebind,) = events(log, "rebind")
+    (rebind,) = events_of(log, "rebind")
     assert rebind["level"] == "warning"
     assert sorted(rebind["replaced"]) == replaced
     assert rebind["step"] == 0
@@ -255,7 +230,7 @@ def test_a_parameter_replaced_after_attach_is_rebound_and_the_rebind_is_logged(h
 def test_a_model_built_on_meta_and_materialised_with_to_empty_is_guarded_after_it() -> None:
     """Attach on the meta device, then to_empty(device='cpu') and initialise: the real tensors are guarded."""
     with torch.device("meta"):
-        model = MLP()
+        model = SmallMLP(hidden=False)
     with GradGuard(model, CLIP, logger=None) as guard:
         model.to_empty(device="cpu")
         torch.manual_seed(1)
@@ -270,7 +245,7 @@ def test_a_model_built_on_meta_and_materialised_with_to_empty_is_guarded_after_i
 def test_guard_step_notices_replaced_parameters_in_a_loop_without_an_optimizer() -> None:
     """guard.step() rebinds too: the new tensor's gradient is clipped, as by hand."""
     torch.manual_seed(2)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     with GradGuard(model, CLIP, logger=None) as guard:
         replace_by_setattr(model)
         ref = copy.deepcopy(model)
@@ -301,7 +276,7 @@ def test_a_replaced_parameter_that_got_the_old_ones_id_is_still_guarded(tmp_path
         opt.step()
         assert torch.equal(model.weight, before), "scale 0.0 keeps the new weight still"
         assert guard.counters.snapshot() == {"r0": {"scale": 1}}
-    assert len(events(log, "rebind")) == 1
+    assert len(events_of(log, "rebind")) == 1
 
 
 def test_replacing_parameters_under_an_explicit_optimizer_is_never_silently_unguarded(tmp_path: Path) -> None:
@@ -321,8 +296,8 @@ def test_replacing_parameters_under_an_explicit_optimizer_is_never_silently_ungu
             new_opt.step()
         assert all(torch.equal(before[name], p) for name, p in model.named_parameters())
         assert guard.counters.snapshot() == {"r0": {"scale": 2}}
-    assert [sorted(event["replaced"]) for event in events(log, "rebind")] == [["bias", "weight"]]
-    assert [event["optimizer"] for event in events(log, "unexpected_optimizer")] == ["SGD"]
+    assert [sorted(event["replaced"]) for event in events_of(log, "rebind")] == [["bias", "weight"]]
+    assert [event["optimizer"] for event in events_of(log, "unexpected_optimizer")] == ["SGD"]
 
 
 # --- a second guard ------------------------------------------------------------------------------------
@@ -331,7 +306,7 @@ def test_replacing_parameters_under_an_explicit_optimizer_is_never_silently_ungu
 def test_a_second_guard_on_the_same_model_raises_a_clear_error_and_never_stacks() -> None:
     """Attaching twice (a notebook cell run again) raises GuardStateError; the first guard still acts once."""
     torch.manual_seed(3)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     ref = copy.deepcopy(model)
     policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.5}]})
     with GradGuard(model, policy, logger=None) as first:
@@ -349,7 +324,7 @@ def test_a_second_guard_on_the_same_model_raises_a_clear_error_and_never_stacks(
 
 def test_a_second_guard_with_a_disjoint_policy_on_the_same_model_is_refused_too() -> None:
     """The first guard covers inp.*, the second out.*: still one model, so still GuardStateError."""
-    model = MLP()
+    model = SmallMLP(hidden=False)
     second_policy = make_policy({"match": "out.*", "actions": [{"action": "scale", "factor": 0.5}]})
     with (
         GradGuard(model, make_policy({"match": "inp.*", "actions": [{"action": "scale", "factor": 0.5}]}), logger=None),
@@ -361,7 +336,7 @@ def test_a_second_guard_with_a_disjoint_policy_on_the_same_model_is_refused_too(
 def test_replace_true_removes_the_first_guard_and_attaches_the_new_one() -> None:
     """replace=True: the old guard is detached, the new policy alone applies."""
     torch.manual_seed(4)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     ref = copy.deepcopy(model)
     first = GradGuard(model, make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.5}]}), logger=None)
     second_policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.25}]})
@@ -558,7 +533,7 @@ def test_an_fsdp1_wrapped_model_is_refused_with_a_clear_error(tmp_path: Path) ->
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
         with pytest.warns(UserWarning, match="NO_SHARD"):
-            wrapped = FullyShardedDataParallel(MLP(), device_id=torch.device("cpu"))
+            wrapped = FullyShardedDataParallel(SmallMLP(hidden=False), device_id=torch.device("cpu"))
         assert [name for name, _ in wrapped.named_parameters()] == ["_fsdp_wrapped_module._flat_param"]
         policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
         with pytest.raises(GuardStateError) as info:
@@ -581,7 +556,7 @@ def test_a_deepspeed_engine_is_refused_with_a_clear_error() -> None:
 
     policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
     with pytest.raises(GuardStateError, match="DeepSpeedEngine"):
-        GradGuard(DeepSpeedEngine(MLP()), policy, logger=None)
+        GradGuard(DeepSpeedEngine(SmallMLP(hidden=False)), policy, logger=None)
 
 
 def _with_process_group(tmp_path: Path) -> bool:
@@ -598,7 +573,7 @@ def test_fsdp1_is_refused_even_when_the_policy_names_the_models_parameters(tmp_p
     created = _with_process_group(tmp_path)
     try:
         with pytest.warns(UserWarning, match="NO_SHARD"):
-            wrapped = FullyShardedDataParallel(MLP(), device_id=torch.device("cpu"))
+            wrapped = FullyShardedDataParallel(SmallMLP(hidden=False), device_id=torch.device("cpu"))
         policy = make_policy({"match": "inp.*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]})
         with pytest.raises(GuardStateError, match="FullyShardedDataParallel"):
             GradGuard(wrapped, policy, logger=None)
@@ -613,7 +588,7 @@ def test_fsdp1_wrapping_after_attach_is_refused_at_the_step_not_silently_rebound
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     created = _with_process_group(tmp_path)
-    model = MLP()
+    model = SmallMLP(hidden=False)
     guard = GradGuard(model, make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.01}]}))
     try:
         with pytest.warns(UserWarning, match="NO_SHARD"):

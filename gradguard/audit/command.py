@@ -15,9 +15,11 @@ from pathlib import Path
 
 import click
 
+from gradguard.audit.filters import Filters
 from gradguard.audit.reader import FollowReader, ReadStats, read_merged, total_bytes
 from gradguard.audit.render import audit_header, audit_sections, audit_title, render, render_json
-from gradguard.audit.report import AuditSummary, Filters, Summarizer
+from gradguard.audit.summarizer import Summarizer
+from gradguard.audit.summary import AuditSummary
 
 __all__ = ["PROGRESS_MIN_BYTES", "follow_files", "plot_files", "render_summary", "summarize_files"]
 

@@ -13,8 +13,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
+from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.reader import Record
-from gradguard.audit.report import AuditSummary, EventFilter, Filters
+from gradguard.audit.summary import AuditSummary
 
 __all__ = ["PLOT_SUFFIXES", "PlotCollector", "PlotUnavailable", "require_matplotlib", "write_plot"]
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradguard.audit.report import AuditSummary, StepList
+from gradguard.audit.summary import AuditSummary, StepList
 
 __all__ = [
     "Section",

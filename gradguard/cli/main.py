@@ -207,7 +207,7 @@ def audit(
     unreadable lines, counter mismatches.
     """
     from gradguard.audit import command as _audit
-    from gradguard.audit.report import Filters
+    from gradguard.audit.filters import Filters
 
     if since is not None and until is not None and since > until:
         raise click.BadParameter(f"--since {since} is after --until {until}", param_hint="'--since'/'--until'")

@@ -1,0 +1,51 @@
+"""Reading the fields of one gradguard event: each reader returns the field or raises :class:`Malformed`.
+
+A malformed event's line is reported as unreadable and skipped (see :meth:`Summarizer.add
+<gradguard.audit.summarizer.Summarizer.add>`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from gradguard.audit.summary import Counts
+
+__all__ = ["Malformed", "counters_field", "names_field", "number_or_none", "text_field"]
+
+
+class Malformed(Exception):
+    """A gradguard event whose fields are not what its kind requires; its line is reported and skipped."""
+
+
+def number_or_none(value: Any) -> float | None:
+    """A JSON number, or the strings the guard writes for non-finite ones, as a float; anything else is None."""
+    if type(value) is float or type(value) is int:
+        return float(value)
+    if value in ("NaN", "Infinity", "-Infinity"):
+        return float(value)
+    return None
+
+
+def text_field(event: Mapping[str, Any], key: str) -> str:
+    value = event.get(key)
+    if type(value) is not str:
+        name = event.get("event")
+        raise Malformed(f"gradguard {name!r} event without a {key!r} string (got {value!r})")
+    return value
+
+
+def names_field(event: Mapping[str, Any], key: str) -> list[str]:
+    value = event.get(key)
+    if not isinstance(value, list) or not all(type(item) is str for item in value):
+        raise Malformed(f"gradguard {event.get('event')!r} event whose {key!r} is not a list of parameter names")
+    return value
+
+
+def counters_field(event: Mapping[str, Any]) -> Counts:
+    value = event.get("counters")
+    if isinstance(value, dict) and all(
+        isinstance(by_action, dict) and all(type(n) is int for n in by_action.values()) for by_action in value.values()
+    ):
+        return value
+    raise Malformed(f"gradguard {event.get('event')!r} event whose 'counters' is not {{rule: {{action: count}}}}")

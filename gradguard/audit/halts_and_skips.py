@@ -1,0 +1,115 @@
+"""Halts, skipped steps and GradScaler's skipped steps: which rules they count, and the halts' details."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from gradguard.audit.counters import CounterCheck
+from gradguard.audit.fields import names_field, text_field
+from gradguard.audit.filters import EventFilter
+from gradguard.audit.reader import Record
+from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
+from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, StepTally
+
+__all__ = ["HaltSkipCollector"]
+
+KEPT_HALTS: Final = 50
+
+
+class HaltSkipCollector:
+    """Takes ``halt``, ``skip`` and ``scaler_skip`` events; a halt is also a counters snapshot."""
+
+    def __init__(self, paths: list[str], event_filter: EventFilter, counters: CounterCheck) -> None:
+        self.paths = paths
+        self.counters = counters
+        self._shown = event_filter.shown
+        self._narrow = event_filter.narrow
+        self._rules = event_filter.rules
+        self._param_filter = event_filter.params
+        self.halts: list[HaltRow] = []
+        """The first :data:`KEPT_HALTS` halts."""
+        self.halts_total = 0
+        self.skips = StepTally()
+        self.skips_by_rule: dict[str, int] = {}
+        self.skipped_params: dict[str, int] = {}
+        self.scaler = StepTally()
+
+    def halt(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        rule = text_field(event, "rule")
+        params = names_field(event, "params")
+        step: int | None = event.get("step")
+        reason = event.get("reason")
+        reason = reason if type(reason) is str else None
+        if reason is None:
+            halting = run.halting_rules if run.watch_step == step and run.halting_rules else {rule: None}
+            for name in halting:
+                run.count(name, "halt_on_nonfinite")
+        else:
+            # A skip rule over its limits: it counts the halt, and the skip rules before it (policy order)
+            # count this step's skip.
+            run.count(rule, "halt_on_nonfinite")
+            order = run.rule_order
+            if order is None or rule not in order:
+                run.unverifiable.add("skip_step_on_nonfinite")
+            else:
+                for name in run.skipping_rules if run.watch_step == step else {}:
+                    if name in order and order.index(name) < order.index(rule):
+                        run.count(name, "skip_step_on_nonfinite")
+        run.halted_at.append(step)
+        self.counters.snapshot(event, run, record)
+        if not self._shown(step, rule) or not self._narrow(params):
+            return
+        self.halts_total += 1
+        if len(self.halts) < KEPT_HALTS:
+            kind = event.get("kind")
+            ts = event.get("ts")
+            self.halts.append(
+                HaltRow(
+                    run=run.run,
+                    rank=run.rank,
+                    step=step,
+                    rule=rule,
+                    kind=kind if type(kind) is str else "?",
+                    reason=reason,
+                    params=params[:HALT_PARAMS_SHOWN],
+                    n_params=len(params),
+                    where=f"{self.paths[record.file]}:{record.line}",
+                    ts=ts if type(ts) is str else None,
+                    preceded_by=_describe(run.last_intervention),
+                )
+            )
+
+    def skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        rule = text_field(event, "rule")
+        params = names_field(event, "params")
+        step: int | None = event.get("step")
+        skipping = run.skipping_rules if run.watch_step == step and run.skipping_rules else {rule: None}
+        for name in skipping:
+            run.count(name, "skip_step_on_nonfinite")
+        if not self._shown(step, rule):
+            return
+        names = self._narrow(params)
+        if not names:
+            return
+        self.skips.add(step)
+        self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
+        for name in names:
+            self.skipped_params[name] = self.skipped_params.get(name, 0) + 1
+
+    def scaler_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        rule = event.get("rule")
+        run.count(rule if type(rule) is str else SCALER_KEY[0], SCALER_KEY[1])
+        step: int | None = event.get("step")
+        if self._param_filter is None and self._shown(step, None) and not self._rules:
+            self.scaler.add(step)
+
+
+def _describe(last: LastIntervention | None) -> str | None:
+    """The run's last intervention before a halt, in words."""
+    if last is None:
+        return None
+    step, rule, action, what, before = last
+    value = "?" if before is None else f"{before:.4g}"
+    if isinstance(what, int):
+        return f"{action} of {what} parameters as a group (rule {rule!r}) at step {step}, group norm before {value}"
+    return f"{action} of {what} (rule {rule!r}) at step {step}, before {value}"

@@ -1,0 +1,97 @@
+"""Non-finite gradients: detections (by kind, rule and parameter), steps that applied them unhalted, and
+group clips skipped on a non-finite norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradguard.audit.fields import names_field, text_field
+from gradguard.audit.filters import EventFilter
+from gradguard.audit.reader import Record
+from gradguard.audit.run_state import RunState
+from gradguard.audit.summary import NonfiniteRow, StepTally
+
+__all__ = ["NonfiniteCollector"]
+
+
+class _Nonfinite:
+    __slots__ = ("count", "first", "kinds", "last", "rules")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: int | None = None
+        self.last: int | None = None
+        self.kinds: dict[str, None] = {}
+        self.rules: dict[str, None] = {}
+
+
+class NonfiniteCollector:
+    """Takes ``nonfinite``, ``nonfinite_unhalted`` and ``nonfinite_group_norm`` events."""
+
+    def __init__(self, event_filter: EventFilter) -> None:
+        self._shown = event_filter.shown
+        self._narrow = event_filter.narrow
+        self._rules = event_filter.rules
+        self._param_filter = event_filter.params
+        self.steps = StepTally()
+        self.by_kind: dict[str, int] = {}
+        self.by_rule: dict[str, int] = {}
+        self._by_param: dict[str, _Nonfinite] = {}
+        self.unhalted = StepTally()
+        self.unhalted_params: dict[str, None] = {}
+        self.group_norm = StepTally()
+
+    def nonfinite(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        rule = text_field(event, "rule")
+        kind = text_field(event, "kind")
+        param = text_field(event, "param")
+        step: int | None = event.get("step")
+        run.count(rule, kind)
+        run.watch(step)
+        if event.get("halts") is True:
+            run.halting_rules[rule] = None
+        if event.get("skips") is True:
+            run.skipping_rules[rule] = None
+        if not self._shown(step, rule) or not self._narrow([param]):
+            return
+        self.steps.add(step)
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        self.by_rule[rule] = self.by_rule.get(rule, 0) + 1
+        entry = self._by_param.get(param)
+        if entry is None:
+            entry = self._by_param[param] = _Nonfinite()
+        entry.count += 1
+        if step is not None:
+            if entry.first is None:
+                entry.first = step
+            entry.last = step
+        entry.kinds[kind] = None
+        entry.rules[rule] = None
+
+    def unhalted_event(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        names = names_field(event, "params")
+        step: int | None = event.get("step")
+        if self._rules or not self._shown(step, None):
+            return
+        names = self._narrow(names)
+        if not names:
+            return
+        self.unhalted.add(step)
+        for name in names:
+            self.unhalted_params[name] = None
+
+    def group_norm_event(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        rule = text_field(event, "rule")
+        step: int | None = event.get("step")
+        if self._param_filter is None and self._shown(step, rule):
+            self.group_norm.add(step)
+
+    def by_param_rows(self) -> list[NonfiniteRow]:
+        """One row per parameter, in order of its first non-finite step."""
+        rows = [
+            NonfiniteRow(name, acc.count, list(acc.kinds), list(acc.rules), acc.first, acc.last)
+            for name, acc in self._by_param.items()
+        ]
+        rows.sort(key=lambda row: (row.first_step if row.first_step is not None else -1, -row.count))
+        return rows

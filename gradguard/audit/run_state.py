@@ -1,0 +1,75 @@
+"""What the audit keeps of one guard's life in the log (a ``run`` id): :class:`RunState`.
+
+Whole-log bookkeeping, never filtered: the run table (:mod:`gradguard.audit.runs`) and the
+reproduced counters (:mod:`gradguard.audit.counters`) are made from it; the collectors of
+interventions, non-finite gradients, halts and skips add to its counts as they go.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from gradguard.audit.summary import Counts
+
+__all__ = ["RECOMPUTABLE_ACTIONS", "SCALER_KEY", "LastIntervention", "RunState", "recomputable"]
+
+RECOMPUTABLE_ACTIONS: Final = frozenset(
+    {"clip_norm", "clip_value", "nan", "inf", "halt_on_nonfinite", "skip_step_on_nonfinite"}
+)
+"""Actions whose counts the per-event lines reproduce (``scale``, ``zero`` and ``drop`` are not logged per step)."""
+SCALER_KEY: Final = ("grad_scaler", "skip")
+"""The counter of steps GradScaler skipped; one ``scaler_skip`` event each."""
+
+LastIntervention = tuple[int | None, str, str, str | int, float | None]
+"""(step, rule, action, parameter or group size, value before) of an intervention."""
+
+
+def recomputable(key: tuple[str, str]) -> bool:
+    """Whether the events reproduce the counter ``key`` = (rule, action)."""
+    return key[1] in RECOMPUTABLE_ACTIONS or key == SCALER_KEY
+
+
+class RunState:
+    """Whole-log bookkeeping for one run id; never filtered."""
+
+    def __init__(self, run: str, rank: int) -> None:
+        self.run = run
+        self.rank = rank
+        self.files: dict[int, None] = {}
+        self.model: str | None = None
+        self.policy: str | None = None
+        self.params: int | None = None
+        self.rule_order: list[str] | None = None
+        self.rules_matched: dict[str, int] = {}
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.steps: int | None = None
+        self.first_ts: str | None = None
+        self.last_ts: str | None = None
+        self.events = 0
+        self.detach_reason: str | None = None
+        self.halted_at: list[int | None] = []
+        self.recomputed: dict[tuple[str, str], int] = {}
+        self.snapshot: Counts | None = None
+        self.snapshot_event = ""
+        self.snapshot_step: int | None = None
+        self.snapshots = 0
+        self.at_snapshot: dict[tuple[str, str], int] = {}
+        self.unverifiable: set[str] = set()
+        self.mismatched: set[tuple[str, str]] = set()
+        self.watch_step: int | None = None
+        self.halting_rules: dict[str, None] = {}
+        self.skipping_rules: dict[str, None] = {}
+        self.last_intervention: LastIntervention | None = None
+        """The run's last intervention, for the halt that may follow it."""
+
+    def count(self, rule: str, action: str, n: int = 1) -> None:
+        key = (rule, action)
+        self.recomputed[key] = self.recomputed.get(key, 0) + n
+
+    def watch(self, step: int | None) -> None:
+        """Start collecting the halting and skipping rules of ``step`` (its non-finite events come first)."""
+        if step != self.watch_step:
+            self.watch_step = step
+            self.halting_rules = {}
+            self.skipping_rules = {}

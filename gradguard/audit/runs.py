@@ -1,0 +1,116 @@
+"""The run table: one :class:`RunState` per run id (attach info, steps, times, how it ended), made into
+:class:`RunInfo` rows. Whole log, never filtered.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from gradguard.audit.counters import CounterCheck, reproduced_counters
+from gradguard.audit.reader import Record
+from gradguard.audit.run_state import RunState
+from gradguard.audit.summary import RunInfo
+
+__all__ = ["RunTable", "seconds_between"]
+
+
+class RunTable:
+    """Finds (or starts) the run of every event; takes ``attach`` and ``detach``; gives :meth:`infos`."""
+
+    def __init__(self, paths: list[str], counters: CounterCheck) -> None:
+        self.paths = paths
+        self.counters = counters
+        self.by_id: dict[str, RunState] = {}
+
+    def run_of(self, event: dict[str, Any], record: Record) -> RunState:
+        """The event's run, with the event's file, time and step noted."""
+        run_id: str = event["run"]
+        run = self.by_id.get(run_id)
+        if run is None:
+            rank = event.get("rank")
+            run = self.by_id[run_id] = RunState(run_id, rank if type(rank) is int else 0)
+        if record.file not in run.files:
+            run.files[record.file] = None
+        run.events += 1
+        ts = event.get("ts")
+        if type(ts) is str:
+            if run.first_ts is None:
+                run.first_ts = ts
+            run.last_ts = ts
+        step = event.get("step")
+        if step is not None:
+            if run.first_step is None or step < run.first_step:
+                run.first_step = step
+            if run.last_step is None or step > run.last_step:
+                run.last_step = step
+        return run
+
+    def attach(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        model, policy, params, rules = event.get("model"), event.get("policy"), event.get("params"), event.get("rules")
+        run.model = model if type(model) is str else None
+        run.policy = policy if type(policy) is str else None
+        run.params = params if type(params) is int else None
+        if isinstance(rules, dict):
+            run.rule_order = [str(name) for name in rules]
+            run.rules_matched = {str(name): n for name, n in rules.items() if type(n) is int}
+
+    def detach(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        reason = event.get("reason")
+        run.detach_reason = reason if type(reason) is str else "unknown reason"
+        self.counters.snapshot(event, run, record)
+
+    def infos(self) -> list[RunInfo]:
+        """Every run, in order of its first event's time (then rank, run id)."""
+        runs = [self.info(run) for run in self.by_id.values()]
+        runs.sort(key=lambda info: (info.start or "", info.rank, info.run))
+        return runs
+
+    def info(self, run: RunState) -> RunInfo:
+        counters, source, complete = reproduced_counters(run)
+        if run.detach_reason is not None:
+            ended = f"detached ({run.detach_reason})"
+            if run.halted_at:
+                ended = f"halted at step {run.halted_at[-1]}; " + ended
+        elif run.halted_at:
+            ended = f"halted at step {run.halted_at[-1]}; no detach event"
+        else:
+            ended = "no detach event: still running, or the process died"
+        steps = run.steps
+        if steps is None and run.last_step is not None:
+            steps = run.last_step + 1
+        return RunInfo(
+            run=run.run,
+            rank=run.rank,
+            files=[self.paths[index] for index in run.files],
+            model=run.model,
+            policy=run.policy,
+            params=run.params,
+            first_step=run.first_step,
+            last_step=run.last_step,
+            steps=steps,
+            start=run.first_ts,
+            end=run.last_ts,
+            seconds=seconds_between(run.first_ts, run.last_ts),
+            events=run.events,
+            ended=ended,
+            counters=counters,
+            counters_source=source,
+            counters_complete=complete,
+            snapshots=run.snapshots,
+            rules_matching_nothing=[name for name, n in run.rules_matched.items() if n == 0],
+        )
+
+
+def seconds_between(start: str | None, end: str | None) -> float | None:
+    """Seconds from one event timestamp to another; None where either is missing or unreadable."""
+    if not start or not end:
+        return None
+    try:
+        return (_parse_ts(end) - _parse_ts(start)).total_seconds()
+    except ValueError:
+        return None
+
+
+def _parse_ts(text: str) -> datetime:
+    return datetime.fromisoformat(text[:-1] + "+00:00" if text.endswith("Z") else text)

@@ -1,0 +1,266 @@
+"""The data model of ``gradguard audit``: an :class:`AuditSummary` and its rows, and the findings it yields.
+
+Plain data: the summarizer (:mod:`gradguard.audit.summarizer`) fills it, the renderers
+(:mod:`gradguard.audit.render`, :mod:`gradguard.audit.plot`) read it; :meth:`AuditSummary.as_json` is
+``--format json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final
+
+from gradguard.audit.filters import Filters
+from gradguard.audit.reader import BadLine
+
+__all__ = [
+    "AuditSummary",
+    "Counts",
+    "FileInfo",
+    "HaltRow",
+    "Mismatch",
+    "NonfiniteRow",
+    "ParamRow",
+    "RuleActionRow",
+    "RunInfo",
+    "StepList",
+    "StepTally",
+    "findings_of",
+]
+
+SHOWN_STEPS: Final = 20
+"""How many distinct steps of each kind of incident are listed."""
+HALT_PARAMS_SHOWN: Final = 10
+
+Counts = dict[str, dict[str, int]]
+"""``guard.counters.snapshot()``: ``{rule: {action: count}}``."""
+
+
+@dataclass
+class FileInfo:
+    path: str
+    lines: int
+    events: int
+    bad_lines: int
+
+
+@dataclass
+class RunInfo:
+    """One guard's life in the log (a ``run`` id)."""
+
+    run: str
+    rank: int
+    files: list[str]
+    model: str | None
+    policy: str | None
+    params: int | None
+    first_step: int | None
+    last_step: int | None
+    steps: int | None
+    """Steps the guard treated, from its last ``counters``/``detach`` event (else last step + 1)."""
+    start: str | None
+    end: str | None
+    seconds: float | None
+    events: int
+    ended: str
+    counters: Counts
+    counters_source: str
+    counters_complete: bool
+    """False where ``scale``/``zero``/``drop`` counts after the last snapshot cannot be known."""
+    snapshots: int
+    """How many ``counters``/``halt``/``detach`` snapshots the log has of this run (each one cross-checked)."""
+    rules_matching_nothing: list[str]
+
+
+@dataclass
+class RuleActionRow:
+    rule: str
+    action: str
+    count: int
+    """(parameter, step) pairs changed: a group clip counts each of its parameters."""
+    events: int
+    first_step: int | None
+    last_step: int | None
+    largest_before: float | None
+    """The largest norm (clip_norm) or element (clip_value) before the guard."""
+    largest_before_step: int | None
+
+
+@dataclass
+class ParamRow:
+    param: str
+    count: int
+    rules: list[str]
+    first_step: int | None
+    last_step: int | None
+    largest_norm: float | None
+    """The largest gradient norm a tensor-scope clip_norm saw on this parameter."""
+    largest_norm_step: int | None
+    largest_element: float | None
+    """The largest absolute gradient element a clip_value saw on this parameter."""
+    largest_element_step: int | None
+
+
+@dataclass
+class NonfiniteRow:
+    param: str
+    count: int
+    kinds: list[str]
+    rules: list[str]
+    first_step: int | None
+    last_step: int | None
+
+
+@dataclass
+class StepList:
+    events: int = 0
+    distinct_steps: int = 0
+    steps: list[int] = field(default_factory=list)
+    """The first :data:`SHOWN_STEPS` distinct steps."""
+    first_step: int | None = None
+    last_step: int | None = None
+
+
+class StepTally:
+    """A :class:`StepList` being filled: events, distinct steps (in arrival order), the first few steps."""
+
+    __slots__ = ("_last", "distinct", "events", "first", "last", "shown")
+
+    def __init__(self) -> None:
+        self.events = 0
+        self.distinct = 0
+        self.shown: list[int] = []
+        self.first: int | None = None
+        self.last: int | None = None
+        self._last: int | None = None
+
+    def add(self, step: int | None) -> None:
+        self.events += 1
+        if step is None or step == self._last:
+            return
+        self._last = step
+        self.distinct += 1
+        if len(self.shown) < SHOWN_STEPS and step not in self.shown:
+            self.shown.append(step)
+        if self.first is None or step < self.first:
+            self.first = step
+        if self.last is None or step > self.last:
+            self.last = step
+
+    def done(self) -> StepList:
+        return StepList(self.events, self.distinct, sorted(self.shown), self.first, self.last)
+
+
+@dataclass
+class HaltRow:
+    run: str
+    rank: int
+    step: int | None
+    rule: str
+    kind: str
+    reason: str | None
+    params: list[str]
+    """The first :data:`HALT_PARAMS_SHOWN` non-finite parameters, in model order."""
+    n_params: int
+    where: str
+    ts: str | None
+    preceded_by: str | None
+    """The run's last intervention before the halt."""
+
+
+@dataclass
+class Mismatch:
+    run: str
+    step: int | None
+    rule: str
+    action: str
+    counters: int
+    events: int
+    where: str
+
+
+@dataclass
+class AuditSummary:
+    """Everything ``gradguard audit`` reports; :meth:`as_json` is its ``--format json``."""
+
+    files: list[FileInfo]
+    runs: list[RunInfo]
+    ranks: list[int]
+    first_step: int | None
+    last_step: int | None
+    start: str | None
+    end: str | None
+    seconds: float | None
+    lines: int
+    events: int
+    filters: Filters
+    totals: Counts
+    """The reproduced ``guard.counters.snapshot()``, summed over runs (whole log, never filtered)."""
+    totals_complete: bool
+    intervention_count: int
+    intervention_events: int
+    by_rule_action: list[RuleActionRow]
+    by_param: list[ParamRow]
+    """Every parameter with an intervention, most-affected first."""
+    nonfinite: StepList
+    nonfinite_by_kind: dict[str, int]
+    nonfinite_by_rule: dict[str, int]
+    nonfinite_by_param: list[NonfiniteRow]
+    unhalted: StepList
+    unhalted_params: list[str]
+    group_norm_nonfinite: StepList
+    halts: list[HaltRow]
+    halts_total: int
+    skips: StepList
+    skips_by_rule: dict[str, int]
+    skipped_params: dict[str, int]
+    scaler_skips: StepList
+    other_events: dict[str, StepList]
+    bad_lines: list[BadLine]
+    bad_lines_total: int
+    mismatches: list[Mismatch]
+    mismatches_total: int
+    notes: list[str]
+    findings: list[str]
+    series_counts: dict[str, int] = field(repr=False, default_factory=dict)
+    """Clip events per plottable series (a parameter, or ``"<rule> (group)"``), for ``--plot``."""
+
+    @property
+    def exit_code(self) -> int:
+        """0 when the log shows nothing to look at, 1 when :attr:`findings` is not empty."""
+        return 1 if self.findings else 0
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("series_counts")
+        data["filters"] = self.filters.as_json()
+        data["bad_lines"] = [asdict(bad) for bad in self.bad_lines]
+        data["exit_code"] = self.exit_code
+        return {"schema": 1, **data}
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def findings_of(summary: AuditSummary) -> list[str]:
+    found = []
+    if summary.halts_total:
+        found.append(_plural(summary.halts_total, "halt"))
+    if summary.unhalted.events:
+        found.append(
+            f"{_plural(summary.unhalted.distinct_steps, 'step')} applied non-finite gradients "
+            "(no halt or skip rule covered them)"
+        )
+    if summary.nonfinite.events:
+        found.append(_plural(summary.nonfinite.events, "non-finite gradient"))
+    if summary.group_norm_nonfinite.events:
+        found.append(_plural(summary.group_norm_nonfinite.events, "group clip") + " skipped on a non-finite norm")
+    if summary.skips.events:
+        found.append(_plural(summary.skips.events, "skipped step"))
+    if summary.bad_lines_total:
+        found.append(_plural(summary.bad_lines_total, "unreadable line"))
+    if summary.mismatches_total:
+        n = summary.mismatches_total
+        found.append(f"{n:,} counter mismatch{'' if n == 1 else 'es'} between the events and the counters events")
+    return found

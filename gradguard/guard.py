@@ -150,7 +150,7 @@ class GradGuard:
         for opt in optimizers or ():
             if any(id(p) in binding.by_id for group in opt.param_groups for p in group["params"]):
                 refuse_reevaluating(opt)
-        self._claim_parameters(model, replace)
+        _claim_parameters(self, model, replace)
 
         self.counters = Counters()
         """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
@@ -258,7 +258,7 @@ class GradGuard:
             plan = found
         context = StepContext(
             optimizer=optimizer,
-            stepped_params=self._stepped_by(optimizer),
+            stepped_params=_stepped_by(optimizer, self._model_ref),
             explicit=True,
             found_inf=unscaled_found_inf(self._scaler, optimizer),
         )
@@ -353,27 +353,9 @@ class GradGuard:
 
         return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
 
-    def _stepped_by(self, optimizer: Optimizer | None) -> Callable[[], Iterable[torch.Tensor]]:
-        """Every parameter a skipped step must clear: the optimizer's and the whole model's."""
-        model_ref = self._model_ref
-
-        def stepped() -> Iterable[torch.Tensor]:
-            if optimizer is not None:
-                yield from (p for group in optimizer.param_groups for p in group["params"])
-            yield from _parameters_of(model_ref())
-
-        return stepped
-
     def _scaler_skipped(self, optimizer: Optimizer) -> None:
         """The guard's GradScaler skipped this optimizer's step (its ``step()`` was never called)."""
-        enforcer = self._enforcer
-        enforcer.seal_explicit()  # no optimizer step ran, so its post-hook did not
-        if enforcer.scaler_skip_at_boundary:
-            enforcer.scaler_skip_at_boundary = False  # already recorded by guard.step() after unscale_
-            return
-        plan = self._plans.for_optimizer(optimizer)
-        if plan is not None:
-            enforcer.record_scaler_skip(entry.index for entry in plan.params)
+        self._enforcer.scaler_skipped(lambda: self._plans.for_optimizer(optimizer))
 
     def _enforce_for(self, optimizer: Optimizer) -> None:
         """An optimizer is about to step: treat the guarded gradients it is about to apply.
@@ -388,7 +370,7 @@ class GradGuard:
         if plan is None:
             return
         # A skipped step must be skipped by every optimizer of the model, not only this one.
-        context = StepContext(optimizer=optimizer, stepped_params=self._stepped_by(optimizer))
+        context = StepContext(optimizer=optimizer, stepped_params=_stepped_by(optimizer, self._model_ref))
         proceed = self._enforcer.run(plan, context)
         if self._enforcer.last_run_treated:
             # A pass that found every gradient already treated (after guard.step(), or a second
@@ -427,20 +409,22 @@ class GradGuard:
         enforcer.micro_batch = hooks
         self._attachment.handles.append(hooks)
 
-    def _claim_parameters(self, model: nn.Module, replace: bool) -> None:
-        mine = set(self._plans.binding.by_id)
-        for other in list(_LIVE_GUARDS):
-            if other is self or not other.attached:
-                continue
-            if other._model_ref() is not model and not mine & set(other._plans.binding.by_id):
-                continue
-            if not replace:
-                raise GuardStateError(
-                    f"this model already has a GradGuard attached ({other!r}); a second guard would apply "
-                    "every action twice. Call .remove() on the first guard, or pass replace=True to "
-                    "remove it and attach this one."
-                )
-            other.remove()
+
+def _claim_parameters(guard: GradGuard, model: nn.Module, replace: bool) -> None:
+    """Refuse (or, with ``replace``, remove) another live guard on the same model or tensors."""
+    mine = set(guard._plans.binding.by_id)
+    for other in list(_LIVE_GUARDS):
+        if other is guard or not other.attached:
+            continue
+        if other._model_ref() is not model and not mine & set(other._plans.binding.by_id):
+            continue
+        if not replace:
+            raise GuardStateError(
+                f"this model already has a GradGuard attached ({other!r}); a second guard would apply "
+                "every action twice. Call .remove() on the first guard, or pass replace=True to "
+                "remove it and attach this one."
+            )
+        other.remove()
 
 
 def _optimizers(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer] | None:
@@ -468,8 +452,18 @@ def _weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Bindin
     return call
 
 
-def _parameters_of(model: nn.Module | None) -> Iterable[torch.Tensor]:
-    return model.parameters() if model is not None else ()
+def _stepped_by(
+    optimizer: Optimizer | None, model_ref: weakref.ReferenceType[nn.Module]
+) -> Callable[[], Iterable[torch.Tensor]]:
+    """Every parameter a skipped step must clear: the optimizer's and the whole model's."""
+
+    def stepped() -> Iterable[torch.Tensor]:
+        if optimizer is not None:
+            yield from (p for group in optimizer.param_groups for p in group["params"])
+        model = model_ref()
+        yield from model.parameters() if model is not None else ()
+
+    return stepped
 
 
 def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> ScalerWatch:

@@ -91,3 +91,19 @@ def test_each_room_imports_only_the_rooms_it_may():
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
 
+
+
+def test_no_source_file_is_longer_than_about_500_lines():
+    """A room is split before any one file grows past about 500 lines."""
+    lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+    assert not {name: n for name, n in lengths.items() if n > 520}
+
+
+def test_no_class_is_longer_than_about_300_lines():
+    """A class that grows past about 300 lines is split into collaborators."""
+    long = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and (size := node.end_lineno - node.lineno + 1) > 320:
+                long[f"{path.relative_to(PACKAGE)}:{node.name}"] = size
+    assert not long

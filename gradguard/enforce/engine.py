@@ -13,22 +13,22 @@ reports: counters, events, a halt or a skip. What an action does lives in its ke
 
 from __future__ import annotations
 
-import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from gradguard.enforce.actions import kernel_for
 from gradguard.enforce.actions.clipping import clear_overflows
-from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind, watch_raw_norms
+from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
 from gradguard.enforce.distributed import Collective, is_sharded, local_tensor
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf
 from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
-from gradguard.errors import GradientHalt, GuardStateError, GuardWarning
+from gradguard.enforce.verdicts import Verdicts
+from gradguard.errors import GradientHalt, GuardStateError
 from gradguard.events.counters import Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.matching import Binding
@@ -65,7 +65,7 @@ class Enforcer:
         self.last_run_treated = False
         """Whether the last :meth:`run` found new gradients to treat."""
         self.skip_limits = SkipLimits()
-        self._warned_scheduler = False
+        self.verdicts = Verdicts(counters, events, self.skip_limits)
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
         """``(weakref to grad, version, held)`` after the last pass, per tensor: a gradient already
         treated, and unchanged since, is not treated again (a second ``step()`` on the same gradient).
@@ -114,7 +114,7 @@ class Enforcer:
             self.scaler_skip_at_boundary = context.explicit
             return True  # the scaler (or the fused kernel it drives) skips the update itself
         try:
-            self._report(outcome, plan.names, step)
+            self.verdicts.report(self.binding.policy.rules, outcome, plan.names, step)
         except GradientHalt:
             # The other gradients were treated: a retry after the user dropped the bad ones must not
             # treat them again. The offending ones stay untreated, so a retry checks them again.
@@ -123,9 +123,11 @@ class Enforcer:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
         if outcome.skipped_by:
-            self._skip(outcome, plan.names, step, context)
+            self.verdicts.skip(self.binding.policy.rules, outcome, plan.names, step, context)
             return False
         self.skip_limits.step_applied()
+        if self.summary_every and (step + 1) % self.summary_every == 0:
+            self.emit_summary()
         # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
         ref = weakref.ref
         held = context.explicit
@@ -235,6 +237,16 @@ class Enforcer:
         self.counters.add(SCALER_RULE, "skip")
         self.events.emit("info", "scaler_skip", step=step, fused=fused)
 
+    def scaler_skipped(self, plan_of_optimizer: Callable[[], Plan | None]) -> None:
+        """The guard's GradScaler skipped an optimizer's step (the optimizer's ``step()`` never ran)."""
+        self.seal_explicit()  # no optimizer step ran, so its post-hook did not
+        if self.scaler_skip_at_boundary:
+            self.scaler_skip_at_boundary = False  # already recorded by guard.step() after unscale_
+            return
+        plan = plan_of_optimizer()
+        if plan is not None:
+            self.record_scaler_skip(entry.index for entry in plan.params)
+
     def _grad_of(self, index: int) -> torch.Tensor:
         param = self.binding.params[index].ref()
         assert param is not None, "a tensor with a gradient this step is alive"
@@ -242,105 +254,6 @@ class Enforcer:
         return param.grad
 
     # --- after the sync -------------------------------------------------------------------------
-
-    def _report(self, outcome: StepOutcome, names: dict[int, str], step: int) -> None:
-        rules = self.binding.policy.rules
-        for index in sorted(outcome.nonfinite):
-            kind, rule_index = outcome.nonfinite[index]
-            self.counters.add(rules[rule_index].name, kind)
-            self.events.emit(
-                "info",
-                "nonfinite",
-                step=step,
-                rule=rules[rule_index].name,
-                param=names[index],
-                kind=kind,
-                halts=index in outcome.halted_by,
-                skips=index in outcome.skipped_by,
-            )
-        passed = sorted(set(outcome.nonfinite) - set(outcome.halted_by) - set(outcome.skipped_by))
-        if passed and not outcome.halted_by and not outcome.skipped_by:
-            # No halt or skip rule covers these: say loudly that the optimizer is about to apply them.
-            self.events.emit(
-                "warning",
-                "nonfinite_unhalted",
-                step=step,
-                params=[names[i] for i in passed],
-                kinds=sorted({outcome.nonfinite[i][0] for i in passed}),
-            )
-        if outcome.halted_by:
-            offenders = sorted(outcome.halted_by)
-            kind = joined_kind(outcome.nonfinite[i][0] for i in offenders)
-            rule = rules[outcome.halted_by[offenders[0]]].name
-            for rule_index in sorted(set(outcome.halted_by.values())):
-                self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
-            params = [names[i] for i in offenders]
-            self._halt(step, rule, params, {names[i]: outcome.nonfinite[i][0] for i in offenders}, kind, None)
-        if outcome.skipped_by:
-            return  # the step will not happen: its interventions did not either
-        self.counters.add_many(outcome.counts)
-        for event, fields in outcome.events:
-            level = "warning" if event.startswith("nonfinite") or event == "norm_overflow" else "debug"
-            self.events.emit(level, event, **fields)
-        if self.summary_every and (step + 1) % self.summary_every == 0:
-            self.emit_summary()
-
-    def _halt(
-        self, step: int, rule: str, params: list[str], kinds: dict[str, str], kind: str, reason: str | None
-    ) -> None:
-        self.events.emit(
-            "error",
-            "halt",
-            step=step,
-            rule=rule,
-            params=params,
-            kinds=kinds,
-            kind=kind,
-            reason=reason,
-            counters=self.counters.snapshot(),
-        )
-        self.events.flush()
-        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason)
-
-    def _skip(self, outcome: StepOutcome, names: dict[int, str], step: int, context: StepContext) -> None:
-        """Skip the update: no gradient is left for the optimizer, so nothing it owns can change."""
-        rules = self.binding.policy.rules
-        offenders = sorted(outcome.skipped_by)
-        params = [names[i] for i in offenders]
-        kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
-        kind = joined_kind(kinds.values())
-        for rule_index in sorted(set(outcome.skipped_by.values())):
-            rule = rules[rule_index]
-            reason = self.skip_limits.record(rule_index, rule, step)
-            if reason is not None:
-                self.counters.add(rule.name, "halt_on_nonfinite")
-                self._halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}")
-            self.counters.add(rule.name, "skip_step_on_nonfinite")
-        for param in context.stepped_params():
-            param.grad = None
-        self.events.emit(
-            "warning",
-            "skip",
-            step=step,
-            rule=rules[outcome.skipped_by[offenders[0]]].name,
-            params=params,
-            kinds=kinds,
-            kind=kind,
-        )
-        optimizer = context.optimizer
-        if (
-            optimizer is not None
-            and not self._warned_scheduler
-            and getattr(optimizer.step, "_wrapped_by_lr_sched", False)
-        ):
-            self._warned_scheduler = True
-            warnings.warn(
-                f"gradguard skipped optimizer step {step} (non-finite gradient), but an LR scheduler wraps this "
-                "optimizer and will still advance when you call scheduler.step(). To keep the schedule on "
-                "applied steps, call scheduler.step() only when guard.last_step_skipped is False.",
-                GuardWarning,
-                stacklevel=6,
-            )
 
     def state_dict(self) -> dict[str, Any]:
         """The step number and every rule's skip history: what decides future steps."""

@@ -1,0 +1,128 @@
+"""What a step came to, after its one sync: counters, events, and a halt or a skip.
+
+A halt raises :class:`GradientHalt` before the optimizer touches anything (the log is flushed first);
+a skip clears every gradient the update would use, so no parameter or optimizer state changes, and
+escalates to a halt past the skip rule's limits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
+from gradguard.enforce.step import StepContext, StepOutcome
+from gradguard.errors import GradientHalt, GuardWarning
+from gradguard.events.counters import Counters
+from gradguard.events.log import EventLog
+from gradguard.policy.schema import Rule
+
+__all__ = ["Verdicts"]
+
+
+class Verdicts:
+    """Turns a step's outcome into counters and events, and halts or skips."""
+
+    def __init__(self, counters: Counters, events: EventLog, skip_limits: SkipLimits) -> None:
+        self.counters = counters
+        self.events = events
+        self.skip_limits = skip_limits
+        self._warned_scheduler = False
+
+    def report(self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int) -> None:
+        """Count and log what the step did; raise :class:`GradientHalt` where a halt rule saw NaN/Inf."""
+        for index in sorted(outcome.nonfinite):
+            kind, rule_index = outcome.nonfinite[index]
+            self.counters.add(rules[rule_index].name, kind)
+            self.events.emit(
+                "info",
+                "nonfinite",
+                step=step,
+                rule=rules[rule_index].name,
+                param=names[index],
+                kind=kind,
+                halts=index in outcome.halted_by,
+                skips=index in outcome.skipped_by,
+            )
+        passed = sorted(set(outcome.nonfinite) - set(outcome.halted_by) - set(outcome.skipped_by))
+        if passed and not outcome.halted_by and not outcome.skipped_by:
+            # No halt or skip rule covers these: say loudly that the optimizer is about to apply them.
+            self.events.emit(
+                "warning",
+                "nonfinite_unhalted",
+                step=step,
+                params=[names[i] for i in passed],
+                kinds=sorted({outcome.nonfinite[i][0] for i in passed}),
+            )
+        if outcome.halted_by:
+            offenders = sorted(outcome.halted_by)
+            kind = joined_kind(outcome.nonfinite[i][0] for i in offenders)
+            rule = rules[outcome.halted_by[offenders[0]]].name
+            for rule_index in sorted(set(outcome.halted_by.values())):
+                self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
+            params = [names[i] for i in offenders]
+            self.halt(step, rule, params, {names[i]: outcome.nonfinite[i][0] for i in offenders}, kind, None)
+        if outcome.skipped_by:
+            return  # the step will not happen: its interventions did not either
+        self.counters.add_many(outcome.counts)
+        for event, fields in outcome.events:
+            level = "warning" if event.startswith("nonfinite") or event == "norm_overflow" else "debug"
+            self.events.emit(level, event, **fields)
+
+    def halt(
+        self, step: int, rule: str, params: list[str], kinds: dict[str, str], kind: str, reason: str | None
+    ) -> None:
+        self.events.emit(
+            "error",
+            "halt",
+            step=step,
+            rule=rule,
+            params=params,
+            kinds=kinds,
+            kind=kind,
+            reason=reason,
+            counters=self.counters.snapshot(),
+        )
+        self.events.flush()
+        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason)
+
+    def skip(
+        self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int, context: StepContext
+    ) -> None:
+        """Skip the update: no gradient is left for the optimizer, so nothing it owns can change."""
+        offenders = sorted(outcome.skipped_by)
+        params = [names[i] for i in offenders]
+        kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
+        kind = joined_kind(kinds.values())
+        for rule_index in sorted(set(outcome.skipped_by.values())):
+            rule = rules[rule_index]
+            reason = self.skip_limits.record(rule_index, rule, step)
+            if reason is not None:
+                self.counters.add(rule.name, "halt_on_nonfinite")
+                self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}")
+            self.counters.add(rule.name, "skip_step_on_nonfinite")
+        for param in context.stepped_params():
+            param.grad = None
+        self.events.emit(
+            "warning",
+            "skip",
+            step=step,
+            rule=rules[outcome.skipped_by[offenders[0]]].name,
+            params=params,
+            kinds=kinds,
+            kind=kind,
+        )
+        optimizer = context.optimizer
+        if (
+            optimizer is not None
+            and not self._warned_scheduler
+            and getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+        ):
+            self._warned_scheduler = True
+            warnings.warn(
+                f"gradguard skipped optimizer step {step} (non-finite gradient), but an LR scheduler wraps this "
+                "optimizer and will still advance when you call scheduler.step(). To keep the schedule on "
+                "applied steps, call scheduler.step() only when guard.last_step_skipped is False.",
+                GuardWarning,
+                stacklevel=6,
+            )

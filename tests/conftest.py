@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import support.training
 import torch
-from support.training import SmallMLP, assert_same, grads_of
+from support.training import SmallMLP, assert_same, grads_of, model_state
 from torch import nn
 
 from gradguard import GradGuard, Policy
@@ -266,11 +266,6 @@ def read_audit() -> Callable[[Path], list[dict[str, Any]]]:
 def same() -> Callable[..., None]:
     """``same(a, b)``: deep, bitwise equality of tensors, state dicts, lists of tensors."""
     return assert_same
-
-
-def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and buffers, detached and cloned."""
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
 @dataclass

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
+from support.training import make_policy, model_state
 from torch import nn
 
-from gradguard import GradientHalt, Policy
+from gradguard import GradientHalt
 
 accelerate = pytest.importorskip("accelerate")
 
@@ -33,10 +33,6 @@ def _fresh_accelerate_state() -> Iterator[None]:
     AcceleratorState._reset_state()
 
 
-def policy_of(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": list(rules)})
-
-
 def make_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -52,10 +48,6 @@ def loss_of(model: nn.Module, i: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
-def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
-
-
 def reference(model: nn.Module, micro_batches: int, steps: int) -> dict[str, torch.Tensor]:
     """Plain torch: loss / k per micro-batch, per-tensor clip 0.01 on layer 0, global clip 1.0, AdamW."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
@@ -67,7 +59,7 @@ def reference(model: nn.Module, micro_batches: int, steps: int) -> dict[str, tor
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return state_of(model)
+    return model_state(model)
 
 
 def test_nan_is_attributed_before_accelerators_clip_spreads_it(nonfinite_names, same):
@@ -75,12 +67,12 @@ def test_nan_is_attributed_before_accelerators_clip_spreads_it(nonfinite_names, 
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_model()
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-    with guard_accelerator(accelerator, model, policy_of(HALT_ALL), logger=None) as guard:
+    with guard_accelerator(accelerator, model, make_policy(HALT_ALL), logger=None) as guard:
         for step in range(3):
             opt.zero_grad()
             accelerator.backward(loss_of(model, step))
             if step == 2:
-                before = state_of(model)
+                before = model_state(model)
                 model[2].weight.grad[0, 3] = float("nan")
                 with pytest.raises(GradientHalt) as excinfo:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -90,7 +82,7 @@ def test_nan_is_attributed_before_accelerators_clip_spreads_it(nonfinite_names, 
         assert excinfo.value.params == ("2.weight",)
         assert excinfo.value.step == 2
         assert nonfinite_names(model) == ["2.weight"], "accelerate's clip never ran: the NaN did not spread"
-        same(state_of(model), before)
+        same(model_state(model), before)
         assert guard.step_count == 3
 
 
@@ -100,7 +92,7 @@ def test_policy_clips_come_before_accelerators_clip_bit_for_bit():
     model = make_model()
     ref_model = copy.deepcopy(model)
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False))
-    with guard_accelerator(accelerator, model, policy_of(CLIP_FIRST), logger=None) as guard:
+    with guard_accelerator(accelerator, model, make_policy(CLIP_FIRST), logger=None) as guard:
         for step in range(3):
             accelerator.backward(loss_of(model, step))
             norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,7 +100,7 @@ def test_policy_clips_come_before_accelerators_clip_bit_for_bit():
             opt.step()
             opt.zero_grad()
     expected = reference(ref_model, micro_batches=1, steps=3)
-    for name, value in state_of(model).items():
+    for name, value in model_state(model).items():
         assert torch.equal(value, expected[name]), name
     assert guard.counters.snapshot() == {"first-layer": {"clip_norm": 6}}
 
@@ -120,7 +112,7 @@ def test_accumulation_treats_each_steps_summed_gradient_once():
     ref_model = copy.deepcopy(model)
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False))
     steps_seen = []
-    with guard_accelerator(accelerator, model, policy_of(CLIP_FIRST), logger=None) as guard:
+    with guard_accelerator(accelerator, model, make_policy(CLIP_FIRST), logger=None) as guard:
         for i in range(6):
             with accelerator.accumulate(model):
                 accelerator.backward(loss_of(model, i))
@@ -133,7 +125,7 @@ def test_accumulation_treats_each_steps_summed_gradient_once():
                 opt.zero_grad()
     assert steps_seen == [0, 1, 1, 2, 2, 3]
     expected = reference(ref_model, micro_batches=2, steps=3)
-    for name, value in state_of(model).items():
+    for name, value in model_state(model).items():
         assert torch.equal(value, expected[name]), name
     assert guard.counters.snapshot() == {"first-layer": {"clip_norm": 6}}
 
@@ -143,7 +135,7 @@ def test_clip_norm_then_clip_value_in_one_step_treats_the_gradients_once():
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_model()
     model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    with guard_accelerator(accelerator, model, policy_of(CLIP_FIRST), logger=None) as guard:
+    with guard_accelerator(accelerator, model, make_policy(CLIP_FIRST), logger=None) as guard:
         for step in range(2):
             accelerator.backward(loss_of(model, step))
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -159,7 +151,7 @@ def test_without_any_clip_the_guard_acts_at_the_optimizer_step():
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_model()
     model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    with guard_accelerator(accelerator, model, policy_of(HALT_ALL), logger=None):
+    with guard_accelerator(accelerator, model, make_policy(HALT_ALL), logger=None):
         accelerator.backward(loss_of(model, 0))
         model[0].bias.grad[1] = float("inf")
         with pytest.raises(GradientHalt) as excinfo:
@@ -172,7 +164,7 @@ def test_removing_the_guard_puts_the_accelerator_back():
     accelerator = accelerate.Accelerator(cpu=True)
     model = make_model()
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3))
-    with guard_accelerator(accelerator, model, policy_of(HALT_ALL), logger=None) as guard:
+    with guard_accelerator(accelerator, model, make_policy(HALT_ALL), logger=None) as guard:
         assert "unscale_gradients" in vars(accelerator)
         assert "backward" in vars(accelerator)
     assert not guard.attached
@@ -194,22 +186,22 @@ def test_a_gradscaler_the_accelerator_uses_is_honoured(monkeypatch):
     model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False))
     accelerator.native_amp = True  # after prepare: no fp16 autocast on the CPU, only the scaler's maths
     monkeypatch.setattr(type(accelerator), "mixed_precision", property(lambda self: "fp16"))
-    with guard_accelerator(accelerator, model, policy_of(HALT_ALL, CLIP_FIRST), logger=None) as guard:
+    with guard_accelerator(accelerator, model, make_policy(HALT_ALL, CLIP_FIRST), logger=None) as guard:
         for step in range(3):
             accelerator.backward(loss_of(model, step))
             accelerator.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
         expected = reference(ref_model, micro_batches=1, steps=3)  # no scaler: the true gradients
-        for name, value in state_of(model).items():
+        for name, value in model_state(model).items():
             assert torch.equal(value, expected[name]), name
-        before = state_of(model)
+        before = model_state(model)
         accelerator.backward(loss_of(model, 3))
         model[0].weight.grad[0, 0] = float("inf")  # a scaled gradient overflowed: the scaler's business
         accelerator.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         assert accelerator.optimizer_step_was_skipped
-        for name, value in state_of(model).items():
+        for name, value in model_state(model).items():
             assert torch.equal(value, before[name]), name
         assert guard.counters.snapshot()["grad_scaler"] == {"skip": 1}
         assert "nonfinite" not in guard.counters.snapshot()

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+from support.training import make_policy, model_state
 from torch import nn
 
-from gradguard import GradientHalt, Policy
+from gradguard import GradientHalt
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -94,15 +95,7 @@ def training_args(tmp_path: Path, **overrides: Any) -> Any:
     return transformers.TrainingArguments(**options)
 
 
-def policy_of(*rules: dict[str, Any]) -> Policy:
-    return Policy.from_dict({"version": 1, "rules": list(rules)})
-
-
 HALT_ALL = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}
-
-
-def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
 def no_nonfinite_parameter(model: nn.Module) -> bool:
@@ -117,10 +110,10 @@ class Snapshots(transformers.TrainerCallback):
         self.optimizer: dict[int, dict[str, Any]] = {}
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        self.weights[state.global_step] = state_of(model)
+        self.weights[state.global_step] = model_state(model)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any):
-        self.weights[state.global_step] = state_of(model)
+        self.weights[state.global_step] = model_state(model)
         self.optimizer[state.global_step] = copy.deepcopy(optimizer.state_dict())
 
 
@@ -183,7 +176,7 @@ def reference_run(
                 torch.nn.utils.clip_grad_norm_([p], 0.01)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return state_of(model)
+    return model_state(model)
 
 
 CLIP_FIRST = {"name": "first-layer", "match": "first.*", "actions": [{"action": "clip_norm", "max_norm": 0.01}]}
@@ -195,7 +188,7 @@ def run_regression(tmp_path: Path, *, bare: bool) -> tuple[Any, RecordingCollato
     start = copy.deepcopy(model)
     collator = RecordingCollator()
     args = training_args(tmp_path, learning_rate=1e-2, lr_scheduler_type="constant")
-    policy = policy_of(CLIP_FIRST)
+    policy = make_policy(CLIP_FIRST)
     if bare:
         callback = GradGuardCallback(policy, logger=None)
         trainer = transformers.Trainer(
@@ -224,7 +217,7 @@ def test_guard_trainer_clips_before_trainers_clip_exactly_as_a_plain_torch_loop(
     assert run["callback"].guard.counters.snapshot() == {"first-layer": {"clip_norm": 6}}  # 2 tensors x 3 steps
     assert run["callback"].guard.step_count == 3
     expected = reference_run(copy.deepcopy(start), batches, lr=1e-2, clip="policy-first")
-    same(state_of(run["model"]), expected)
+    same(model_state(run["model"]), expected)
     wrong_order = reference_run(copy.deepcopy(start), batches, lr=1e-2, clip="global-first")
     assert not torch.equal(expected["second.weight"], wrong_order["second.weight"]), "the order is visible"
 
@@ -233,7 +226,7 @@ def test_bare_callback_acts_after_trainers_clip(tmp_path, same):
     """The callback alone treats gradients Trainer already clipped: equal to a torch loop clipping globally first."""
     _, collator, start, run = run_regression(tmp_path, bare=True)
     expected = reference_run(copy.deepcopy(start), collator.batches[:6], lr=1e-2, clip="global-first")
-    same(state_of(run["model"]), expected)
+    same(model_state(run["model"]), expected)
     assert run["callback"].guard.step_count == 3
     assert not run["callback"].guard.attached
 
@@ -245,7 +238,7 @@ def test_nan_in_one_gradient_halts_naming_that_parameter_with_the_default_max_gr
     assert args.max_grad_norm == 1.0
     snapshots = Snapshots()
     trainer = transformers.Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[snapshots])
-    callback = guard_trainer(trainer, policy_of(HALT_ALL), logger=None, audit_log=tmp_path / "audit.jsonl")
+    callback = guard_trainer(trainer, make_policy(HALT_ALL), logger=None, audit_log=tmp_path / "audit.jsonl")
     handle = poison_at(trainer, model, NAN_PARAM, step=2)
     try:
         with pytest.raises(GradientHalt) as excinfo:
@@ -255,7 +248,7 @@ def test_nan_in_one_gradient_halts_naming_that_parameter_with_the_default_max_gr
     assert excinfo.value.params == (NAN_PARAM,)
     assert excinfo.value.step == 2
     assert trainer.state.global_step == 2
-    same(state_of(model), snapshots.weights[2])
+    same(model_state(model), snapshots.weights[2])
     same(trainer.optimizer.state_dict(), snapshots.optimizer[2])
     assert no_nonfinite_parameter(model)
     assert not callback.guard.attached, "guard_trainer removes the guard when train() raises"
@@ -267,7 +260,7 @@ def test_bare_callback_halts_at_the_right_step_but_names_every_parameter(tmp_pat
     """Without guard_trainer, Trainer's clip has spread the NaN before the guard looks: every parameter is named."""
     model = tiny_gpt2()
     snapshots = Snapshots()
-    callback = GradGuardCallback(policy_of(HALT_ALL), logger=None)
+    callback = GradGuardCallback(make_policy(HALT_ALL), logger=None)
     trainer = transformers.Trainer(
         model=model,
         args=training_args(tmp_path, max_steps=4),
@@ -284,7 +277,7 @@ def test_bare_callback_halts_at_the_right_step_but_names_every_parameter(tmp_pat
     assert excinfo.value.step == 2
     assert set(excinfo.value.params) == {name for name, _ in model.named_parameters()}
     assert len(excinfo.value.params) > 1
-    same(state_of(model), snapshots.weights[2])
+    same(model_state(model), snapshots.weights[2])
     assert no_nonfinite_parameter(model)
 
 
@@ -294,7 +287,7 @@ def test_counters_reach_log_history_and_every_on_log_callback(tmp_path):
     recorder = LogRecorder()
     trainer = transformers.Trainer(model=model, args=training_args(tmp_path), train_dataset=token_data())
     trainer.callback_handler.callbacks.insert(0, recorder)  # where report_to integrations sit: before ours
-    policy = policy_of(
+    policy = make_policy(
         HALT_ALL, {"name": "attn", "match": "*.attn.*", "actions": [{"action": "clip_norm", "max_norm": 1e-4}]}
     )
     callback = guard_trainer(trainer, policy, logger=None)
@@ -314,7 +307,7 @@ def test_counters_reach_log_history_and_every_on_log_callback(tmp_path):
 
 def test_resumed_run_carries_on_the_guard_step_numbers(tmp_path, read_audit):
     """Stop at a checkpoint, resume with a new Trainer: attach start_step and event steps continue; a window holds."""
-    policy = policy_of(
+    policy = make_policy(
         HALT_ALL,
         {"name": "warmup", "match": "*", "until_step": 3, "actions": [{"action": "clip_norm", "max_norm": 1e-4}]},
     )
@@ -354,12 +347,12 @@ def test_resume_true_finds_the_last_checkpoint_and_its_guard_state(tmp_path, rea
     """resume_from_checkpoint=True: the guard state beside the last checkpoint is read (a state_loaded event)."""
     args = training_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=token_data())
-    guard_trainer(trainer, policy_of(HALT_ALL), logger=None)
+    guard_trainer(trainer, make_policy(HALT_ALL), logger=None)
     trainer.train()
     log = tmp_path / "resumed.jsonl"
     more = training_args(tmp_path, max_steps=3, save_strategy="steps", save_steps=2)
     resumed = transformers.Trainer(model=tiny_gpt2(), args=more, train_dataset=token_data())
-    callback = guard_trainer(resumed, policy_of(HALT_ALL), logger=None, audit_log=log)
+    callback = guard_trainer(resumed, make_policy(HALT_ALL), logger=None, audit_log=log)
     resumed.train(resume_from_checkpoint=True)
     events = read_audit(log)
     assert events[0]["start_step"] == 2
@@ -372,7 +365,7 @@ def test_a_second_train_call_gets_a_new_guard_and_the_wrappers_are_undone_betwee
     trainer = transformers.Trainer(
         model=tiny_gpt2(), args=training_args(tmp_path, max_steps=1), train_dataset=token_data()
     )
-    callback = guard_trainer(trainer, policy_of(HALT_ALL), logger=None)
+    callback = guard_trainer(trainer, make_policy(HALT_ALL), logger=None)
     trainer.train()
     first = callback.guard
     assert first is not None
@@ -388,7 +381,7 @@ def test_a_second_train_call_gets_a_new_guard_and_the_wrappers_are_undone_betwee
 def test_start_step_is_refused_because_it_comes_from_the_trainer():
     """GradGuardCallback(policy, start_step=5) is a TypeError: the Trainer's global_step decides."""
     with pytest.raises(TypeError, match="start_step"):
-        GradGuardCallback(policy_of(HALT_ALL), start_step=5)
+        GradGuardCallback(make_policy(HALT_ALL), start_step=5)
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,11 @@ def clip_each(model: nn.Module, max_norm: float) -> int:
 # --- comparing bit for bit ------------------------------------------------------------------------
 
 
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers, detached and cloned."""
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
 def grads_of(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Every parameter's gradient (cloned), or None, by name in model order."""
     return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}

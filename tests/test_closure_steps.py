@@ -257,3 +257,51 @@ def test_state_dict_carries_the_step_and_skip_history_into_a_new_guard(make_work
         with pytest.raises(GradientHalt, match="2 consecutive skipped steps") as excinfo:
             poisoned_step(1)
         assert excinfo.value.step == 1
+
+
+
+def _inject_once(work, policy, accumulate, bad_step, bad_name, value):
+    """Train 4 closure steps with ``value`` written into ``bad_name``'s gradient at ``bad_step``; check the halt."""
+    opt = torch.optim.AdamW(work.model.parameters(), lr=1e-2)
+    params = dict(work.model.named_parameters())
+
+    def closure_at(step):
+        def closure():
+            opt.zero_grad(set_to_none=True)
+            for micro in range(accumulate):
+                loss = work.backward(10 * step + micro)
+            if step == bad_step:
+                params[bad_name].grad.view(-1)[0] = value
+            return loss
+
+        return closure
+
+    with GradGuard(work.model, policy, logger=None):
+        for step in range(bad_step):
+            opt.step(closure_at(step))
+        before = {k: v.detach().clone() for k, v in params.items()}
+        moments = {k: [t.clone() for t in s.values()] for k, s in opt.state.items()}
+        with pytest.raises(GradientHalt) as excinfo:
+            opt.step(closure_at(bad_step))
+    assert excinfo.value.params == (bad_name,)
+    assert excinfo.value.step == bad_step
+    for name, p in params.items():
+        assert torch.equal(p, before[name]), name
+        assert torch.isfinite(p).all(), name
+    for key, saved in moments.items():
+        for now, old in zip(opt.state[key].values(), saved, strict=True):
+            assert torch.equal(now, old)
+
+
+@pytest.mark.parametrize("accumulate", [1, 3])
+def test_random_nan_and_inf_injected_in_closure_loops_never_reach_the_weights(make_workload, make_policy, accumulate):
+    """30 random injections (step, parameter, NaN or +-Inf) per mode in AdamW closure loops: each halts, untouched."""
+    import random
+
+    rng = random.Random(1234 + accumulate)
+    policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
+    for case in range(30):
+        work = make_workload("mlp", seed=case)
+        names = [name for name, _ in work.model.named_parameters()]
+        value = rng.choice([float("nan"), float("inf"), float("-inf")])
+        _inject_once(work, policy, accumulate, rng.randrange(4), rng.choice(names), value)

@@ -1,1 +1,2 @@
-"""What the guard records: the JSON-lines event log and the thread-safe counters."""
+"""What the guard records: ``log`` (the JSON-lines event log, written by a background thread) and
+``counters`` (thread-safe intervention counts)."""

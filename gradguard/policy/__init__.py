@@ -1,3 +1,7 @@
-"""What a policy says and which parameters it covers: the schema, loading files, matching names.
+"""What a policy says and which parameters it covers.
 
-Nothing here but ``matching`` imports torch."""
+- ``schema``: the actions, rules and step windows (pydantic, frozen);
+- ``document``: :class:`Policy`, a validated document, from a file or a dict;
+- ``loading``: YAML/TOML/JSON files, and every problem as a :class:`PolicyError` with file and line;
+- ``matching``: binding a policy to a model's parameters (the only module here that imports torch).
+"""

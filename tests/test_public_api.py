@@ -73,3 +73,21 @@ def test_gradguard_attribute_imports_torch_on_first_use():
     assert gradguard.GradGuard is GradGuard
     with pytest.raises(AttributeError, match="NoSuchThing"):
         gradguard.NoSuchThing  # noqa: B018
+
+
+def test_guarding_a_model_never_imports_a_training_framework():
+    """Attaching and stepping a GradGuard imports no lightning, transformers or accelerate (they are extras)."""
+    code = (
+        "import json, sys, torch\n"
+        "from gradguard import GradGuard, Policy\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "policy = Policy.from_dict({'version': 1, 'rules': [{'name': 'a', 'match': '*', "
+        "'actions': [{'action': 'clip_norm', 'max_norm': 1.0}]}]})\n"
+        "with GradGuard(model, policy, logger=None):\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "    torch.optim.SGD(model.parameters(), lr=0.1).step()\n"
+        "frameworks = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate')\n"
+        "print(json.dumps(sorted(n for n in sys.modules if n.split('.')[0] in frameworks)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert json.loads(out.stdout) == []

@@ -1,8 +1,8 @@
 """Shared fixtures: small real models, real optimizers, a guarded-versus-reference runner, log readers.
 
 Helpers are handed to tests as fixtures (not imported from this module). Plain helpers that tests
-import live in ``tests/support/`` (``support.training``, ``support.synthetic_log``), which needs
-pytest's default ``prepend`` import mode (it puts ``tests/`` on ``sys.path``).
+import live in ``tests/support/`` (``support.training``, ``support.synthetic_log``); ``pythonpath``
+in pyproject.toml puts ``tests/`` on ``sys.path`` in any import mode.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from gradguard.enforce.agreement import agree_at_attach, fingerprint
 from gradguard.enforce.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
 from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
@@ -120,6 +121,9 @@ class GradGuard:
             the log's step numbers continue where the first run stopped.
         summary_every: write the cumulative counters every this many steps (0: only at the end).
         replace: remove a guard already attached to the model instead of refusing.
+        attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the
+            group to attach too (then ``GuardStateError`` names the missing ranks); ranks that
+            attach with a different policy, parameters or options are refused at once, on every rank.
     """
 
     def __init__(
@@ -136,11 +140,14 @@ class GradGuard:
         start_step: int = 0,
         summary_every: int = 100,
         replace: bool = False,
+        attach_timeout: float = 60.0,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
         if start_step < 0:
             raise ValueError(f"start_step must be >= 0 (the step a resumed run starts at), got {start_step}")
+        if attach_timeout <= 0:
+            raise ValueError(f"attach_timeout must be > 0 (seconds to wait for the other ranks), got {attach_timeout}")
         if summary_every < 0:
             raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
         optimizers = _optimizers(optimizer)
@@ -151,6 +158,8 @@ class GradGuard:
             if any(id(p) in binding.by_id for group in opt.param_groups for p in group["params"]):
                 refuse_reevaluating(opt)
         _claim_parameters(self, model, replace)
+        collective = Collective(process_group)
+        agree_at_attach(collective, fingerprint(self.policy, binding, per_micro_batch, start_step), attach_timeout)
 
         self.counters = Counters()
         """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
@@ -159,7 +168,7 @@ class GradGuard:
         self.rank = _distributed_rank()
         events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
         self._enforcer = Enforcer(
-            binding, self.counters, events, summary_every=summary_every, collective=Collective(process_group)
+            binding, self.counters, events, summary_every=summary_every, collective=collective
         )
         self._enforcer.step = start_step
         self._events = events

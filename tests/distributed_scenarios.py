@@ -181,7 +181,40 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         fully_shard(model)
         inject = nan_on_rank_one_grad if name == "fsdp2_nan_one_rank" else None
         return train(rank, world, model, POLICY, outdir, inject=inject)
+    if name.startswith("attach_"):
+        return attach(name, rank, make_model())
     raise SystemExit(f"unknown scenario {name!r}")
+
+
+ATTACH_TIMEOUT = 3.0
+
+
+def attach(name: str, rank: int, model: nn.Module) -> dict[str, Any]:
+    """Attach a guard on every rank (or not): whether it attached, the error it raised, and how long it took."""
+    policy = POLICY
+    if name == "attach_policy_differs" and rank == 1:
+        extra = {"name": "extra", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}
+        policy = {**POLICY, "rules": [*POLICY["rules"], extra]}
+    if name == "attach_params_differ" and rank == 1:
+        model.extra = nn.Linear(2, 2)
+    result: dict[str, Any] = {"rank": rank, "attached": False, "error": None}
+    if name == "attach_missing_rank" and rank == 1:
+        return result  # this rank never attaches: the other must say so within the timeout
+    started = time.monotonic()
+    try:
+        guard = GradGuard(model, Policy.from_dict(policy), logger=None, attach_timeout=ATTACH_TIMEOUT)
+    except Exception as exc:  # the test asserts the type and the message
+        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+    else:
+        result["attached"] = True
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x, y = batch(rank, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        result["steps"] = guard.step_count
+        guard.remove()
+    result["seconds"] = time.monotonic() - started
+    return result
 
 
 def fsdp_attach_before_shard(rank: int, world: int, model: nn.Module, outdir: Path) -> dict[str, Any]:

@@ -187,3 +187,52 @@ def test_fsdp2_guard_attached_before_sharding_rebinds_to_the_sharded_parameters(
         assert "rebind" in result["events"]
         assert result["counters"]["embed"]["clip_norm"] >= 1
     assert results[0]["digests"] == results[1]["digests"]
+
+
+ATTACH_SCENARIOS = ["attach_agree", "attach_policy_differs", "attach_params_differ", "attach_missing_rank"]
+
+
+@pytest.fixture(scope="module")
+def attach_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    outdir = tmp_path_factory.mktemp("attach")
+    launch(ATTACH_SCENARIOS, 2, outdir, timeout=120)  # the missing rank comes last: it leaves the others' count behind
+    return outdir
+
+
+def test_ranks_that_attach_the_same_guard_agree_and_step(attach_runs: Path) -> None:
+    """Two ranks attaching the same policy to the same model both attach and step; agreement is quick."""
+    for result in results_of(attach_runs, "attach_agree", 2):
+        assert result["attached"]
+        assert result["error"] is None
+        assert result["steps"] == 1
+        assert result["seconds"] < scenarios.ATTACH_TIMEOUT
+
+
+def test_ranks_with_different_policies_are_refused_on_every_rank_naming_the_ranks(attach_runs: Path) -> None:
+    """A policy that differs on rank 1 raises GuardStateError on both ranks, naming the field and both sides."""
+    for result in results_of(attach_runs, "attach_policy_differs", 2):
+        assert not result["attached"]
+        assert result["error"]["type"] == "GuardStateError"
+        message = result["error"]["message"]
+        assert "policy differs (ranks [0]: content" in message
+        assert "ranks [1]: content" in message
+        assert "parameters differs" not in message
+        assert result["seconds"] < scenarios.ATTACH_TIMEOUT
+
+
+def test_ranks_with_different_parameters_are_refused_on_every_rank(attach_runs: Path) -> None:
+    """A model with one more parameter on rank 1 is named as a parameters difference on both ranks."""
+    for result in results_of(attach_runs, "attach_params_differ", 2):
+        assert result["error"]["type"] == "GuardStateError"
+        assert "parameters differs (ranks [0]: 6 guarded tensors" in result["error"]["message"]
+        assert "ranks [1]: 8 guarded tensors" in result["error"]["message"]
+
+
+def test_a_rank_that_never_attaches_is_named_within_the_attach_timeout(attach_runs: Path) -> None:
+    """Rank 0 attaches, rank 1 does not: rank 0 raises GuardStateError naming rank 1 after the timeout, no hang."""
+    waiting, missing = results_of(attach_runs, "attach_missing_rank", 2)
+    assert missing["error"] is None
+    assert not missing["attached"]
+    assert waiting["error"]["type"] == "GuardStateError"
+    assert "rank(s) [1] did not attach a GradGuard within 3 s" in waiting["error"]["message"]
+    assert scenarios.ATTACH_TIMEOUT <= waiting["seconds"] < scenarios.ATTACH_TIMEOUT + 5

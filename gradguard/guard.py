@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,57 +28,20 @@ from gradguard.enforce.scaler import ScalerWatch, unscaled_found_inf
 from gradguard.enforce.step import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
-from gradguard.events.log import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
+from gradguard.events.log import DEFAULT_LOGGER, EventLog
+from gradguard.lifecycle import (
+    Attachment,
+    check_arguments,
+    distributed_rank,
+    emit_attach,
+    optimizers_given,
+)
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
 
 __all__ = ["GradGuard"]
 
 _LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
-
-
-class _Removable(Protocol):
-    def remove(self) -> None: ...
-
-
-class _Attachment:
-    """Everything that must be undone when a guard goes away; deliberately holds no reference to it."""
-
-    def __init__(self, enforcer: Enforcer, events: EventLog) -> None:
-        self.enforcer = enforcer
-        self.events = events
-        self.handles: list[_Removable] = []
-        self.open = True
-
-    def close(self, reason: str) -> None:
-        if not self.open:
-            return
-        self.open = False
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-        self.enforcer.emit_summary()
-        self.events.emit(
-            "info",
-            "detach",
-            reason=reason,
-            steps=self.enforcer.step,
-            counters=self.enforcer.counters.snapshot(),
-        )
-        self.events.close()
-
-    def collected(self) -> None:
-        """The guard was garbage-collected while still attached: unhook, and say so."""
-        if not self.open:
-            return
-        self.close("garbage-collected")
-        warnings.warn(
-            "a GradGuard was garbage-collected while still attached, so its hooks were removed and the "
-            "model is no longer guarded. Keep a reference to the guard (guard = GradGuard(...)) or use "
-            "it as a context manager (with GradGuard(...) as guard:).",
-            GuardWarning,
-            stacklevel=2,
-        )
 
 
 def _on_optimizer_step(
@@ -142,15 +105,8 @@ class GradGuard:
         replace: bool = False,
         attach_timeout: float = 60.0,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0 (the step a resumed run starts at), got {start_step}")
-        if attach_timeout <= 0:
-            raise ValueError(f"attach_timeout must be > 0 (seconds to wait for the other ranks), got {attach_timeout}")
-        if summary_every < 0:
-            raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
-        optimizers = _optimizers(optimizer)
+        check_arguments(model, start_step, summary_every, attach_timeout)
+        optimizers = optimizers_given(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._plans = PlanBook(self.policy, model, _weak_call(self._rebound))
         binding = self._plans.binding
@@ -165,18 +121,16 @@ class GradGuard:
         """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
         self.run_id = uuid.uuid4().hex[:12]
         """Identifies this guard's events in a log that several runs append to."""
-        self.rank = _distributed_rank()
+        self.rank = distributed_rank()
         events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
-        self._enforcer = Enforcer(
-            binding, self.counters, events, summary_every=summary_every, collective=collective
-        )
+        self._enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
         self._enforcer.step = start_step
         self._events = events
         self._model_ref = weakref.ref(model)
         self._expected: list[Optimizer] | None = optimizers
         self._warned_unexpected = False
 
-        self._attachment = _Attachment(self._enforcer, events)
+        self._attachment = Attachment(self._enforcer, events)
         if per_micro_batch:
             self._attach_micro_batch_hooks()
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))
@@ -186,9 +140,6 @@ class GradGuard:
         after = functools.partial(_after_optimizer_step, weakref.ref(self))
         self._attachment.handles.append(register_optimizer_step_post_hook(after))
         self._scaler = scaler
-        boundary = "any torch.optim optimizer"
-        if optimizers is not None:
-            boundary = ", ".join(type(opt).__name__ for opt in optimizers)
         if scaler is not None:
             self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
         self._last_step_skipped = False
@@ -197,18 +148,7 @@ class GradGuard:
         self._finalizer.atexit = False
         _LIVE_GUARDS.add(self)
 
-        events.emit(
-            "info",
-            "attach",
-            schema=EVENT_SCHEMA_VERSION,
-            policy=self.policy.source,
-            model=type(model).__name__,
-            boundary=boundary,
-            start_step=start_step,
-            params=len(binding.params),
-            rules={bound.name: len(bound.params) for bound in binding.rules},
-            pid=os.getpid(),
-        )
+        emit_attach(events, self.policy, model, binding, optimizers, start_step)
 
     # --- public ------------------------------------------------------------------------------------
 
@@ -436,19 +376,6 @@ def _claim_parameters(guard: GradGuard, model: nn.Module, replace: bool) -> None
         other.remove()
 
 
-def _optimizers(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer] | None:
-    """The optimizers given, checked before anything is attached (so a bad one leaves nothing behind)."""
-    if optimizer is None:
-        return None
-    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
-    for opt in optimizers:
-        if not isinstance(opt, Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got {type(opt).__name__}")
-    if not optimizers:
-        raise ValueError("optimizer=[] would never trigger the guard; pass None to guard every torch optimizer")
-    return optimizers
-
-
 def _weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding, list[str]], None]:
     """Calls ``method`` while its object lives, without keeping it alive (a guard must stay collectable)."""
     ref = weakref.WeakMethod(method)
@@ -486,12 +413,6 @@ def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType
             guard._scaler_skipped(optimizer)
 
     return ScalerWatch(scaler, calls, on_skip)
-
-
-def _distributed_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_rank())
-    return 0
 
 
 @atexit.register

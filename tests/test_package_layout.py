@@ -13,8 +13,9 @@ ALLOWED = {
     "events": set(),
     "enforce": {"policy", "events"},
     "audit": set(),
-    "guard": {"policy", "events", "enforce"},
-    "cli": {"policy", "events", "enforce", "audit", "guard"},
+    "lifecycle": {"policy", "events", "enforce"},
+    "guard": {"policy", "events", "enforce", "lifecycle"},
+    "cli": {"policy", "events", "enforce", "audit", "guard", "lifecycle"},
     "integrations": {"guard"},
 }
 

@@ -1,0 +1,123 @@
+"""What attaching a guard sets up and detaching undoes: argument checks, the attach event, the handles.
+
+Kept apart from :class:`gradguard.GradGuard` so that the class reads as what a guard does at each
+step; this module holds what happens once, at its start and at its end.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from gradguard.enforce.engine import Enforcer
+from gradguard.errors import GuardWarning
+from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
+from gradguard.policy.document import Policy
+from gradguard.policy.matching import Binding
+
+__all__ = ["Attachment", "Removable", "check_arguments", "distributed_rank", "emit_attach", "optimizers_given"]
+
+
+class Removable(Protocol):
+    def remove(self) -> None: ...
+
+
+class Attachment:
+    """Everything that must be undone when a guard goes away; deliberately holds no reference to it."""
+
+    def __init__(self, enforcer: Enforcer, events: EventLog) -> None:
+        self.enforcer = enforcer
+        self.events = events
+        self.handles: list[Removable] = []
+        self.open = True
+
+    def close(self, reason: str) -> None:
+        if not self.open:
+            return
+        self.open = False
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        self.enforcer.emit_summary()
+        self.events.emit(
+            "info",
+            "detach",
+            reason=reason,
+            steps=self.enforcer.step,
+            counters=self.enforcer.counters.snapshot(),
+        )
+        self.events.close()
+
+    def collected(self) -> None:
+        """The guard was garbage-collected while still attached: unhook, and say so."""
+        if not self.open:
+            return
+        self.close("garbage-collected")
+        warnings.warn(
+            "a GradGuard was garbage-collected while still attached, so its hooks were removed and the "
+            "model is no longer guarded. Keep a reference to the guard (guard = GradGuard(...)) or use "
+            "it as a context manager (with GradGuard(...) as guard:).",
+            GuardWarning,
+            stacklevel=2,
+        )
+
+
+def optimizers_given(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer] | None:
+    """The optimizers given, checked before anything is attached (so a bad one leaves nothing behind)."""
+    if optimizer is None:
+        return None
+    optimizers = [optimizer] if isinstance(optimizer, Optimizer) else list(optimizer)
+    for opt in optimizers:
+        if not isinstance(opt, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer (or a list of them), got {type(opt).__name__}")
+    if not optimizers:
+        raise ValueError("optimizer=[] would never trigger the guard; pass None to guard every torch optimizer")
+    return optimizers
+
+
+def check_arguments(model: nn.Module, start_step: int, summary_every: int, attach_timeout: float) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
+    if start_step < 0:
+        raise ValueError(f"start_step must be >= 0 (the step a resumed run starts at), got {start_step}")
+    if attach_timeout <= 0:
+        raise ValueError(f"attach_timeout must be > 0 (seconds to wait for the other ranks), got {attach_timeout}")
+    if summary_every < 0:
+        raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
+
+
+def emit_attach(
+    events: EventLog,
+    policy: Policy,
+    model: nn.Module,
+    binding: Binding,
+    optimizers: list[Optimizer] | None,
+    start_step: int,
+) -> None:
+    boundary = "any torch.optim optimizer"
+    if optimizers is not None:
+        boundary = ", ".join(type(opt).__name__ for opt in optimizers)
+    events.emit(
+        "info",
+        "attach",
+        schema=EVENT_SCHEMA_VERSION,
+        policy=policy.source,
+        model=type(model).__name__,
+        boundary=boundary,
+        start_step=start_step,
+        params=len(binding.params),
+        rules={bound.name: len(bound.params) for bound in binding.rules},
+        pid=os.getpid(),
+    )
+
+
+def distributed_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0

@@ -23,8 +23,8 @@ __all__ = [
     "MAX_NODES",
     "MAX_PATTERNS",
     "MAX_RULES",
-    "check_data_shape",
     "check_counts",
+    "check_data_shape",
     "check_yaml_events",
 ]
 

@@ -235,7 +235,8 @@ def _too_deep(source: str) -> PolicyError:
                 source,
                 None,
                 "",
-                f"mappings and lists are nested too deeply to parse; the limit is {MAX_DEPTH} levels (a policy needs 5)",
+                f"mappings and lists are nested too deeply to parse; the limit is {MAX_DEPTH} levels "
+                "(a policy needs 5)",
             )
         ]
     )
@@ -376,11 +377,12 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
         return f"missing required field {_shown(field)}; add it"
     if kind == "union_tag_invalid":
         tag = ctx.get("tag", given)
-        return (
-            f"unknown action {_shown(tag)}{_did_you_mean(str(tag), ACTION_NAMES)}; expected one of: {', '.join(ACTION_NAMES)}"
-        )
+        hint = _did_you_mean(str(tag), ACTION_NAMES)
+        return f"unknown action {_shown(tag)}{hint}; expected one of: {', '.join(ACTION_NAMES)}"
     if kind == "union_tag_not_found":
-        return f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {_shown(given)})"
+        return (
+            f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {_shown(given)})"
+        )
     if kind == "literal_error":
         return f"got {_shown(given)}; expected {ctx.get('expected', 'one of the allowed values')}"
     if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:

@@ -59,7 +59,10 @@ def bind_time(pattern: str) -> float:
     pattern_matcher.cache_clear()
     start = time.perf_counter()
     policy = Policy.from_dict(
-        {"version": 1, "rules": [{"name": "r", "match": [pattern], "allow_no_match": True, "actions": [{"action": "zero"}]}]}
+        {
+            "version": 1,
+            "rules": [{"name": "r", "match": [pattern], "allow_no_match": True, "actions": [{"action": "zero"}]}],
+        }
     )
     bind(policy, model)
     return time.perf_counter() - start
@@ -111,7 +114,10 @@ def test_regex_patterns_still_match_the_whole_dotted_name_as_before():
 )
 def test_a_regex_that_needs_backtracking_or_is_too_large_is_refused_with_the_reason(tmp_path, pattern, fragments):
     """Each refused construct is a PolicyError naming the file, line, pattern and why, and suggesting a way out."""
-    text = f"version: 1\nrules:\n  - name: r\n    match: ['*']\n    exclude: ['{pattern}']\n    actions: [{{action: zero}}]\n"
+    text = (
+        "version: 1\nrules:\n  - name: r\n    match: ['*']\n"
+        f"    exclude: ['{pattern}']\n    actions: [{{action: zero}}]\n"
+    )
     path = tmp_path / "policy.yaml"
     path.write_text(text)
     with pytest.raises(PolicyError) as info:
@@ -120,7 +126,8 @@ def test_a_regex_that_needs_backtracking_or_is_too_large_is_refused_with_the_rea
     assert (issue.source, issue.line, issue.path) == (str(path), 5, "rules[0].exclude")
     assert "invalid regular expression" in issue.message
     assert repr(pattern) in issue.message
-    assert "RE2 regular expression" in issue.message and "glob" in issue.message
+    assert "RE2 regular expression" in issue.message
+    assert "glob" in issue.message
     for fragment in fragments:
         assert fragment in issue.message, (fragment, issue.message)
 

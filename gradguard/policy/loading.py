@@ -41,7 +41,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["load_policy_file", "validate_policy_data"]
+__all__ = ["load_policy_file", "load_policy_text", "validate_policy_data"]
 
 P = TypeVar("P", bound=PolicyFields)
 """The policy class to validate into (:class:`gradguard.Policy`)."""
@@ -82,7 +82,15 @@ def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
                 )
             ]
         )
-    text = _read(source)
+    return load_policy_text(cls, _read(source), fmt, source)
+
+
+def load_policy_text(cls: type[P], text: str, fmt: str, source: str) -> P:
+    """Parse and validate the text of a policy file in format ``fmt`` (``yaml``, ``toml`` or ``json``)."""
+    if len(text) > MAX_FILE_BYTES:  # characters: at least as many bytes
+        raise PolicyError(
+            [PolicyIssue(source, None, "", f"the text has {len(text)} characters; the limit is {MAX_FILE_BYTES}")]
+        )
     data, locate = _parse(text, fmt, source)
     if not isinstance(data, Mapping):
         raise PolicyError(
@@ -187,8 +195,9 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
         # The parser is a state machine; the composer and constructor recurse and expand aliases. So the
         # events are checked against the caps first (depth, aliases), then the document is built once.
         check_yaml_events(text, getattr(yaml, "CSafeLoader", _UniqueKeyLoader), source)  # libyaml's, if built
-        loader = _UniqueKeyLoader(text)
+        loader: _UniqueKeyLoader | None = None
         try:
+            loader = _UniqueKeyLoader(text)  # its reader refuses non-printable characters at once
             node = loader.get_single_node()
             data = loader.construct_document(node) if node is not None else None
         except yaml.MarkedYAMLError as exc:
@@ -201,7 +210,8 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
         except ValueError as exc:  # a value YAML resolves but Python cannot build: 2001-13-45, a 5000-digit int
             raise _unreadable_value(source, exc) from None
         finally:
-            loader.dispose()
+            if loader is not None:
+                loader.dispose()
         return data, _yaml_locator(node)
     if fmt == "toml":
         try:

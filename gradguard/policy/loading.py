@@ -20,6 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from gradguard.errors import PolicyError, PolicyIssue
+from gradguard.policy.limits import MAX_DEPTH, MAX_FILE_BYTES, check_counts, check_data_shape, check_yaml_events
 from gradguard.policy.schema import (
     ACTION_NAMES,
     DUPLICATE_RULE_NAME,
@@ -40,7 +41,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["load_policy_file", "validate_policy_data"]
+__all__ = ["load_policy_file", "load_policy_text", "validate_policy_data"]
 
 P = TypeVar("P", bound=PolicyFields)
 """The policy class to validate into (:class:`gradguard.Policy`)."""
@@ -81,12 +82,15 @@ def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
                 )
             ]
         )
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise PolicyError([PolicyIssue(source, None, "", "no such file; check the path")]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError([PolicyIssue(source, None, "", f"cannot read the file: {exc}")]) from None
+    return load_policy_text(cls, _read(source), fmt, source)
+
+
+def load_policy_text(cls: type[P], text: str, fmt: str, source: str) -> P:
+    """Parse and validate the text of a policy file in format ``fmt`` (``yaml``, ``toml`` or ``json``)."""
+    if len(text) > MAX_FILE_BYTES:  # characters: at least as many bytes
+        raise PolicyError(
+            [PolicyIssue(source, None, "", f"the text has {len(text)} characters; the limit is {MAX_FILE_BYTES}")]
+        )
     data, locate = _parse(text, fmt, source)
     if not isinstance(data, Mapping):
         raise PolicyError(
@@ -108,6 +112,9 @@ def validate_policy_data(cls: type[P], data: Mapping[str, Any], *, source: str, 
         raise PolicyError(
             [PolicyIssue(source, None, "", f"expected a mapping with 'version' and 'rules', got {_type_name(data)}")]
         )
+    # The caps first: data past them is refused whole, before any walk over it could take long.
+    check_data_shape(data, source)
+    check_counts(data, source, locate)
     # Checks across fields run on the raw data too: pydantic runs a model's own checks only once all
     # of its fields are valid, and every problem should be reported at once.
     cross = _cross_field_issues(data, source, locate)
@@ -125,7 +132,31 @@ def validate_policy_data(cls: type[P], data: Mapping[str, Any], *, source: str, 
     return policy
 
 
-# --- parsing -------------------------------------------------------------------------------------
+# --- reading and parsing -------------------------------------------------------------------------
+
+
+def _read(source: str) -> str:
+    """The file's text; refused if it is larger than :data:`MAX_FILE_BYTES` (read no further than that)."""
+
+    def refuse(message: str) -> PolicyError:
+        return PolicyError([PolicyIssue(source, None, "", message)])
+
+    try:
+        size = os.stat(source).st_size
+        if size > MAX_FILE_BYTES:
+            raise refuse(f"the file has {size} bytes; the limit for a policy file is {MAX_FILE_BYTES} (1 MiB)")
+        with open(source, "rb") as file:
+            raw = file.read(MAX_FILE_BYTES + 1)  # stat can be wrong (pipes, /proc): never read on without bound
+    except FileNotFoundError:
+        raise refuse("no such file; check the path") from None
+    except OSError as exc:
+        raise refuse(f"cannot read the file: {exc}") from None
+    if len(raw) > MAX_FILE_BYTES:
+        raise refuse(f"the file has more than {MAX_FILE_BYTES} bytes; the limit for a policy file is {MAX_FILE_BYTES}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise refuse(f"cannot read the file: {exc}") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -136,11 +167,17 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be a plain value, not a {_type_name(key)}", key_node.start_mark
+            ) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None,
                 None,
-                f"duplicate key {key!r} (first on line {seen[key]}); each key may appear once per mapping",
+                f"duplicate key {_shown(key)} (first on line {seen[key]}); each key may appear once per mapping",
                 key_node.start_mark,
             )
         seen[key] = key_node.start_mark.line + 1
@@ -155,9 +192,14 @@ _UniqueKeyLoader.add_constructor(
 
 def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
     if fmt == "yaml":
+        # The parser is a state machine; the composer and constructor recurse and expand aliases. So the
+        # events are checked against the caps first (depth, aliases), then the document is built once.
+        check_yaml_events(text, getattr(yaml, "CSafeLoader", _UniqueKeyLoader), source)  # libyaml's, if built
+        loader: _UniqueKeyLoader | None = None
         try:
-            node = yaml.compose(text, Loader=_UniqueKeyLoader)
-            data = yaml.load(text, Loader=_UniqueKeyLoader)
+            loader = _UniqueKeyLoader(text)  # its reader refuses non-printable characters at once
+            node = loader.get_single_node()
+            data = loader.construct_document(node) if node is not None else None
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
@@ -165,22 +207,53 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
             raise PolicyError([PolicyIssue(source, line, "", f"YAML syntax error: {what}")]) from None
         except yaml.YAMLError as exc:
             raise PolicyError([PolicyIssue(source, None, "", f"YAML syntax error: {exc}")]) from None
+        except ValueError as exc:  # a value YAML resolves but Python cannot build: 2001-13-45, a 5000-digit int
+            raise _unreadable_value(source, exc) from None
+        finally:
+            if loader is not None:
+                loader.dispose()
         return data, _yaml_locator(node)
     if fmt == "toml":
         try:
             return tomllib.loads(text), None
+        except RecursionError:
+            raise _too_deep(source) from None
         except tomllib.TOMLDecodeError as exc:
             line = getattr(exc, "lineno", None)  # Python >= 3.14; before, only the message has it
             if line is None and (found := _TOML_LINE.search(str(exc))) is not None:
                 line = int(found.group(1))
             message = getattr(exc, "msg", str(exc))
             raise PolicyError([PolicyIssue(source, line, "", f"TOML syntax error: {message}")]) from None
+        except ValueError as exc:
+            raise _unreadable_value(source, exc) from None
     try:
         return json.loads(text), None
+    except RecursionError:
+        raise _too_deep(source) from None
     except json.JSONDecodeError as exc:
         raise PolicyError(
             [PolicyIssue(source, exc.lineno, "", f"JSON syntax error: {exc.msg} (column {exc.colno})")]
         ) from None
+    except ValueError as exc:
+        raise _unreadable_value(source, exc) from None
+
+
+def _too_deep(source: str) -> PolicyError:
+    return PolicyError(
+        [
+            PolicyIssue(
+                source,
+                None,
+                "",
+                f"mappings and lists are nested too deeply to parse; the limit is {MAX_DEPTH} levels "
+                "(a policy needs 5)",
+            )
+        ]
+    )
+
+
+def _unreadable_value(source: str, exc: ValueError) -> PolicyError:
+    return PolicyError([PolicyIssue(source, None, "", f"cannot read a value of the file: {exc}")])
 
 
 def _yaml_locator(root: yaml.Node | None) -> Locator:
@@ -244,7 +317,7 @@ def _cross_field_issues(data: Mapping[str, Any], source: str, locate: Locator | 
         if start is not None and end is not None and end <= start:
             add(
                 (*loc, "until_step"),
-                f"got {end!r}; expected a step greater than from_step ({start}): "
+                f"got {_shown(end)}; expected a step greater than from_step ({_shown(start)}): "
                 "the window [from_step, until_step) would never apply",
             )
 
@@ -257,7 +330,7 @@ def _cross_field_issues(data: Mapping[str, Any], source: str, locate: Locator | 
             if name in first_use:
                 add(
                     ("rules", index, "name"),
-                    f"got {name!r}, which rules[{first_use[name]}] already uses; give every rule a unique name "
+                    f"got {_shown(name)}, which rules[{first_use[name]}] already uses; give every rule a unique name "
                     "(counters and logs are keyed by it)",
                 )
             else:
@@ -309,18 +382,19 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
     if kind == "extra_forbidden":
         allowed = _allowed_fields(loc, data)
         hint = _did_you_mean(field, allowed)
-        return f"unknown field {field!r}{hint}; allowed here: {', '.join(allowed)}"
+        return f"unknown field {_shown(field)}{hint}; allowed here: {', '.join(allowed)}"
     if kind == "missing":
-        return f"missing required field {field!r}; add it"
+        return f"missing required field {_shown(field)}; add it"
     if kind == "union_tag_invalid":
         tag = ctx.get("tag", given)
-        return (
-            f"unknown action {tag!r}{_did_you_mean(str(tag), ACTION_NAMES)}; expected one of: {', '.join(ACTION_NAMES)}"
-        )
+        hint = _did_you_mean(str(tag), ACTION_NAMES)
+        return f"unknown action {_shown(tag)}{hint}; expected one of: {', '.join(ACTION_NAMES)}"
     if kind == "union_tag_not_found":
-        return f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {given!r})"
+        return (
+            f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {_shown(given)})"
+        )
     if kind == "literal_error":
-        return f"got {given!r}; expected {ctx.get('expected', 'one of the allowed values')}"
+        return f"got {_shown(given)}; expected {ctx.get('expected', 'one of the allowed values')}"
     if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:
         relation = {
             "greater_than": "greater than",
@@ -329,16 +403,16 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
             "less_than_equal": "at most",
         }[kind]
         bound = next(iter(ctx.values()), "?")
-        return f"got {given!r}; expected a number {relation} {bound}"
+        return f"got {_shown(given)}; expected a number {relation} {bound}"
     if kind == "too_short":
-        return f"got {given!r}; expected at least {ctx.get('min_length', 1)} item(s)"
+        return f"got {_shown(given)}; expected at least {ctx.get('min_length', 1)} item(s)"
     if kind == "value_error":
         return str(ctx.get("error", error["msg"]))
     expected = _EXPECTED_BY_ERROR_TYPE.get(kind)
     if expected is not None:
-        return f"got {given!r} ({_type_name(given)}); expected {expected}"
+        return f"got {_shown(given)} ({_type_name(given)}); expected {expected}"
     message = str(error["msg"])
-    return f"got {given!r} ({_type_name(given)}); {message[0].lower()}{message[1:]}"
+    return f"got {_shown(given)} ({_type_name(given)}); {message[0].lower()}{message[1:]}"
 
 
 _EXPECTED_BY_ERROR_TYPE: dict[str, str] = {
@@ -378,6 +452,17 @@ def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[
 def _did_you_mean(word: str, choices: Sequence[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _shown(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters; a value from a hostile file may be huge or unprintable."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int with more digits than Python turns into text (4300 by default)
+        if isinstance(value, int):
+            return f"an integer of {len(format(value, 'x'))} hex digits"
+        return f"a {_type_name(value)}"
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _type_name(value: Any) -> str:

@@ -8,17 +8,14 @@ ignored when matching, so one policy fits the model however it is wrapped.
 from __future__ import annotations
 
 import difflib
-import fnmatch
-import functools
-import re
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from gradguard.errors import GuardStateError, PolicyError, PolicyIssue
 from gradguard.policy.document import Policy
+from gradguard.policy.patterns import pattern_matcher
 from gradguard.policy.schema import GRADIENT_CHANGING_ACTIONS, Action, Rule
 
 __all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher"]
@@ -37,16 +34,6 @@ def canonical_name(name: str, *, strip_module_prefix: bool) -> str:
         while parts and parts[0] == "module":
             parts.pop(0)
     return ".".join(parts)
-
-
-@functools.lru_cache(maxsize=1024)
-def pattern_matcher(pattern: str) -> Callable[[str], bool]:
-    """A predicate for one policy pattern: a glob on dotted names, or ``re:<regex>`` (full match)."""
-    if pattern.startswith("re:"):
-        regex = re.compile(pattern[3:])
-        return lambda name: regex.fullmatch(name) is not None
-    glob = re.compile(fnmatch.translate(pattern))
-    return lambda name: glob.match(name) is not None
 
 
 def _matches_any(patterns: tuple[str, ...], name: str) -> bool:

@@ -7,11 +7,12 @@ A policy is data, validated once when it is loaded; nothing here touches torch, 
 from __future__ import annotations
 
 import math
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
+
+from gradguard.policy.patterns import check_pattern
 
 __all__ = [
     "Action",
@@ -25,8 +26,6 @@ __all__ = [
     "SkipStepOnNonfinite",
     "Zero",
 ]
-
-_REGEX_PREFIX = "re:"
 
 EMPTY_STEP_WINDOW = "empty_step_window"
 """Error type of a window with ``until_step <= from_step``; the file loader re-checks it on the raw data."""
@@ -177,21 +176,6 @@ GRADIENT_CHANGING_ACTIONS: frozenset[str] = frozenset({"clip_norm", "clip_value"
 """Actions that change a gradient (the others only watch it)."""
 
 
-def _check_pattern(pattern: str) -> str:
-    if not pattern:
-        raise ValueError("a pattern must not be empty; use '*' to match every parameter")
-    if pattern.startswith(_REGEX_PREFIX):
-        body = pattern[len(_REGEX_PREFIX) :]
-        try:
-            re.compile(body)
-        except re.error as exc:
-            raise ValueError(
-                f"invalid regular expression {body!r} in pattern {pattern!r}: {exc}; "
-                "a 're:' pattern must be a Python regex matching the whole dotted name"
-            ) from None
-    return pattern
-
-
 class Rule(_StepWindow):
     """Which parameters (``match`` minus ``exclude``) get which ``actions``, in order."""
 
@@ -210,7 +194,7 @@ class Rule(_StepWindow):
     @field_validator("match", "exclude")
     @classmethod
     def _patterns_compile(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        return tuple(_check_pattern(pattern) for pattern in value)
+        return tuple(check_pattern(pattern) for pattern in value)
 
 
 class PolicyFields(_Strict):

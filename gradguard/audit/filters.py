@@ -7,22 +7,12 @@ cover the whole log.
 
 from __future__ import annotations
 
-import fnmatch
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from gradguard.policy.patterns import pattern_matcher
+
 __all__ = ["EventFilter", "Filters"]
-
-
-def _pattern(pattern: str) -> Callable[[str], bool]:
-    """The policy pattern language: a glob on dotted names (``*`` crosses dots), or ``re:<regex>`` (full match)."""
-    if pattern.startswith("re:"):
-        regex = re.compile(pattern[3:])
-        return lambda name: regex.fullmatch(name) is not None
-    glob = re.compile(fnmatch.translate(pattern))
-    return lambda name: glob.match(name) is not None
 
 
 @dataclass(frozen=True)
@@ -39,11 +29,10 @@ class Filters:
 
     def __post_init__(self) -> None:
         for pattern in self.params:
-            if pattern.startswith("re:"):
-                try:
-                    re.compile(pattern[3:])
-                except re.error as exc:
-                    raise ValueError(f"invalid regular expression in --param {pattern!r}: {exc}") from None
+            try:
+                pattern_matcher(pattern)
+            except ValueError as exc:  # the policy's own pattern checks: RE2, linear time
+                raise ValueError(f"invalid regular expression in --param {pattern!r}: {exc}") from None
 
     @property
     def active(self) -> bool:
@@ -67,7 +56,7 @@ class Filters:
 
 class _ParamFilter:
     def __init__(self, patterns: tuple[str, ...]) -> None:
-        self._tests = [_pattern(pattern) for pattern in patterns]
+        self._tests = [pattern_matcher(pattern) for pattern in patterns]
         self._cache: dict[str, bool] = {}
 
     def __call__(self, name: str) -> bool:

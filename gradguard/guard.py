@@ -224,6 +224,12 @@ class GradGuard:
         rules = self.policy.rules
         return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._plans.binding.params}
 
+    def metrics(self) -> dict[str, float]:
+        """A flat dict for ``wandb.log`` / TensorBoard: the monitors' last sampled figures
+        (``gradguard/<rule>/<stat>[/<name>]``), the counters (``gradguard/<rule>/<action>``) and
+        ``gradguard/steps``."""
+        return self._enforcer.health.metrics(self.counters.snapshot(), self._enforcer.step)
+
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last step the guard saw was skipped by a ``skip_step_on_nonfinite`` rule."""

@@ -14,12 +14,12 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 from pydantic_core import PydanticCustomError
 
 __all__ = [
+    "MONITOR_STATS",
     "Action",
     "ClipNorm",
     "ClipValue",
     "Drop",
     "HaltOnNonfinite",
-    "MONITOR_STATS",
     "Monitor",
     "PolicyFields",
     "Rule",

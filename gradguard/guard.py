@@ -225,9 +225,7 @@ class GradGuard:
         return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._plans.binding.params}
 
     def metrics(self) -> dict[str, float]:
-        """A flat dict for ``wandb.log`` / TensorBoard: the monitors' last sampled figures
-        (``gradguard/<rule>/<stat>[/<name>]``), the counters (``gradguard/<rule>/<action>``) and
-        ``gradguard/steps``."""
+        """Monitors' last figures, counters and steps, flat (``gradguard/<rule>/<stat>[/<name>]``)."""
         return self._enforcer.health.metrics(self.counters.snapshot(), self._enforcer.step)
 
     @property

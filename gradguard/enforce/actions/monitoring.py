@@ -99,7 +99,8 @@ def _mean(grad: torch.Tensor) -> torch.Tensor:
 def _std(grad: torch.Tensor) -> torch.Tensor:
     if grad.numel() < 2:  # torch.std: NaN, with a warning; the same NaN, without it
         return torch.full((), float("nan"), device=grad.device)
-    return (grad.float() if grad.dtype in LOW_PRECISION else grad).std()
+    # std_mean's std is Tensor.std's, bit for bit, without the host read Tensor.std makes on a CPU.
+    return torch.std_mean(grad.float() if grad.dtype in LOW_PRECISION else grad)[0]
 
 
 def _per_tensor(stat: str, base: dict[str, torch.Tensor]) -> torch.Tensor:

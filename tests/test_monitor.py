@@ -118,7 +118,8 @@ def test_group_and_module_figures_are_those_of_the_joined_gradients(make_workloa
         module = ".".join(name.split(".")[:-1][:2]) or "(root)"
         by_module.setdefault(module, []).append(name)
     assert set(modules["figures"]["norm"]) == set(by_module)
-    assert "blocks.0" in by_module and "(root)" in by_module  # pos_embed sits on the model itself
+    assert "blocks.0" in by_module
+    assert "(root)" in by_module  # pos_embed sits on the model itself
     for module, names in by_module.items():
         want = joined(names)
         for stat in ALL_STATS:
@@ -231,7 +232,9 @@ def test_vanishing_and_exploding_layers_are_warned_about_once_until_they_recover
         ("vanishing", 5, "1"),
     ]
     warning = next(e for e in events if e["event"] == "exploding")
-    assert warning["level"] == "warning" and warning["threshold"] == 1e3 and warning["norm"] > 1e3
+    assert warning["level"] == "warning"
+    assert warning["threshold"] == 1e3
+    assert warning["norm"] > 1e3
     assert warning["rule"] == "layers"
     assert counts == {"layers": {"vanishing": 2, "exploding": 1}}
 
@@ -302,7 +305,7 @@ def test_metrics_is_a_flat_dict_of_the_last_figures_and_the_counters(make_worklo
 
 
 def test_a_monitor_beside_drop_is_not_a_conflicting_gradient_change(make_workload, make_policy):
-    """A monitor does not change gradients: beside drop on the same tensors it is no PolicyError, and figures still come."""
+    """A monitor changes no gradient: beside drop on the same tensors it is no PolicyError, and its figures come."""
     work = make_workload("mlp")
     rules = [
         {"name": "watch", "match": "*", "actions": [{"action": "monitor"}]},

@@ -214,7 +214,8 @@ def per_tensor_policy(max_norm: float) -> Policy:
 def monitored_policy(every: int) -> Policy:
     """``per_tensor_policy(NEVER)`` plus a ``monitor`` of the norm of every tensor, every ``every`` steps."""
     data = per_tensor_policy(NEVER).model_dump(mode="python")
-    data["rules"] = [*data["rules"], {"name": "health", "match": "*", "actions": [{"action": "monitor", "every": every}]}]
+    monitor = {"name": "health", "match": "*", "actions": [{"action": "monitor", "every": every}]}
+    data["rules"] = [*data["rules"], monitor]
     return Policy.from_dict(data, source=f"default.yaml + monitor every {every}")
 
 

@@ -73,7 +73,7 @@ def _bin(value: float) -> int:
 def _centre(key: int) -> float:
     if key == 0:
         return 0.0
-    magnitude = 10.0 ** (_LOW_DECADE + (abs(key) - 0.5) / BINS_PER_DECADE)
+    magnitude: float = 10.0 ** (_LOW_DECADE + (abs(key) - 0.5) / BINS_PER_DECADE)
     return magnitude if key > 0 else -magnitude
 
 

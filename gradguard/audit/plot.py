@@ -203,7 +203,7 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
         figure = Figure(figsize=(12, 10.5), layout="constrained")
         monitored, top, bottom = figure.subplots(3, 1, sharex=True, height_ratios=[3, 3, 1.4])
         _draw_health(monitored, collector, summary)
-        axes = (monitored, top, bottom)
+        axes: tuple[Any, ...] = (monitored, top, bottom)
     else:
         figure = Figure(figsize=(12, 7.5), layout="constrained")
         top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])

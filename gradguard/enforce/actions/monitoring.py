@@ -80,7 +80,7 @@ class MonitorKernel(ActionKernel):
         def read(values: list[float]) -> None:
             by_stat = {stat: values[k * count : (k + 1) * count] for k, stat in enumerate(order)}
             norms = by_stat["norm"] if thresholds else None
-            logged = {stat: by_stat[stat] for stat in stats}
+            logged: dict[str, list[float]] = {stat: by_stat[stat] for stat in stats}
             work.outcome.observed.append(Observation(bound.name, action, scope, names, logged, norms))
 
         work.pending.add(torch.cat([figures[stat].reshape(-1) for stat in order]), read)

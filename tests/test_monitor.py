@@ -334,3 +334,23 @@ def test_bad_monitor_fields_are_policy_errors(fields: dict[str, object], message
     data = {"version": 1, "rules": [{"name": "m", "match": "*", "actions": [{"action": "monitor", **fields}]}]}
     with pytest.raises(PolicyError, match=message):
         Policy.from_dict(data)
+
+
+def test_a_monitored_step_frees_its_gradients_without_waiting_for_the_garbage_collector(make_workload, make_policy):
+    """No reference cycle keeps a monitored step's gradients alive after zero_grad (a gradient-sized peak)."""
+    import gc
+    import weakref
+
+    work = make_workload("mlp")
+    rules = [{"name": "m", "match": "*", "actions": [{"action": "monitor", "stats": ALL_STATS, "scope": "module"}]}]
+    opt = torch.optim.SGD(work.model.parameters(), lr=0.01)
+    gc.disable()
+    try:
+        with GradGuard(work.model, make_policy(*rules), logger=None):
+            work.backward(0)
+            grads = [weakref.ref(p.grad) for p in work.model.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            assert all(ref() is None for ref in grads)
+    finally:
+        gc.enable()

@@ -76,12 +76,13 @@ class MonitorKernel(ActionKernel):
         order = list(stats) + (["norm"] if thresholds and "norm" not in stats else [])
         count = len(names)
         scope = action.scope
+        observed = work.outcome.observed  # not ``work``: a reader holding the step's gradients would keep them alive
 
         def read(values: list[float]) -> None:
             by_stat = {stat: values[k * count : (k + 1) * count] for k, stat in enumerate(order)}
             norms = by_stat["norm"] if thresholds else None
             logged: dict[str, list[float]] = {stat: by_stat[stat] for stat in stats}
-            work.outcome.observed.append(Observation(bound.name, action, scope, names, logged, norms))
+            observed.append(Observation(bound.name, action, scope, names, logged, norms))
 
         work.pending.add(torch.cat([figures[stat].reshape(-1) for stat in order]), read)
 

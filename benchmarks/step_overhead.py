@@ -211,6 +211,14 @@ def per_tensor_policy(max_norm: float) -> Policy:
     )
 
 
+def monitored_policy(every: int) -> Policy:
+    """``per_tensor_policy(NEVER)`` plus a ``monitor`` of the norm of every tensor, every ``every`` steps."""
+    data = per_tensor_policy(NEVER).model_dump(mode="python")
+    monitor = {"name": "health", "match": "*", "actions": [{"action": "monitor", "every": every}]}
+    data["rules"] = [*data["rules"], monitor]
+    return Policy.from_dict(data, source=f"default.yaml + monitor every {every}")
+
+
 MIXED_POLICY: dict[str, Any] = {
     "version": 1,
     "rules": [
@@ -399,6 +407,8 @@ def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
         Guarded("gg-a", "gradguard (a) per-tensor clip 1.0 + halt", lambda: per_tensor_policy(MAX_NORM)),
         Guarded("gg-a0", "gradguard (a), nothing clipped", lambda: per_tensor_policy(NEVER)),
         Guarded("gg-b", "gradguard (b) mixed policy, 5 rules", lambda: Policy.from_dict(MIXED_POLICY, source="mixed")),
+        Guarded("gg-m", "(a), nothing clipped, + monitor norm per tensor, every step", lambda: monitored_policy(1)),
+        Guarded("gg-m10", "(a), nothing clipped, + monitor norm per tensor, every: 10", lambda: monitored_policy(10)),
         Guarded(
             "gg-c0",
             "gradguard (c) = (a) + audit log, nothing clipped",
@@ -678,7 +688,8 @@ def run_model(
             }
         )
     comparisons: dict[str, dict[str, Any]] = {}
-    for a, b in (("gg-c0", "gg-a0"), ("gg-c", "gg-a"), ("gg-c-caller", "gg-c")):
+    pairs = (("gg-c0", "gg-a0"), ("gg-c", "gg-a"), ("gg-c-caller", "gg-c"), ("gg-m", "gg-a0"), ("gg-m10", "gg-a0"))
+    for a, b in pairs:
         if a in wall and b in wall:
             extra = statistics.median(x - y for x, y in zip(update[a], update[b], strict=True))
             comparisons[f"{a} / {b}"] = {
@@ -856,6 +867,14 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
             f"{cost['update']:.4f}; {cost['wall']} (process CPU {cost['cpu'].median:.3f})",
             cost["update"] <= 1.005,
         )
+    for name, limit in (("gg-m", 1.01), ("gg-m10", 1.003)):
+        for result in (r for r in (gpt, deep) if r is not None and f"{name} / gg-a0" in r.comparisons):
+            cost = result.comparisons[f"{name} / gg-a0"]
+            add(
+                f"monitor ({name}) vs the same guard without it, {result.workload} <= {limit}",
+                f"{cost['update']:.4f}; {cost['wall']}",
+                cost["update"] <= limit,
+            )
     if sweep is not None and not cuda:
         add(
             "per-tensor cost (sweep slope) < 5 us, linear",

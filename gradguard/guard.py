@@ -173,6 +173,10 @@ class GradGuard:
         rules = self.policy.rules
         return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._plans.binding.params}
 
+    def metrics(self) -> dict[str, float]:
+        """Monitors' last figures, counters and steps, flat (``gradguard/<rule>/<stat>[/<name>]``)."""
+        return self._enforcer.health.metrics(self.counters.snapshot(), self._enforcer.step)
+
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last step the guard saw was skipped by a ``skip_step_on_nonfinite`` rule."""

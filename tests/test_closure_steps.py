@@ -259,7 +259,6 @@ def test_state_dict_carries_the_step_and_skip_history_into_a_new_guard(make_work
         assert excinfo.value.step == 1
 
 
-
 def _inject_once(work, policy, accumulate, bad_step, bad_name, value):
     """Train 4 closure steps with ``value`` written into ``bad_name``'s gradient at ``bad_step``; check the halt."""
     opt = torch.optim.AdamW(work.model.parameters(), lr=1e-2)

@@ -93,7 +93,6 @@ def test_each_room_imports_only_the_rooms_it_may():
     assert not wrong, "\n".join(sorted(wrong))
 
 
-
 def test_no_source_file_is_longer_than_about_500_lines():
     """A room is split before any one file grows past about 500 lines."""
     lengths = {str(path.relative_to(PACKAGE)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}

@@ -37,7 +37,9 @@ def test_the_readme_distributed_example_runs_as_written_on_two_ranks(name: str, 
         *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"),
         str(script),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # This checkout's gradguard, not whichever one the environment has installed.
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     # The two ranks print at the same moment: their lines may interleave, so find each rank's report.

@@ -76,13 +76,17 @@ def test_llm_policy_covers_embeddings_attention_router_and_everything_on_a_moe_d
     """On a MoE decoder, llm-pretraining.yaml clips the tied embedding, attention weights (not biases) and routers."""
     workload = make_workload("moe")
     guarded, counters, _, _ = _train(workload, POLICIES / "llm-pretraining.yaml", tmp_path / "a.jsonl")
-    assert guarded["embed.weight"] == ("nonfinite", "embeddings", "warmup-global")  # also head.weight, tied
+    assert guarded["embed.weight"] == ("nonfinite", "embeddings", "warmup-global", "health")  # also head.weight, tied
     assert "head.weight" not in guarded
     for block in (0, 1):
-        assert guarded[f"blocks.{block}.attn.in_proj_weight"] == ("nonfinite", "attention", "warmup-global")
-        assert guarded[f"blocks.{block}.attn.out_proj.bias"] == ("nonfinite", "warmup-global")  # '*.bias' excluded
-        assert guarded[f"blocks.{block}.router.weight"] == ("nonfinite", "router", "warmup-global")
-        assert guarded[f"blocks.{block}.mlp.0.up.weight"] == ("nonfinite", "warmup-global")
+        assert guarded[f"blocks.{block}.attn.in_proj_weight"] == ("nonfinite", "attention", "warmup-global", "health")
+        assert guarded[f"blocks.{block}.attn.out_proj.bias"] == (
+            "nonfinite",
+            "warmup-global",
+            "health",
+        )  # '*.bias' excluded
+        assert guarded[f"blocks.{block}.router.weight"] == ("nonfinite", "router", "warmup-global", "health")
+        assert guarded[f"blocks.{block}.mlp.0.up.weight"] == ("nonfinite", "warmup-global", "health")
     assert counters["router"]["scale"] == 4 * 5  # two blocks x (weight, bias) x five steps
 
 
@@ -95,8 +99,8 @@ def test_finetune_policy_holds_early_layers_still_and_slows_the_backbone(make_wo
     assert frozen == {"embed.weight", *(f"layers.{i}.0.{kind}" for i in (0, 1) for kind in ("weight", "bias"))}
     assert not frozen & moved
     assert moved == set(guarded) - frozen
-    assert all(guarded[f"layers.{i}.0.weight"] == ("nonfinite", "backbone-slow") for i in (2, 3))
-    assert guarded["head.weight"] == ("nonfinite", "head")
+    assert all(guarded[f"layers.{i}.0.weight"] == ("nonfinite", "backbone-slow", "health") for i in (2, 3))
+    assert guarded["head.weight"] == ("nonfinite", "head", "health")
     assert counters["frozen-early-layers"] == {"zero": len(frozen) * 5}
     assert counters["backbone-slow"]["scale"] == 4 * 5
 
@@ -105,11 +109,11 @@ def test_vision_policy_covers_convolutions_norms_and_classifier_of_a_resnet(make
     """vision.json on a ResNet-like net: conv weights and downsample clipped by value, BN by norm, fc by norm."""
     workload = make_workload("resnet")
     guarded, counters, _, _ = _train(workload, POLICIES / "vision.json", tmp_path / "v.jsonl")
-    assert guarded["conv1.weight"] == ("nonfinite", "conv")
-    assert guarded["layer2.0.conv2.weight"] == ("nonfinite", "conv")
-    assert guarded["layer2.0.downsample.0.weight"] == ("nonfinite", "conv")
-    assert guarded["layer2.0.downsample.1.weight"] == ("nonfinite", "conv")
-    assert guarded["bn1.weight"] == ("nonfinite", "norm-layers")
-    assert guarded["layer1.0.bn2.bias"] == ("nonfinite", "norm-layers")
-    assert guarded["fc.weight"] == ("nonfinite", "classifier")
+    assert guarded["conv1.weight"] == ("nonfinite", "conv", "health")
+    assert guarded["layer2.0.conv2.weight"] == ("nonfinite", "conv", "health")
+    assert guarded["layer2.0.downsample.0.weight"] == ("nonfinite", "conv", "health")
+    assert guarded["layer2.0.downsample.1.weight"] == ("nonfinite", "conv", "health")
+    assert guarded["bn1.weight"] == ("nonfinite", "norm-layers", "health")
+    assert guarded["layer1.0.bn2.bias"] == ("nonfinite", "norm-layers", "health")
+    assert guarded["fc.weight"] == ("nonfinite", "classifier", "health")
     assert counters["conv"]["clip_value"] > 0

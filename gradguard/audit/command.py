@@ -56,10 +56,10 @@ def render_summary(summary: AuditSummary, fmt: str, top: int) -> str:
 
 def plot_files(paths: Sequence[Path], filters: Filters, summary: AuditSummary, out: Path, series: int) -> None:
     """Read the files again, gathering the most-affected series the summary found, and draw them to ``out``."""
-    from gradguard.audit.plot import PlotCollector, pick_series, write_plot
+    from gradguard.audit.plot import PlotCollector, pick_health, pick_series, write_plot
 
     keys, action = pick_series(summary, series)
-    collector = PlotCollector(filters, keys, action)
+    collector = PlotCollector(filters, keys, action, health=pick_health(summary, series))
     collector.add_all(read_merged(paths, ReadStats()))
     write_plot(out, collector, summary, audit_title(summary))
 

@@ -1,18 +1,23 @@
 """``gradguard audit --plot FILE.png``: a picture of the run (matplotlib, an optional extra).
 
-Top: the gradient norm before (solid, dots) and after (dashed) the guard, for the most-clipped
-parameters or group-clipped rules; bottom: interventions per step by rule, with non-finite
-detections, skips and halts marked. A log only has a point where the guard acted, so the lines join
-the clipped steps. Steps are gathered into at most :data:`MAX_BINS` bins per series (the largest
-norm of a bin is kept), so memory stays bounded on logs of any length.
+Where the log has monitors' ``stats``, a first panel draws the recorded gradient norm (as it
+arrived, before any action) per rule (group scope), per module, or for the loudest parameters, on a
+log scale, with the clip thresholds (``max_norm``), the vanishing/exploding thresholds, and the
+interventions (ticks), skips and halts marked. Then the gradient norm before (solid, dots) and after
+(dashed) the guard, for the most-clipped parameters or group-clipped rules; bottom: interventions per
+step by rule, with non-finite detections, skips and halts marked. A log only has a point where the
+guard acted, so the lines join the clipped steps. Steps are gathered into at most :data:`MAX_BINS`
+bins per series (the largest norm of a bin is kept), so memory stays bounded on logs of any length.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
+from gradguard.audit.fields import number_or_none
 from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.reader import Record
 from gradguard.audit.summary import AuditSummary
@@ -80,8 +85,14 @@ class _Bins:
 class PlotCollector:
     """A second pass over the log that gathers the series to draw, under the same filters as the summary."""
 
-    def __init__(self, filters: Filters, series: Iterable[str], action: str) -> None:
+    def __init__(
+        self, filters: Filters, series: Iterable[str], action: str, health: Iterable[tuple[str, str]] = ()
+    ) -> None:
         self._filter = EventFilter(filters)
+        self.health: dict[tuple[str, str], _Bins] = {key: _Bins() for key in health}
+        """(rule, name) -> the recorded norm of a monitored series (``name`` is the rule for a group)."""
+        self.clip_thresholds: dict[str, float] = {}
+        """Rule -> the largest ``max_norm`` its norm clips showed."""
         self.action = action
         self.series = list(series)
         self._wanted = set(self.series)
@@ -107,7 +118,12 @@ class PlotCollector:
         rule = event.get("rule")
         if not self._filter.shown(step, rule if isinstance(rule, str) else None):
             return
-        if kind == "intervention" and isinstance(rule, str):
+        if kind == "stats" and isinstance(rule, str):
+            self._stats(step, rule, event)
+        elif kind == "intervention" and isinstance(rule, str):
+            max_norm = event.get("max_norm")
+            if isinstance(max_norm, int | float) and len(self.clip_thresholds) < 20:
+                self.clip_thresholds[rule] = max(float(max_norm), self.clip_thresholds.get(rule, 0.0))
             param = event.get("param")
             names = [param] if isinstance(param, str) else list(event.get("params") or [])
             if not self._filter.narrow(names):
@@ -139,6 +155,25 @@ class PlotCollector:
         ):
             self.halts.append((step, rule))
 
+    def _stats(self, step: int, rule: str, event: dict[str, Any]) -> None:
+        norms = event.get("figures", {}).get("norm")
+        if norms is None:
+            return
+        by_name = {rule: norms} if event.get("scope") == "group" else norms
+        for name, value in by_name.items():
+            bins = self.health.get((rule, name))
+            number = number_or_none(value)
+            if bins is not None and number is not None and number > 0 and math.isfinite(number):
+                bins.add(step, number)
+
+
+def pick_health(summary: AuditSummary, count: int) -> list[tuple[str, str]]:
+    """The monitored norms to draw: every rule's group, its modules, or its loudest parameters (``count`` in all)."""
+    rows = [row for row in summary.health if row.stat == "norm"]
+    rank = {"group": 0, "module": 1, "tensor": 2}
+    rows.sort(key=lambda row: (rank.get(row.scope, 3), -(row.median or 0.0)))
+    return [(row.rule, row.name) for row in rows[:count]]
+
 
 def pick_series(summary: AuditSummary, count: int) -> tuple[list[str], str]:
     """The most-clipped parameters or group rules, and which action's values to draw (clip_norm first)."""
@@ -163,8 +198,16 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
     """Draw and save the figure (the format follows the file's suffix)."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 7.5), layout="constrained")
-    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+    health = any(bins.cells for bins in collector.health.values())
+    if health:
+        figure = Figure(figsize=(12, 10.5), layout="constrained")
+        monitored, top, bottom = figure.subplots(3, 1, sharex=True, height_ratios=[3, 3, 1.4])
+        _draw_health(monitored, collector, summary)
+        axes: tuple[Any, ...] = (monitored, top, bottom)
+    else:
+        figure = Figure(figsize=(12, 7.5), layout="constrained")
+        top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+        axes = (top, bottom)
     drawn = False
     for index, key in enumerate(collector.series):
         xs, before, after, _ = collector.norms[key].points()
@@ -204,7 +247,7 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
     ):
         xs, _, _, _ = bins.points()
         for position, x in enumerate(xs[:200]):
-            for axis in (top, bottom):
+            for axis in axes:
                 axis.axvline(
                     x,
                     color=colour,
@@ -214,7 +257,7 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
                     label=label if position == 0 and axis is bottom else None,
                 )
     for position, (step, _) in enumerate(collector.halts):
-        for axis in (top, bottom):
+        for axis in axes:
             axis.axvline(
                 step, color="red", linewidth=1.5, alpha=0.85, label="halt" if position == 0 and axis is bottom else None
             )
@@ -245,3 +288,41 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
         fontsize=11,
     )
     figure.savefig(path, dpi=110)
+
+
+def _draw_health(axis: Any, collector: PlotCollector, summary: AuditSummary) -> None:
+    """The recorded norms (log scale), clip and vanishing/exploding thresholds, intervention ticks."""
+    for index, ((rule, name), bins) in enumerate(collector.health.items()):
+        xs, norms, _, _ = bins.points()
+        if xs:
+            label = f"{rule} (group)" if name == rule else f"{rule}: {name}"
+            axis.plot(xs, norms, "-", color=f"C{index % 10}", linewidth=1.2, label=label)
+    axis.set_yscale("log")
+    for rule, max_norm in sorted(collector.clip_thresholds.items()):
+        axis.axhline(max_norm, color="black", linestyle=":", linewidth=1, alpha=0.6)
+        axis.annotate(
+            f"clip {rule}: {max_norm:g}",
+            xy=(0.0, max_norm),
+            xycoords=("axes fraction", "data"),
+            fontsize="x-small",
+            va="bottom",
+        )
+    for flag in summary.health_flags[:10]:
+        if flag.threshold is not None:
+            colour = "purple" if flag.kind == "vanishing" else "firebrick"
+            axis.axhline(flag.threshold, color=colour, linestyle="--", linewidth=1, alpha=0.6)
+    ticks = sorted({x for bins in collector.per_rule.values() for x in bins.points()[0]})
+    if ticks:
+        axis.plot(
+            ticks,
+            [0.02] * len(ticks),
+            "|",
+            color="black",
+            markersize=6,
+            alpha=0.6,
+            transform=axis.get_xaxis_transform(),
+            label="intervention",
+        )
+    axis.set_ylabel("gradient norm as it arrived")
+    axis.set_title("gradient health: the monitors' recorded norms (dotted: clip max_norm; dashed: vanishing/exploding)")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")

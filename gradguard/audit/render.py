@@ -11,10 +11,11 @@ import json
 import math
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradguard.audit.health_report import health_section
+from gradguard.audit.layout import Section, Table, num, steps_range
 from gradguard.audit.summary import AuditSummary, StepList
 
 __all__ = [
@@ -29,22 +30,6 @@ __all__ = [
 ]
 
 FORMATS = ("table", "json", "markdown")
-
-
-@dataclass
-class Table:
-    headers: list[str]
-    rows: list[list[str]]
-    right: frozenset[int] = frozenset()
-    """Columns aligned right (numbers)."""
-
-
-@dataclass
-class Section:
-    title: str
-    lines: list[str] = field(default_factory=list)
-    table: Table | None = None
-    after: list[str] = field(default_factory=list)
 
 
 def render_text(title: str, header: Sequence[str], sections: Iterable[Section]) -> str:
@@ -137,22 +122,6 @@ def short_path(path: str) -> str:
 # --- numbers and steps -----------------------------------------------------------------------------
 
 
-def num(value: float | None) -> str:
-    if value is None:
-        return ""
-    if value != value or value in (float("inf"), float("-inf")):
-        return str(value)
-    if abs(value) >= 1e5:
-        return f"{value:.3e}"
-    return f"{value:,.4g}" if abs(value) >= 1000 else f"{value:.4g}"
-
-
-def steps_range(first: int | None, last: int | None) -> str:
-    if first is None:
-        return ""
-    return str(first) if last is None or last == first else f"{first}-{last}"
-
-
 def step_list(steps: StepList) -> str:
     shown = ", ".join(str(step) for step in steps.steps)
     more = steps.distinct_steps - len(steps.steps)
@@ -227,6 +196,8 @@ def audit_sections(summary: AuditSummary, top: int = 10) -> list[Section]:
     sections.append(_nonfinite(summary, top))
     sections.append(_halts(summary))
     sections.append(_skips(summary))
+    if summary.health or summary.health_flags:
+        sections.append(health_section(summary, top))
     if summary.other_events:
         sections.append(_other(summary))
     sections.append(_counters(summary))

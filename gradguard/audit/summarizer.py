@@ -7,7 +7,8 @@ the first few halts, with totals for the rest.
 :class:`Summarizer` finds each event's run (:mod:`gradguard.audit.runs`) and hands the event to the
 collector of its kind: counters snapshots (:mod:`gradguard.audit.counters`), interventions
 (:mod:`gradguard.audit.interventions`), non-finite gradients (:mod:`gradguard.audit.nonfinite`),
-halts and skips (:mod:`gradguard.audit.halts_and_skips`), or, for any other event name,
+halts and skips (:mod:`gradguard.audit.halts_and_skips`), gradient health (:mod:`gradguard.audit.health`),
+or, for any other event name,
 :class:`OtherEventCollector`. A malformed event becomes an unreadable line in the read statistics.
 """
 
@@ -20,6 +21,7 @@ from gradguard.audit.counters import CounterCheck
 from gradguard.audit.fields import Malformed
 from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.halts_and_skips import HaltSkipCollector
+from gradguard.audit.health import HealthCollector
 from gradguard.audit.interventions import InterventionCollector
 from gradguard.audit.nonfinite import NonfiniteCollector
 from gradguard.audit.reader import ReadStats, Record
@@ -74,6 +76,7 @@ class Summarizer:
         self.nonfinite = NonfiniteCollector(event_filter)
         self.halts_and_skips = HaltSkipCollector(self.paths, event_filter, self.counters)
         self.other = OtherEventCollector(event_filter)
+        self.health = HealthCollector(event_filter)
         self._run_of = self.runs.run_of
         self._handlers: dict[str, Callable[[dict[str, Any], RunState, Record], None]] = {
             "attach": self.runs.attach,
@@ -86,6 +89,10 @@ class Summarizer:
             "halt": self.halts_and_skips.halt,
             "skip": self.halts_and_skips.skip,
             "scaler_skip": self.halts_and_skips.scaler_skip,
+            "stats": self.health.stats,
+            "vanishing": self.health.flag,
+            "exploding": self.health.flag,
+            "recovered": self.health.flag,
         }
 
     def add(self, record: Record) -> None:
@@ -124,6 +131,7 @@ class Summarizer:
         by_rule_action, by_param = self.interventions.rows()
         nonfinite = self.nonfinite
         stops = self.halts_and_skips
+        health, health_flags = self.health.rows()
         files = [
             FileInfo(
                 path,
@@ -172,6 +180,8 @@ class Summarizer:
             notes=self._notes(runs),
             findings=[],
             series_counts=dict(self.interventions.series),
+            health=health,
+            health_flags=health_flags,
         )
         summary.findings = findings_of(summary)
         return summary

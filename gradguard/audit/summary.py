@@ -17,7 +17,9 @@ __all__ = [
     "AuditSummary",
     "Counts",
     "FileInfo",
+    "FlagRow",
     "HaltRow",
+    "HealthRow",
     "Mismatch",
     "NonfiniteRow",
     "ParamRow",
@@ -180,6 +182,40 @@ class Mismatch:
 
 
 @dataclass
+class HealthRow:
+    """One monitored figure over the run: ``name`` is a parameter, a module, or (group) the rule."""
+
+    rule: str
+    scope: str
+    name: str
+    stat: str
+    samples: int
+    first_step: int | None
+    last_step: int | None
+    first: float
+    last: float
+    min: float | None
+    median: float | None
+    max: float | None
+    nonfinite: int
+    median_exact: bool
+
+
+@dataclass
+class FlagRow:
+    """A name that vanished or exploded: each episode ``[from_step, recovered_at]`` (``None``: not yet)."""
+
+    rule: str
+    name: str
+    kind: str
+    times: int
+    episodes: list[list[int | None]]
+    threshold: float | None
+    worst: float | None
+    """The smallest (vanishing) or largest (exploding) norm the warnings carried."""
+
+
+@dataclass
 class AuditSummary:
     """Everything ``gradguard audit`` reports; :meth:`as_json` is its ``--format json``."""
 
@@ -224,6 +260,10 @@ class AuditSummary:
     findings: list[str]
     series_counts: dict[str, int] = field(repr=False, default_factory=dict)
     """Clip events per plottable series (a parameter, or ``"<rule> (group)"``), for ``--plot``."""
+    health: list[HealthRow] = field(default_factory=list)
+    """Every monitored figure (rule, scope, name, stat): first, last, min, median, max."""
+    health_flags: list[FlagRow] = field(default_factory=list)
+    """The names that vanished or exploded, and when."""
 
     @property
     def exit_code(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -36,9 +37,21 @@ class _Block(nn.Module):
 
 
 class TinyDecoder(nn.Module):
-    """A GPT-style decoder small enough to train in seconds; the head is tied to the embedding."""
+    """A GPT-style decoder small enough to train in seconds; the head is tied to the embedding.
 
-    def __init__(self, vocab: int = 32, width: int = 64, depth: int = 2, heads: int = 4, context: int = 32) -> None:
+    ``crushed_adapter=True`` adds a residual ``adapter`` layer whose output is scaled by 1e-9: its
+    gradient vanishes (the demo's monitor flags it).
+    """
+
+    def __init__(
+        self,
+        vocab: int = 32,
+        width: int = 64,
+        depth: int = 2,
+        heads: int = 4,
+        context: int = 32,
+        crushed_adapter: bool = False,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.pos_embed = nn.Parameter(torch.zeros(context, width))
@@ -47,6 +60,7 @@ class TinyDecoder(nn.Module):
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
         nn.init.normal_(self.embed.weight, std=0.02)
+        self.adapter = nn.Linear(width, width) if crushed_adapter else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
@@ -54,7 +68,28 @@ class TinyDecoder(nn.Module):
         x = self.embed(tokens) + self.pos_embed[:length]
         for block in self.blocks:
             x = block(x, mask)
+        if self.adapter is not None:
+            x = x + 1e-9 * self.adapter(x)  # a layer whose gradient is crushed: it vanishes
         return self.head(self.norm(x))  # type: ignore[no-any-return]
+
+
+def _health_warnings(log_path: Path, shown: int = 6) -> list[str]:
+    """The monitors' vanishing/exploding warnings in the demo's log, one line each (the first few)."""
+    found = []
+    with log_path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if '"vanishing"' in line or '"exploding"' in line:
+                event = json.loads(line)
+                if event["event"] in ("vanishing", "exploding"):
+                    found.append(event)
+    out = [
+        f"  {e['event']}: {e['name']} (rule {e['rule']}) at step {e['step']}: gradient norm {e['norm']:.3g}, "
+        f"threshold {e['threshold']:g}"
+        for e in found[:shown]
+    ]
+    if len(found) > shown:
+        out.append(f"  ... and {len(found) - shown} more vanishing/exploding warnings in the log")
+    return out
 
 
 def _batch(generator: torch.Generator, vocab: int, batch: int, length: int) -> torch.Tensor:
@@ -91,7 +126,7 @@ def run_demo(
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     vocab, length = 32, 24
-    model = TinyDecoder(vocab=vocab, context=length)
+    model = TinyDecoder(vocab=vocab, context=length, crushed_adapter=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     policy = policy if policy is not None else Policy.from_file(bundled_policy_path())
     log_path.unlink(missing_ok=True)
@@ -139,6 +174,8 @@ def run_demo(
         verdict = "unchanged" if untouched else "CHANGED (this is a bug)"
         say(f"  halted at step {halt.step} on {halt.kind}; parameters after the halt: {verdict}")
     say(f"  counters: {counters}")
+    for line in _health_warnings(log_path):
+        say(line)
     say(f"  audit log: {log_path}")
     if not math.isfinite(losses[-1]):
         say("  warning: the last loss is not finite")

@@ -6,7 +6,8 @@ optimizer reads ``p.grad``. All tensor work is batched per action with torch's `
 and stays on the device; every figure the host needs (halt decision, log fields, counters) comes back
 in one transfer: exactly one host sync per step, and none while backward runs.
 
-The engine gathers the gradients, takes the raw figures the plan's actions need, runs each rule's
+The engine gathers the gradients, takes the raw figures the plan's actions need, lets the observing
+actions (``monitor``) take their figures of the gradients as they arrived, runs each rule's
 actions in policy order through their kernels (:mod:`gradguard.enforce.actions`), syncs once, and
 reports: counters, events, a halt or a skip. What an action does lives in its kernel, not here.
 """
@@ -19,10 +20,11 @@ from typing import Any
 
 import torch
 
-from gradguard.enforce.actions import kernel_for
+from gradguard.enforce.actions import ActionKernel, kernel_for
 from gradguard.enforce.actions.clipping import clear_overflows
 from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
 from gradguard.enforce.distributed import Collective, is_sharded, local_tensor
+from gradguard.enforce.health import Health
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf
@@ -66,6 +68,8 @@ class Enforcer:
         """Whether the last :meth:`run` found new gradients to treat."""
         self.skip_limits = SkipLimits()
         self.verdicts = Verdicts(counters, events, self.skip_limits)
+        self.health = Health(counters, events)
+        """The monitors' figures, warnings and metrics across steps."""
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
         """``(weakref to grad, version, held)`` after the last pass, per tensor: a gradient already
         treated, and unchanged since, is not treated again (a second ``step()`` on the same gradient).
@@ -104,11 +108,15 @@ class Enforcer:
             raw_ids = sorted(index for index in plan.raw_norm_params if index in grads)
         if raw_ids:
             work.raw = watch_raw_norms(work, plan, raw_ids)
+        if plan.observers:
+            self._observe(plan, work, everyone)
         self._apply_actions(plan, work, everyone)
 
         work.pending.sync()  # the step's one host sync
         clear_overflows(work, plan.fragile)
         outcome = work.outcome
+        if outcome.observed and not outcome.scaler_found_inf:
+            self.health.report(outcome.observed, step)  # figures of the gradient as it arrived, before a verdict
         if outcome.scaler_found_inf:
             self.record_scaler_skip((), step=step, fused=context.optimizer is not None and not context.explicit)
             self.scaler_skip_at_boundary = context.explicit
@@ -158,21 +166,32 @@ class Enforcer:
                     "or compute a dense gradient."
                 )
             seen = applied.get(entry.index)
-            if (
-                seen is not None
-                and seen[0]() is grad
-                and (seen[1] == local._version or (honour_explicit and seen[2]))
-            ):
+            if seen is not None and seen[0]() is grad and (seen[1] == local._version or (honour_explicit and seen[2])):
                 continue  # already treated (and unchanged since, or at this step's explicit boundary)
             grads[entry.index] = local
         return grads, wrapped
+
+    def _observe(self, plan: Plan, work: StepWork, everyone: int) -> None:
+        """Every observing action (``monitor``) that samples this step, on the gradients as they arrived."""
+        grads, step = work.grads, work.step
+        for position, action in plan.observers:
+            bound, members = plan.rules[position]
+            kernel = kernel_for(action)
+            if not bound.rule.active_at(step) or not kernel.samples(action, step):
+                continue
+            if len(grads) == everyone:
+                ids = list(plan.member_ids[position])
+            else:
+                ids = [entry.index for entry in members if entry.index in grads]
+            if ids:
+                kernel.observe(work, bound, action, ids)
 
     def _apply_actions(self, plan: Plan, work: StepWork, everyone: int) -> None:
         """Each active rule's actions, in policy order, through their kernels."""
         grads, step = work.grads, work.step
         for (bound, members), member_ids in zip(plan.rules, plan.member_ids, strict=True):
-            if not bound.rule.active_at(step) or all(kernel_for(a).watches for a in bound.actions):
-                continue  # inactive, or it only watches (halt/skip): its verdict came with the raw norms
+            if not bound.rule.active_at(step) or all(_passive(kernel_for(a)) for a in bound.actions):
+                continue  # inactive, or it only watches (halt/skip: its verdict came with the raw norms) or observes
             if len(grads) == everyone:
                 ids = list(member_ids)
             else:
@@ -181,7 +200,7 @@ class Enforcer:
                 continue
             for action in bound.actions:
                 kernel = kernel_for(action)
-                if not action.active_at(step) or kernel.watches:
+                if not action.active_at(step) or _passive(kernel):
                     continue
                 if self.micro_batch is not None and handled_in_hooks(action):
                     continue
@@ -268,3 +287,8 @@ class Enforcer:
     def emit_summary(self) -> None:
         """Write the cumulative counters, so the log reproduces counts that are not logged per step."""
         self.events.emit("info", "counters", step=self.step - 1, steps=self.step, counters=self.counters.snapshot())
+
+
+def _passive(kernel: ActionKernel) -> bool:
+    """The kernel never acts in policy order: it watches (halt, skip) or observes (monitor)."""
+    return kernel.watches or kernel.observes

@@ -1,7 +1,8 @@
 """A plan: what one enforcement pass treats, and what its actions need from the step.
 
 Built once per (binding, optimizer) and cached: which tensors, which rules over them, which raw
-2-norms to take (for the non-finite watch and the clips that can reuse them), and which watched
+2-norms to take (for the non-finite watch and the clips that can reuse them), which actions only
+observe the gradient as it arrives (``monitor``: before any action), and which watched
 tensors an action could make finite (judged by their max-abs before any action).
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from gradguard.enforce.actions import kernel_for
 from gradguard.policy.matching import Binding, BoundRule, GuardedParam
+from gradguard.policy.schema import Action
 
 __all__ = ["Plan"]
 
@@ -35,6 +37,8 @@ class Plan:
     """``sorted(raw_norm_params)``: the raw norms to take when every tensor of the plan has a gradient."""
     member_ids: tuple[tuple[int, ...], ...] = ()
     """Per rule, the indices of its members: its tensors to treat when every tensor has a gradient."""
+    observers: tuple[tuple[int, Action], ...] = ()
+    """``(position in rules, action)`` of every observing action (``monitor``), in policy order."""
 
     @classmethod
     def build(cls, binding: Binding, params: Sequence[GuardedParam]) -> Plan:
@@ -49,6 +53,8 @@ class Plan:
         for bound, members in rules:
             for action in bound.actions:
                 kernel = kernel_for(action)
+                if kernel.observes:
+                    continue  # observed before any action: it neither needs the raw norms nor changes anything
                 if kernel.watches:
                     for entry in members:
                         raw.add(entry.index)
@@ -74,4 +80,11 @@ class Plan:
             watchers_by_param={key: tuple(value) for key, value in watchers.items()},
             raw_sorted=tuple(sorted(raw)),
             member_ids=tuple(tuple(entry.index for entry in members) for _, members in rules),
+            observers=tuple(
+                (position, action)
+                for position, (bound, members) in enumerate(rules)
+                if members
+                for action in bound.actions
+                if kernel_for(action).observes
+            ),
         )

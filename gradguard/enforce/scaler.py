@@ -50,6 +50,7 @@ def adopt_fused_scaler(context: StepContext, pending: Pending, outcome: StepOutc
 
         pending.add(found_inf.reshape(-1)[:1].float(), read)
 
+
 def read_found_inf(context: StepContext, pending: Pending, outcome: StepOutcome) -> None:
     """Read a GradScaler's inf/NaN flags with the step's one sync (explicit boundary after its unscale_)."""
     if not context.found_inf:

@@ -16,9 +16,9 @@ import torch
 from gradguard.enforce.distributed import Collective, combine_shard_norms
 from gradguard.enforce.tensors import norms, stack_on
 from gradguard.policy.matching import Binding
-from gradguard.policy.schema import ClipNorm
+from gradguard.policy.schema import ClipNorm, Monitor
 
-__all__ = ["Pending", "StepContext", "StepOutcome", "StepWork"]
+__all__ = ["Observation", "Pending", "StepContext", "StepOutcome", "StepWork"]
 
 
 @dataclass
@@ -75,6 +75,21 @@ class Pending:
 
 
 @dataclass
+class Observation:
+    """What one ``monitor`` read of the gradients as they arrived, on one step (host floats)."""
+
+    rule: str
+    action: Monitor
+    scope: str
+    names: list[str]
+    """Parameter names (tensor), module names (module) or the rule's name (group), in figure order."""
+    figures: dict[str, list[float]]
+    """Stat -> one value per name, for the stats the monitor logs."""
+    norms: list[float] | None
+    """The 2-norm per name, for the vanishing/exploding thresholds (None without thresholds)."""
+
+
+@dataclass
 class StepOutcome:
     nonfinite: dict[int, tuple[str, int]] = field(default_factory=dict)
     """Tensor index -> (kind, rule index to report it under)."""
@@ -86,6 +101,8 @@ class StepOutcome:
     """GradScaler (fused optimizer path) found inf/NaN: the optimizer skips this step itself."""
     counts: list[tuple[str, str, int]] = field(default_factory=list)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    observed: list[Observation] = field(default_factory=list)
+    """The monitors' figures of the gradients as they arrived (before any action)."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any

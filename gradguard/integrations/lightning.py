@@ -160,15 +160,12 @@ class GradGuardCallback(Callback):
         pl_module.log_dict(self.metrics(), on_step=True, on_epoch=False, logger=True, batch_size=1)
 
     def metrics(self) -> dict[str, float]:
-        """``{"gradguard/steps": n, "gradguard/<rule>/<action>": count, ...}`` for the current guard."""
+        """``guard.metrics()`` of the current guard: ``gradguard/steps``, ``gradguard/<rule>/<action>``
+        counts and the monitors' last figures, ``gradguard/<rule>/<stat>[/<name>]``."""
         guard = self.guard
         if guard is None:
             return {}
-        metrics = {"gradguard/steps": float(guard.step_count)}
-        for rule, counts in guard.counters.snapshot().items():
-            for action, count in counts.items():
-                metrics[f"gradguard/{rule}/{action}"] = float(count)
-        return metrics
+        return guard.metrics()
 
     # --- checkpoints ---------------------------------------------------------------------------
 

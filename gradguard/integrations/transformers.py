@@ -145,15 +145,14 @@ class GradGuardCallback(transformers.TrainerCallback):
         if self.guard is not None:
             self.guard.remove()
 
-    def log_entries(self) -> dict[str, int]:
-        """The guard's counters as flat log keys: ``{"gradguard/<rule>/<action>": count}``."""
+    def log_entries(self) -> dict[str, float]:
+        """``guard.metrics()`` less ``gradguard/steps`` (Trainer logs its own step): the counters,
+        ``{"gradguard/<rule>/<action>": count}``, and the monitors' last figures."""
         if self.guard is None:
             return {}
-        return {
-            f"gradguard/{rule}/{action}": count
-            for rule, actions in self.guard.counters.snapshot().items()
-            for action, count in actions.items()
-        }
+        entries = self.guard.metrics()
+        del entries["gradguard/steps"]
+        return entries
 
     # --- internals --------------------------------------------------------------------------------
 

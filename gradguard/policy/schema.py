@@ -15,11 +15,13 @@ from pydantic_core import PydanticCustomError
 from gradguard.policy.patterns import check_pattern
 
 __all__ = [
+    "MONITOR_STATS",
     "Action",
     "ClipNorm",
     "ClipValue",
     "Drop",
     "HaltOnNonfinite",
+    "Monitor",
     "PolicyFields",
     "Rule",
     "Scale",
@@ -157,8 +159,63 @@ class SkipStepOnNonfinite(_StepWindow):
         return self
 
 
+MONITOR_STATS: tuple[str, ...] = ("norm", "max_abs", "mean", "std", "grad_to_weight")
+"""The figures a ``monitor`` can take of each gradient (``grad_to_weight``: gradient norm / parameter norm)."""
+
+MonitorStat = Literal["norm", "max_abs", "mean", "std", "grad_to_weight"]
+
+
+class Monitor(_StepWindow):
+    """Watch the gradient as it arrives (before any action of any rule): figures, vanishing, exploding.
+
+    Every ``every`` steps, takes ``stats`` of each parameter (``scope: tensor``), of the rule's
+    parameters jointly (``group``), or of each module at ``depth`` of the dotted name (``module``); they
+    ride in the step's one host read. A norm below ``vanishing_below`` or above ``exploding_above`` is
+    warned about once per name, until it recovers. Never changes a gradient.
+    """
+
+    action: Literal["monitor"]
+    every: int = Field(default=1, ge=1, strict=True)
+    stats: tuple[MonitorStat, ...] = Field(default=("norm",), min_length=1)
+    vanishing_below: float | None = Field(default=None, gt=0, strict=True)
+    exploding_above: float | None = Field(default=None, gt=0, strict=True)
+    scope: Literal["tensor", "group", "module"] = "tensor"
+    depth: int = Field(default=1, ge=1, strict=True)
+    """``scope: module``: how many leading segments of the dotted name make the module (1: ``blocks``,
+    2: ``blocks.0``); a parameter with fewer segments belongs to the module its name gives."""
+
+    @field_validator("stats", mode="before")
+    @classmethod
+    def _one_stat_is_a_list(cls, value: Any) -> Any:
+        return (value,) if isinstance(value, str) else value
+
+    @field_validator("stats")
+    @classmethod
+    def _stats_are_unique(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"stats lists a figure twice: {list(value)}; name each once")
+        return value
+
+    @model_validator(mode="after")
+    def _thresholds_are_ordered(self) -> Monitor:
+        for name in ("vanishing_below", "exploding_above"):
+            value = getattr(self, name)
+            if value is not None:
+                _finite(value, name)
+        low, high = self.vanishing_below, self.exploding_above
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"vanishing_below ({low}) must be less than exploding_above ({high}); no norm could be healthy"
+            )
+        return self
+
+    def samples(self, step: int) -> bool:
+        """Whether the monitor takes its figures at ``step`` (inside its window, every ``every`` steps)."""
+        return self.active_at(step) and (step - (self.from_step or 0)) % self.every == 0
+
+
 Action = Annotated[
-    ClipNorm | ClipValue | Drop | HaltOnNonfinite | Scale | SkipStepOnNonfinite | Zero,
+    ClipNorm | ClipValue | Drop | HaltOnNonfinite | Monitor | Scale | SkipStepOnNonfinite | Zero,
     Field(discriminator="action"),
 ]
 """One gradient action of a rule; the ``action`` field chooses which."""
@@ -168,12 +225,13 @@ ACTION_NAMES: tuple[str, ...] = (
     "clip_value",
     "drop",
     "halt_on_nonfinite",
+    "monitor",
     "scale",
     "skip_step_on_nonfinite",
     "zero",
 )
 GRADIENT_CHANGING_ACTIONS: frozenset[str] = frozenset({"clip_norm", "clip_value", "drop", "scale", "zero"})
-"""Actions that change a gradient (the others only watch it)."""
+"""Actions that change a gradient (the others only watch it: halts, skips, ``monitor``)."""
 
 
 class Rule(_StepWindow):

@@ -2,7 +2,8 @@
 
 - ``clipping``: ``clip_norm`` (tensor or group scope) and ``clip_value``;
 - ``shaping``: ``scale``, ``zero`` and ``drop``;
-- ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits).
+- ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits);
+- ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel).
 
 :func:`kernel_for` maps a policy action to the kernel that executes it.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.actions.clipping import ClipNormKernel, ClipValueKernel
+from gradguard.enforce.actions.monitoring import MonitorKernel
 from gradguard.enforce.actions.nonfinite import HaltKernel, SkipKernel
 from gradguard.enforce.actions.shaping import DropKernel, ScaleKernel, ZeroKernel
 from gradguard.policy.schema import Action
@@ -27,6 +29,7 @@ _KERNELS: dict[type, ActionKernel] = {
         DropKernel(),
         HaltKernel(),
         SkipKernel(),
+        MonitorKernel(),
     )
     for schema in kernel.schemas
 }

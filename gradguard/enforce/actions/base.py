@@ -1,6 +1,7 @@
 """The one interface every action family implements for the step engine.
 
 An action family says what it needs from the step (:meth:`ActionKernel.wants_raw_norm`), what it
+observes of the gradients as they arrive (:meth:`ActionKernel.observe`, before any action), what it
 does to the gradients (:meth:`ActionKernel.apply`, batched on the device) and what it reports (by
 queueing device figures into ``work.pending`` with a reader that records into ``work.outcome``). The
 engine gathers what all actions need, runs them in policy order and reads every figure back in the
@@ -28,6 +29,11 @@ class ActionKernel:
     watches: ClassVar[bool] = False
     """The action only watches for NaN/Inf (halt, skip): its verdict comes with the raw norms, and
     :meth:`apply` is never called for it."""
+    observes: ClassVar[bool] = False
+    """The action only observes the gradient as it arrives (``monitor``): on the steps where
+    :meth:`samples` is true, the engine calls :meth:`observe` before any action of any rule runs (after
+    the raw 2-norms are taken, which it may reuse); :meth:`apply` is never called for it, it never
+    counts as a change to the gradient, and steps it does not sample cost it nothing."""
 
     def wants_raw_norm(self, action: Action) -> bool:
         """Whether the action can use the 2-norm of each gradient as it arrived (shared, taken once)."""
@@ -36,6 +42,14 @@ class ActionKernel:
     def may_erase_nonfinite(self, action: Action) -> bool:
         """Whether the action can make a NaN/Inf gradient finite (so the watch must judge it before)."""
         return False
+
+    def samples(self, action: Action, step: int) -> bool:
+        """Whether an observing action takes its figures at ``step``."""
+        return action.active_at(step)
+
+    def observe(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> None:
+        """Queue figures of the gradients of ``ids`` as they arrived (only for :attr:`observes` kernels)."""
+        raise NotImplementedError
 
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         """Act on the gradients of tensors ``ids`` (members of ``bound`` with a gradient this step).

@@ -1,0 +1,156 @@
+"""``monitor``: figures of the gradient as it arrives, before any action of any rule.
+
+An observing kernel (:attr:`~.base.ActionKernel.observes`): the engine calls :meth:`MonitorKernel.observe`
+for every monitor that samples the step, after the raw 2-norms are taken and before any rule acts,
+so the figures are those of the gradient the step received. The figures are computed on the device
+(reusing the raw 2-norms where the step took them), queued into the step's one host read, and
+recorded as an :class:`~gradguard.enforce.step.Observation` for :mod:`gradguard.enforce.health`.
+A step the monitor does not sample costs nothing: it is never called.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.step import Observation, StepWork
+from gradguard.enforce.tensors import LOW_PRECISION
+from gradguard.policy.matching import BoundRule
+from gradguard.policy.schema import Action, Monitor
+
+__all__ = ["ROOT_MODULE", "MonitorKernel", "module_of"]
+
+ROOT_MODULE = "(root)"
+"""The module name of parameters that belong to the model itself (``scope: module``)."""
+
+
+def module_of(name: str, depth: int) -> str:
+    """The module a parameter belongs to at ``depth``: the first ``depth`` segments of its module path."""
+    path = name.split(".")[:-1][:depth]
+    return ".".join(path) if path else ROOT_MODULE
+
+
+class MonitorKernel(ActionKernel):
+    """``monitor``: per-tensor, per-group or per-module figures; never changes a gradient."""
+
+    schemas = (Monitor,)
+    observes = True
+
+    def samples(self, action: Action, step: int) -> bool:
+        assert isinstance(action, Monitor)
+        return action.samples(step)
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        return True  # observing is done in observe(), before any action
+
+    def observe(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> None:
+        assert isinstance(action, Monitor)
+        gs = [work.grads[i] for i in ids]
+        device = gs[0].device
+        stats = action.stats
+        thresholds = action.vanishing_below is not None or action.exploding_above is not None
+        wanted = set(stats) | ({"norm"} if thresholds else set())
+        joint = action.scope != "tensor"
+        base: dict[str, torch.Tensor] = {}
+        if wanted & {"norm", "std", "grad_to_weight"} or (joint and "mean" in wanted):
+            raw = work.raw
+            if all(i in raw for i in ids):  # the step took them already (untouched: no action ran yet)
+                base["norm"] = work.pending.stack([raw[i] for i in ids], device).float()
+            else:
+                base["norm"] = torch.stack([n.to(device) for n in work.norms(gs, 2.0)]).float()
+        if "max_abs" in wanted:
+            base["max_abs"] = torch.stack([n.to(device) for n in work.norms(gs, float("inf"))]).float()
+        if wanted & {"mean", "std"}:
+            base["mean"] = torch.stack([_mean(g).to(device) for g in gs])
+        if "std" in wanted and not joint:
+            base["std"] = torch.stack([_std(g).to(device) for g in gs])
+        if "grad_to_weight" in wanted:
+            params = [local_tensor(_param(work, i)).detach() for i in ids]
+            base["weight"] = torch.stack([n.to(device) for n in work.norms(params, 2.0)]).float()
+        if joint:
+            names, figures = _joint(work, action, bound.name, ids, gs, base)
+        else:
+            names = [work.names[i] for i in ids]
+            figures = {stat: _per_tensor(stat, base) for stat in wanted}
+        order = list(stats) + (["norm"] if thresholds and "norm" not in stats else [])
+        count = len(names)
+        scope = action.scope
+        observed = work.outcome.observed  # not ``work``: a reader holding the step's gradients would keep them alive
+
+        def read(values: list[float]) -> None:
+            by_stat = {stat: values[k * count : (k + 1) * count] for k, stat in enumerate(order)}
+            norms = by_stat["norm"] if thresholds else None
+            logged: dict[str, list[float]] = {stat: by_stat[stat] for stat in stats}
+            observed.append(Observation(bound.name, action, scope, names, logged, norms))
+
+        work.pending.add(torch.cat([figures[stat].reshape(-1) for stat in order]), read)
+
+
+def _param(work: StepWork, index: int) -> torch.Tensor:
+    param = work.binding.params[index].ref()
+    assert param is not None, "a tensor with a gradient this step is alive"
+    return param
+
+
+def _mean(grad: torch.Tensor) -> torch.Tensor:
+    return grad.mean(dtype=torch.float32) if grad.dtype in LOW_PRECISION else grad.mean()
+
+
+def _std(grad: torch.Tensor) -> torch.Tensor:
+    if grad.numel() < 2:  # torch.std: NaN, with a warning; the same NaN, without it
+        return torch.full((), float("nan"), device=grad.device)
+    # std_mean's std is Tensor.std's, bit for bit, without the host read Tensor.std makes on a CPU.
+    return torch.std_mean(grad.float() if grad.dtype in LOW_PRECISION else grad)[0]
+
+
+def _per_tensor(stat: str, base: dict[str, torch.Tensor]) -> torch.Tensor:
+    if stat == "grad_to_weight":
+        return base["norm"] / base["weight"]
+    return base[stat]
+
+
+def _joint(
+    work: StepWork,
+    action: Monitor,
+    rule: str,
+    ids: list[int],
+    gs: list[torch.Tensor],
+    base: dict[str, torch.Tensor],
+) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Figures of each module (or of the whole group): every tensor's elements taken together."""
+    device = gs[0].device
+    if action.scope == "group":
+        names = [rule]
+        segments = [0] * len(ids)
+    else:
+        slots: dict[str, int] = {}
+        segments = [slots.setdefault(module_of(work.names[i], action.depth), len(slots)) for i in ids]
+        names = list(slots)
+    n = len(names)
+    seg = torch.tensor(segments, device=device)
+    numel = torch.zeros(n, dtype=torch.float64, device=device).index_add_(
+        0, seg, torch.tensor([float(g.numel()) for g in gs], dtype=torch.float64, device=device)
+    )
+
+    def total(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, values.double())
+
+    out: dict[str, torch.Tensor] = {}
+    sumsq = total(base["norm"].double().square()) if "norm" in base else None
+    if sumsq is not None:
+        out["norm"] = sumsq.sqrt()
+    if "max_abs" in base:
+        peaks = base["max_abs"]
+        out["max_abs"] = torch.zeros(n, dtype=peaks.dtype, device=device).scatter_reduce(
+            0, seg, peaks, "amax", include_self=False
+        )
+    if "mean" in base:
+        sizes = torch.tensor([float(g.numel()) for g in gs], dtype=torch.float64, device=device)
+        mean = total(base["mean"].double() * sizes) / numel
+        out["mean"] = mean
+        if sumsq is not None:
+            out["std"] = ((sumsq - numel * mean.square()).clamp(min=0) / (numel - 1)).sqrt()
+    if "weight" in base and sumsq is not None:
+        out["grad_to_weight"] = sumsq.sqrt() / total(base["weight"].double().square()).sqrt()
+    return names, out

@@ -1,0 +1,101 @@
+"""Gradient health, after the step's one sync: the monitors' figures become events, warnings and metrics.
+
+Each sampled monitor writes one ``stats`` event per step (its figures per name); a 2-norm below
+``vanishing_below`` or above ``exploding_above`` is warned about (``vanishing`` / ``exploding``) and
+counted once per name, and not again until the norm comes back inside the thresholds (``recovered``).
+The last figures of every monitor are kept for :meth:`Health.metrics`, a flat dict for loggers.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from gradguard.enforce.step import Observation
+from gradguard.events.counters import Counters
+from gradguard.events.log import EventLog
+
+__all__ = ["Health", "metric_key"]
+
+
+def metric_key(rule: str, stat: str, name: str | None = None) -> str:
+    """``gradguard/<rule>/<stat>[/<name>]``: the key of one figure in :meth:`Health.metrics`."""
+    return f"gradguard/{rule}/{stat}" if name is None else f"gradguard/{rule}/{stat}/{name}"
+
+
+class Health:
+    """The monitors' state across steps: the last figures, and which names are flagged."""
+
+    def __init__(self, counters: Counters, events: EventLog) -> None:
+        self.counters = counters
+        self.events = events
+        self._lock = threading.Lock()
+        self._last: dict[str, float] = {}
+        self._flagged: dict[tuple[str, str, str], str] = {}
+        """(rule, scope, name) -> ``vanishing`` or ``exploding`` while it stays out of its thresholds."""
+
+    def report(self, observed: Sequence[Observation], step: int) -> None:
+        """Log the step's figures, warn about names that crossed a threshold, keep them for metrics."""
+        if not observed:
+            return
+        latest: dict[str, float] = {}
+        for seen in observed:
+            group = seen.scope == "group"
+            figures: dict[str, Any] = {
+                stat: values[0] if group else dict(zip(seen.names, values, strict=True))
+                for stat, values in seen.figures.items()
+            }
+            self.events.emit("info", "stats", step=step, rule=seen.rule, scope=seen.scope, figures=figures)
+            for stat, values in seen.figures.items():
+                if group:
+                    latest[metric_key(seen.rule, stat)] = values[0]
+                else:
+                    latest.update({metric_key(seen.rule, stat, n): v for n, v in zip(seen.names, values, strict=True)})
+            if seen.norms is not None:
+                self._check(seen, step)
+        with self._lock:
+            self._last.update(latest)
+
+    def _check(self, seen: Observation, step: int) -> None:
+        low, high = seen.action.vanishing_below, seen.action.exploding_above
+        assert seen.norms is not None
+        for name, norm in zip(seen.names, seen.norms, strict=True):
+            key = (seen.rule, seen.scope, name)
+            if math.isnan(norm):
+                continue  # a NaN is neither small nor large: the non-finite watch reports it
+            state = None
+            threshold = None
+            if low is not None and norm < low:
+                state, threshold = "vanishing", low
+            elif high is not None and norm > high:
+                state, threshold = "exploding", high
+            was = self._flagged.get(key)
+            if state is None:
+                if was is not None:
+                    del self._flagged[key]
+                    self.events.emit("info", "recovered", step=step, rule=seen.rule, name=name, norm=norm, was=was)
+                continue
+            if was == state:
+                continue  # already warned; not again until it recovers
+            self._flagged[key] = state
+            self.counters.add(seen.rule, state)
+            self.events.emit(
+                "warning", state, step=step, rule=seen.rule, scope=seen.scope, name=name, norm=norm, threshold=threshold
+            )
+
+    def flagged(self) -> dict[tuple[str, str], str]:
+        """``(rule, name) -> "vanishing" | "exploding"`` for the names out of their thresholds now."""
+        return {(rule, name): state for (rule, _, name), state in self._flagged.items()}
+
+    def metrics(self, counters: dict[str, dict[str, int]], steps: int) -> dict[str, float]:
+        """The last sampled figures and the counters, flat: ``gradguard/<rule>/<stat>[/<name>]``,
+        ``gradguard/<rule>/<action>`` and ``gradguard/steps``."""
+        with self._lock:
+            out: dict[str, float] = dict(self._last)
+        for rule, by_action in counters.items():
+            for action, count in by_action.items():
+                out[f"gradguard/{rule}/{action}"] = float(count)
+        out["gradguard/steps"] = float(steps)
+        return out

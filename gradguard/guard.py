@@ -28,6 +28,7 @@ from gradguard.enforce.step import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
+from gradguard.events.prometheus import check_metrics_port, serve_guard_metrics
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
 
@@ -120,6 +121,9 @@ class GradGuard:
             the log's step numbers continue where the first run stopped.
         summary_every: write the cumulative counters every this many steps (0: only at the end).
         replace: remove a guard already attached to the model instead of refusing.
+        metrics_port: serve live Prometheus metrics on this port (0: a free one; see
+            :attr:`metrics_url`) until the guard is removed; needs ``pip install 'gradguard[metrics]'``.
+        metrics_host: the address the metrics server listens on (default: this machine only).
     """
 
     def __init__(
@@ -136,6 +140,8 @@ class GradGuard:
         start_step: int = 0,
         summary_every: int = 100,
         replace: bool = False,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
@@ -143,6 +149,7 @@ class GradGuard:
             raise ValueError(f"start_step must be >= 0 (the step a resumed run starts at), got {start_step}")
         if summary_every < 0:
             raise ValueError(f"summary_every must be >= 0 (0 turns periodic summaries off), got {summary_every}")
+        check_metrics_port(metrics_port)
         optimizers = _optimizers(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._plans = PlanBook(self.policy, model, _weak_call(self._rebound))
@@ -162,12 +169,14 @@ class GradGuard:
             binding, self.counters, events, summary_every=summary_every, collective=Collective(process_group)
         )
         self._enforcer.step = start_step
+        self._metrics_server = serve_guard_metrics(self, metrics_host, metrics_port, on_failure=events.close)
         self._events = events
         self._model_ref = weakref.ref(model)
         self._expected: list[Optimizer] | None = optimizers
         self._warned_unexpected = False
 
         self._attachment = _Attachment(self._enforcer, events)
+        self._attachment.handles.extend([self._metrics_server] if self._metrics_server is not None else [])
         if per_micro_batch:
             self._attach_micro_batch_hooks()
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))
@@ -223,6 +232,12 @@ class GradGuard:
         """``{parameter name: names of the rules that cover it}``, in model order."""
         rules = self.policy.rules
         return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._plans.binding.params}
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The live Prometheus endpoint (``metrics_port=``) while it serves, else ``None``."""
+        server = self._metrics_server
+        return server.url if server is not None and server.serving else None
 
     @property
     def last_step_skipped(self) -> bool:

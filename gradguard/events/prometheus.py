@@ -39,7 +39,15 @@ if TYPE_CHECKING:
 
     from prometheus_client.metrics_core import Metric
 
-__all__ = ["INSTALL_HINT", "MetricsServer", "MetricsSource", "parse_stat_key", "require_prometheus_client"]
+__all__ = [
+    "INSTALL_HINT",
+    "MetricsServer",
+    "MetricsSource",
+    "check_metrics_port",
+    "parse_stat_key",
+    "require_prometheus_client",
+    "serve_guard_metrics",
+]
 
 INSTALL_HINT = "pip install 'gradguard[metrics]'"
 
@@ -64,6 +72,28 @@ def require_prometheus_client() -> None:
         raise ImportError(
             f"metrics_port= serves Prometheus metrics with prometheus_client, which is not installed: {INSTALL_HINT}"
         ) from exc
+
+
+def check_metrics_port(port: int | None) -> None:
+    """Refuse a bad ``metrics_port``, or a missing ``metrics`` extra, before anything is attached."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"metrics_port must be a port number from 0 to 65535 (0: any free port), got {port!r}")
+    require_prometheus_client()
+
+
+def serve_guard_metrics(
+    guard: Any, host: str, port: int | None, *, on_failure: Callable[[], None]
+) -> MetricsServer | None:
+    """Start serving ``guard``'s metrics (``None`` when ``port`` is); ``on_failure`` runs if it cannot."""
+    if port is None:
+        return None
+    try:
+        return MetricsServer(MetricsSource.of_guard(guard), host=host, port=port)
+    except BaseException:
+        on_failure()
+        raise
 
 
 def parse_stat_key(key: str, rules: Iterable[str]) -> tuple[str, str, str] | None:
@@ -216,9 +246,7 @@ class MetricsServer:
     """``prometheus_client``'s HTTP server for one guard; :meth:`remove` stops it and frees the port."""
 
     def __init__(self, source: MetricsSource, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise ValueError(f"metrics_port must be a port number from 0 to 65535 (0: any free port), got {port!r}")
-        require_prometheus_client()
+        check_metrics_port(port)
         from prometheus_client import CollectorRegistry, start_http_server
 
         self.registry = CollectorRegistry(auto_describe=False)

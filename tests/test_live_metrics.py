@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import socket
 import sys
 import threading
@@ -12,6 +13,7 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -282,3 +284,20 @@ def test_without_the_metrics_extra_metrics_port_says_what_to_install(monkeypatch
     with GradGuard(model, POLICY, logger=None) as guard:
         assert guard.attached
         assert guard.metrics_url is None
+
+
+def test_the_readme_metrics_example_runs_as_written(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    """The README's live-metrics example trains, scrapes its own endpoint and prints 20 steps in Prometheus text."""
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"<!-- example: metrics -->\n```python\n(.*?)```", text, re.S)
+    assert match is not None, "README has no example marked 'metrics'"
+    monkeypatch.chdir(root)  # it names policies/default.yaml, as run from the repository root
+    exec(compile(match.group(1), "readme-metrics-example", "exec"), {"__name__": "__readme__"})
+    families = {
+        family.name: family for family in prometheus_parser.text_string_to_metric_families(capsys.readouterr().out)
+    }
+    assert families["gradguard_steps"].samples[0].value == 20.0
+    assert {sample.labels["rule"] for sample in families["gradguard_halts"].samples} == {"nonfinite"}

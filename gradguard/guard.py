@@ -28,7 +28,7 @@ from gradguard.enforce.step import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import DEFAULT_LOGGER, EVENT_SCHEMA_VERSION, EventLog
-from gradguard.events.prometheus import check_metrics_port, serve_guard_metrics
+from gradguard.events.prometheus import ServesMetrics, check_metrics_port
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
 
@@ -94,7 +94,7 @@ def _after_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], *_: Any) 
         guard._enforcer.seal_explicit()
 
 
-class GradGuard:
+class GradGuard(ServesMetrics):
     """Enforce a gradient :class:`Policy` on a model, at every optimizer step, until removed.
 
     ``GradGuard(model, policy)`` finds the step boundary by itself: it acts inside the ``step()`` of
@@ -121,9 +121,7 @@ class GradGuard:
             the log's step numbers continue where the first run stopped.
         summary_every: write the cumulative counters every this many steps (0: only at the end).
         replace: remove a guard already attached to the model instead of refusing.
-        metrics_port: serve live Prometheus metrics on this port (0: a free one; see
-            :attr:`metrics_url`) until the guard is removed; needs ``pip install 'gradguard[metrics]'``.
-        metrics_host: the address the metrics server listens on (default: this machine only).
+        metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
     """
 
     def __init__(
@@ -169,14 +167,13 @@ class GradGuard:
             binding, self.counters, events, summary_every=summary_every, collective=Collective(process_group)
         )
         self._enforcer.step = start_step
-        self._metrics_server = serve_guard_metrics(self, metrics_host, metrics_port, on_failure=events.close)
         self._events = events
         self._model_ref = weakref.ref(model)
         self._expected: list[Optimizer] | None = optimizers
         self._warned_unexpected = False
 
         self._attachment = _Attachment(self._enforcer, events)
-        self._attachment.handles.extend([self._metrics_server] if self._metrics_server is not None else [])
+        self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, on_failure=events.close)
         if per_micro_batch:
             self._attach_micro_batch_hooks()
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))
@@ -232,12 +229,6 @@ class GradGuard:
         """``{parameter name: names of the rules that cover it}``, in model order."""
         rules = self.policy.rules
         return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._plans.binding.params}
-
-    @property
-    def metrics_url(self) -> str | None:
-        """The live Prometheus endpoint (``metrics_port=``) while it serves, else ``None``."""
-        server = self._metrics_server
-        return server.url if server is not None and server.serving else None
 
     @property
     def last_step_skipped(self) -> bool:

@@ -43,10 +43,10 @@ __all__ = [
     "INSTALL_HINT",
     "MetricsServer",
     "MetricsSource",
+    "ServesMetrics",
     "check_metrics_port",
     "parse_stat_key",
     "require_prometheus_client",
-    "serve_guard_metrics",
 ]
 
 INSTALL_HINT = "pip install 'gradguard[metrics]'"
@@ -81,19 +81,6 @@ def check_metrics_port(port: int | None) -> None:
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
         raise ValueError(f"metrics_port must be a port number from 0 to 65535 (0: any free port), got {port!r}")
     require_prometheus_client()
-
-
-def serve_guard_metrics(
-    guard: Any, host: str, port: int | None, *, on_failure: Callable[[], None]
-) -> MetricsServer | None:
-    """Start serving ``guard``'s metrics (``None`` when ``port`` is); ``on_failure`` runs if it cannot."""
-    if port is None:
-        return None
-    try:
-        return MetricsServer(MetricsSource.of_guard(guard), host=host, port=port)
-    except BaseException:
-        on_failure()
-        raise
 
 
 def parse_stat_key(key: str, rules: Iterable[str]) -> tuple[str, str, str] | None:
@@ -291,3 +278,36 @@ def _stop(server: WSGIServer, thread: threading.Thread | None) -> None:
     server.server_close()
     if thread is not None:
         thread.join(timeout=5)
+
+
+class ServesMetrics:
+    """``GradGuard``'s live-metrics endpoint, kept in this module: :attr:`metrics_url` and the start."""
+
+    _metrics_server: MetricsServer | None = None
+
+    @property
+    def metrics_url(self) -> str | None:
+        """The live Prometheus endpoint, ``http://HOST:PORT/metrics``, while it serves; else ``None``.
+
+        Served from ``GradGuard(..., metrics_port=PORT, metrics_host=HOST)`` (port 0: any free one) until
+        the guard is removed; needs ``pip install 'gradguard[metrics]'``.
+        """
+        server = self._metrics_server
+        return server.url if server is not None and server.serving else None
+
+    def _serve_metrics(
+        self, host: str, port: int | None, register: Callable[[MetricsServer], None], *, on_failure: Callable[[], None]
+    ) -> None:
+        """Start serving this guard's metrics (nothing when ``port`` is ``None``); ``register`` it for removal.
+
+        ``on_failure`` runs if the server cannot start (the port is taken, say) before the error propagates.
+        """
+        if port is None:
+            return
+        try:
+            server = MetricsServer(MetricsSource.of_guard(self), host=host, port=port)
+        except BaseException:
+            on_failure()
+            raise
+        self._metrics_server = server
+        register(server)

@@ -26,6 +26,7 @@ Series of the policy's rules start at 0 (a first NaN is then an increase, not a 
 
 from __future__ import annotations
 
+import errno
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -241,10 +242,13 @@ class MetricsServer:
         try:
             server, thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
-            raise GuardStateError(
-                f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}. Under torch.distributed each "
-                "rank needs its own port (metrics_port=9400 + rank), or pass metrics_port=0 for a free one."
-            ) from exc
+            hint = ""
+            if exc.errno == errno.EADDRINUSE:
+                hint = (
+                    ". Under torch.distributed each rank needs its own port (metrics_port=9400 + rank), "
+                    "or pass metrics_port=0 for a free one"
+                )
+            raise GuardStateError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}{hint}") from exc
         self._server: WSGIServer | None = server
         self._thread = thread
         self.host = host

@@ -3,5 +3,6 @@
 - ``schema``: the actions, rules and step windows (pydantic, frozen);
 - ``document``: :class:`Policy`, a validated document, from a file or a dict;
 - ``loading``: YAML/TOML/JSON files, and every problem as a :class:`PolicyError` with file and line;
-- ``matching``: binding a policy to a model's parameters (the only module here that imports torch).
+- ``matching``: binding a policy to a model's parameters (the only module here that imports torch);
+- ``json_schema``: the policy's JSON Schema for editors (``gradguard schema``).
 """

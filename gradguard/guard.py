@@ -29,6 +29,7 @@ from gradguard.enforce.step import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import DEFAULT_LOGGER, EventLog
+from gradguard.events.prometheus import ServesMetrics, check_metrics_port
 from gradguard.lifecycle import (
     Attachment,
     check_arguments,
@@ -57,7 +58,7 @@ def _after_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], *_: Any) 
         guard._enforcer.seal_explicit()
 
 
-class GradGuard:
+class GradGuard(ServesMetrics):
     """Enforce a gradient :class:`Policy` on a model, at every optimizer step, until removed.
 
     ``GradGuard(model, policy)`` finds the step boundary by itself: it acts inside the ``step()`` of
@@ -87,6 +88,7 @@ class GradGuard:
         attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the
             group to attach too (then ``GuardStateError`` names the missing ranks); ranks that
             attach with a different policy, parameters or options are refused at once, on every rank.
+        metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
     """
 
     def __init__(
@@ -104,8 +106,11 @@ class GradGuard:
         summary_every: int = 100,
         replace: bool = False,
         attach_timeout: float = 60.0,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
     ) -> None:
         check_arguments(model, start_step, summary_every, attach_timeout)
+        check_metrics_port(metrics_port)
         optimizers = optimizers_given(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._plans = PlanBook(self.policy, model, _weak_call(self._rebound))
@@ -131,6 +136,7 @@ class GradGuard:
         self._warned_unexpected = False
 
         self._attachment = Attachment(self._enforcer, events)
+        self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, on_failure=events.close)
         if per_micro_batch:
             self._attach_micro_batch_hooks()
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))

@@ -170,6 +170,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return train(rank, world, Ddp(make_model()), POLICY, outdir, inject=nan_on_rank_one_grad)
     if name == "ddp_skip_one_rank":
         return train(rank, world, Ddp(make_model()), SKIP_POLICY, outdir, inject=inf_on_rank_zero_grad)
+    if name == "ddp_metrics":
+        return ddp_metrics(rank, Ddp(make_model()))
     if name in {"fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard"}:
         from torch.distributed.fsdp import fully_shard
 
@@ -215,6 +217,29 @@ def attach(name: str, rank: int, model: nn.Module) -> dict[str, Any]:
         guard.remove()
     result["seconds"] = time.monotonic() - started
     return result
+
+
+def ddp_metrics(rank: int, model: nn.Module) -> dict[str, Any]:
+    """Each rank serves its own live metrics (metrics_port=0) and scrapes them after a skipped step."""
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        return {"rank": rank, "metrics": None}
+    import urllib.request
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with GradGuard(model, Policy.from_dict(SKIP_POLICY), logger=None, metrics_port=0) as guard:
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            nn.functional.mse_loss(model(x), y).backward()
+            inf_on_rank_zero_grad(model, step)
+            opt.step()
+        url = guard.metrics_url
+        assert url is not None
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode("utf-8")
+        return {"rank": rank, "url": url, "metrics": text, "counters": guard.counters.snapshot(), "steps": STEPS}
 
 
 def fsdp_attach_before_shard(rank: int, world: int, model: nn.Module, outdir: Path) -> dict[str, Any]:

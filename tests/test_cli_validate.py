@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from gradguard.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
-SHIPPED = sorted(str(path) for path in (REPO / "policies").iterdir())
+SHIPPED = sorted(str(path) for path in (REPO / "policies").iterdir() if not path.name.endswith(".schema.json"))
 
 BAD_YAML = textwrap.dedent(
     """\
@@ -47,6 +47,17 @@ def test_every_shipped_policy_validates_with_exit_0() -> None:
     for path in SHIPPED:
         assert f"{path}: ok (" in result.output
     assert "nonfinite, embeddings, attention, router, warmup-global" in result.output
+    assert f"{len(SHIPPED)} of {len(SHIPPED)} policy files valid" in result.output
+
+
+def test_validating_the_whole_policies_folder_skips_the_json_schema_beside_the_policies() -> None:
+    """`gradguard validate policies/*` says the shipped JSON Schema is skipped and still exits 0."""
+    everything = sorted(str(path) for path in (REPO / "policies").iterdir())
+    schema = str(REPO / "policies" / "gradguard-policy.schema.json")
+    assert schema in everything
+    result = CliRunner().invoke(main, ["validate", *everything])
+    assert result.exit_code == 0, result.output
+    assert f"{schema}: skipped (a JSON Schema for editors, not a policy)" in result.output
     assert f"{len(SHIPPED)} of {len(SHIPPED)} policy files valid" in result.output
 
 

@@ -36,7 +36,9 @@ def launch(names: list[str], world: int, outdir: Path, *, torchrun: bool = False
     # DETAIL wraps the process group to check that every rank calls the same collectives. In torch 2.13
     # (CPU) it crashes DDP's constructor itself (in its logger), so DDP scenarios run under INFO.
     debug = "DETAIL" if all(name.startswith("fsdp2") for name in names) else "INFO"
-    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": debug, "OMP_NUM_THREADS": "1"}
+    # The checkout's gradguard, not whichever one is installed: the script's own folder is tests/.
+    path = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "TORCH_DISTRIBUTED_DEBUG": debug, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     joined = ",".join(names)
     if torchrun:
         command = [
@@ -55,7 +57,7 @@ def results_of(outdir: Path, name: str, world: int) -> list[dict[str, Any]]:
     return [json.loads((outdir / name / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-DDP_SCENARIOS = ["ddp_clip", "ddp_no_sync", "ddp_unused", "ddp_nan_one_rank", "ddp_skip_one_rank"]
+DDP_SCENARIOS = ["ddp_clip", "ddp_no_sync", "ddp_unused", "ddp_nan_one_rank", "ddp_skip_one_rank", "ddp_metrics"]
 FSDP2_SCENARIOS = ["fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard"]
 
 
@@ -160,6 +162,32 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ddp_runs: Path) -> None
         assert result["counters"]["nonfinite"]["skip_step_on_nonfinite"] == 1
         assert result["counters"]["nonfinite"]["inf"] == 1
     assert results[0]["digests"] == results[1]["digests"]
+
+
+def test_under_ddp_each_rank_serves_its_own_metrics_labelled_with_its_rank(ddp_runs: Path) -> None:
+    """With metrics_port=0 the ranks serve on different ports; each scrape carries its rank and its counters."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    results = results_of(ddp_runs, "ddp_metrics", 2)
+    if results[0]["metrics"] is None:
+        pytest.skip("prometheus_client is not installed")
+    assert len({result["url"] for result in results}) == 2
+    for result in results:
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in parser.text_string_to_metric_families(result["metrics"])
+            for sample in family.samples
+        }
+        rank = str(result["rank"])
+        assert {dict(labels)["rank"] for _, labels in samples} == {rank}
+        assert samples[("gradguard_steps_total", (("rank", rank),))] == result["steps"]
+        skips = result["counters"]["nonfinite"]["skip_step_on_nonfinite"]
+        assert skips == 1  # the Inf on rank 0 skipped the step on both ranks
+        assert samples[("gradguard_skipped_steps_total", (("rank", rank), ("rule", "nonfinite")))] == skips
+        clips = result["counters"]["clip"]["clip_norm"]
+        assert (
+            samples[("gradguard_interventions_total", (("action", "clip_norm"), ("rank", rank), ("rule", "clip")))]
+            == clips
+        )
 
 
 def test_fsdp2_norms_are_those_of_the_full_unsharded_gradient(fsdp2_runs: Path) -> None:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -339,3 +340,15 @@ def test_fuzzed_policy_dicts_load_or_raise_policy_error_within_a_second():
     assert not tally.failures, "\n".join(tally.failures[:20])
     assert tally.loaded > 0
     assert tally.refused > 0
+
+
+def test_an_explicit_timestamp_tag_on_something_else_is_a_policy_error_with_its_line(tmp_path):
+    """`!!timestamp 2001-13-45base` (found by the fuzzer) is a PolicyError at its line, not PyYAML's AttributeError."""
+    path = tmp_path / "p.yaml"
+    body = "  - name: a\n    match: !!timestamp 2001-13-45base\n    actions: [{action: zero}]\n"
+    path.write_text("version: 1\nrules:\n" + body)
+    with pytest.raises(PolicyError) as excinfo:
+        Policy.from_file(path)
+    (issue,) = excinfo.value.issues
+    assert issue.line == 4
+    assert "tagged !!timestamp but is not a date or time" in issue.message

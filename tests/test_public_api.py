@@ -76,7 +76,7 @@ def test_gradguard_attribute_imports_torch_on_first_use():
 
 
 def test_guarding_a_model_never_imports_a_training_framework():
-    """Attaching and stepping a GradGuard imports no lightning, transformers or accelerate (they are extras)."""
+    """Attaching and stepping a GradGuard imports no framework and no prometheus_client (extras)."""
     code = (
         "import json, sys, torch\n"
         "from gradguard import GradGuard, Policy\n"
@@ -86,7 +86,7 @@ def test_guarding_a_model_never_imports_a_training_framework():
         "with GradGuard(model, policy, logger=None):\n"
         "    model(torch.ones(1, 2)).sum().backward()\n"
         "    torch.optim.SGD(model.parameters(), lr=0.1).step()\n"
-        "frameworks = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate')\n"
+        "frameworks = ('lightning', 'pytorch_lightning', 'transformers', 'accelerate', 'prometheus_client')\n"
         "print(json.dumps(sorted(n for n in sys.modules if n.split('.')[0] in frameworks)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

@@ -1,4 +1,4 @@
-"""The ``gradguard`` command: ``demo``, ``validate``, ``explain`` and ``audit``."""
+"""The ``gradguard`` command: ``demo``, ``validate``, ``explain``, ``audit`` and ``schema``."""
 
 from gradguard.cli.main import main
 

@@ -1,11 +1,11 @@
-"""The ``gradguard`` command line: ``validate``, ``explain``, ``audit`` and ``demo``.
+"""The ``gradguard`` command line: ``validate``, ``explain``, ``audit``, ``schema`` and ``demo``.
 
 Exit codes: 0 all good; 1 findings (an invalid policy, a rule that matches nothing, a halt, a
 non-finite gradient, a skipped step, an unreadable log line, a counter mismatch); 2 a usage or input
 error (a missing file, a bad ``MODULE:CALLABLE``, a log with no gradguard event).
 
-Only ``explain`` and ``demo`` import torch, inside the command: ``validate`` and ``audit`` answer
-without it.
+Only ``explain`` and ``demo`` import torch, inside the command: ``validate``, ``audit`` and
+``schema`` answer without it.
 """
 
 from __future__ import annotations
@@ -66,13 +66,19 @@ def validate(policies: tuple[Path, ...]) -> None:
     """Check policy files (.yaml, .yml, .toml, .json) without a model.
 
     Every problem is printed with its file, line, field, what was given and what is expected.
-    Exit 1 if any file is invalid. Does not import torch.
+    Exit 1 if any file is invalid. JSON Schema files (*.schema.json, as `gradguard schema` writes
+    beside the policies) are skipped, so `gradguard validate policies/*` checks the policies alone.
+    Does not import torch.
     """
     from gradguard.errors import PolicyError
     from gradguard.policy.document import Policy
 
     invalid = 0
+    checked = [path for path in policies if not _is_json_schema(path)]
     for path in policies:
+        if _is_json_schema(path):
+            click.echo(f"{path}: skipped (a JSON Schema for editors, not a policy)")
+            continue
         try:
             policy = Policy.from_file(path)
         except PolicyError as exc:
@@ -82,9 +88,13 @@ def validate(policies: tuple[Path, ...]) -> None:
         names = ", ".join(rule.name for rule in policy.rules)
         count = len(policy.rules)
         click.echo(f"{path}: ok ({count} rule{'s' if count != 1 else ''}: {names})")
-    if len(policies) > 1:
-        click.echo(f"{len(policies) - invalid} of {len(policies)} policy files valid")
+    if len(checked) > 1:
+        click.echo(f"{len(checked) - invalid} of {len(checked)} policy files valid")
     sys.exit(1 if invalid else 0)
+
+
+def _is_json_schema(path: Path) -> bool:
+    return path.name.lower().endswith(".schema.json")
 
 
 # --- explain ---------------------------------------------------------------------------------------
@@ -266,6 +276,43 @@ def audit(
             _fail(f"cannot write the plot {plot_path}: {exc.strerror or exc}")
         click.echo(f"plot written to {plot_path}", err=True)
     sys.exit(summary.exit_code)
+
+
+# --- schema ----------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option(
+    "--output",
+    "-o",
+    "output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    metavar="FILE",
+    help="Write the schema to FILE instead of printing it.",
+)
+def schema(output: Path | None) -> None:
+    """Print the JSON Schema of policy files, for editors: completion, hover docs and checks as you type.
+
+    \b
+    The shipped policies/gradguard-policy.schema.json is this output. Point an editor at it:
+      YAML (yaml-language-server, e.g. VS Code's YAML extension), as the first line:
+        # yaml-language-server: $schema=./gradguard-policy.schema.json
+      JSON: a top-level "$schema": "./gradguard-policy.schema.json" key (gradguard ignores it).
+      TOML (taplo, e.g. Even Better TOML), as the first line:
+        #:schema ./gradguard-policy.schema.json
+    Does not import torch.
+    """
+    from gradguard.policy.json_schema import render_policy_json_schema
+
+    text = render_policy_json_schema()
+    if output is None:
+        click.echo(text, nl=False)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        _fail(f"cannot write {output}: {exc.strerror or exc}")
+    click.echo(f"policy JSON Schema written to {output}", err=True)
 
 
 # --- demo ------------------------------------------------------------------------------------------

@@ -5,5 +5,6 @@
 - ``loading``: YAML/TOML/JSON files, and every problem as a :class:`PolicyError` with file and line;
 - ``limits``: the caps a file or dict cannot blow through (size, depth, YAML aliases, rules, patterns);
 - ``patterns``: globs and ``re:`` patterns (RE2), each matched in time linear in the parameter name;
-- ``matching``: binding a policy to a model's parameters (the only module here that imports torch).
+- ``matching``: binding a policy to a model's parameters (the only module here that imports torch);
+- ``json_schema``: the policy's JSON Schema for editors (``gradguard schema``).
 """

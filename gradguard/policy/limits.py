@@ -20,6 +20,7 @@ from gradguard.errors import PolicyError, PolicyIssue
 __all__ = [
     "MAX_DEPTH",
     "MAX_FILE_BYTES",
+    "MAX_INT_BITS",
     "MAX_NODES",
     "MAX_PATTERNS",
     "MAX_RULES",
@@ -38,6 +39,8 @@ MAX_RULES = 1000
 """Rules in a policy."""
 MAX_PATTERNS = 10_000
 """Patterns in a policy, ``match`` and ``exclude`` of every rule together."""
+MAX_INT_BITS = 63
+"""Whole numbers of a policy stay below ``2**63`` in magnitude."""
 
 
 def _refuse(source: str, line: int | None, path: str, message: str) -> PolicyError:
@@ -136,6 +139,17 @@ def check_data_shape(data: Any, source: str) -> None:
             raise _refuse(
                 source, None, "", f"a collection of the policy has {len(item)} items; the limit is {MAX_NODES}"
             )
+        for child in _children(item):
+            if isinstance(child, int) and child.bit_length() > MAX_INT_BITS:
+                # pydantic would try to print it, and Python refuses to turn > 4300 digits into text
+                digits = "over 4300" if child.bit_length() > 14_000 else str(len(str(abs(child))))
+                raise _refuse(
+                    source,
+                    None,
+                    "",
+                    f"a whole number of the policy has {digits} digits; the limit is 2**{MAX_INT_BITS} "
+                    "(no step number or threshold needs more)",
+                )
         alive.append(item)
         active.add(key)
         work.append((item, True))

@@ -192,6 +192,23 @@ _UniqueKeyLoader.add_constructor(
 )
 
 
+def _construct_timestamp(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
+    """PyYAML's timestamp, refused with a line number where it is not one (``!!timestamp 2001-13-45x``).
+
+    PyYAML itself assumes an explicit ``!!timestamp`` tag holds a timestamp and fails with an
+    ``AttributeError`` when it does not.
+    """
+    value = loader.construct_scalar(node)
+    if not isinstance(value, str) or loader.timestamp_regexp.match(value) is None:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"{_shown(value)} is tagged !!timestamp but is not a date or time", node.start_mark
+        )
+    return loader.construct_yaml_timestamp(node)
+
+
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
+
+
 def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
     if fmt == "yaml":
         # The parser is a state machine; the composer and constructor recurse and expand aliases. So the

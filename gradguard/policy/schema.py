@@ -7,6 +7,7 @@ A policy is data, validated once when it is loaded; nothing here touches torch, 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
@@ -36,7 +37,8 @@ DUPLICATE_RULE_NAME = "duplicate_rule_name"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False)
+    # Attribute docstrings become field descriptions in the JSON Schema (`gradguard schema`).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, use_attribute_docstrings=True)
 
 
 class _StepWindow(_Strict):
@@ -78,8 +80,11 @@ class ClipNorm(_StepWindow):
 
     action: Literal["clip_norm"]
     max_norm: float = Field(gt=0, strict=True)
+    """Largest norm a gradient keeps; a larger one is scaled down to it."""
     norm_type: float = Field(default=2.0, gt=0, strict=True)
+    """The p of the p-norm (2.0: Euclidean; .inf: largest absolute element)."""
     scope: Literal["tensor", "group"] = "tensor"
+    """``tensor``: each parameter by its own norm; ``group``: all of the rule's parameters by their joint norm."""
 
     @field_validator("max_norm")
     @classmethod
@@ -92,6 +97,7 @@ class ClipValue(_StepWindow):
 
     action: Literal["clip_value"]
     limit: float = Field(gt=0, strict=True)
+    """Every element is clamped into ``[-limit, limit]``."""
 
     @field_validator("limit")
     @classmethod
@@ -104,6 +110,7 @@ class Scale(_StepWindow):
 
     action: Literal["scale"]
     factor: float = Field(ge=0, strict=True)
+    """What the gradient is multiplied by."""
 
     @field_validator("factor")
     @classmethod
@@ -141,8 +148,11 @@ class SkipStepOnNonfinite(_StepWindow):
 
     action: Literal["skip_step_on_nonfinite"]
     max_consecutive_skips: int | None = Field(default=None, ge=1, strict=True)
+    """Halt after more than this many skipped steps in a row (``None``: no limit)."""
     max_skips: int | None = Field(default=None, ge=1, strict=True)
+    """Halt after more than this many skips within the last ``window_steps`` steps (with ``window_steps``)."""
     window_steps: int | None = Field(default=None, ge=1, strict=True)
+    """The window ``max_skips`` counts skips over, in steps (with ``max_skips``)."""
 
     @model_validator(mode="after")
     def _window_is_complete(self) -> SkipStepOnNonfinite:
@@ -238,9 +248,13 @@ class Rule(_StepWindow):
     """Which parameters (``match`` minus ``exclude``) get which ``actions``, in order."""
 
     name: str = Field(min_length=1)
+    """Unique name of the rule; counters and logs are keyed by it."""
     match: tuple[str, ...] = Field(min_length=1)
+    """Patterns of dotted parameter names: globs (``*`` also crosses dots) or ``re:<regex>`` (full match)."""
     exclude: tuple[str, ...] = ()
+    """Patterns removed from ``match``."""
     actions: tuple[Action, ...] = Field(min_length=1)
+    """The actions, applied in this order."""
     allow_no_match: bool = Field(default=False, strict=True)
     """If true, a rule that matches no parameter of the model is not an error."""
 
@@ -259,10 +273,26 @@ class PolicyFields(_Strict):
     """The fields of a policy document and their checks; :class:`gradguard.Policy` adds loading."""
 
     version: Literal[1]
+    """The policy format's version: 1."""
     rules: tuple[Rule, ...] = Field(min_length=1)
+    """The rules, applied in this order; a parameter matched by several gets all their actions."""
 
     _source: str = PrivateAttr(default="<dict>")
     _rule_lines: tuple[int | None, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_key_is_editor_metadata(cls, data: Any) -> Any:
+        """A top-level ``$schema`` string is accepted and dropped: it only points editors at the JSON Schema.
+
+        A JSON policy names its schema that way (``"$schema": "./gradguard-policy.schema.json"``), as
+        YAML files do with a ``# yaml-language-server: $schema=...`` comment; it changes nothing else.
+        """
+        if isinstance(data, Mapping) and "$schema" in data:
+            if not isinstance(data["$schema"], str):
+                raise ValueError(f"$schema must be a string (the JSON Schema's path or URL), got {data['$schema']!r}")
+            return {key: value for key, value in data.items() if key != "$schema"}
+        return data
 
     @field_validator("version", mode="before")
     @classmethod

@@ -301,3 +301,30 @@ def test_the_readme_metrics_example_runs_as_written(
     }
     assert families["gradguard_steps"].samples[0].value == 20.0
     assert {sample.labels["rule"] for sample in families["gradguard_halts"].samples} == {"nonfinite"}
+
+
+def test_a_monitors_figures_are_served_as_gauges_equal_to_guard_metrics():
+    """A real monitor rule: every gradguard_stat sample equals the same key of guard.metrics() after the step."""
+    policy = Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.01}]},
+                {"name": "health", "match": "*", "actions": [{"action": "monitor", "stats": ["norm", "max_abs"]}]},
+            ],
+        }
+    )
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradGuard(model, policy, logger=None, metrics_port=0) as guard:
+        assert guard.metrics_url is not None
+        train(guard, model, opt, steps=3)
+        samples = scrape(guard.metrics_url)
+        figures = {key: value for key, value in guard.metrics().items() if parse_stat_key(key, {"clip", "health"})}
+    gauges = {
+        f"gradguard/{dict(found)['rule']}/{dict(found)['stat']}/{dict(found)['name']}": value
+        for (name, found), value in samples.items()
+        if name == "gradguard_stat"
+    }
+    assert len(gauges) == 2 * len(list(model.parameters()))
+    assert gauges == figures

@@ -260,10 +260,15 @@ def action_text(action: Any) -> str:
     main = _MAIN_FIELD.get(name)
     if main is not None and main in data:
         args.append(str(data.pop(main)))
-    args.extend(f"{key}={value}" for key, value in data.items())
+    args.extend(f"{key}={_setting(value)}" for key, value in data.items())
     text = name + (f"({', '.join(args)})" if args else "")
     window = window_text(action)
     return f"{text} {window}" if window else text
+
+
+def _setting(value: Any) -> str:
+    """A setting as written in a policy: ``norm+grad_to_weight`` for a list of names."""
+    return "+".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _rule_actions(rule: Rule) -> list[str]:

@@ -410,6 +410,12 @@ def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
         Guarded("gg-m", "(a), nothing clipped, + monitor norm per tensor, every step", lambda: monitored_policy(1)),
         Guarded("gg-m10", "(a), nothing clipped, + monitor norm per tensor, every: 10", lambda: monitored_policy(10)),
         Guarded(
+            "gg-ml",
+            "(a) + monitor every step + audit log (a stats line per step)",
+            lambda: monitored_policy(1),
+            audit_log=True,
+        ),
+        Guarded(
             "gg-c0",
             "gradguard (c) = (a) + audit log, nothing clipped",
             lambda: per_tensor_policy(NEVER),
@@ -688,7 +694,14 @@ def run_model(
             }
         )
     comparisons: dict[str, dict[str, Any]] = {}
-    pairs = (("gg-c0", "gg-a0"), ("gg-c", "gg-a"), ("gg-c-caller", "gg-c"), ("gg-m", "gg-a0"), ("gg-m10", "gg-a0"))
+    pairs = (
+        ("gg-c0", "gg-a0"),
+        ("gg-c", "gg-a"),
+        ("gg-c-caller", "gg-c"),
+        ("gg-m", "gg-a0"),
+        ("gg-m10", "gg-a0"),
+        ("gg-ml", "gg-m"),
+    )
     for a, b in pairs:
         if a in wall and b in wall:
             extra = statistics.median(x - y for x, y in zip(update[a], update[b], strict=True))
@@ -864,6 +877,13 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
         cost = gpt.comparisons["gg-c0 / gg-a0"]
         add(
             "audit log on, nothing clipped: (c) vs (a), gpt <= 1.005",
+            f"{cost['update']:.4f}; {cost['wall']} (process CPU {cost['cpu'].median:.3f})",
+            cost["update"] <= 1.005,
+        )
+    if gpt is not None and "gg-ml / gg-m" in gpt.comparisons:
+        cost = gpt.comparisons["gg-ml / gg-m"]
+        add(
+            "audit log with per-step stats: (a)+monitor+log vs (a)+monitor, gpt <= 1.005",
             f"{cost['update']:.4f}; {cost['wall']} (process CPU {cost['cpu'].median:.3f})",
             cost["update"] <= 1.005,
         )

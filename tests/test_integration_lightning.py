@@ -467,6 +467,24 @@ def test_counters_reach_the_loggers_under_gradguard_keys(make_policy, tmp_path):
     assert float(rows[-1]["gradguard/clip/clip_norm"]) == final["gradguard/clip/clip_norm"] > 0
 
 
+def test_a_monitors_figures_reach_the_loggers_beside_the_counters(make_policy):
+    """A monitor rule's last figures (gradguard/<rule>/norm/<name>) reach the loggers, equal to guard.metrics()."""
+    policy = make_policy({"name": "health", "match": "*", "actions": [{"action": "monitor", "stats": ["norm"]}]})
+    callback = GradGuardCallback(policy, logger=None)
+    recording = RecordingLogger()
+    module = Net("sgd")
+    run = trainer(callback, max_steps=4, logger=[recording], log_every_n_steps=1)
+    run.fit(module, loader(4))
+    names = [name for name, _ in module.named_parameters()]
+    final = callback.metrics()
+    assert {f"gradguard/health/norm/{name}" for name in names} <= set(final)
+    logged = [m for _, m in recording.calls if "gradguard/steps" in m]
+    assert {key: value for key, value in logged[-1].items() if key.startswith("gradguard/health/norm/")} == {
+        key: value for key, value in final.items() if key.startswith("gradguard/health/norm/")
+    }
+    assert all(value > 0 for key, value in final.items() if key.startswith("gradguard/health/norm/"))
+
+
 # --- checkpoints ----------------------------------------------------------------------------------
 
 

@@ -305,6 +305,26 @@ def test_counters_reach_log_history_and_every_on_log_callback(tmp_path):
     assert not callback.guard.attached
 
 
+def test_a_monitors_figures_reach_log_history_beside_the_counters(tmp_path):
+    """With a monitor rule, each training log entry holds gradguard/<rule>/norm/<name> for every parameter."""
+    model = tiny_gpt2()
+    trainer = transformers.Trainer(model=model, args=training_args(tmp_path), train_dataset=token_data())
+    policy = make_policy({"name": "health", "match": "*", "actions": [{"action": "monitor", "stats": ["norm"]}]})
+    callback = guard_trainer(trainer, policy, logger=None)
+    trainer.train()
+    names = {name for name, _ in model.named_parameters()}
+    step_logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert step_logs
+    for entry in step_logs:
+        prefix = "gradguard/health/norm/"
+        assert {key.removeprefix(prefix) for key in entry if key.startswith(prefix)} == names
+        assert all(entry[f"gradguard/health/norm/{name}"] > 0 for name in names)
+    final = callback.guard.metrics()
+    assert {k: v for k, v in step_logs[-1].items() if k.startswith("gradguard/health/")} == {
+        k: v for k, v in final.items() if k.startswith("gradguard/health/")
+    }
+
+
 def test_resumed_run_carries_on_the_guard_step_numbers(tmp_path, read_audit):
     """Stop at a checkpoint, resume with a new Trainer: attach start_step and event steps continue; a window holds."""
     policy = make_policy(

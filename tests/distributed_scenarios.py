@@ -249,7 +249,9 @@ def ddp_agreement(rank: int, world: int) -> dict[str, Any]:
                     gc.collect()
                     break
             elif config == "powerSGD_hook":
-                state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+                )
                 model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
                 warmup = 3  # past start_powerSGD_iter: the gradients are compressed, not all-reduced
             for step in range(warmup):

@@ -190,7 +190,6 @@ def test_under_ddp_each_rank_serves_its_own_metrics_labelled_with_its_rank(ddp_r
         )
 
 
-
 @pytest.fixture(scope="module")
 def agreement(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     outdir = tmp_path_factory.mktemp("agreement")
@@ -245,7 +244,8 @@ def test_without_ddp_reduction_a_nonfinite_stays_on_its_rank(agreement: list[dic
     collective is what makes every rank agree there."""
     for injection in ONE_RANK:
         seen = [flags[config][injection]["body.weight"] for flags in agreement]
-        assert seen[0] == [False, False] and any(seen[1]), (config, injection, seen)
+        assert seen[0] == [False, False], (config, injection, seen)
+        assert any(seen[1]), (config, injection, seen)
     both = [flags[config]["+inf/-inf"]["body.weight"] for flags in agreement]
     assert both == [[False, True], [False, True]]  # each rank sees only its own Inf, no NaN
 
@@ -253,6 +253,7 @@ def test_without_ddp_reduction_a_nonfinite_stays_on_its_rank(agreement: list[dic
 def test_bf16_compression_is_unavailable_on_gloo_or_agrees(agreement: list[dict[str, Any]]) -> None:
     seen = [flags["bf16_compress_hook"] for flags in agreement]
     assert seen[0] == seen[1]
+
 
 def test_fsdp2_norms_are_those_of_the_full_unsharded_gradient(fsdp2_runs: Path) -> None:
     """fully_shard, 2 ranks: per-tensor and group clips equal the unsharded reference on every rank."""

@@ -185,7 +185,112 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return train(rank, world, model, POLICY, outdir, inject=inject)
     if name.startswith("attach_"):
         return attach(name, rank, make_model())
+    if name == "ddp_agreement":
+        return ddp_agreement(rank, world)
     raise SystemExit(f"unknown scenario {name!r}")
+
+
+# Does DDP's all-reduce carry a NaN or Inf on one rank's gradient to every rank? Values are injected
+# by a tensor hook on ``body.weight``, before the gradient is accumulated (so before DDP's reducer
+# sees it), on the ranks named; "after" injects into ``.grad`` once backward has returned, as a
+# user's own code between backward and step would.
+AGREEMENT_INJECTIONS: dict[str, dict[int, float]] = {
+    "nan": {1: float("nan")},
+    "+inf": {1: float("inf")},
+    "-inf": {1: float("-inf")},
+    "+inf/-inf": {0: float("inf"), 1: float("-inf")},
+    "1e5": {1: 1e5},  # finite in fp32, past fp16's largest finite value (65504)
+}
+AGREEMENT_CONFIGS = [
+    "default",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "find_unused_parameters",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "powerSGD_hook",
+    "no_sync_inside",
+    "no_sync_after_sync",
+    "after_allreduce",
+]
+
+
+def grad_flags(model: nn.Module) -> dict[str, Any]:
+    """Per parameter: None (no gradient) or [has NaN, has Inf]."""
+    out: dict[str, Any] = {}
+    for name, param in model.named_parameters():
+        grad = param.grad
+        key = name.removeprefix("module.")
+        out[key] = None if grad is None else [bool(grad.isnan().any()), bool(grad.isinf().any())]
+    return out
+
+
+def ddp_agreement(rank: int, world: int) -> dict[str, Any]:
+    """Every (DDP option or comm hook) x injection: each rank's per-parameter NaN/Inf flags after backward."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as Ddp
+
+    flags: dict[str, dict[str, Any]] = {}
+    for config in AGREEMENT_CONFIGS:
+        for injection, values in AGREEMENT_INJECTIONS.items():
+            options: dict[str, Any] = {}
+            if config in {"gradient_as_bucket_view", "static_graph", "find_unused_parameters"}:
+                options[config] = True
+            model = Ddp(make_model(unused=config == "find_unused_parameters"), **options)
+            warmup = 0
+            if config == "fp16_compress_hook":
+                model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif config == "bf16_compress_hook":
+                try:
+                    model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+                except TypeError:  # needs NCCL 2.10+ on CUDA (or XCCL): not on gloo
+                    flags[config] = {"unavailable": None}
+                    del model
+                    gc.collect()
+                    break
+            elif config == "powerSGD_hook":
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+                )
+                model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+                warmup = 3  # past start_powerSGD_iter: the gradients are compressed, not all-reduced
+            for step in range(warmup):
+                model.zero_grad()
+                x, y = batch(rank, step)
+                nn.functional.mse_loss(model(x), y).backward()
+            model.zero_grad(set_to_none=True)
+            target = model.module.body.weight
+            value = values.get(rank)
+
+            def inject(grad: torch.Tensor, value: float | None = value) -> torch.Tensor:
+                if value is None:
+                    return grad
+                grad = grad.clone()
+                grad.view(-1)[0] = value
+                return grad
+
+            x, y = batch(rank, 10)
+            if config.startswith("no_sync"):
+                handle = target.register_hook(inject)
+                with model.no_sync():
+                    nn.functional.mse_loss(model(x), y).backward()
+                handle.remove()
+                if config == "no_sync_after_sync":
+                    x2, y2 = batch(rank, 10, micro=1)
+                    nn.functional.mse_loss(model(x2), y2).backward()
+            elif config == "after_allreduce":
+                nn.functional.mse_loss(model(x), y).backward()
+                if value is not None:
+                    assert target.grad is not None
+                    target.grad.view(-1)[0] = value
+            else:
+                handle = target.register_hook(inject)
+                nn.functional.mse_loss(model(x), y).backward()
+                handle.remove()
+            flags.setdefault(config, {})[injection] = grad_flags(model)
+            del model
+            gc.collect()
+    return {"rank": rank, "flags": flags}
 
 
 ATTACH_TIMEOUT = 3.0

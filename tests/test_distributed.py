@@ -190,6 +190,71 @@ def test_under_ddp_each_rank_serves_its_own_metrics_labelled_with_its_rank(ddp_r
         )
 
 
+@pytest.fixture(scope="module")
+def agreement(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    outdir = tmp_path_factory.mktemp("agreement")
+    launch(["ddp_agreement"], 2, outdir)
+    return [result["flags"] for result in results_of(outdir, "ddp_agreement", 2)]
+
+
+# DDP options and comm hooks whose reduction carries a NaN/Inf injected on one rank (before the
+# all-reduce) to every rank, in the same parameter, with the same NaN/Inf flags (README, Distributed).
+AGREEING = [
+    "default",
+    "gradient_as_bucket_view",
+    "static_graph",
+    "find_unused_parameters",
+    "fp16_compress_hook",
+    "powerSGD_hook",
+    "no_sync_after_sync",
+]
+ONE_RANK = ["nan", "+inf", "-inf"]
+
+
+@pytest.mark.parametrize("config", AGREEING)
+def test_ddp_reduction_carries_a_nonfinite_on_one_rank_to_every_rank(
+    agreement: list[dict[str, Any]], config: str
+) -> None:
+    """A NaN/Inf in one rank's gradient before DDP's all-reduce is non-finite on every rank after it."""
+    for injection in scenarios.AGREEMENT_INJECTIONS:
+        seen = [flags[config][injection] for flags in agreement]
+        assert seen[0] == seen[1], (config, injection, seen)
+        bad = {name for name, value in seen[0].items() if value is not None and any(value)}
+        if injection == "1e5":
+            # fp16 compression turns a finite value past 65504 into +Inf, on every rank alike.
+            expected = {"body.weight"} if config == "fp16_compress_hook" else set()
+            assert bad == expected, (config, injection, seen[0])
+            continue
+        assert bad == {"body.weight"}, (config, injection, seen[0])
+        has_nan, has_inf = seen[0]["body.weight"]
+        if config == "powerSGD_hook":
+            assert has_nan  # the low-rank factors turn an Inf into NaN (on every rank alike)
+        elif injection in ONE_RANK:
+            assert (has_nan, has_inf) == (injection == "nan", injection != "nan")
+        else:
+            assert (has_nan, has_inf) == (True, False)  # +Inf + -Inf
+    if config == "find_unused_parameters":
+        for flags in agreement:
+            assert flags[config]["nan"]["unused.weight"] is None  # no gradient, on every rank
+
+
+@pytest.mark.parametrize("config", ["no_sync_inside", "after_allreduce"])
+def test_without_ddp_reduction_a_nonfinite_stays_on_its_rank(agreement: list[dict[str, Any]], config: str) -> None:
+    """Inside no_sync, or injected after the all-reduce, only the rank that made it sees it: the flags'
+    collective is what makes every rank agree there."""
+    for injection in ONE_RANK:
+        seen = [flags[config][injection]["body.weight"] for flags in agreement]
+        assert seen[0] == [False, False], (config, injection, seen)
+        assert any(seen[1]), (config, injection, seen)
+    both = [flags[config]["+inf/-inf"]["body.weight"] for flags in agreement]
+    assert both == [[False, True], [False, True]]  # each rank sees only its own Inf, no NaN
+
+
+def test_bf16_compression_is_unavailable_on_gloo_or_agrees(agreement: list[dict[str, Any]]) -> None:
+    seen = [flags["bf16_compress_hook"] for flags in agreement]
+    assert seen[0] == seen[1]
+
+
 def test_fsdp2_norms_are_those_of_the_full_unsharded_gradient(fsdp2_runs: Path) -> None:
     """fully_shard, 2 ranks: per-tensor and group clips equal the unsharded reference on every rank."""
     results = results_of(fsdp2_runs, "fsdp2_clip", 2)

@@ -6,7 +6,11 @@ collective until the timeout) or desynchronises the replicas. So, whenever the d
 every rank, unconditionally, in the same order:
 
 - one ``all_reduce(SUM)`` of the non-finite flags of every watched tensor (NaN and Inf counted
-  separately), so a NaN injected on a single rank halts or skips every rank;
+  separately), so a NaN injected on a single rank halts or skips every rank. Under DDP it is
+  redundant only for a NaN/Inf made before DDP's all-reduce (which carries it to every rank: checked
+  by ``tests/test_distributed.py``, scenario ``ddp_agreement``); one made on a rank after it (user
+  code between ``backward()`` and ``step()``) or inside ``no_sync()`` reaches no other rank, and the
+  step cannot tell which it is, so the collective stays;
 - with FSDP2 (gradients are sharded ``DTensor``s), norms are computed on each rank's shard and
   combined (sum of p-th powers, or max for the inf-norm) before anything is decided, so per-tensor,
   group and global norms are those of the full, unsharded gradient. The non-finite flags ride in

@@ -127,7 +127,8 @@ class GradGuard(ServesMetrics):
                 refuse_reevaluating(opt)
         _claim_parameters(self, model, replace)
         collective = Collective(process_group)
-        agree_at_attach(collective, fingerprint(self.policy, binding, per_micro_batch, start_step), attach_timeout)
+        mine = fingerprint(self.policy, binding, per_micro_batch, start_step, reload)
+        agree_at_attach(collective, mine, attach_timeout)
 
         self.counters = Counters()
         """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""

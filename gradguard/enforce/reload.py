@@ -226,7 +226,7 @@ class Reloader:
             device = torch.device("cuda", torch.cuda.current_device())
         votes = torch.tensor([has, -has, failed, digest, -digest], dtype=torch.int64, device=device)
         any_held, none_missing, any_failed, high, low = self._collective.max_(votes).tolist()
-        if not any_held or none_missing != 0:
+        if not any_held or none_missing != -1:
             return None  # nobody has a new file, or some rank has not read it yet
         if any_failed or high != -low:
             if not self._reported and held is not None:

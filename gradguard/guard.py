@@ -334,8 +334,9 @@ class GradGuard(ServesMetrics):
         if not self._attachment.open:
             return
         self._step_calls += 1
-        self._at_boundary()
         plan = self._plans.for_optimizer(optimizer)
+        if plan is not None and self._at_boundary():  # not for an optimizer of another model: it may be on one rank
+            plan = self._plans.for_optimizer(optimizer)
         if plan is None:
             return
         # A skipped step must be skipped by every optimizer of the model, not only this one.
@@ -350,12 +351,13 @@ class GradGuard(ServesMetrics):
             self._warned_unexpected = True
             warn_unexpected_optimizer(self._events, optimizer, self._enforcer.step - 1)
 
-    def _at_boundary(self) -> None:
-        """A step boundary: a new policy the reloader holds (agreed on by every rank) takes over now."""
+    def _at_boundary(self) -> bool:
+        """A step boundary: a new policy the reloader holds (agreed on by every rank) takes over now, or not."""
         new = self._reloader.at_boundary(self._plans, self._enforcer) if self._reloader.pending() else None
         if new is not None:
             self._plans, self.policy = new, new.policy
             self._rebound(new.binding, None)
+        return new is not None
 
     def _rebound(self, new: Binding, replaced: list[str] | None) -> None:
         """The policy was bound again (``replaced``: the model's parameters were replaced; None: a reload)."""

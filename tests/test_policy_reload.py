@@ -239,3 +239,40 @@ def test_per_micro_batch_hooks_follow_the_reloaded_policy(tmp_path: Path) -> Non
         peaks = [p.grad.abs().max().item() for p in model.parameters() if p.grad is not None]
         assert max(peaks) <= torch.tensor(1e-3).item()  # the limit as a float32
         assert max(peaks) > 0
+
+
+def watch(name: str, scope: str, below: float) -> dict[str, Any]:
+    return {"name": name, "match": "*", "actions": [{"action": "monitor", "scope": scope, "vanishing_below": below}]}
+
+
+def test_an_unchanged_monitor_keeps_its_vanishing_flags_and_a_changed_one_warns_again(tmp_path: Path) -> None:
+    """Every norm is below 1e6: after a reload that changes only 'fresh', 'kept' does not warn again, 'fresh' does."""
+    path = write_policy(tmp_path / "p.json", watch("kept", "group", 1e6), watch("fresh", "group", 1e6))
+    log = tmp_path / "log.jsonl"
+    model = SmallMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with GradGuard(model, path, logger=None, audit_log=log) as guard:
+        one_step(model, opt, 0)
+        write_policy(path, watch("fresh", "group", 1e7), watch("kept", "group", 1e6))
+        assert guard.reload()
+        one_step(model, opt, 1)
+        one_step(model, opt, 2)
+        metrics = guard.metrics()
+    warned = [(event["step"], event["rule"]) for event in events_of(log, "vanishing")]
+    assert sorted(warned) == [(0, "fresh"), (0, "kept"), (1, "fresh")]
+    assert guard.counters.snapshot()["kept"] == {"vanishing": 1}
+    assert guard.counters.snapshot()["fresh"] == {"vanishing": 2}  # counters continue across the reload
+    assert "gradguard/kept/norm" in metrics
+
+
+def test_ranks_that_disagree_on_reload_differ_in_their_attach_fingerprint() -> None:
+    """reload=True is part of the options every rank must share: its per-pass collective must be on every rank."""
+    from gradguard import Policy
+    from gradguard.enforce.agreement import fingerprint
+    from gradguard.policy.matching import bind
+
+    policy = Policy.from_dict({"version": 1, "rules": [clip(1.0)]})
+    binding = bind(policy, SmallMLP())
+    off, on = (fingerprint(policy, binding, False, 0, reload) for reload in (False, True))
+    assert off["options"] == "per_micro_batch=False, start_step=0"
+    assert on["options"] == "per_micro_batch=False, start_step=0, reload=True"

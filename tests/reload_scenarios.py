@@ -1,10 +1,10 @@
-"""Hot reload under a real gloo process group, for tests/test_distributed.py (same style as distributed_scenarios.py).
+"""Hot reload under a real gloo process group, for tests/test_distributed_reload.py (as distributed_scenarios.py).
 
 Run as ``python tests/reload_scenarios.py SCENARIO WORLD OUTDIR PORT``. Every rank guards a DDP model
 with ``reload=True`` on a policy file in OUTDIR that rank 0 rewrites between steps (atomically); the
-ranks poll it at different intervals, so they notice at different times, and must still switch at
-the same step. Each rank writes ``OUTDIR/SCENARIO/rank{r}.json``: its digests after every step and
-the ``policy_reload`` / ``policy_reload_failed`` events of its audit log.
+ranks poll it at different intervals (or one only reloads on demand, later), so they notice it at
+different times, and must still switch at the same step. Each rank writes ``OUTDIR/SCENARIO/rank{r}.json``:
+its digests after every step and the ``policy_reload`` / ``policy_reload_failed`` events of its audit log.
 """
 
 from __future__ import annotations
@@ -28,7 +28,11 @@ from gradguard import GradGuard
 
 STEPS = 30
 STEP_SECONDS = 0.03
-INTERVALS = (0.02, 0.15)  # rank 0 notices a change long before rank 1
+INTERVALS = {"reload_switch": (0.01, 60.0), "reload_bad_then_good": (0.02, 0.15)}
+"""Per scenario, each rank's ``reload_interval``: rank 0 notices a change long before rank 1."""
+ON_DEMAND = {"reload_switch": 8}
+"""Rank 1, whose watcher never looks in time, calls ``guard.reload()`` before this step."""
+NEW_MAX_NORM = 1e-3  # bites on every step, so a rank that switched alone would part from the other
 
 
 def clip_policy(max_norm: float) -> str:
@@ -44,8 +48,8 @@ def write_atomically(path: Path, text: str) -> None:
 
 # Rank 0 rewrites the file before these steps.
 REWRITES = {
-    "reload_switch": {3: clip_policy(0.05)},
-    "reload_bad_then_good": {3: '{"version": 1, "rules": [', 15: clip_policy(0.05)},
+    "reload_switch": {3: clip_policy(NEW_MAX_NORM)},
+    "reload_bad_then_good": {3: '{"version": 1, "rules": [', 15: clip_policy(NEW_MAX_NORM)},
 }
 
 
@@ -60,7 +64,7 @@ def scenario(name: str, rank: int, outdir: Path) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     log = outdir / f"audit-rank{rank}.jsonl"
     digests = []
-    guard = GradGuard(model, path, audit_log=log, logger=None, reload=True, reload_interval=INTERVALS[rank % 2])
+    guard = GradGuard(model, path, audit_log=log, logger=None, reload=True, reload_interval=INTERVALS[name][rank])
     with guard:
         for step in range(STEPS):
             if step in REWRITES[name]:
@@ -68,6 +72,8 @@ def scenario(name: str, rank: int, outdir: Path) -> dict[str, Any]:
                 if rank == 0:
                     write_atomically(path, REWRITES[name][step])
                 dist.barrier()
+            if rank == 1 and ON_DEMAND.get(name) == step:
+                assert guard.reload()
             opt.zero_grad()
             x, y = batch(rank, step)
             nn.functional.mse_loss(model(x), y).backward()

@@ -11,8 +11,9 @@ Under ``torch.distributed`` (more than one rank) a guard made with ``reload=True
 collective at every enforcement pass, on every rank, whether or not anything changed: an
 ``all_reduce(MAX)`` of five int64 numbers (whether this rank holds a candidate, its negation, whether
 it failed, the content hash and its negation), plus the host read of the result. The ranks switch
-at that pass only when every rank holds a candidate, none failed, and all hashed the same bytes, so
-they switch at the same step or not at all.
+at that pass only when every rank holds a candidate, all hashed the same bytes, and none failed, so
+they switch at the same step or not at all. Ranks that read different versions wait (the late ones
+read the newest at their next poll); a version that fails on any rank is logged once by each.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +50,7 @@ class Candidate:
     error: str | None = None
     plans: PlanBook | None = field(default=None, repr=False)
     """Bound to the model on the training thread (:meth:`Reloader.prepare`)."""
+    read_at: float = field(default_factory=time.monotonic)
 
 
 def _signature(path: str) -> tuple[int, int, str] | None:
@@ -220,7 +223,7 @@ class Reloader:
         held = self._held
         has = int(held is not None)
         failed = int(held is not None and held.error is not None)
-        digest = held.digest if held is not None and not failed else 0
+        digest = held.digest if held is not None else 0
         device = torch.device("cpu")
         if "nccl" in str(dist.get_backend(self._collective.group)):
             device = torch.device("cuda", torch.cuda.current_device())
@@ -228,15 +231,17 @@ class Reloader:
         any_held, none_missing, any_failed, high, low = self._collective.max_(votes).tolist()
         if not any_held or none_missing != -1:
             return None  # nobody has a new file, or some rank has not read it yet
-        if any_failed or high != -low:
-            if not self._reported and held is not None:
-                self._reported = True
-                reason = held.error or (
-                    "another rank could not load or bind it" if any_failed else "the ranks read different contents"
-                )
-                self._failed(held.path, reason, enforcer.step)
-            return None
         assert held is not None
+        if high != -low:  # the ranks read different versions: wait until the late ones read the newest
+            if not self._reported and time.monotonic() - held.read_at > max(10 * self._interval, 30.0):
+                self._reported = True
+                self._failed(held.path, "the ranks read different contents of the policy file", enforcer.step)
+            return None
+        if any_failed:
+            if not self._reported:
+                self._reported = True
+                self._failed(held.path, held.error or "another rank could not load or bind it", enforcer.step)
+            return None
         self._held = None
         return self._switch(held, plans, enforcer)
 

@@ -24,6 +24,7 @@ from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
 from gradguard.enforce.micro_batch import MicroBatchHooks
 from gradguard.enforce.plans import PlanBook
+from gradguard.enforce.reload import Reloader
 from gradguard.enforce.scaler import ScalerWatch, unscaled_found_inf
 from gradguard.enforce.step import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
@@ -35,7 +36,9 @@ from gradguard.lifecycle import (
     check_arguments,
     distributed_rank,
     emit_attach,
+    load_guard_state,
     optimizers_given,
+    warn_unexpected_optimizer,
 )
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
@@ -89,6 +92,8 @@ class GradGuard(ServesMetrics):
             group to attach too (then ``GuardStateError`` names the missing ranks); ranks that
             attach with a different policy, parameters or options are refused at once, on every rank.
         metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
+        reload, reload_interval: look at the policy file (a path) every this many seconds; a changed one takes
+            over at the next step boundary, on every rank at the same step (README, "Hot reload").
     """
 
     def __init__(
@@ -108,8 +113,10 @@ class GradGuard(ServesMetrics):
         attach_timeout: float = 60.0,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        reload: bool = False,
+        reload_interval: float = 2.0,
     ) -> None:
-        check_arguments(model, start_step, summary_every, attach_timeout)
+        check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
         optimizers = optimizers_given(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
@@ -120,7 +127,8 @@ class GradGuard(ServesMetrics):
                 refuse_reevaluating(opt)
         _claim_parameters(self, model, replace)
         collective = Collective(process_group)
-        agree_at_attach(collective, fingerprint(self.policy, binding, per_micro_batch, start_step), attach_timeout)
+        mine = fingerprint(self.policy, binding, per_micro_batch, start_step, reload)
+        agree_at_attach(collective, mine, attach_timeout)
 
         self.counters = Counters()
         """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
@@ -136,6 +144,9 @@ class GradGuard(ServesMetrics):
         self._warned_unexpected = False
 
         self._attachment = Attachment(self._enforcer, events)
+        path = None if isinstance(policy, Policy) else os.fspath(policy)
+        self._reloader = Reloader(path, watch=reload, interval=reload_interval, collective=collective, events=events)
+        self._attachment.handles.append(self._reloader)
         self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, on_failure=events.close)
         if per_micro_batch:
             self._attach_micro_batch_hooks()
@@ -208,6 +219,7 @@ class GradGuard(ServesMetrics):
         :class:`GuardStateError` when the guard's ``scaler`` has not unscaled the gradients yet.
         """
         self._require_attached()
+        self._at_boundary()
         if optimizer is None:
             plan = self._plans.current()
         else:
@@ -224,6 +236,15 @@ class GradGuard(ServesMetrics):
         proceed = self._enforcer.run(plan, context)
         return self._record(proceed and not self._enforcer.scaler_skip_at_boundary)
 
+    def reload(self, path: str | os.PathLike[str] | None = None) -> bool:
+        """Load ``path`` (default: the same file) now, to take over at the next step boundary; False (with a
+        ``policy_reload_failed`` event and a warning) if it is invalid or does not bind: the old policy stays."""
+        self._require_attached()
+        error = self._reloader.request(None if path is None else os.fspath(path), self._plans, self._enforcer.step)
+        if error is not None:
+            warnings.warn(f"policy not reloaded, the old one stays in force: {error}", GuardWarning, stacklevel=2)
+        return error is None
+
     def state_dict(self) -> dict[str, Any]:
         """What decides the guard's future steps: the step number and each skip rule's history.
 
@@ -234,19 +255,7 @@ class GradGuard(ServesMetrics):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over a guard's :meth:`state_dict` (a run resumed from a checkpoint)."""
-        if not isinstance(state, dict) or state.get("format") != 1 or "step" not in state:
-            raise GuardStateError(
-                f"not a gradguard state_dict (expected a dict with format 1 and a step): got {state!r:.200}"
-            )
-        unknown = self._enforcer.load_state_dict(state)
-        if unknown:
-            warnings.warn(
-                f"the saved guard state has skip histories for rules this policy does not have: {unknown}; "
-                "they were dropped",
-                GuardWarning,
-                stacklevel=2,
-            )
-        self._events.emit("info", "state_loaded", step=self._enforcer.step)
+        load_guard_state(self._enforcer, self._events, state)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event so far is in the audit log (it is written by a background thread).
@@ -326,6 +335,8 @@ class GradGuard(ServesMetrics):
             return
         self._step_calls += 1
         plan = self._plans.for_optimizer(optimizer)
+        if plan is not None and self._at_boundary():  # not for an optimizer of another model: it may be on one rank
+            plan = self._plans.for_optimizer(optimizer)
         if plan is None:
             return
         # A skipped step must be skipped by every optimizer of the model, not only this one.
@@ -338,29 +349,32 @@ class GradGuard(ServesMetrics):
         unexpected = self._expected is not None and all(optimizer is not opt for opt in self._expected)
         if unexpected and self._enforcer.last_run_treated and not self._warned_unexpected:
             self._warned_unexpected = True
-            name = type(optimizer).__name__
-            self._events.emit("warning", "unexpected_optimizer", step=self._enforcer.step - 1, optimizer=name)
-            warnings.warn(
-                f"a {name} that was not given as optimizer= stepped new gradients of the guarded model; "
-                "gradguard treated them, so nothing went unguarded. Pass it in optimizer= to silence this.",
-                GuardWarning,
-                stacklevel=4,
-            )
+            warn_unexpected_optimizer(self._events, optimizer, self._enforcer.step - 1)
 
-    def _rebound(self, new: Binding, replaced: list[str]) -> None:
-        """The model's parameters were replaced after attach and the policy bound again: follow, and say so."""
-        self._enforcer.rebind(new)
+    def _at_boundary(self) -> bool:
+        """A step boundary: a new policy the reloader holds (agreed on by every rank) takes over now, or not."""
+        new = self._reloader.at_boundary(self._plans, self._enforcer) if self._reloader.pending() else None
+        if new is not None:
+            self._plans, self.policy = new, new.policy
+            self._rebound(new.binding, None)
+        return new is not None
+
+    def _rebound(self, new: Binding, replaced: list[str] | None) -> None:
+        """The policy was bound again (``replaced``: the model's parameters were replaced; None: a reload)."""
+        if replaced is not None:
+            self._enforcer.rebind(new)
         if self._enforcer.micro_batch is not None:
             self._enforcer.micro_batch.remove()
             self._attach_micro_batch_hooks()
-        self._events.emit(
-            "warning",
-            "rebind",
-            step=self._enforcer.step,
-            replaced=replaced,
-            params=len(new.params),
-            rules={bound.name: len(bound.params) for bound in new.rules},
-        )
+        if replaced is not None:
+            self._events.emit(
+                "warning",
+                "rebind",
+                step=self._enforcer.step,
+                replaced=replaced,
+                params=len(new.params),
+                rules={bound.name: len(bound.params) for bound in new.rules},
+            )
 
     def _attach_micro_batch_hooks(self) -> None:
         enforcer = self._enforcer

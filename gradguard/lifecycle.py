@@ -9,19 +9,28 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from gradguard.enforce.engine import Enforcer
-from gradguard.errors import GuardWarning
+from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
 
-__all__ = ["Attachment", "Removable", "check_arguments", "distributed_rank", "emit_attach", "optimizers_given"]
+__all__ = [
+    "Attachment",
+    "Removable",
+    "check_arguments",
+    "distributed_rank",
+    "emit_attach",
+    "load_guard_state",
+    "optimizers_given",
+    "warn_unexpected_optimizer",
+]
 
 
 class Removable(Protocol):
@@ -81,7 +90,11 @@ def optimizers_given(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[
     return optimizers
 
 
-def check_arguments(model: nn.Module, start_step: int, summary_every: int, attach_timeout: float) -> None:
+def check_arguments(
+    model: nn.Module, start_step: int, summary_every: int, attach_timeout: float, reload_interval: float = 2.0
+) -> None:
+    if not reload_interval > 0:
+        raise ValueError(f"reload_interval must be > 0 (seconds between looks at the file), got {reload_interval}")
     if not isinstance(model, nn.Module):
         raise TypeError(f"GradGuard needs a torch.nn.Module, got {type(model).__name__}")
     if start_step < 0:
@@ -121,3 +134,32 @@ def distributed_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return int(torch.distributed.get_rank())
     return 0
+
+
+def load_guard_state(enforcer: Enforcer, events: EventLog, state: Any) -> None:
+    """``guard.load_state_dict``: check the saved state, take it over, warn about dropped rules."""
+    if not isinstance(state, dict) or state.get("format") != 1 or "step" not in state:
+        raise GuardStateError(
+            f"not a gradguard state_dict (expected a dict with format 1 and a step): got {state!r:.200}"
+        )
+    unknown = enforcer.load_state_dict(state)
+    if unknown:
+        warnings.warn(
+            f"the saved guard state has skip histories for rules this policy does not have: {unknown}; "
+            "they were dropped",
+            GuardWarning,
+            stacklevel=3,
+        )
+    events.emit("info", "state_loaded", step=enforcer.step)
+
+
+def warn_unexpected_optimizer(events: EventLog, optimizer: Optimizer, step: int) -> None:
+    """An optimizer not given as ``optimizer=`` stepped new gradients of the model: say so, once."""
+    name = type(optimizer).__name__
+    events.emit("warning", "unexpected_optimizer", step=step, optimizer=name)
+    warnings.warn(
+        f"a {name} that was not given as optimizer= stepped new gradients of the guarded model; "
+        "gradguard treated them, so nothing went unguarded. Pass it in optimizer= to silence this.",
+        GuardWarning,
+        stacklevel=5,
+    )

@@ -37,13 +37,19 @@ def digest(value: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
 
 
-def fingerprint(policy: Policy, binding: Binding, per_micro_batch: bool, start_step: int) -> dict[str, str]:
-    """What every rank's guard must share, as short comparable strings (and the policy's file, shown only)."""
+def fingerprint(
+    policy: Policy, binding: Binding, per_micro_batch: bool, start_step: int, reload: bool = False
+) -> dict[str, str]:
+    """What every rank's guard must share, as short comparable strings (and the policy's file, shown only).
+
+    ``reload`` is compared too: with it, every enforcement pass makes one more collective.
+    """
     names = sorted(name for entry in binding.params for name in entry.names)
+    options = f"per_micro_batch={per_micro_batch}, start_step={start_step}" + (", reload=True" if reload else "")
     return {
         "policy": f"content {digest(policy.model_dump(mode='json'))}",
         "parameters": f"{len(binding.params)} guarded tensors, names {digest(names)}",
-        "options": f"per_micro_batch={per_micro_batch}, start_step={start_step}",
+        "options": options,
         "source": policy.source,
     }
 

@@ -222,10 +222,12 @@ class Enforcer:
             if held and grad is not None:
                 self.applied_versions[index] = (ref, local_tensor(grad)._version, False)
 
-    def rebind(self, binding: Binding) -> None:
-        """Switch to a new binding (the model's parameters were replaced); tensor indices start afresh."""
+    def rebind(self, binding: Binding, keep: dict[int, int] | None = None) -> None:
+        """Switch to a new binding; tensor indices start afresh, or follow ``keep`` (old index -> new)."""
         self.binding = binding
-        self.applied_versions.clear()
+        keep = keep or {}
+        self.applied_versions = {keep[i]: seen for i, seen in self.applied_versions.items() if i in keep}
+        self._in_step = {keep[i] for i in self._in_step if i in keep}
 
     def _begin_step(self, indices: Iterable[int]) -> int:
         """The 0-based index of the step these tensors' gradients belong to.

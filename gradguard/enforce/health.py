@@ -85,6 +85,13 @@ class Health:
                 "warning", state, step=step, rule=seen.rule, scope=seen.scope, name=name, norm=norm, threshold=threshold
             )
 
+    def keep_rules(self, names: set[str]) -> None:
+        """A new policy is in force: forget the flags and figures of every rule not in ``names``."""
+        with self._lock:
+            prefixes = tuple(f"gradguard/{name}/" for name in names)
+            self._last = {key: value for key, value in self._last.items() if key.startswith(prefixes)}
+        self._flagged = {key: state for key, state in self._flagged.items() if key[0] in names}
+
     def flagged(self) -> dict[tuple[str, str], str]:
         """``(rule, name) -> "vanishing" | "exploding"`` for the names out of their thresholds now."""
         return {(rule, name): state for (rule, _, name), state in self._flagged.items()}

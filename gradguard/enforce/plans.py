@@ -16,7 +16,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradguard.enforce.plan import Plan
-from gradguard.errors import GuardWarning
+from gradguard.errors import GuardWarning, PolicyError, PolicyIssue
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding, bind
 
@@ -37,6 +37,13 @@ class PlanBook:
             weakref.WeakKeyDictionary()
         )
         self._warned_split: set[int] = set()
+
+    def with_policy(self, policy: Policy) -> PlanBook:
+        """A new book for ``policy`` on the same model; raises :class:`PolicyError` if it does not bind."""
+        model = self._model_ref()
+        if model is None:
+            raise PolicyError([PolicyIssue(policy.source, None, "", "the guarded model no longer exists")])
+        return PlanBook(policy, model, self._on_rebind)
 
     def current(self) -> Plan:
         """The whole-model plan, bound again first if the model's tensors changed."""

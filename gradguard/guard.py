@@ -51,8 +51,24 @@ _LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
 def _on_optimizer_step(
     guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> StepArgs | None:
+    """An optimizer's ``step()`` begins: treat its gradients now, or after its closure computes them."""
     guard = guard_ref()
-    return guard._before_optimizer_step(optimizer, args, kwargs) if guard is not None else None
+    if guard is None or not guard.attached:
+        return None
+    closure = closure_of(args, kwargs)
+    if closure is None:
+        guard._enforce_for(optimizer)
+        return None
+    if guard._plans.for_optimizer(optimizer) is None:
+        return None  # it steps nothing of the model
+    refuse_reevaluating(optimizer)
+
+    def treat() -> None:
+        alive = guard_ref()
+        if alive is not None:
+            alive._enforce_for(optimizer)
+
+    return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
 
 
 def _after_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], *_: Any) -> None:
@@ -298,28 +314,6 @@ class GradGuard(ServesMetrics):
     def _record(self, proceed: bool) -> bool:
         self._last_step_skipped = not proceed
         return proceed
-
-    def _before_optimizer_step(
-        self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> StepArgs | None:
-        """An optimizer's ``step()`` begins: treat its gradients now, or after its closure computes them."""
-        if not self._attachment.open:
-            return None
-        closure = closure_of(args, kwargs)
-        if closure is None:
-            self._enforce_for(optimizer)
-            return None
-        if self._plans.for_optimizer(optimizer) is None:
-            return None  # it steps nothing of the model
-        refuse_reevaluating(optimizer)
-        guard_ref = weakref.ref(self)
-
-        def treat() -> None:
-            guard = guard_ref()
-            if guard is not None:
-                guard._enforce_for(optimizer)
-
-        return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
 
     def _scaler_skipped(self, optimizer: Optimizer) -> None:
         """The guard's GradScaler skipped this optimizer's step (its ``step()`` was never called)."""

@@ -33,9 +33,30 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gradguard import GradGuard, Policy
 
-__all__ = ["AcceleratorBoundary", "guard_accelerator"]
+__all__ = ["AcceleratorBoundary", "InstancePatch", "guard_accelerator"]
 
 _MISSING = object()
+
+
+class InstancePatch:
+    """Sets ``obj.<name>`` on the instance; ``remove()`` restores what the instance had (or nothing)."""
+
+    def __init__(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
+        self.obj = obj
+        self.name = name
+        self.replacement = replacement
+        self.original: Callable[..., Any] = getattr(obj, name)
+        """What ``obj.<name>`` was before: the replacement calls it."""
+        self.previous = obj.__dict__.get(name, _MISSING)
+        setattr(obj, name, replacement)
+
+    def remove(self) -> None:
+        if self.obj.__dict__.get(self.name) is not self.replacement:
+            return  # wrapped again by someone else since: leave theirs
+        if self.previous is _MISSING:
+            del self.obj.__dict__[self.name]
+        else:
+            setattr(self.obj, self.name, self.previous)
 
 
 def _unwrap(optimizer: Any) -> Optimizer | None:
@@ -72,12 +93,8 @@ class AcceleratorBoundary:
         self.guard_of = guard_of
         self.remove_with_guard = remove_with_guard
         self._treated: set[int] = set()
-        self._previous: dict[str, Any] = {}
-        self._originals: dict[str, Callable[..., Any]] = {}
-        for name, replacement in (("unscale_gradients", self._unscale_gradients), ("backward", self._backward)):
-            self._previous[name] = accelerator.__dict__.get(name, _MISSING)
-            self._originals[name] = getattr(accelerator, name)
-            setattr(accelerator, name, replacement)
+        self._unscale = InstancePatch(accelerator, "unscale_gradients", self._unscale_gradients)
+        self._backward_patch = InstancePatch(accelerator, "backward", self._backward)
         ref = weakref.ref(self)
         self._post_hook = register_optimizer_step_post_hook(
             lambda optimizer, args, kwargs: _stepped(ref, optimizer)  # an optimizer has stepped: a new step
@@ -90,20 +107,14 @@ class AcceleratorBoundary:
             return
         self.installed = False
         self._post_hook.remove()
-        mine = {"unscale_gradients": self._unscale_gradients, "backward": self._backward}
-        for name, previous in self._previous.items():
-            if self.accelerator.__dict__.get(name) != mine[name]:
-                continue  # someone wrapped it after us: leave their wrapper in place
-            if previous is _MISSING:
-                del self.accelerator.__dict__[name]
-            else:
-                setattr(self.accelerator, name, previous)
+        self._unscale.remove()  # each leaves a wrapper someone added after us in place
+        self._backward_patch.remove()
         self._treated.clear()
 
     # --- the wrappers -----------------------------------------------------------------------------
 
     def _unscale_gradients(self, optimizer: Any = None) -> None:
-        self._originals["unscale_gradients"](optimizer=optimizer)
+        self._unscale.original(optimizer=optimizer)
         guard = self.guard_of()
         if guard is None or not guard.attached:
             if self.remove_with_guard:
@@ -127,7 +138,7 @@ class AcceleratorBoundary:
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         self._treated.clear()  # new gradients: the next boundary treats them
-        return self._originals["backward"](loss, **kwargs)
+        return self._backward_patch.original(loss, **kwargs)
 
     def _stepped(self, optimizer: Optimizer) -> None:
         self._treated.discard(id(optimizer))

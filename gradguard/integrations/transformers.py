@@ -28,7 +28,7 @@ try:
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-    from gradguard.integrations.accelerate import AcceleratorBoundary
+    from gradguard.integrations.accelerate import AcceleratorBoundary, InstancePatch
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
         "gradguard.integrations.transformers needs transformers and accelerate: pip install 'gradguard[transformers]'"
@@ -43,7 +43,6 @@ __all__ = ["STATE_FILE", "GradGuardCallback", "guard_trainer"]
 STATE_FILE = "gradguard_state.json"
 """The guard's ``state_dict()``, written into each checkpoint folder the Trainer saves."""
 
-_MISSING = object()
 
 
 class GradGuardCallback(transformers.TrainerCallback):
@@ -81,7 +80,7 @@ class GradGuardCallback(transformers.TrainerCallback):
         self._trainer_ref: weakref.ReferenceType[transformers.Trainer] | None = None
         self._resume_from: str | None = None
         self._boundary: AcceleratorBoundary | None = None
-        self._log_patch: _InstancePatch | None = None
+        self._log_patch: InstancePatch | None = None
 
     # --- Trainer events ---------------------------------------------------------------------------
 
@@ -107,7 +106,7 @@ class GradGuardCallback(transformers.TrainerCallback):
         self._load_saved_state(guard, args, state)
         if trainer is not None:
             self._boundary = AcceleratorBoundary(trainer.accelerator, self._current_guard, remove_with_guard=False)
-            self._log_patch = _InstancePatch(trainer, "log", self._wrap_log(trainer.log))
+            self._log_patch = InstancePatch(trainer, "log", self._wrap_log(trainer.log))
 
     def on_train_end(
         self,
@@ -191,25 +190,6 @@ class GradGuardCallback(transformers.TrainerCallback):
         if isinstance(saved, dict):
             saved = {**saved, "step": state.global_step}
         guard.load_state_dict(saved)
-
-
-class _InstancePatch:
-    """Sets ``obj.<name>`` on the instance; ``remove()`` restores what the instance had (or nothing)."""
-
-    def __init__(self, obj: Any, name: str, replacement: Callable[..., Any]) -> None:
-        self.obj = obj
-        self.name = name
-        self.replacement = replacement
-        self.previous = obj.__dict__.get(name, _MISSING)
-        setattr(obj, name, replacement)
-
-    def remove(self) -> None:
-        if self.obj.__dict__.get(self.name) is not self.replacement:
-            return  # wrapped again by someone else since: leave theirs
-        if self.previous is _MISSING:
-            del self.obj.__dict__[self.name]
-        else:
-            setattr(self.obj, self.name, self.previous)
 
 
 def guard_trainer(

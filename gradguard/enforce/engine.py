@@ -23,7 +23,7 @@ import torch
 from gradguard.enforce.actions import ActionKernel, kernel_for
 from gradguard.enforce.actions.clipping import clear_overflows
 from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
-from gradguard.enforce.distributed import Collective, is_sharded, local_tensor
+from gradguard.enforce.distributed import Collective, local_tensor
 from gradguard.enforce.health import Health
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
@@ -94,7 +94,7 @@ class Enforcer:
 
         step = self._begin_step(grads)
         collective = self.collective if self.collective.active() else None
-        sharded = collective is not None and any(is_sharded(self._grad_of(i)) for i in grads)
+        sharded = collective is not None and bool(wrapped)  # wrapped holds the DTensor (FSDP2) gradients
         work = StepWork(self.binding, plan.names, grads, step, Pending(), StepOutcome(), collective, sharded)
         adopt_fused_scaler(context, work.pending, work.outcome)
         read_found_inf(context, work.pending, work.outcome)
@@ -267,14 +267,6 @@ class Enforcer:
         plan = plan_of_optimizer()
         if plan is not None:
             self.record_scaler_skip(entry.index for entry in plan.params)
-
-    def _grad_of(self, index: int) -> torch.Tensor:
-        param = self.binding.params[index].ref()
-        assert param is not None, "a tensor with a gradient this step is alive"
-        assert param.grad is not None, "only called for tensors with a gradient"
-        return param.grad
-
-    # --- after the sync -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The step number and every rule's skip history: what decides future steps."""

@@ -34,6 +34,8 @@ from gradguard.enforce.plans import PlanBook
 from gradguard.errors import PolicyError
 from gradguard.events.log import EventLog
 from gradguard.policy.document import Policy
+from gradguard.policy.limits import MAX_FILE_BYTES
+from gradguard.policy.loading import load_policy_text, read_policy_file
 
 __all__ = ["Candidate", "PolicySlot", "PolicyWatcher", "Reloader", "load_candidate", "rule_changes"]
 
@@ -58,18 +60,21 @@ def _signature(path: str) -> tuple[int, int, str] | None:
     try:
         stat = os.stat(path)
         with open(path, "rb") as file:
-            content = file.read()
+            content = file.read(MAX_FILE_BYTES + 1)  # a larger file is refused when loaded: hash no more
     except OSError:
         return None
     return stat.st_mtime_ns, stat.st_size, hashlib.sha256(content).hexdigest()
 
 
 def load_candidate(path: str) -> Candidate:
-    """Read, parse and validate the policy at ``path``; a :class:`PolicyError` becomes the candidate's error."""
-    signature = _signature(path)
-    digest = int(signature[2][: _HASH_BITS // 4], 16) if signature is not None else 0
+    """Read the policy at ``path`` once, hash and validate those same bytes; a :class:`PolicyError` is kept."""
     try:
-        return Candidate(path, digest, policy=Policy.from_file(path))
+        text, fmt = read_policy_file(path)
+    except PolicyError as exc:
+        return Candidate(path, 0, error=str(exc))
+    digest = int(hashlib.sha256(text.encode("utf-8")).hexdigest()[: _HASH_BITS // 4], 16)
+    try:
+        return Candidate(path, digest, policy=load_policy_text(Policy, text, fmt, path))
     except PolicyError as exc:
         return Candidate(path, digest, error=str(exc))
 

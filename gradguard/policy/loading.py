@@ -70,6 +70,12 @@ _POLICY_FIELDS = tuple(PolicyFields.model_fields)
 
 def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
     """Read, parse and validate the policy file at ``path``."""
+    text, fmt = read_policy_file(path)
+    return load_policy_text(cls, text, fmt, os.fspath(path))
+
+
+def read_policy_file(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """The text of the policy file at ``path`` and its format, read once and no further than the size limit."""
     source = os.fspath(path)
     suffix = Path(source).suffix.lower()
     fmt = _SUFFIXES.get(suffix)
@@ -84,7 +90,7 @@ def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
                 )
             ]
         )
-    return load_policy_text(cls, _read(source), fmt, source)
+    return _read(source), fmt
 
 
 def load_policy_text(cls: type[P], text: str, fmt: str, source: str) -> P:

@@ -15,7 +15,7 @@ import torch
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.distributed import local_tensor
 from gradguard.enforce.step import Observation, StepWork
-from gradguard.enforce.tensors import LOW_PRECISION
+from gradguard.enforce.tensors import LOW_PRECISION, stack_on
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, Monitor
 
@@ -58,16 +58,16 @@ class MonitorKernel(ActionKernel):
             if all(i in raw for i in ids):  # the step took them already (untouched: no action ran yet)
                 base["norm"] = work.pending.stack([raw[i] for i in ids], device).float()
             else:
-                base["norm"] = torch.stack([n.to(device) for n in work.norms(gs, 2.0)]).float()
+                base["norm"] = stack_on(work.norms(gs, 2.0), device).float()
         if "max_abs" in wanted:
-            base["max_abs"] = torch.stack([n.to(device) for n in work.norms(gs, float("inf"))]).float()
+            base["max_abs"] = stack_on(work.norms(gs, float("inf")), device).float()
         if wanted & {"mean", "std"}:
             base["mean"] = torch.stack([_mean(g).to(device) for g in gs])
         if "std" in wanted and not joint:
             base["std"] = torch.stack([_std(g).to(device) for g in gs])
         if "grad_to_weight" in wanted:
             params = [local_tensor(_param(work, i)).detach() for i in ids]
-            base["weight"] = torch.stack([n.to(device) for n in work.norms(params, 2.0)]).float()
+            base["weight"] = stack_on(work.norms(params, 2.0), device).float()
         if joint:
             names, figures = _joint(work, action, bound.name, ids, gs, base)
         else:

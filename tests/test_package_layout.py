@@ -16,7 +16,7 @@ ALLOWED = {
     "lifecycle": {"policy", "events", "enforce"},
     "guard": {"policy", "events", "enforce", "lifecycle"},
     "cli": {"policy", "events", "enforce", "audit", "guard", "lifecycle"},
-    "integrations": {"guard"},
+    "integrations": {"guard", "enforce"},
 }
 
 

@@ -18,7 +18,7 @@ from torch.optim import Optimizer
 from gradguard.enforce.step import Pending, StepContext, StepOutcome
 from gradguard.errors import GuardStateError
 
-__all__ = ["ScalerWatch", "adopt_fused_scaler", "read_found_inf", "unscaled_found_inf"]
+__all__ = ["ScalerWatch", "adopt_fused_scaler", "has_unscaled", "read_found_inf", "unscaled_found_inf"]
 
 
 def adopt_fused_scaler(context: StepContext, pending: Pending, outcome: StepOutcome) -> None:
@@ -64,6 +64,14 @@ def read_found_inf(context: StepContext, pending: Pending, outcome: StepOutcome)
     pending.add(total, read)
 
 
+def has_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
+    """Whether ``scaler`` has unscaled this optimizer's gradients in the current step (or is disabled)."""
+    if not scaler.is_enabled():
+        return True
+    state = scaler._per_optimizer_states.get(id(optimizer))
+    return state is not None and state["stage"] is OptState.UNSCALED
+
+
 def unscaled_found_inf(scaler: torch.amp.GradScaler | None, optimizer: Optimizer | None) -> tuple[torch.Tensor, ...]:
     """A GradScaler's inf/NaN flags for the gradients it has unscaled (for an explicit boundary).
 
@@ -76,8 +84,7 @@ def unscaled_found_inf(scaler: torch.amp.GradScaler | None, optimizer: Optimizer
     if optimizer is None:
         chosen = [state for state in states.values() if state["stage"] is OptState.UNSCALED]
     else:
-        state = states.get(id(optimizer))
-        chosen = [state] if state is not None and state["stage"] is OptState.UNSCALED else []
+        chosen = [states[id(optimizer)]] if has_unscaled(scaler, optimizer) else []
     if not chosen:
         raise GuardStateError(
             "guard.step() was called while the guard's GradScaler still holds scaled gradients; thresholds "

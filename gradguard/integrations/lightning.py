@@ -23,7 +23,6 @@ import os
 from typing import Any
 
 import torch
-from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 try:
@@ -37,6 +36,7 @@ except ImportError as exc:  # tested by hiding lightning from sys.modules
     ) from exc
 
 from gradguard import GradGuard, Policy
+from gradguard.enforce.scaler import has_unscaled
 
 __all__ = ["GradGuardCallback"]
 
@@ -144,7 +144,7 @@ class GradGuardCallback(Callback):
         opt: Any = optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         if not isinstance(opt, Optimizer):
             return
-        if self._scaler is not None and not _has_unscaled(self._scaler, opt):
+        if self._scaler is not None and not has_unscaled(self._scaler, opt):
             return
         guard.step(opt)
 
@@ -191,11 +191,3 @@ class GradGuardCallback(Callback):
         """Remember the checkpoint's global step: the guard's start step if it saved no guard state."""
         step = checkpoint.get("global_step")
         self._checkpoint_step = int(step) if isinstance(step, int) else None
-
-
-def _has_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
-    """Whether ``scaler`` has unscaled this optimizer's gradients in the current step (or is disabled)."""
-    if not scaler.is_enabled():
-        return True
-    state = scaler._per_optimizer_states.get(id(optimizer))
-    return state is not None and state["stage"] is OptState.UNSCALED

@@ -78,14 +78,15 @@ class GradientHalt(GradGuardError, RuntimeError):
         self.params: tuple[str, ...] = tuple(params)
         """Names of every parameter whose gradient was non-finite, in model order."""
         self.kind = kind
-        """``"nan"``, ``"inf"`` or ``"nan+inf"``."""
+        """``"nan"``, ``"inf"`` or ``"nan+inf"``; ``"spike"`` when ``skip_step_on_spike`` escalated."""
         self.rule = rule
         """The name of the (first) halt or skip rule that covered the offending parameters."""
         self.reason = reason
         """Why a skip rule escalated to a halt, or ``None`` for a plain halt."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
+        what = "gradient norm spike" if kind == "spike" else f"non-finite gradient ({kind})"
         super().__init__(
-            f"non-finite gradient ({kind}) at step {step} in {len(self.params)} parameter(s): {shown} "
+            f"{what} at step {step} in {len(self.params)} parameter(s): {shown} "
             f"(rule {rule!r}){'; ' + reason if reason else ''}. The optimizer step was not taken: parameters "
             "and optimizer state are as they were after the last good step."
         )

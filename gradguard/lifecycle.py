@@ -145,7 +145,7 @@ def load_guard_state(enforcer: Enforcer, events: EventLog, state: Any) -> None:
     unknown = enforcer.load_state_dict(state)
     if unknown:
         warnings.warn(
-            f"the saved guard state has skip histories for rules this policy does not have: {unknown}; "
+            f"the saved guard state has skip histories or statistics for rules this policy does not have: {unknown}; "
             "they were dropped",
             GuardWarning,
             stacklevel=3,

@@ -28,6 +28,7 @@ from gradguard.enforce.health import Health
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf
+from gradguard.enforce.statistics import Statistics
 from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
 from gradguard.enforce.verdicts import Verdicts
 from gradguard.errors import GradientHalt, GuardStateError
@@ -70,6 +71,8 @@ class Enforcer:
         self.verdicts = Verdicts(counters, events, self.skip_limits)
         self.health = Health(counters, events)
         """The monitors' figures, warnings and metrics across steps."""
+        self.statistics = Statistics()
+        """The adaptive actions' statistics across steps (changed only by applied steps)."""
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
         """``(weakref to grad, version, held)`` after the last pass, per tensor: a gradient already
         treated, and unchanged since, is not treated again (a second ``step()`` on the same gradient).
@@ -96,6 +99,7 @@ class Enforcer:
         collective = self.collective if self.collective.active() else None
         sharded = collective is not None and bool(wrapped)  # wrapped holds the DTensor (FSDP2) gradients
         work = StepWork(self.binding, plan.names, grads, step, Pending(), StepOutcome(), collective, sharded)
+        work.statistics = self.statistics
         adopt_fused_scaler(context, work.pending, work.outcome)
         read_found_inf(context, work.pending, work.outcome)
         if self.micro_batch is not None:
@@ -130,10 +134,11 @@ class Enforcer:
                 if index not in outcome.halted_by and index not in outcome.skipped_by:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
-        if outcome.skipped_by:
+        if outcome.skipped_by or outcome.spikes:
             self.verdicts.skip(self.binding.policy.rules, outcome, plan.names, step, context)
             return False
         self.skip_limits.step_applied()
+        work.statistics_step.commit()  # only an applied step's norms enter the adaptive statistics
         if self.summary_every and (step + 1) % self.summary_every == 0:
             self.emit_summary()
         # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
@@ -228,6 +233,7 @@ class Enforcer:
         keep = keep or {}
         self.applied_versions = {keep[i]: seen for i, seen in self.applied_versions.items() if i in keep}
         self._in_step = {keep[i] for i in self._in_step if i in keep}
+        self.statistics.forget_missing(binding.rules)
 
     def _begin_step(self, indices: Iterable[int]) -> int:
         """The 0-based index of the step these tensors' gradients belong to.
@@ -269,14 +275,23 @@ class Enforcer:
             self.record_scaler_skip(entry.index for entry in plan.params)
 
     def state_dict(self) -> dict[str, Any]:
-        """The step number and every rule's skip history: what decides future steps."""
-        return {"step": self.step, "skips": self.skip_limits.state_dict(self.binding.policy.rules)}
+        """What decides future steps: the step number, every rule's skip history, every adaptive statistic."""
+        rules = self.binding.policy.rules
+        return {
+            "step": self.step,
+            "skips": self.skip_limits.state_dict(rules),
+            "statistics": self.statistics.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Take over a saved :meth:`state_dict`; returns the rule names it held that this policy lacks."""
         self.step = int(state["step"])
         self._in_step = set()
-        return self.skip_limits.load_state_dict(dict(state.get("skips", {})), self.binding.policy.rules)
+        rules = self.binding.policy.rules
+        unknown = self.skip_limits.load_state_dict(dict(state.get("skips", {})), rules)
+        names = [rule.name for rule in rules]
+        unknown += self.statistics.load_state_dict(dict(state.get("statistics", {})), names)
+        return sorted(set(unknown))
 
     def emit_summary(self) -> None:
         """Write the cumulative counters, so the log reproduces counts that are not logged per step."""

@@ -54,7 +54,9 @@ class Plan:
             for action in bound.actions:
                 kernel = kernel_for(action)
                 if kernel.observes:
-                    continue  # observed before any action: it neither needs the raw norms nor changes anything
+                    if kernel.wants_raw_norm(action):  # observed before any action, so the raw norms are its own
+                        raw.update(entry.index for entry in members)
+                    continue  # it never changes a gradient
                 if kernel.watches:
                     for entry in members:
                         raw.add(entry.index)

@@ -14,11 +14,12 @@ from typing import Any
 import torch
 
 from gradguard.enforce.distributed import Collective, combine_shard_norms
+from gradguard.enforce.statistics import Statistics, StepStatistics
 from gradguard.enforce.tensors import norms, stack_on
 from gradguard.policy.matching import Binding
 from gradguard.policy.schema import ClipNorm, Monitor
 
-__all__ = ["Observation", "Pending", "StepContext", "StepOutcome", "StepWork"]
+__all__ = ["Observation", "Pending", "Spike", "StepContext", "StepOutcome", "StepWork"]
 
 
 @dataclass
@@ -90,6 +91,23 @@ class Observation:
 
 
 @dataclass
+class Spike:
+    """A ``skip_step_on_spike`` verdict: a norm far above the recent ones (host floats)."""
+
+    rule_index: int
+    params: list[str]
+    """The parameter (tensor scope) or every parameter of the rule (group scope) whose norm spiked."""
+    norm: float
+    mean: float
+    std: float
+    z: float
+    """``(norm - mean) / std``: how many standard deviations above the mean."""
+    samples: int
+    """How many recent norms the mean and standard deviation were taken over."""
+    z_thresh: float
+
+
+@dataclass
 class StepOutcome:
     nonfinite: dict[int, tuple[str, int]] = field(default_factory=dict)
     """Tensor index -> (kind, rule index to report it under)."""
@@ -103,6 +121,8 @@ class StepOutcome:
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     observed: list[Observation] = field(default_factory=list)
     """The monitors' figures of the gradients as they arrived (before any action)."""
+    spikes: list[Spike] = field(default_factory=list)
+    """``skip_step_on_spike`` verdicts: the step is skipped if there is any (and nothing halts)."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any
@@ -141,6 +161,10 @@ class StepWork:
     """Tensor index -> 2-norm of its gradient as it arrived, where some action asked for it."""
     touched: set[int] = field(default_factory=set)
     """Tensors an earlier action of this pass changed (their raw norms are stale)."""
+    statistics: Statistics | None = None
+    """The adaptive actions' statistics across steps (read here; changed only through :attr:`statistics_step`)."""
+    statistics_step: StepStatistics = field(default_factory=StepStatistics)
+    """What this step proposes the statistics become; the engine commits it if the step is applied."""
 
     def norms(self, grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""

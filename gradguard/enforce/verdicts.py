@@ -15,9 +15,11 @@ from gradguard.enforce.step import StepContext, StepOutcome
 from gradguard.errors import GradientHalt, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import EventLog
-from gradguard.policy.schema import Rule
+from gradguard.policy.schema import Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
 __all__ = ["Verdicts"]
+
+_SKIP_ACTION = {SkipStepOnNonfinite: "skip_step_on_nonfinite", SkipStepOnSpike: "skip_step_on_spike"}
 
 
 class Verdicts:
@@ -62,7 +64,7 @@ class Verdicts:
                 self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
             params = [names[i] for i in offenders]
             self.halt(step, rule, params, {names[i]: outcome.nonfinite[i][0] for i in offenders}, kind, None)
-        if outcome.skipped_by:
+        if outcome.skipped_by or outcome.spikes:
             return  # the step will not happen: its interventions did not either
         self.counters.add_many(outcome.counts)
         for event, fields in outcome.events:
@@ -94,25 +96,47 @@ class Verdicts:
         params = [names[i] for i in offenders]
         kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
         kind = joined_kind(kinds.values())
-        for rule_index in sorted(set(outcome.skipped_by.values())):
+        causes: list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]
+        causes = [(r, SkipStepOnNonfinite) for r in sorted(set(outcome.skipped_by.values()))]
+        causes += [(r, SkipStepOnSpike) for r in sorted({spike.rule_index for spike in outcome.spikes})]
+        for rule_index, cause in causes:
             rule = rules[rule_index]
-            reason = self.skip_limits.record(rule_index, rule, step)
+            reason = self.skip_limits.record(rule_index, rule, step, cause)
             if reason is not None:
-                self.counters.add(rule.name, "halt_on_nonfinite")
-                self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}")
-            self.counters.add(rule.name, "skip_step_on_nonfinite")
+                self.counters.add(rule.name, "halt_on_nonfinite" if cause is SkipStepOnNonfinite else "halt_on_spike")
+                if cause is SkipStepOnNonfinite:
+                    self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}")
+                spiked = [p for spike in outcome.spikes if spike.rule_index == rule_index for p in spike.params]
+                self.halt(step, rule.name, spiked, {}, "spike", f"skip limit exceeded: {reason}")
+            self.counters.add(rule.name, _SKIP_ACTION[cause])
         for param in context.stepped_params():
             param.grad = None
-        self.events.emit(
-            "warning",
-            "skip",
-            step=step,
-            rule=rules[outcome.skipped_by[offenders[0]]].name,
-            params=params,
-            kinds=kinds,
-            kind=kind,
-        )
+        if offenders:
+            self.events.emit(
+                "warning",
+                "skip",
+                step=step,
+                rule=rules[outcome.skipped_by[offenders[0]]].name,
+                params=params,
+                kinds=kinds,
+                kind=kind,
+            )
+        for spike in outcome.spikes:
+            self.events.emit(
+                "warning",
+                "spike_skip",
+                step=step,
+                rule=rules[spike.rule_index].name,
+                params=spike.params,
+                norm=spike.norm,
+                mean=spike.mean,
+                std=spike.std,
+                z=spike.z,
+                z_thresh=spike.z_thresh,
+                samples=spike.samples,
+            )
         optimizer = context.optimizer
+        why = "non-finite gradient" if offenders else "gradient norm spike"
         if (
             optimizer is not None
             and not self._warned_scheduler
@@ -120,7 +144,7 @@ class Verdicts:
         ):
             self._warned_scheduler = True
             warnings.warn(
-                f"gradguard skipped optimizer step {step} (non-finite gradient), but an LR scheduler wraps this "
+                f"gradguard skipped optimizer step {step} ({why}), but an LR scheduler wraps this "
                 "optimizer and will still advance when you call scheduler.step(). To keep the schedule on "
                 "applied steps, call scheduler.step() only when guard.last_step_skipped is False.",
                 GuardWarning,

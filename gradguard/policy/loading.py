@@ -25,6 +25,7 @@ from gradguard.policy.schema import (
     ACTION_NAMES,
     DUPLICATE_RULE_NAME,
     EMPTY_STEP_WINDOW,
+    AutoClip,
     ClipNorm,
     ClipValue,
     Drop,
@@ -34,6 +35,8 @@ from gradguard.policy.schema import (
     Rule,
     Scale,
     SkipStepOnNonfinite,
+    SkipStepOnSpike,
+    ZClip,
     Zero,
 )
 
@@ -55,6 +58,7 @@ _TOML_LINE = re.compile(r"\(at line (\d+), column \d+\)")
 _SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 
 _FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
+    "autoclip": tuple(AutoClip.model_fields),
     "clip_norm": tuple(ClipNorm.model_fields),
     "clip_value": tuple(ClipValue.model_fields),
     "drop": tuple(Drop.model_fields),
@@ -62,6 +66,8 @@ _FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
     "monitor": tuple(Monitor.model_fields),
     "scale": tuple(Scale.model_fields),
     "skip_step_on_nonfinite": tuple(SkipStepOnNonfinite.model_fields),
+    "skip_step_on_spike": tuple(SkipStepOnSpike.model_fields),
+    "zclip": tuple(ZClip.model_fields),
     "zero": tuple(Zero.model_fields),
 }
 _RULE_FIELDS = tuple(Rule.model_fields)
@@ -475,7 +481,10 @@ def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[
 
 
 def _did_you_mean(word: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    # A word that begins a choice is a short form of it ('clip' -> 'clip_norm', not 'zclip').
+    close = sorted(c for c in choices if word and c.startswith(word)) or difflib.get_close_matches(
+        word, list(choices), n=1, cutoff=0.6
+    )
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

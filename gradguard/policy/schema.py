@@ -18,6 +18,7 @@ from gradguard.policy.patterns import check_pattern
 __all__ = [
     "MONITOR_STATS",
     "Action",
+    "AutoClip",
     "ClipNorm",
     "ClipValue",
     "Drop",
@@ -27,6 +28,8 @@ __all__ = [
     "Rule",
     "Scale",
     "SkipStepOnNonfinite",
+    "SkipStepOnSpike",
+    "ZClip",
     "Zero",
 ]
 
@@ -139,14 +142,9 @@ class Drop(_StepWindow):
     action: Literal["drop"]
 
 
-class SkipStepOnNonfinite(_StepWindow):
-    """Skip the whole optimizer step (no parameter, no optimizer state changes) on NaN or Inf.
+class _SkipLimits(_StepWindow):
+    """When skipping escalates to a halt: shared by every action that skips steps."""
 
-    Escalates to :class:`~gradguard.GradientHalt` after ``max_consecutive_skips`` skips in a row, or
-    after ``max_skips`` skips within the last ``window_steps`` steps.
-    """
-
-    action: Literal["skip_step_on_nonfinite"]
     max_consecutive_skips: int | None = Field(default=None, ge=1, strict=True)
     """Halt after more than this many skipped steps in a row (``None``: no limit)."""
     max_skips: int | None = Field(default=None, ge=1, strict=True)
@@ -155,7 +153,7 @@ class SkipStepOnNonfinite(_StepWindow):
     """The window ``max_skips`` counts skips over, in steps (with ``max_skips``)."""
 
     @model_validator(mode="after")
-    def _window_is_complete(self) -> SkipStepOnNonfinite:
+    def _window_is_complete(self) -> _SkipLimits:
         if (self.max_skips is None) != (self.window_steps is None):
             raise ValueError(
                 "max_skips and window_steps go together (at most max_skips skips within the last "
@@ -167,6 +165,92 @@ class SkipStepOnNonfinite(_StepWindow):
                 "the limit could never be reached"
             )
         return self
+
+
+class SkipStepOnNonfinite(_SkipLimits):
+    """Skip the whole optimizer step (no parameter, no optimizer state changes) on NaN or Inf.
+
+    Escalates to :class:`~gradguard.GradientHalt` after ``max_consecutive_skips`` skips in a row, or
+    after ``max_skips`` skips within the last ``window_steps`` steps.
+    """
+
+    action: Literal["skip_step_on_nonfinite"]
+
+
+class SkipStepOnSpike(_SkipLimits):
+    """Skip the whole optimizer step when the gradient norm spikes (as OLMo-core's spike skip).
+
+    A spike: the norm is more than ``z_thresh`` standard deviations (n-1) above the mean of the
+    norms of the last ``window`` applied steps, once ``min_samples`` of them are known. ``scope: group``
+    (default) watches the rule's joint norm, ``tensor`` each parameter's own. Non-finite norms and
+    skipped steps never enter the window. Escalates to a halt like ``skip_step_on_nonfinite``.
+    """
+
+    action: Literal["skip_step_on_spike"]
+    z_thresh: float = Field(default=6.0, gt=0, strict=True)
+    """How many standard deviations above the window's mean make a spike."""
+    window: int = Field(default=128, ge=2, le=100_000, strict=True)
+    """How many recent applied steps' norms the mean and standard deviation are taken over."""
+    min_samples: int = Field(default=64, ge=2, strict=True)
+    """No step is skipped before the window holds this many norms."""
+    scope: Literal["tensor", "group"] = "group"
+    """``group``: the joint norm of the rule's parameters; ``tensor``: each parameter's own norm."""
+
+    @model_validator(mode="after")
+    def _samples_fit_the_window(self) -> SkipStepOnSpike:
+        _finite(self.z_thresh, "z_thresh")
+        if self.min_samples > self.window:
+            raise ValueError(
+                f"min_samples ({self.min_samples}) cannot exceed window ({self.window}); "
+                "the window could never hold that many norms"
+            )
+        return self
+
+
+class ZClip(_StepWindow):
+    """Z-score clipping on an exponential moving average of the norm (ZClip, arXiv 2504.02507).
+
+    After ``warmup_steps`` finite norms have set the mean and variance, a norm whose z-score
+    ``z = (norm - mean) / (std + 1e-6)`` exceeds ``z_thresh`` is clipped to
+    ``mean + z_thresh**2 / z * std``; the averages then take that clipped value. ``max_norm`` (optional)
+    is a plain ceiling, also during warm-up. Non-finite norms and skipped steps never enter the averages.
+    """
+
+    action: Literal["zclip"]
+    alpha: float = Field(default=0.97, gt=0, lt=1, strict=True)
+    """EMA smoothing factor of the mean and the variance (closer to 1: slower)."""
+    z_thresh: float = Field(default=2.5, gt=0, strict=True)
+    """The z-score above which a norm is clipped."""
+    warmup_steps: int = Field(default=25, ge=1, le=100_000, strict=True)
+    """How many finite norms set the first mean and variance; no adaptive clip before."""
+    max_norm: float | None = Field(default=None, gt=0, strict=True)
+    """A fixed ceiling on the norm at every step, also during warm-up (``None``: none)."""
+    scope: Literal["tensor", "group"] = "tensor"
+    """``tensor``: each parameter by its own norm and statistics; ``group``: the rule's joint norm."""
+
+    @model_validator(mode="after")
+    def _figures_are_finite(self) -> ZClip:
+        _finite(self.z_thresh, "z_thresh")
+        if self.max_norm is not None:
+            _finite(self.max_norm, "max_norm")
+        return self
+
+
+class AutoClip(_StepWindow):
+    """Clip to a percentile of the norms seen so far (AutoClip, arXiv 2007.14469).
+
+    The threshold is the ``percentile`` (linear interpolation, as ``numpy.percentile``) of the norms of
+    the last ``history`` applied steps and the current one; a larger norm is clipped to it, as
+    ``clip_grad_norm_`` would. Non-finite norms and skipped steps never enter the history.
+    """
+
+    action: Literal["autoclip"]
+    percentile: float = Field(default=10.0, ge=0, le=100, strict=True)
+    """Which percentile of the recent norms is the threshold (the paper's 10 clips most steps a little)."""
+    history: int = Field(default=128, ge=1, le=100_000, strict=True)
+    """How many recent applied steps' norms the percentile is taken over (a ring buffer)."""
+    scope: Literal["tensor", "group"] = "tensor"
+    """``tensor``: each parameter by its own norm and history; ``group``: the rule's joint norm."""
 
 
 MONITOR_STATS: tuple[str, ...] = ("norm", "max_abs", "mean", "std", "grad_to_weight")
@@ -225,12 +309,23 @@ class Monitor(_StepWindow):
 
 
 Action = Annotated[
-    ClipNorm | ClipValue | Drop | HaltOnNonfinite | Monitor | Scale | SkipStepOnNonfinite | Zero,
+    AutoClip
+    | ClipNorm
+    | ClipValue
+    | Drop
+    | HaltOnNonfinite
+    | Monitor
+    | Scale
+    | SkipStepOnNonfinite
+    | SkipStepOnSpike
+    | ZClip
+    | Zero,
     Field(discriminator="action"),
 ]
 """One gradient action of a rule; the ``action`` field chooses which."""
 
 ACTION_NAMES: tuple[str, ...] = (
+    "autoclip",
     "clip_norm",
     "clip_value",
     "drop",
@@ -238,9 +333,13 @@ ACTION_NAMES: tuple[str, ...] = (
     "monitor",
     "scale",
     "skip_step_on_nonfinite",
+    "skip_step_on_spike",
+    "zclip",
     "zero",
 )
-GRADIENT_CHANGING_ACTIONS: frozenset[str] = frozenset({"clip_norm", "clip_value", "drop", "scale", "zero"})
+GRADIENT_CHANGING_ACTIONS: frozenset[str] = frozenset(
+    {"autoclip", "clip_norm", "clip_value", "drop", "scale", "zclip", "zero"}
+)
 """Actions that change a gradient (the others only watch it: halts, skips, ``monitor``)."""
 
 

@@ -3,18 +3,22 @@
 - ``clipping``: ``clip_norm`` (tensor or group scope) and ``clip_value``;
 - ``shaping``: ``scale``, ``zero`` and ``drop``;
 - ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits);
-- ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel).
+- ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel);
+- ``adaptive``: ``zclip`` and ``autoclip`` (thresholds from statistics of earlier norms);
+- ``spikes``: ``skip_step_on_spike`` (an observing kernel whose verdict is a skip).
 
 :func:`kernel_for` maps a policy action to the kernel that executes it.
 """
 
 from __future__ import annotations
 
+from gradguard.enforce.actions.adaptive import AutoClipKernel, ZClipKernel
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.actions.clipping import ClipNormKernel, ClipValueKernel
 from gradguard.enforce.actions.monitoring import MonitorKernel
 from gradguard.enforce.actions.nonfinite import HaltKernel, SkipKernel
 from gradguard.enforce.actions.shaping import DropKernel, ScaleKernel, ZeroKernel
+from gradguard.enforce.actions.spikes import SpikeSkipKernel
 from gradguard.policy.schema import Action
 
 __all__ = ["ActionKernel", "kernel_for"]
@@ -30,6 +34,9 @@ _KERNELS: dict[type, ActionKernel] = {
         HaltKernel(),
         SkipKernel(),
         MonitorKernel(),
+        ZClipKernel(),
+        AutoClipKernel(),
+        SpikeSkipKernel(),
     )
     for schema in kernel.schemas
 }

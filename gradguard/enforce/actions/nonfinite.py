@@ -18,7 +18,7 @@ import torch
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.step import StepWork
 from gradguard.enforce.tensors import norms, stack_on
-from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite
+from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
 if TYPE_CHECKING:
     from gradguard.enforce.plan import Plan
@@ -105,13 +105,18 @@ class SkipLimits:
         self.history: dict[int, _SkipHistory] = {}
         """Rule index -> its skips: how many in a row, and at which recent steps."""
 
-    def record(self, rule_index: int, rule: Rule, step: int) -> str | None:
-        """Note a skip by ``rule`` at ``step``; return why it must halt instead, or ``None``."""
+    def record(
+        self, rule_index: int, rule: Rule, step: int, cause: type[SkipStepOnNonfinite | SkipStepOnSpike]
+    ) -> str | None:
+        """Note a skip by ``rule`` at ``step``; return why it must halt instead, or ``None``.
+
+        The rule's history counts all its skips; the limits are those of its actions of type ``cause``.
+        """
         history = self.history.setdefault(rule_index, _SkipHistory())
         history.consecutive += 1
         history.recent.append(step)
         for action in rule.actions:
-            if not isinstance(action, SkipStepOnNonfinite) or not action.active_at(step):
+            if not isinstance(action, cause) or not action.active_at(step):
                 continue
             reason = None
             if action.max_consecutive_skips is not None and history.consecutive > action.max_consecutive_skips:

@@ -1,0 +1,240 @@
+"""Adaptive clipping: ``zclip`` (z-score on an EMA of the norm) and ``autoclip`` (a percentile of recent norms).
+
+Both decide from statistics of earlier norms (:mod:`gradguard.enforce.statistics`), per parameter
+(``scope: tensor``) or for the rule's joint norm (``scope: group``). Everything runs on the device as
+a few vector operations over all of a rule's parameters at once: no host sync, no Python loop per
+tensor. The statistics the step would leave behind are proposed, not stored: the engine keeps them
+only if the step is applied, so a non-finite norm, a skipped or a halted step never enters them.
+Each clip is logged as an ``adaptive_clip`` event with the threshold and the statistics behind it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.statistics import STATS_DTYPE, Series
+from gradguard.enforce.step import StepWork
+from gradguard.enforce.tensors import EPS, by_device, in_torch_order, stack_on
+from gradguard.policy.matching import BoundRule
+from gradguard.policy.schema import Action, AutoClip, ZClip
+
+__all__ = ["AutoClipKernel", "ZClipKernel", "norms_for_statistics"]
+
+ZCLIP_EPS = 1e-6
+"""ZClip's epsilon in ``z = (norm - mean) / (std + eps)`` (the reference implementation's)."""
+
+
+def norms_for_statistics(work: StepWork, ids: list[int], gs: list[torch.Tensor], group: bool) -> torch.Tensor:
+    """The 2-norms the statistics follow, float64 on the first gradient's device: one per tensor, or the joint one.
+
+    Reuses the raw norms where the step took them and no earlier action changed the gradients;
+    under FSDP2 they are the norms of the full tensors.
+    """
+    raw, touched = work.raw, work.touched
+    fresh = all(i in raw and i not in touched for i in ids)
+    per_tensor = [raw[i] for i in ids] if fresh else work.norms(gs, 2.0)
+    device = gs[0].device
+    if group:
+        joint: torch.Tensor = torch.linalg.vector_norm(stack_on(in_torch_order(gs, per_tensor), device), 2.0)
+        return joint.reshape(1).to(STATS_DTYPE)
+    return work.pending.stack(per_tensor, device).to(STATS_DTYPE)
+
+
+def _rescale(gs: list[torch.Tensor], coef: torch.Tensor, group: bool) -> None:
+    """Multiply each gradient by its coefficient (or all by the one group coefficient), per device."""
+    for _, positions in by_device(range(len(gs)), gs):
+        members = [gs[k] for k in positions]
+        device = members[0].device
+        if group:
+            torch._foreach_mul_(members, coef[0].to(device, torch.float32))
+            continue
+        mine = coef if len(positions) == len(gs) else coef[positions]
+        torch._foreach_mul_(members, list(mine.to(device, torch.float32).unbind()))
+
+
+def _sub(series: Series, cols: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    return {k: v if cols is None else v.index_select(0, cols) for k, v in series.tensors.items()}
+
+
+Report = Callable[[list[float]], None]
+
+
+def _report(
+    work: StepWork, bound: BoundRule, action: ZClip | AutoClip, ids: list[int], group: bool, figures: list[str]
+) -> Report:
+    """A reader for ``[coef, norm, threshold, *figures]`` per column: counts and logs the clips."""
+    outcome, names, step = work.outcome, work.names, work.step
+    columns = 1 if group else len(ids)
+    kind = action.action
+
+    def read(values: list[float]) -> None:
+        coefs, norms = values[:columns], values[columns : 2 * columns]
+        if min(coefs) >= 1.0 and math.isfinite(sum(norms)):
+            return  # nothing clipped, every norm finite: the common case, without a loop
+        rows = [values[k * columns : (k + 1) * columns] for k in range(3 + len(figures))]
+        clipped = 0
+        for column in range(columns):
+            coef, norm, threshold = rows[0][column], rows[1][column], rows[2][column]
+            if not math.isfinite(norm):
+                for index in ids if group else [ids[column]]:
+                    outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
+                continue
+            if coef >= 1.0:
+                continue
+            event = {"step": step, "rule": bound.name, "action": kind, "scope": action.scope}
+            if group:
+                event |= {"param": None, "params": [names[i] for i in ids], "n_params": len(ids)}
+                clipped += len(ids)
+            else:
+                event["param"] = names[ids[column]]
+                clipped += 1
+            event |= {"before": norm, "after": norm * coef, "coef": coef, "threshold": threshold}
+            event |= {name: rows[3 + k][column] for k, name in enumerate(figures)}
+            outcome.events.append(("adaptive_clip", event))
+        if clipped:
+            outcome.counts.append((bound.name, kind, clipped))
+
+    return read
+
+
+class ZClipKernel(ActionKernel):
+    """``zclip``: clip a norm whose z-score against its EMA exceeds ``z_thresh`` (arXiv 2504.02507)."""
+
+    schemas = (ZClip,)
+
+    def wants_raw_norm(self, action: Action) -> bool:
+        return True
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        assert isinstance(action, ZClip)
+        assert work.statistics is not None
+        group = action.scope == "group"
+        gs = [work.grads[i] for i in ids]
+        g = norms_for_statistics(work, ids, gs, group)
+        warmup = action.warmup_steps
+
+        def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
+            zeros = torch.zeros(columns, dtype=STATS_DTYPE, device=device)
+            buffer = torch.zeros(columns, warmup, dtype=STATS_DTYPE, device=device)
+            return {"ready": zeros, "count": zeros.clone(), "buffer": buffer, "mean": zeros.clone(), "var": zeros * 1}
+
+        series = work.statistics.series_for(bound, action, group, (warmup,), g.device, empty)
+        cols = None if group else series.select(ids)
+        state = _sub(series, cols)
+        finite = torch.isfinite(g)
+        ready = state["ready"] > 0
+        mean, var = state["mean"], state["var"]
+        std = var.sqrt()
+        z = (g - mean) / (std + ZCLIP_EPS)
+        spike = ready & finite & (z > action.z_thresh)
+        threshold = mean + (action.z_thresh * action.z_thresh) / z * std
+        adaptive = torch.where(spike, threshold, g)
+        # Before the statistics are ready only the fixed ceiling applies (if any).
+        limit = torch.where(ready, adaptive, torch.full_like(g, math.inf))
+        if action.max_norm is not None:
+            limit = limit.clamp(max=action.max_norm)
+        coef = torch.where(finite & (g > limit), limit / (g + EPS), torch.ones_like(g))
+        _rescale(gs, coef, group)
+
+        updated = ready & finite
+        alpha = action.alpha
+        new_mean = alpha * mean + (1 - alpha) * adaptive
+        new_var = alpha * var + (1 - alpha) * (adaptive - new_mean) ** 2
+        proposal = {
+            "mean": torch.where(updated, new_mean, mean),
+            "var": torch.where(updated, new_var, var),
+        }
+        counters: dict[str, int] = {}
+        if not series.counters.get("ready"):
+            # Warm-up: the first ``warmup_steps`` finite norms of a column set its mean and variance.
+            warming = ~ready & finite
+            slot = state["count"].long().clamp(max=warmup - 1).unsqueeze(1)
+            kept = state["buffer"].gather(1, slot).squeeze(1)
+            buffer = state["buffer"].scatter(1, slot, torch.where(warming, g, kept).unsqueeze(1))
+            count = state["count"] + warming.to(STATS_DTYPE)
+            becomes_ready = warming & (count >= warmup)
+            first_mean = buffer.mean(dim=1)
+            first_var = ((buffer - first_mean.unsqueeze(1)) ** 2).mean(dim=1)
+            proposal["mean"] = torch.where(becomes_ready, first_mean, proposal["mean"])
+            proposal["var"] = torch.where(becomes_ready, first_var, proposal["var"])
+            now_ready = ready | becomes_ready
+            proposal |= {"ready": now_ready.to(STATS_DTYPE), "count": count, "buffer": buffer}
+            counters["ready"] = 0
+            all_ready = now_ready.all().reshape(1).to(STATS_DTYPE)
+
+            def note_ready(values: list[float]) -> None:
+                counters["ready"] = int(values[0] > 0 and cols is None)  # every column ready: skip warm-up work
+
+            work.pending.add(all_ready, note_ready)
+        work.statistics_step.propose(series, cols, proposal, counters)
+        figures = torch.stack([coef, g, limit, mean, std, z])
+        work.pending.add(figures, _report(work, bound, action, ids, group, ["mean", "std", "z"]))
+        return True
+
+
+class AutoClipKernel(ActionKernel):
+    """``autoclip``: clip to the ``percentile`` of the recent norms, the current one included (arXiv 2007.14469)."""
+
+    schemas = (AutoClip,)
+
+    def wants_raw_norm(self, action: Action) -> bool:
+        return True
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        assert isinstance(action, AutoClip)
+        assert work.statistics is not None
+        group = action.scope == "group"
+        gs = [work.grads[i] for i in ids]
+        g = norms_for_statistics(work, ids, gs, group)
+        history = action.history
+
+        def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
+            # +inf marks an empty slot: it sorts after every norm, so the smallest values are the real ones.
+            ring = torch.full((columns, history), math.inf, dtype=STATS_DTYPE, device=device)
+            return {"ring": ring, "count": torch.zeros(columns, dtype=STATS_DTYPE, device=device)}
+
+        series = work.statistics.series_for(bound, action, group, (history,), g.device, empty)
+        cols = None if group else series.select(ids)
+        state = _sub(series, cols)
+        slot = series.counters.get("slot", 0) % history
+        finite = torch.isfinite(g)
+        ring = state["ring"].clone()
+        evicted = ring[:, slot].clone()
+        ring[:, slot] = torch.where(finite, g, torch.full_like(g, math.inf))
+        count = state["count"] - (evicted < math.inf).to(STATS_DTYPE) + finite.to(STATS_DTYPE)
+        threshold = _percentile(ring, count, action.percentile)
+        usable = finite & torch.isfinite(threshold)
+        # As clip_grad_norm_(params, threshold): the coefficient is applied whenever it is below 1.
+        coef = torch.where(usable, torch.clamp(threshold / (g + EPS), max=1.0), torch.ones_like(g))
+        _rescale(gs, coef, group)
+        work.statistics_step.propose(series, cols, {"ring": ring, "count": count}, {"slot": slot + 1})
+        figures = torch.stack([coef, g, threshold, count])
+        work.pending.add(figures, _report(work, bound, action, ids, group, ["samples"]))
+        return True
+
+
+def _percentile(ring: torch.Tensor, count: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Per row, the ``percentile`` of its ``count`` finite values, interpolated as ``numpy.percentile``.
+
+    A partial selection (``topk``) instead of a sort: only the lowest ``percentile`` of the ring is
+    ordered. A row with no value gives NaN.
+    """
+    history = ring.shape[1]
+    fraction = percentile / 100.0
+    needed = min(history, math.floor(fraction * (history - 1)) + 2)
+    lowest = torch.topk(ring, needed, dim=1, largest=False, sorted=True).values
+    # numpy's virtual index for "linear", n * q + (1 - q) - 1, in its order of operations.
+    position = (count * fraction + (1 - fraction) - 1).clamp(min=0)
+    lo = position.floor()
+    hi = torch.minimum(lo + 1, (count - 1).clamp(min=0))
+    t = position - lo
+    a = lowest.gather(1, lo.long().unsqueeze(1)).squeeze(1)
+    b = lowest.gather(1, hi.long().unsqueeze(1)).squeeze(1)
+    diff = b - a
+    # numpy's _lerp: from the nearer end, so t = 1 gives b exactly.
+    value = torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
+    return torch.where(count > 0, value, torch.full_like(value, math.nan))

@@ -1,0 +1,84 @@
+"""``skip_step_on_spike``: skip the update when the gradient norm leaps far above its recent norms.
+
+The rule of OLMo-core's spike skip: a step is skipped when ``norm - mean > z_thresh * std`` over the
+norms of the last ``window`` applied steps (``std`` with n-1), once ``min_samples`` are known. It
+observes the gradient as it arrived, before any action of any rule (so a clip earlier in the policy
+cannot hide the spike), on the device; the verdict rides the step's one host read and the engine
+skips the step as it skips a non-finite one (no parameter or optimizer state moves), escalating to a
+halt past the action's limits. The window only takes norms of applied steps: a spike, a skipped or a
+halted step, or a non-finite norm never enters it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradguard.enforce.actions.adaptive import norms_for_statistics
+from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.statistics import STATS_DTYPE
+from gradguard.enforce.step import Spike, StepWork
+from gradguard.policy.matching import BoundRule
+from gradguard.policy.schema import Action, SkipStepOnSpike
+
+__all__ = ["SpikeSkipKernel"]
+
+
+class SpikeSkipKernel(ActionKernel):
+    """``skip_step_on_spike``: an observing kernel whose verdict is a skip."""
+
+    schemas = (SkipStepOnSpike,)
+    observes = True
+
+    def wants_raw_norm(self, action: Action) -> bool:
+        return True
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        return True  # its work is done in observe(), before any action
+
+    def observe(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> None:
+        assert isinstance(action, SkipStepOnSpike)
+        assert work.statistics is not None
+        group = action.scope == "group"
+        gs = [work.grads[i] for i in ids]
+        g = norms_for_statistics(work, ids, gs, group)
+        window = action.window
+
+        def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
+            ring = torch.full((columns, window), math.nan, dtype=STATS_DTYPE, device=device)
+            return {"ring": ring}
+
+        series = work.statistics.series_for(bound, action, group, (window,), g.device, empty)
+        cols = None if group else series.select(ids)
+        ring = series.tensors["ring"] if cols is None else series.tensors["ring"].index_select(0, cols)
+        known = ~torch.isnan(ring)
+        count = known.sum(dim=1).to(STATS_DTYPE)
+        values = torch.where(known, ring, torch.zeros_like(ring))
+        mean = values.sum(dim=1) / count
+        deviation = torch.where(known, ring - mean.unsqueeze(1), torch.zeros_like(ring))
+        std = (deviation.square().sum(dim=1) / (count - 1)).sqrt()
+        finite = torch.isfinite(g)
+        spike = finite & (count >= action.min_samples) & (g - mean > action.z_thresh * std)
+
+        slot = series.counters.get("slot", 0) % window
+        proposed = ring.clone()
+        proposed[:, slot] = torch.where(finite, g, torch.full_like(g, math.nan))
+        work.statistics_step.propose(series, cols, {"ring": proposed}, {"slot": slot + 1})
+
+        figures = torch.stack([spike.to(STATS_DTYPE), g, mean, std, count])
+        columns = len(g)
+        spikes, names = work.outcome.spikes, work.names
+
+        def read(host: list[float]) -> None:
+            if not any(host[:columns]):
+                return  # no spike: the common case, without a loop
+            for column in range(columns):
+                if not host[column]:
+                    continue
+                norm, mu, sigma, samples = (host[(k + 1) * columns + column] for k in range(4))
+                params = [names[i] for i in ids] if group else [names[ids[column]]]
+                z = (norm - mu) / sigma if sigma > 0 else math.inf
+                spikes.append(Spike(bound.index, params, norm, mu, sigma, z, int(samples), action.z_thresh))
+
+        work.pending.add(figures, read)

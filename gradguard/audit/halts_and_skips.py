@@ -17,7 +17,7 @@ KEPT_HALTS: Final = 50
 
 
 class HaltSkipCollector:
-    """Takes ``halt``, ``skip`` and ``scaler_skip`` events; a halt is also a counters snapshot."""
+    """Takes ``halt``, ``skip``, ``spike_skip`` and ``scaler_skip`` events; a halt is also a counters snapshot."""
 
     def __init__(self, paths: list[str], event_filter: EventFilter, counters: CounterCheck) -> None:
         self.paths = paths
@@ -40,7 +40,9 @@ class HaltSkipCollector:
         step: int | None = event.get("step")
         reason = event.get("reason")
         reason = reason if type(reason) is str else None
-        if reason is None:
+        if event.get("kind") == "spike":
+            run.count(rule, "halt_on_spike")  # skip_step_on_spike past its limits
+        elif reason is None:
             halting = run.halting_rules if run.watch_step == step and run.halting_rules else {rule: None}
             for name in halting:
                 run.count(name, "halt_on_nonfinite")
@@ -86,6 +88,22 @@ class HaltSkipCollector:
         skipping = run.skipping_rules if run.watch_step == step and run.skipping_rules else {rule: None}
         for name in skipping:
             run.count(name, "skip_step_on_nonfinite")
+        if not self._shown(step, rule):
+            return
+        names = self._narrow(params)
+        if not names:
+            return
+        self.skips.add(step)
+        self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
+        for name in names:
+            self.skipped_params[name] = self.skipped_params.get(name, 0) + 1
+
+    def spike_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        """A step ``skip_step_on_spike`` skipped: one event per spiking rule (or parameter)."""
+        rule = text_field(event, "rule")
+        params = names_field(event, "params")
+        step: int | None = event.get("step")
+        run.count(rule, "skip_step_on_spike")
         if not self._shown(step, rule):
             return
         names = self._narrow(params)

@@ -14,7 +14,10 @@ from gradguard.audit.summary import Counts
 __all__ = ["RECOMPUTABLE_ACTIONS", "SCALER_KEY", "LastIntervention", "RunState", "recomputable"]
 
 RECOMPUTABLE_ACTIONS: Final = frozenset(
-    {"clip_norm", "clip_value", "nan", "inf", "halt_on_nonfinite", "skip_step_on_nonfinite", "vanishing", "exploding"}
+    {
+        *("clip_norm", "clip_value", "zclip", "autoclip", "agc", "nan", "inf", "vanishing", "exploding"),
+        *("halt_on_nonfinite", "skip_step_on_nonfinite", "skip_step_on_spike", "halt_on_spike"),
+    }
 )
 """Actions whose counts the per-event lines reproduce (``scale``, ``zero`` and ``drop`` are not logged per step)."""
 SCALER_KEY: Final = ("grad_scaler", "skip")

@@ -121,19 +121,21 @@ class Verdicts:
                 kinds=kinds,
                 kind=kind,
             )
-        for spike in outcome.spikes:
+        for rule_index in sorted({spike.rule_index for spike in outcome.spikes}):
+            mine = [spike for spike in outcome.spikes if spike.rule_index == rule_index]
+            worst = max(mine, key=lambda spike: spike.z)
             self.events.emit(
                 "warning",
                 "spike_skip",
                 step=step,
-                rule=rules[spike.rule_index].name,
-                params=spike.params,
-                norm=spike.norm,
-                mean=spike.mean,
-                std=spike.std,
-                z=spike.z,
-                z_thresh=spike.z_thresh,
-                samples=spike.samples,
+                rule=rules[rule_index].name,
+                params=[param for spike in mine for param in spike.params],
+                norm=worst.norm,
+                mean=worst.mean,
+                std=worst.std,
+                z=worst.z,
+                z_thresh=worst.z_thresh,
+                samples=worst.samples,
             )
         optimizer = context.optimizer
         why = "non-finite gradient" if offenders else "gradient norm spike"

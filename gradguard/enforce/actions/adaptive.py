@@ -227,8 +227,7 @@ def _percentile(ring: torch.Tensor, count: torch.Tensor, percentile: float) -> t
     fraction = percentile / 100.0
     needed = min(history, math.floor(fraction * (history - 1)) + 2)
     lowest = torch.topk(ring, needed, dim=1, largest=False, sorted=True).values
-    # numpy's virtual index for "linear", n * q + (1 - q) - 1, in its order of operations.
-    position = (count * fraction + (1 - fraction) - 1).clamp(min=0)
+    position = (count - 1).clamp(min=0) * fraction  # numpy's virtual index for "linear", (n - 1) * q
     lo = position.floor()
     hi = torch.minimum(lo + 1, (count - 1).clamp(min=0))
     t = position - lo

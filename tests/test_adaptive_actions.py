@@ -1,0 +1,367 @@
+"""zclip, autoclip and skip_step_on_spike against references written from their papers' formulas.
+
+The guard is driven with gradients whose norms follow chosen sequences (steady noise, spikes, a NaN
+and an Inf), through ``guard.step()`` on real parameters, and every step's decision, threshold,
+clipped gradient and the statistics left behind are compared with a plain-Python reference of the
+formula: ZClip (arXiv 2504.02507, the authors' code), AutoClip (arXiv 2007.14469: ``np.percentile`` of
+the history and the current norm, then ``clip_grad_norm_``), OLMo-core's spike rule (``norm - mean >
+z * std`` with ``torch.std_mean``). The statistics are float64 on both sides; they agree to 1e-12 and
+the decisions agree exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from gradguard import GradGuard, GradientHalt, Policy, PolicyError
+from tests.support.host_syncs import count_host_syncs
+
+EPS = 1e-6
+DIRECTION = torch.tensor([3.0, -4.0, 12.0, 0.0]) / 13.0  # unit 2-norm
+
+
+def norm_sequence(seed: int, steps: int = 70, bad: dict[int, float] | None = None) -> list[float]:
+    """Norms around 1 with 10% noise, then the ``bad`` values (spikes, NaN, Inf) at their steps."""
+    rng = np.random.default_rng(seed)
+    norms = [float(1.0 + 0.1 * rng.standard_normal()) for _ in range(steps)]
+    for step, value in (bad or {}).items():
+        norms[step] = value
+    return norms
+
+
+SEQUENCES = {
+    "a": norm_sequence(0, bad={30: 25.0, 31: 8.0, 45: 60.0, 38: math.nan, 50: math.inf}),
+    "b": norm_sequence(1, bad={33: 40.0, 40: math.nan, 41: math.nan, 60: 0.01}),
+}
+
+
+class TwoParams(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4))
+        self.b = nn.Parameter(torch.zeros(4))
+
+
+def policy_of(*actions: dict[str, Any], extra: list[dict[str, Any]] | None = None) -> Policy:
+    rules = [{"name": "adaptive", "match": ["*"], "actions": list(actions)}, *(extra or [])]
+    return Policy.from_dict({"version": 1, "rules": rules})
+
+
+def drive(
+    policy: Policy, steps: int, log: Path | None = None
+) -> tuple[list[dict[str, tuple[torch.Tensor, torch.Tensor]]], list[bool], GradGuard]:
+    """Each step, set ``a.grad`` and ``b.grad`` to DIRECTION times the sequences' norms, then ``guard.step()``.
+
+    Returns per step {name: (gradient before, gradient after)}, whether each step was applied, the guard.
+    """
+    model = TwoParams()
+    history: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+    applied: list[bool] = []
+    guard = GradGuard(model, policy, logger=None, audit_log=log)
+    with guard:
+        for step in range(steps):
+            record = {}
+            for name, param in model.named_parameters():
+                param.grad = DIRECTION * SEQUENCES[name][step]
+                record[name] = (param.grad.clone(), param.grad)
+            applied.append(guard.step())
+            if not applied[-1]:  # a skip leaves the optimizer nothing to apply
+                assert all(param.grad is None for param in model.parameters())
+            history.append({name: (before, after.clone()) for name, (before, after) in record.items()})
+    return history, applied, guard
+
+
+def float32_norm(grad: torch.Tensor) -> float:
+    """The norm the guard sees (float32, as torch computes it), as the reference's input."""
+    return float(torch.linalg.vector_norm(grad))
+
+
+def float32_norm_t(grad: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(grad)
+
+
+def statistics_of(guard: GradGuard, rule: str = "adaptive", position: int = 0) -> dict[str, Any]:
+    return guard.state_dict()["statistics"][rule][str(position)]
+
+
+# --- ZClip ----------------------------------------------------------------------------------------
+
+
+class ZClipReference:
+    """ZClip as its authors' code does it, with non-finite norms left out of the statistics."""
+
+    def __init__(self, alpha: float, z_thresh: float, warmup: int, max_norm: float | None) -> None:
+        self.alpha, self.z_thresh, self.warmup, self.max_norm = alpha, z_thresh, warmup, max_norm
+        self.buffer: list[float] = []
+        self.mean: float | None = None
+        self.var = 0.0
+
+    def step(self, norm: float) -> tuple[float, float]:
+        """Returns (coefficient, the limit the norm was held to)."""
+        if not math.isfinite(norm):
+            return 1.0, math.nan
+        if self.mean is None:
+            self.buffer.append(norm)
+            if len(self.buffer) >= self.warmup:
+                self.mean = sum(self.buffer) / len(self.buffer)
+                self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
+            limit = self.max_norm if self.max_norm is not None else math.inf
+        else:
+            std = self.var**0.5
+            z = (norm - self.mean) / (std + EPS)
+            adaptive = self.mean + self.z_thresh**2 / z * std if z > self.z_thresh else norm
+            limit = adaptive if self.max_norm is None else min(adaptive, self.max_norm)
+            self.mean = self.alpha * self.mean + (1 - self.alpha) * adaptive
+            self.var = self.alpha * self.var + (1 - self.alpha) * (adaptive - self.mean) ** 2
+        return (limit / (norm + EPS) if norm > limit else 1.0), limit
+
+
+@pytest.mark.parametrize("max_norm", [None, 3.0])
+def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enters_its_statistics(
+    max_norm: float | None, tmp_path: Path
+) -> None:
+    """Per tensor: warm-up, then z-score clips at the spikes, EMA of the clipped norms; NaN/Inf left out."""
+    action = {"action": "zclip", "alpha": 0.9, "z_thresh": 2.5, "warmup_steps": 10, "max_norm": max_norm}
+    log = tmp_path / "run.jsonl"
+    history, applied, guard = drive(policy_of(action), 70, log)
+    assert all(applied)
+    references = {name: ZClipReference(0.9, 2.5, 10, max_norm) for name in ("a", "b")}
+    clipped_steps: dict[str, list[int]] = {"a": [], "b": []}
+    for step, grads in enumerate(history):
+        for name, (before, after) in grads.items():
+            coef, _ = references[name].step(float32_norm(before))
+            if coef < 1.0:
+                clipped_steps[name].append(step)
+            torch.testing.assert_close(after, before * coef, rtol=1e-6, atol=0, equal_nan=True)
+    assert 30 in clipped_steps["a"] and 45 in clipped_steps["a"] and 33 in clipped_steps["b"]
+    if max_norm is not None:
+        assert {30, 31, 45} <= set(clipped_steps["a"])  # the ceiling holds during warm-up and after
+    stats = statistics_of(guard)
+    assert stats["names"] == ["a", "b"]
+    for column, name in enumerate(("a", "b")):
+        reference = references[name]
+        assert reference.mean is not None and math.isfinite(stats["tensors"]["mean"][column])
+        assert stats["tensors"]["mean"][column] == pytest.approx(reference.mean, rel=1e-12)
+        assert stats["tensors"]["var"][column] == pytest.approx(reference.var, rel=1e-12)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    clips = [e for e in events if e["event"] == "adaptive_clip"]
+    assert sorted((e["param"], e["step"]) for e in clips) == sorted(
+        (name, step) for name, steps in clipped_steps.items() for step in steps
+    )
+    spike = next(e for e in clips if e["param"] == "a" and e["step"] == 45)
+    assert spike["action"] == "zclip" and spike["z"] > 2.5 and spike["after"] == pytest.approx(spike["threshold"])
+    assert guard.counters.snapshot()["adaptive"]["zclip"] == len(clips)
+
+
+def test_zclip_on_a_group_clips_the_joint_norm_with_one_set_of_statistics() -> None:
+    """``scope: group``: the rule's joint 2-norm follows the formula; both tensors get one coefficient."""
+    action = {"action": "zclip", "alpha": 0.97, "z_thresh": 2.5, "warmup_steps": 5, "scope": "group"}
+    history, _, guard = drive(policy_of(action), 70)
+    reference = ZClipReference(0.97, 2.5, 5, None)
+    clips = 0
+    for grads in history:
+        joint = float(torch.linalg.vector_norm(torch.stack([float32_norm_t(b) for b, _ in grads.values()])))
+        coef, _ = reference.step(joint)
+        clips += coef < 1.0
+        for before, after in grads.values():
+            torch.testing.assert_close(after, before * coef, rtol=1e-6, atol=0, equal_nan=True)
+    assert clips >= 2
+    stats = statistics_of(guard)
+    assert stats["names"] == ["adaptive"]
+    assert stats["tensors"]["mean"][0] == pytest.approx(reference.mean, rel=1e-12)
+
+
+# --- AutoClip -------------------------------------------------------------------------------------
+
+
+class AutoClipReference:
+    """AutoClip: clip to ``np.percentile`` of the recent norms and this one, as ``clip_grad_norm_`` would."""
+
+    def __init__(self, percentile: float, history: int) -> None:
+        self.percentile, self.history = percentile, history
+        self.seen: list[float | None] = []  # one entry per applied step; None for a non-finite norm
+
+    def step(self, norm: float, applied: bool = True) -> tuple[float, float]:
+        recent = self.seen[max(0, len(self.seen) - (self.history - 1)) :] if self.history > 1 else []
+        candidates = [x for x in [*recent, norm if math.isfinite(norm) else None] if x is not None]
+        threshold = float(np.percentile(candidates, self.percentile)) if candidates else math.nan
+        if applied:
+            self.seen.append(norm if math.isfinite(norm) else None)
+        if not math.isfinite(norm) or not math.isfinite(threshold):
+            return 1.0, threshold
+        return min(1.0, threshold / (norm + EPS)), threshold
+
+
+@pytest.mark.parametrize(("percentile", "history"), [(10.0, 16), (50.0, 7), (90.0, 128)])
+def test_autoclip_clips_to_the_percentile_of_the_recent_norms_as_numpy_computes_it(
+    percentile: float, history: int, tmp_path: Path
+) -> None:
+    """The threshold is numpy's percentile to the last bit; the gradients are as clip_grad_norm_ leaves them."""
+    log = tmp_path / "run.jsonl"
+    action = {"action": "autoclip", "percentile": percentile, "history": history}
+    steps, _, guard = drive(policy_of(action), 70, log)
+    references = {name: AutoClipReference(percentile, history) for name in ("a", "b")}
+    thresholds: dict[tuple[str, int], float] = {}
+    for step, grads in enumerate(steps):
+        for name, (before, after) in grads.items():
+            coef, threshold = references[name].step(float32_norm(before))
+            thresholds[(name, step)] = threshold
+            torch.testing.assert_close(after, before * coef, rtol=1e-6, atol=0, equal_nan=True)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    clips = [e for e in events if e["event"] == "adaptive_clip"]
+    assert clips
+    for event in clips:
+        assert event["threshold"] == thresholds[(event["param"], event["step"])]  # bitwise: numpy's own order
+    stats = statistics_of(guard)
+    ring = np.array(stats["tensors"]["ring"])
+    for column, name in enumerate(("a", "b")):
+        kept = sorted(x for x in references[name].seen[-history:] if x is not None)
+        assert sorted(ring[column][np.isfinite(ring[column])].tolist()) == kept
+
+
+# --- skip_step_on_spike ---------------------------------------------------------------------------
+
+
+class SpikeReference:
+    """OLMo-core's rule: skip when norm - mean > z * std over the last ``window`` applied steps."""
+
+    def __init__(self, z_thresh: float, window: int, min_samples: int) -> None:
+        self.z_thresh, self.window, self.min_samples = z_thresh, window, min_samples
+        self.seen: list[float | None] = []
+
+    def spikes(self, norm: float) -> bool:
+        values = [x for x in self.seen[-self.window :] if x is not None]
+        if not math.isfinite(norm) or len(values) < self.min_samples:
+            return False
+        std, mean = torch.std_mean(torch.tensor(values, dtype=torch.float64))
+        return norm - float(mean) > self.z_thresh * float(std)
+
+    def applied(self, norm: float) -> None:
+        self.seen.append(norm if math.isfinite(norm) else None)
+
+
+def test_skip_step_on_spike_skips_exactly_the_steps_the_reference_rule_skips(tmp_path: Path) -> None:
+    """Group scope (the rule's joint norm): the spikes are skipped, a NaN is not, neither enters the window."""
+    log = tmp_path / "run.jsonl"
+    action = {"action": "skip_step_on_spike", "z_thresh": 4.0, "window": 20, "min_samples": 10}
+    steps, applied, guard = drive(policy_of(action), 70, log)
+    reference = SpikeReference(4.0, 20, 10)
+    expected = []
+    for grads in steps:
+        joint = float(torch.linalg.vector_norm(torch.stack([float32_norm_t(b) for b, _ in grads.values()])))
+        spike = reference.spikes(joint)
+        expected.append(not spike)
+        if not spike:
+            reference.applied(joint)
+    assert applied == expected
+    skipped = [step for step, ok in enumerate(applied) if not ok]
+    assert skipped and {30, 33, 45} <= set(skipped)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    spikes = [e for e in events if e["event"] == "spike_skip"]
+    assert [e["step"] for e in spikes] == skipped
+    assert all(e["z"] > 4.0 and e["samples"] >= 10 and e["params"] == ["a", "b"] for e in spikes)
+    assert guard.counters.snapshot()["adaptive"]["skip_step_on_spike"] == len(skipped)
+    ring = np.array(statistics_of(guard)["tensors"]["ring"][0])
+    kept = sorted(x for x in reference.seen[-20:] if x is not None)
+    assert sorted(ring[np.isfinite(ring)].tolist()) == pytest.approx(kept, rel=1e-12)
+
+
+def test_a_spike_is_judged_on_the_gradient_as_it_arrived_before_an_earlier_clip() -> None:
+    """A clip_norm placed before the spike watch in the policy cannot hide the spike from it."""
+    clip = {"name": "clip", "match": ["*"], "actions": [{"action": "clip_norm", "max_norm": 0.5}]}
+    policy = Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                clip,
+                {
+                    "name": "adaptive",
+                    "match": ["*"],
+                    "actions": [{"action": "skip_step_on_spike", "z_thresh": 4.0, "window": 20, "min_samples": 10}],
+                },
+            ],
+        }
+    )
+    _, applied, _ = drive(policy, 50)
+    assert not applied[30] and not applied[33] and not applied[45]
+
+
+def test_spike_skips_escalate_to_a_halt_past_max_consecutive_skips() -> None:
+    """Two spikes in a row with max_consecutive_skips 1: the second is a halt naming the spike."""
+    action = {
+        "action": "skip_step_on_spike",
+        "z_thresh": 4.0,
+        "window": 20,
+        "min_samples": 10,
+        "max_consecutive_skips": 1,
+        "scope": "tensor",
+    }
+    with pytest.raises(GradientHalt, match="gradient norm spike at step 31") as caught:
+        drive(policy_of(action), 70)
+    assert caught.value.kind == "spike" and caught.value.params == ("a",)
+    assert "skip limit exceeded: 2 consecutive skipped steps" in str(caught.value)
+
+
+def test_a_step_skipped_for_a_nan_leaves_every_adaptive_statistic_as_it_was() -> None:
+    """Statistics are proposed on the device and kept only by applied steps: a skipped step changes none."""
+    policy = policy_of(
+        {"action": "skip_step_on_nonfinite"},
+        {"action": "zclip", "warmup_steps": 5},
+        {"action": "autoclip", "history": 8},
+        {"action": "skip_step_on_spike", "window": 8, "min_samples": 4},
+    )
+    model = TwoParams()
+    with GradGuard(model, policy, logger=None) as guard:
+        for step in range(12):
+            for name, param in model.named_parameters():
+                param.grad = DIRECTION * SEQUENCES[name][step]
+            assert guard.step()
+        before = guard.state_dict()["statistics"]
+        model.a.grad = DIRECTION * 1.0
+        model.b.grad = DIRECTION * math.nan
+        assert not guard.step()
+        assert guard.state_dict()["statistics"] == before
+
+
+def test_adaptive_actions_add_no_host_sync_to_the_step() -> None:
+    """All three adaptive actions, per tensor and per group: still one host read per step."""
+    policy = policy_of(
+        {"action": "halt_on_nonfinite"},
+        {"action": "zclip", "warmup_steps": 3},
+        {"action": "autoclip", "history": 8, "scope": "group"},
+        {"action": "skip_step_on_spike", "window": 8, "min_samples": 4, "scope": "tensor"},
+    )
+    model = TwoParams()
+    with GradGuard(model, policy, logger=None) as guard:
+        for step in range(10):
+            for name, param in model.named_parameters():
+                param.grad = DIRECTION * SEQUENCES[name][step]
+            assert count_host_syncs(guard.step) == 1
+
+
+# --- policy errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("action", "message"),
+    [
+        ({"action": "zclip", "alpha": 1.0}, "alpha"),
+        ({"action": "zclip", "warmup_steps": 0}, "warmup_steps"),
+        ({"action": "autoclip", "percentile": 101.0}, "percentile"),
+        ({"action": "autoclip", "history": 0}, "history"),
+        ({"action": "skip_step_on_spike", "window": 10, "min_samples": 20}, "min_samples (20) cannot exceed window"),
+        ({"action": "skip_step_on_spike", "max_skips": 2}, "max_skips and window_steps go together"),
+        ({"action": "zclip", "z_tresh": 2.0}, "did you mean 'z_thresh'"),
+    ],
+)
+def test_bad_adaptive_settings_are_policy_errors_that_name_the_field(action: dict[str, Any], message: str) -> None:
+    with pytest.raises(PolicyError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        policy_of(action)

@@ -141,14 +141,17 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
             if coef < 1.0:
                 clipped_steps[name].append(step)
             torch.testing.assert_close(after, before * coef, rtol=1e-6, atol=0, equal_nan=True)
-    assert 30 in clipped_steps["a"] and 45 in clipped_steps["a"] and 33 in clipped_steps["b"]
+    assert 30 in clipped_steps["a"]
+    assert 45 in clipped_steps["a"]
+    assert 33 in clipped_steps["b"]
     if max_norm is not None:
         assert {30, 31, 45} <= set(clipped_steps["a"])  # the ceiling holds during warm-up and after
     stats = statistics_of(guard)
     assert stats["names"] == ["a", "b"]
     for column, name in enumerate(("a", "b")):
         reference = references[name]
-        assert reference.mean is not None and math.isfinite(stats["tensors"]["mean"][column])
+        assert reference.mean is not None
+        assert math.isfinite(stats["tensors"]["mean"][column])
         assert stats["tensors"]["mean"][column] == pytest.approx(reference.mean, rel=1e-12)
         assert stats["tensors"]["var"][column] == pytest.approx(reference.var, rel=1e-12)
     events = [json.loads(line) for line in log.read_text().splitlines()]
@@ -157,7 +160,9 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
         (name, step) for name, steps in clipped_steps.items() for step in steps
     )
     spike = next(e for e in clips if e["param"] == "a" and e["step"] == 45)
-    assert spike["action"] == "zclip" and spike["z"] > 2.5 and spike["after"] == pytest.approx(spike["threshold"])
+    assert spike["action"] == "zclip"
+    assert spike["z"] > 2.5
+    assert spike["after"] == pytest.approx(spike["threshold"])
     assert guard.counters.snapshot()["adaptive"]["zclip"] == len(clips)
 
 
@@ -263,7 +268,8 @@ def test_skip_step_on_spike_skips_exactly_the_steps_the_reference_rule_skips(tmp
             reference.applied(joint)
     assert applied == expected
     skipped = [step for step, ok in enumerate(applied) if not ok]
-    assert skipped and {30, 33, 45} <= set(skipped)
+    assert skipped
+    assert {30, 33, 45} <= set(skipped)
     events = [json.loads(line) for line in log.read_text().splitlines()]
     spikes = [e for e in events if e["event"] == "spike_skip"]
     assert [e["step"] for e in spikes] == skipped
@@ -291,7 +297,9 @@ def test_a_spike_is_judged_on_the_gradient_as_it_arrived_before_an_earlier_clip(
         }
     )
     _, applied, _ = drive(policy, 50)
-    assert not applied[30] and not applied[33] and not applied[45]
+    assert not applied[30]
+    assert not applied[33]
+    assert not applied[45]
 
 
 def test_spike_skips_escalate_to_a_halt_past_max_consecutive_skips() -> None:
@@ -306,7 +314,8 @@ def test_spike_skips_escalate_to_a_halt_past_max_consecutive_skips() -> None:
     }
     with pytest.raises(GradientHalt, match="gradient norm spike at step 31") as caught:
         drive(policy_of(action), 70)
-    assert caught.value.kind == "spike" and caught.value.params == ("a",)
+    assert caught.value.kind == "spike"
+    assert caught.value.params == ("a",)
     assert "skip limit exceeded: 2 consecutive skipped steps" in str(caught.value)
 
 

@@ -187,6 +187,10 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return attach(name, rank, make_model())
     if name == "ddp_agreement":
         return ddp_agreement(rank, world)
+    if name.startswith("adaptive_"):
+        import adaptive_scenarios  # tests/, the script's own folder
+
+        return adaptive_scenarios.run(name, rank, world, outdir, make_model, batch)
     raise SystemExit(f"unknown scenario {name!r}")
 
 

@@ -374,3 +374,88 @@ def test_adaptive_actions_add_no_host_sync_to_the_step() -> None:
 def test_bad_adaptive_settings_are_policy_errors_that_name_the_field(action: dict[str, Any], message: str) -> None:
     with pytest.raises(PolicyError, match=message.replace("(", r"\(").replace(")", r"\)")):
         policy_of(action)
+
+
+# --- resume equals uninterrupted ------------------------------------------------------------------
+
+RESUME_POLICY = {
+    "version": 1,
+    "rules": [
+        {"name": "watch", "match": ["*"], "actions": [{"action": "skip_step_on_nonfinite"}]},
+        {
+            "name": "spikes",
+            "match": ["*"],
+            "actions": [{"action": "skip_step_on_spike", "window": 8, "min_samples": 4, "z_thresh": 3.0}],
+        },
+        {"name": "embed", "match": ["*embed*"], "actions": [{"action": "autoclip", "history": 6, "scope": "group"}]},
+        {
+            "name": "rest",
+            "match": ["*"],
+            "exclude": ["*embed*", "head.weight"],
+            "actions": [{"action": "zclip", "warmup_steps": 4, "alpha": 0.9, "z_thresh": 2.0}],
+        },
+    ],
+}
+SPIKES_AT = {9: 200.0, 15: 80.0, 19: 300.0}
+NAN_AT = 11
+
+
+def _train(work: Any, opt: torch.optim.Optimizer, guard: GradGuard, steps: range) -> list[tuple[bool, dict]]:
+    """AdamW steps with spikes and a NaN injected into the gradients; per step: applied?, weights."""
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        work.backward(step)
+        for param in work.model.parameters():
+            if step in SPIKES_AT:
+                param.grad.mul_(SPIKES_AT[step])
+        if step == NAN_AT:
+            next(work.model.parameters()).grad.view(-1)[0] = math.nan
+        opt.step()
+        out.append((guard.last_step_skipped, {k: v.clone() for k, v in work.model.state_dict().items()}))
+    return out
+
+
+@pytest.mark.parametrize("stop_at", [2, 6, 12, 17])
+def test_a_run_resumed_from_the_guard_state_decides_and_trains_bitwise_as_the_uninterrupted_run(
+    make_workload: Any, stop_at: int
+) -> None:
+    """Stopped at step k and resumed from model, optimizer and guard state (through JSON): same skips, same clips,
+    same weights at every step, same statistics at the end."""
+    policy = Policy.from_dict(RESUME_POLICY)
+    steps = 24
+    work = make_workload("decoder")
+    opt = torch.optim.AdamW(work.model.parameters(), lr=1e-2)
+    with GradGuard(work.model, policy, logger=None) as guard:
+        whole = _train(work, opt, guard, range(steps))
+        whole_state = guard.state_dict()
+        whole_counters = guard.counters.snapshot()
+    assert [step for step, (skipped, _) in enumerate(whole) if skipped] == [9, 11, 15, 19]  # spikes and the NaN
+    assert whole_counters["rest"]["zclip"] > 0
+    assert whole_counters["embed"]["autoclip"] > 0
+
+    first = make_workload("decoder")
+    opt = torch.optim.AdamW(first.model.parameters(), lr=1e-2)
+    with GradGuard(first.model, policy, logger=None) as guard:
+        head = _train(first, opt, guard, range(stop_at))
+        saved = json.dumps(guard.state_dict())
+        saved_model = {k: v.clone() for k, v in first.model.state_dict().items()}
+        saved_opt = opt.state_dict()
+        head_counters = guard.counters.snapshot()
+    second = make_workload("decoder", seed=123)  # different initial weights: all must come from the checkpoint
+    second.model.load_state_dict(saved_model)
+    opt = torch.optim.AdamW(second.model.parameters(), lr=1e-2)
+    opt.load_state_dict(saved_opt)
+    with GradGuard(second.model, policy, logger=None) as guard:
+        guard.load_state_dict(json.loads(saved))
+        tail = _train(second, opt, guard, range(stop_at, steps))
+        resumed_state = guard.state_dict()
+        tail_counters = guard.counters.snapshot()
+    for step, ((skipped, weights), (skipped_again, weights_again)) in enumerate(zip(whole, head + tail, strict=True)):
+        assert skipped == skipped_again, step
+        for name, value in weights.items():
+            assert torch.equal(value, weights_again[name]), (step, name)
+    assert resumed_state == whole_state
+    for rule, counts in whole_counters.items():
+        for action, count in counts.items():
+            assert head_counters.get(rule, {}).get(action, 0) + tail_counters.get(rule, {}).get(action, 0) == count

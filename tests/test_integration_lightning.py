@@ -528,6 +528,35 @@ def test_resumed_fit_continues_the_guards_step_numbers_and_matches_an_uninterrup
     assert not any(e["event"] == "intervention" for e in read_audit(first_log)), "no clip before step 4"
 
 
+def test_a_resumed_fit_carries_the_adaptive_statistics_and_decides_as_an_uninterrupted_run(make_policy, same, tmp_path):
+    """zclip, autoclip and a spike watch: resumed from the step-3 checkpoint, statistics and weights as one run."""
+    policy = make_policy(
+        {"match": "*", "actions": [{"action": "zclip", "warmup_steps": 2, "z_thresh": 0.5, "alpha": 0.5}]},
+        {"match": "*", "actions": [{"action": "autoclip", "history": 3, "percentile": 30.0, "scope": "group"}]},
+        {"match": "*", "actions": [{"action": "skip_step_on_spike", "window": 4, "min_samples": 2}]},
+    )
+    straight = GradGuardCallback(policy, logger=None)
+    reference = Net("adamw")
+    trainer(straight, max_steps=8).fit(reference, loader(3))
+    assert straight.guard is not None
+    assert straight.guard.counters.snapshot()["r1"]["autoclip"] > 0
+
+    saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    trainer(GradGuardCallback(policy, logger=None), saver, max_steps=3, enable_checkpointing=True).fit(
+        Net("adamw"), loader(3)
+    )
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    saved = torch.load(checkpoint, weights_only=False)["callbacks"]["GradGuardCallback"]["guard"]
+    assert set(saved["statistics"]) == {"r0", "r1", "r2"}
+
+    second = GradGuardCallback(policy, logger=None)
+    resumed = Net("adamw", seed=1)
+    trainer(second, max_steps=8).fit(resumed, loader(3), ckpt_path=checkpoint)
+    assert second.guard is not None
+    same(params(resumed), params(reference))
+    assert second.guard.state_dict() == straight.guard.state_dict()
+
+
 def test_resuming_a_checkpoint_without_guard_state_starts_at_its_global_step(make_policy, read_audit, tmp_path):
     """A checkpoint saved without the callback: the guard starts at the checkpoint's global_step."""
     policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.01}]})

@@ -363,6 +363,41 @@ def test_resumed_run_carries_on_the_guard_step_numbers(tmp_path, read_audit):
     assert second.guard.counters.snapshot()["warmup"]["clip_norm"] > 0
 
 
+def test_a_resumed_run_carries_the_adaptive_statistics_through_the_checkpoint(tmp_path):
+    """zclip and autoclip statistics go into gradguard_state.json and come back: the resumed run ends with the
+    statistics of the run that was never stopped."""
+    policy = make_policy(
+        HALT_ALL,
+        {"name": "z", "match": "*", "actions": [{"action": "zclip", "warmup_steps": 1, "scope": "group"}]},
+        {"name": "auto", "match": "*", "actions": [{"action": "autoclip", "history": 3, "percentile": 20.0}]},
+    )
+
+    class StopAtTwo(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    straight_args = training_args(tmp_path / "straight", max_steps=4)
+    straight = transformers.Trainer(model=tiny_gpt2(), args=straight_args, train_dataset=token_data())
+    whole = guard_trainer(straight, policy, logger=None)
+    straight.train()
+
+    args = training_args(tmp_path / "stopped", max_steps=4, save_strategy="steps", save_steps=2)
+    trainer = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=token_data(), callbacks=[StopAtTwo()])
+    guard_trainer(trainer, policy, logger=None)
+    trainer.train()
+    checkpoint = Path(args.output_dir) / "checkpoint-2"
+    saved = json.loads((checkpoint / STATE_FILE).read_text())
+    assert set(saved["statistics"]) == {"z", "auto"}
+
+    resumed = transformers.Trainer(model=tiny_gpt2(), args=args, train_dataset=token_data())
+    second = guard_trainer(resumed, policy, logger=None)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert second.guard.step_count == whole.guard.step_count == 4
+    assert second.guard.state_dict()["statistics"] == whole.guard.state_dict()["statistics"]
+    assert whole.guard.counters.snapshot()["auto"]["autoclip"] > 0
+
+
 def test_resume_true_finds_the_last_checkpoint_and_its_guard_state(tmp_path, read_audit):
     """resume_from_checkpoint=True: the guard state beside the last checkpoint is read (a state_loaded event)."""
     args = training_args(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)

@@ -55,11 +55,14 @@ INSTALL_HINT = "pip install 'gradguard[metrics]'"
 NONFINITE_KINDS = ("nan", "inf")
 HALT_ACTION = "halt_on_nonfinite"
 SKIP_ACTION = "skip_step_on_nonfinite"
+SPIKE_SKIP_ACTION, SPIKE_HALT = "skip_step_on_spike", "halt_on_spike"
+HALT_ACTIONS = frozenset({HALT_ACTION, SPIKE_HALT})
+SKIP_ACTIONS = frozenset({SKIP_ACTION, SPIKE_SKIP_ACTION})
 SCALER_RULE, SCALER_SKIP = "grad_scaler", "skip"
 WATCH_ACTIONS = frozenset({HALT_ACTION, SKIP_ACTION})
-COUNTER_NAMES = frozenset({*NONFINITE_KINDS, HALT_ACTION, SKIP_ACTION, SCALER_SKIP})
+COUNTER_NAMES = frozenset({*NONFINITE_KINDS, *HALT_ACTIONS, *SKIP_ACTIONS, SCALER_SKIP})
 """Counter keys that are not interventions (with the action names, what ``gradguard/<rule>/<x>`` may count)."""
-INTERVENTION_ACTIONS = ("clip_norm", "clip_value", "drop", "scale", "zero")
+INTERVENTION_ACTIONS = ("agc", "autoclip", "clip_norm", "clip_value", "drop", "scale", "zclip", "zero")
 
 Counts = Mapping[str, Mapping[str, int]]
 StatProvider = Callable[[], Mapping[str, Any]]
@@ -167,22 +170,29 @@ class _GuardCollector:
         )
         skipped = CounterMetricFamily(
             "gradguard_skipped_steps",
-            "Steps skipped by a skip_step_on_nonfinite rule, or by the GradScaler (rule grad_scaler).",
+            "Steps skipped by a skip_step_on_nonfinite or skip_step_on_spike rule, or by the GradScaler "
+            "(rule grad_scaler).",
             labels=["rule", "rank"],
         )
         halts = CounterMetricFamily(
             "gradguard_halts", "Halts raised by a rule (GradientHalt).", labels=["rule", "rank"]
         )
         for rule, by_action in sorted(counts.items()):
+            halted: int | None = None  # one series per rule, whichever kind of halt or skip it counts
+            skips: int | None = None
             for action, count in sorted(by_action.items()):
                 if action in NONFINITE_KINDS:
                     nonfinite.add_metric([rule, action, rank], count)
-                elif action == HALT_ACTION:
-                    halts.add_metric([rule, rank], count)
-                elif action == SKIP_ACTION or (rule == SCALER_RULE and action == SCALER_SKIP):
-                    skipped.add_metric([rule, rank], count)
+                elif action in HALT_ACTIONS:
+                    halted = (halted or 0) + count
+                elif action in SKIP_ACTIONS or (rule == SCALER_RULE and action == SCALER_SKIP):
+                    skips = (skips or 0) + count
                 else:
                     interventions.add_metric([rule, action, rank], count)
+            if halted is not None:
+                halts.add_metric([rule, rank], halted)
+            if skips is not None:
+                skipped.add_metric([rule, rank], skips)
         yield from (steps, interventions, nonfinite, skipped, halts)
         gauges = GaugeMetricFamily(
             "gradguard_stat",
@@ -202,6 +212,8 @@ def _with_zeros(counts: Counts, rule_actions: Mapping[str, tuple[str, ...]]) -> 
         for action in actions:
             if action in WATCH_ACTIONS:  # detections, and halts (a skip rule escalates past its limits)
                 seed.update(dict.fromkeys((*NONFINITE_KINDS, HALT_ACTION), 0))
+            if action == SPIKE_SKIP_ACTION:
+                seed[SPIKE_HALT] = 0
             seed.setdefault(action, 0)
     for rule, by_action in counts.items():
         full.setdefault(rule, {}).update(by_action)

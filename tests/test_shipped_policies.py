@@ -16,6 +16,7 @@ POLICIES = Path(__file__).resolve().parent.parent / "policies"
 TARGETS = {
     "default.yaml": ("mlp", "decoder", "resnet"),
     "llm-pretraining.yaml": ("moe", "decoder"),
+    "llm-adaptive.yaml": ("moe", "decoder"),
     "finetune-frozen-backbone.toml": ("finetune",),
     "vision.json": ("resnet",),
 }
@@ -58,7 +59,7 @@ def test_shipped_policy_loads_binds_and_trains(make_workload, read_audit, tmp_pa
     guarded, counters, losses, moved = _train(workload, path, tmp_path / "audit.jsonl")
 
     assert list(guarded) == names  # every parameter is covered (by the halt rule at least)
-    assert all(rules[0] == "nonfinite" for rules in guarded.values())
+    assert all(rules[0] == "nonfinite" for rules in guarded.values())  # a halt or skip rule covers everything
     for rule in policy.rules:
         covering = [name for name, rules in guarded.items() if rule.name in rules]
         assert covering or rule.allow_no_match, f"rule {rule.name!r} covers nothing on {workload_name}"
@@ -118,3 +119,30 @@ def test_vision_policy_covers_convolutions_norms_and_classifier_of_a_resnet(make
     assert guarded["layer1.0.bn2.bias"] == ("nonfinite", "norm-layers", "health")
     assert guarded["fc.weight"] == ("nonfinite", "classifier", "health")
     assert counters["conv"]["clip_value"] > 0
+
+
+def test_adaptive_llm_policy_skips_an_injected_spike_and_keeps_its_statistics(make_workload, read_audit, tmp_path):
+    """llm-adaptive.yaml on a decoder: after its 64-step warm-up the spike watch skips a 1000x gradient."""
+    workload = make_workload("decoder")
+    opt = torch.optim.AdamW(workload.model.parameters(), lr=1e-3)
+    log = tmp_path / "audit.jsonl"
+    skipped = []
+    with GradGuard(workload.model, POLICIES / "llm-adaptive.yaml", audit_log=log, logger=None) as guard:
+        for step in range(80):
+            opt.zero_grad()
+            workload.backward(step)
+            if step == 75:
+                for param in workload.model.parameters():
+                    param.grad.mul_(1000.0)
+            opt.step()
+            if guard.last_step_skipped:
+                skipped.append(step)
+        statistics = guard.state_dict()["statistics"]
+        counters = guard.counters.snapshot()
+    assert skipped == [75]
+    assert counters["spikes"] == {"skip_step_on_spike": 1}
+    assert counters["embeddings"]["autoclip"] > 0
+    assert set(statistics) == {"spikes", "embeddings", "blocks"}
+    spike = next(e for e in read_audit(log) if e["event"] == "spike_skip")
+    assert spike["step"] == 75
+    assert spike["z"] > 6.0

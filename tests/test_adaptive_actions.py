@@ -459,3 +459,35 @@ def test_a_run_resumed_from_the_guard_state_decides_and_trains_bitwise_as_the_un
     for rule, counts in whole_counters.items():
         for action, count in counts.items():
             assert head_counters.get(rule, {}).get(action, 0) + tail_counters.get(rule, {}).get(action, 0) == count
+
+
+def test_a_reload_keeps_the_statistics_of_an_action_that_keeps_its_kind_and_drops_the_others(tmp_path: Path) -> None:
+    """A new z_thresh keeps the zclip EMA (no second warm-up); an action replaced by another kind starts empty."""
+
+    def write(zclip: dict[str, Any], second: dict[str, Any]) -> Path:
+        rules = [{"name": "adaptive", "match": ["*"], "actions": [zclip, second]}]
+        path = tmp_path / "policy.json"
+        path.write_text(json.dumps({"version": 1, "rules": rules}))
+        return path
+
+    path = write({"action": "zclip", "warmup_steps": 3}, {"action": "autoclip", "history": 4})
+    model = TwoParams()
+    with GradGuard(model, path, logger=None) as guard:
+        for step in range(6):
+            for name, param in model.named_parameters():
+                param.grad = DIRECTION * SEQUENCES[name][step]
+            guard.step()
+        before = guard.state_dict()["statistics"]["adaptive"]
+        write(
+            {"action": "zclip", "warmup_steps": 3, "z_thresh": 9.0},
+            {"action": "skip_step_on_spike", "window": 4, "min_samples": 2},
+        )
+        assert guard.reload()
+        for name, param in model.named_parameters():
+            param.grad = DIRECTION * SEQUENCES[name][6]
+        guard.step()  # the reload takes over at this step boundary
+        after = guard.state_dict()["statistics"]["adaptive"]
+    assert after["0"]["tensors"]["ready"] == [1.0, 1.0]  # no second warm-up
+    assert after["0"]["tensors"]["mean"] != before["0"]["tensors"]["mean"]  # and step 6 updated the EMA
+    assert after["1"]["action"] == "skip_step_on_spike"
+    assert sum(math.isfinite(x) for x in after["1"]["tensors"]["ring"][0]) == 1  # only step 6's norm

@@ -50,7 +50,9 @@ class Series:
     counters: dict[str, int] = field(default_factory=dict)
     """Host integers every column shares (a ring buffer's next slot)."""
     columns: dict[int, int] = field(default_factory=dict)
-    """Tensor index -> column (tensor scope)."""
+    """Tensor index -> column (tensor scope), for the binding :attr:`bound` belongs to."""
+    bound: BoundRule | None = None
+    """The bound rule the columns were mapped for: a new binding (a rebind, a reload) maps them again."""
 
     def select(self, ids: Sequence[int]) -> torch.Tensor | None:
         """The columns of ``ids`` as an index tensor, or ``None`` when they are all columns in order."""
@@ -113,10 +115,12 @@ class Statistics:
         names = (bound.name,) if group else tuple(entry.name for entry in bound.params)
         series = self.series.get(key)
         if series is not None and series.kind == action.action and series.shape == shape and series.names == names:
+            if series.bound is not bound:  # same names, maybe new tensor indices
+                series.bound = bound
+                series.columns = {entry.index: column for column, entry in enumerate(bound.params)}
             return series
-        fresh = Series(action.action, shape, names, init(len(names), device))
-        if not group:
-            fresh.columns = {entry.index: column for column, entry in enumerate(bound.params)}
+        fresh = Series(action.action, shape, names, init(len(names), device), bound=bound)
+        fresh.columns = {entry.index: column for column, entry in enumerate(bound.params)}
         earlier = series if series is not None else self._take_saved(key, device)
         if earlier is not None and earlier.kind == fresh.kind and earlier.shape == shape:
             _carry_over(earlier, fresh)

@@ -32,6 +32,8 @@ class HaltSkipCollector:
         self.skips = StepTally()
         self.skips_by_rule: dict[str, int] = {}
         self.skipped_params: dict[str, int] = {}
+        self.spiked_params: dict[str, int] = {}
+        self.largest_spike: tuple[float, int | None] | None = None
         self.scaler = StepTally()
 
     def halt(self, event: dict[str, Any], run: RunState, record: Record) -> None:
@@ -112,7 +114,10 @@ class HaltSkipCollector:
         self.skips.add(step)
         self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
         for name in names:
-            self.skipped_params[name] = self.skipped_params.get(name, 0) + 1
+            self.spiked_params[name] = self.spiked_params.get(name, 0) + 1
+        z = event.get("z")
+        if type(z) is float and (self.largest_spike is None or z > self.largest_spike[0]):
+            self.largest_spike = (z, step)
 
     def scaler_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
         rule = event.get("rule")

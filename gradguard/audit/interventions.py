@@ -47,6 +47,10 @@ class _Param:
         self.rules: dict[str, None] = {}
 
 
+NORM_ACTIONS = frozenset({"clip_norm", "zclip", "autoclip", "agc"})
+"""Actions whose ``before`` is a gradient norm (clip_value's is the largest element)."""
+
+
 class InterventionCollector:
     """Takes ``intervention`` events; :meth:`rows` gives the by-(rule, action) and by-parameter tables."""
 
@@ -127,7 +131,7 @@ class InterventionCollector:
             entry.rules[rule] = None
         if before is None:
             return
-        if action == "clip_norm":
+        if action in NORM_ACTIONS:
             if entry.norm is None or before > entry.norm:
                 entry.norm, entry.norm_step = before, step
         elif action == "clip_value" and (entry.element is None or before > entry.element):

@@ -265,7 +265,7 @@ def _interventions(summary: AuditSummary) -> Section:
     lines = [
         f"{_plural(summary.intervention_count, 'gradient')} changed (a group clip counts each of its parameters) "
         f"in {_plural(summary.intervention_events, 'event')}",
-        "largest before: the largest norm (clip_norm) or element (clip_value) the guard cut down",
+        "largest before: the largest norm (clip_norm, zclip, autoclip, agc) or element (clip_value) the guard cut down",
     ]
     headers = ["rule", "action", "count", "events", "steps", "largest before", "at step"]
     return Section(title, lines, Table(headers, rows, frozenset({2, 3, 5, 6})))
@@ -369,10 +369,18 @@ def _skips(summary: AuditSummary) -> Section:
     lines = []
     if summary.skips.events:
         rules = ", ".join(f"{rule} {n:,}" for rule, n in summary.skips_by_rule.items())
-        params = ", ".join(f"{name} ({n:,})" for name, n in list(summary.skipped_params.items())[:8])
+        why = []
+        if summary.skipped_params:
+            params = ", ".join(f"{name} ({n:,})" for name, n in list(summary.skipped_params.items())[:8])
+            why.append(f"non-finite parameters: {params}")
+        if summary.spiked_params:
+            params = ", ".join(f"{name} ({n:,})" for name, n in list(summary.spiked_params.items())[:8])
+            largest = summary.largest_spike
+            at = f" (largest z {largest[0]:.3g} at step {largest[1]})" if largest is not None else ""
+            why.append(f"gradient norm spikes{at}: {params}")
         lines.append(
             f"{_plural(summary.skips.events, 'step')} skipped by the guard (rule {rules}) at steps "
-            f"{step_list(summary.skips)}; non-finite parameters: {params}"
+            f"{step_list(summary.skips)}; {'; '.join(why)}"
         )
     if summary.scaler_skips.events:
         lines.append(

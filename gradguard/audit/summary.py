@@ -264,6 +264,10 @@ class AuditSummary:
     """Every monitored figure (rule, scope, name, stat): first, last, min, median, max."""
     health_flags: list[FlagRow] = field(default_factory=list)
     """The names that vanished or exploded, and when."""
+    spiked_params: dict[str, int] = field(default_factory=dict)
+    """Parameters whose gradient norm spiked in a step ``skip_step_on_spike`` skipped, and how often."""
+    largest_spike: tuple[float, int | None] | None = None
+    """The largest z-score of a skipped spike, and its step."""
 
     @property
     def exit_code(self) -> int:

@@ -127,7 +127,7 @@ class InterventionCollector:
             entry.rules[rule] = None
         if before is None:
             return
-        if action == "clip_norm":
+        if action in ("clip_norm", "agc"):
             if entry.norm is None or before > entry.norm:
                 entry.norm, entry.norm_step = before, step
         elif action == "clip_value" and (entry.element is None or before > entry.element):

@@ -14,7 +14,17 @@ from gradguard.audit.summary import Counts
 __all__ = ["RECOMPUTABLE_ACTIONS", "SCALER_KEY", "LastIntervention", "RunState", "recomputable"]
 
 RECOMPUTABLE_ACTIONS: Final = frozenset(
-    {"clip_norm", "clip_value", "nan", "inf", "halt_on_nonfinite", "skip_step_on_nonfinite", "vanishing", "exploding"}
+    {
+        "agc",
+        "clip_norm",
+        "clip_value",
+        "nan",
+        "inf",
+        "halt_on_nonfinite",
+        "skip_step_on_nonfinite",
+        "vanishing",
+        "exploding",
+    }
 )
 """Actions whose counts the per-event lines reproduce (``scale``, ``zero`` and ``drop`` are not logged per step)."""
 SCALER_KEY: Final = ("grad_scaler", "skip")

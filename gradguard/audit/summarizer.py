@@ -83,6 +83,7 @@ class Summarizer:
             "detach": self.runs.detach,
             "counters": self.counters.snapshot,
             "intervention": self.interventions.intervention,
+            "adaptive_clip": self.interventions.intervention,
             "nonfinite": self.nonfinite.nonfinite,
             "nonfinite_unhalted": self.nonfinite.unhalted_event,
             "nonfinite_group_norm": self.nonfinite.group_norm_event,

@@ -59,7 +59,7 @@ SCALER_RULE, SCALER_SKIP = "grad_scaler", "skip"
 WATCH_ACTIONS = frozenset({HALT_ACTION, SKIP_ACTION})
 COUNTER_NAMES = frozenset({*NONFINITE_KINDS, HALT_ACTION, SKIP_ACTION, SCALER_SKIP})
 """Counter keys that are not interventions (with the action names, what ``gradguard/<rule>/<x>`` may count)."""
-INTERVENTION_ACTIONS = ("clip_norm", "clip_value", "drop", "scale", "zero")
+INTERVENTION_ACTIONS = ("agc", "clip_norm", "clip_value", "drop", "scale", "zero")
 
 Counts = Mapping[str, Mapping[str, int]]
 StatProvider = Callable[[], Mapping[str, Any]]

@@ -3,13 +3,15 @@
 - ``clipping``: ``clip_norm`` (tensor or group scope) and ``clip_value``;
 - ``shaping``: ``scale``, ``zero`` and ``drop``;
 - ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits);
-- ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel).
+- ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel);
+- ``adaptive_unitwise``: ``agc`` (adaptive gradient clipping against the weights' norms, per unit or group).
 
 :func:`kernel_for` maps a policy action to the kernel that executes it.
 """
 
 from __future__ import annotations
 
+from gradguard.enforce.actions.adaptive_unitwise import AgcKernel
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.actions.clipping import ClipNormKernel, ClipValueKernel
 from gradguard.enforce.actions.monitoring import MonitorKernel
@@ -30,6 +32,7 @@ _KERNELS: dict[type, ActionKernel] = {
         HaltKernel(),
         SkipKernel(),
         MonitorKernel(),
+        AgcKernel(),
     )
     for schema in kernel.schemas
 }

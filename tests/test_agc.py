@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
+import socket
+import subprocess
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -405,3 +410,30 @@ def test_bad_agc_fields_are_policy_errors_naming_the_field_and_line(
     assert issue.line == 7
     assert message in str(info.value)
     assert f"{file}:7: {path}: " in str(info.value)
+
+
+# --- FSDP2 ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scope", ["tensor", "group"])
+def test_under_fsdp2_agc_clips_the_full_units_as_timm_on_the_unsharded_model(scope: str, tmp_path: Path) -> None:
+    """torchrun, 2 ranks, gloo, uneven dim-0 shards: the sharded run follows timm's formula (or the group
+    reference) on an unsharded copy trained on the whole batch, and both ranks count the same clips."""
+    root = Path(__file__).resolve().parent.parent
+    port = _free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    command += [str(root / "tests" / "agc_fsdp2_scenario.py"), scope]
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    reports = {rank: json.loads(text) for rank, text in re.findall(r"rank (\d): (\{.*\})", done.stdout)}
+    assert sorted(reports) == ["0", "1"], done.stdout
+    assert reports["0"]["counters"] == reports["1"]["counters"]
+    assert reports["0"]["counters"]["agc"]["agc"] == reports["0"]["expected"] > 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -139,8 +139,7 @@ def _clip_units(
         peaks = torch.cat([work.collective.max_(peaks[:count].contiguous()), peaks[count:]])
 
     ordered_ids = [ids[k] for k in order]
-    units = [_units(work, ids[k]) for k in rows] + [1] * len(flat)
-    outcome, names, step = work.outcome, work.names, work.step
+    outcome, names, step, params = work.outcome, work.names, work.step, work.binding.params
     rule = bound.name
 
     def read(values: list[float]) -> None:
@@ -158,7 +157,7 @@ def _clip_units(
                 continue
             changed += 1
             event = {"step": step, "rule": rule, "action": "agc", "param": names[index], "scope": "tensor"}
-            event |= {"clipping": action.clipping, "eps": action.eps, "units": units[k]}
+            event |= {"clipping": action.clipping, "eps": action.eps, "units": _units(params[index].ref())}
             event |= {"units_clipped": int(counts[k]), "max_ratio": values[3 * n + k]}
             event |= {"before": norm, "after": math.sqrt(values[3 * k + 1])}
             outcome.events.append(("adaptive_clip", event))
@@ -168,9 +167,8 @@ def _clip_units(
     work.pending.add(torch.cat([sums.reshape(-1), peaks.to(sums.dtype)]), read)
 
 
-def _units(work: StepWork, index: int) -> int:
-    """A tensor's units: its full first dimension (under FSDP2, of the whole parameter, not the shard)."""
-    param = work.binding.params[index].ref()
+def _units(param: torch.Tensor | None) -> int:
+    """A parameter's units: its first dimension (under FSDP2, of the whole parameter, not the shard)."""
     return int(param.shape[0]) if param is not None and param.ndim >= 2 else 1
 
 

@@ -59,12 +59,19 @@ class AgcKernel(ActionKernel):
         return True
 
 
-def _unit_norms(tensor: torch.Tensor) -> torch.Tensor:
-    """2-norm of each slice along the first dimension (timm's ``unitwise_norm``, without the kept dims)."""
-    dims = tuple(range(1, tensor.ndim))
-    dtype = torch.float32 if tensor.dtype in LOW_PRECISION else None
-    norm: torch.Tensor = torch.linalg.vector_norm(tensor, 2.0, dim=dims, dtype=dtype)
-    return norm
+def _unit_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """2-norm of each slice along the first dimension of each tensor (timm's ``unitwise_norm``, without
+    the kept dims), in float32 for half precision."""
+    vector_norm, low = torch.linalg.vector_norm, LOW_PRECISION
+    return [
+        vector_norm(t, 2.0, dim=_DIMS[t.ndim] if t.ndim < 6 else tuple(range(1, t.ndim)))
+        if t.dtype not in low
+        else vector_norm(t, 2.0, dim=tuple(range(1, t.ndim)), dtype=torch.float32)
+        for t in tensors
+    ]
+
+
+_DIMS = {ndim: tuple(range(1, ndim)) for ndim in range(2, 6)}
 
 
 @lru_cache(maxsize=64)
@@ -95,8 +102,8 @@ def _clip_units(
     flat = [k for k, g in enumerate(gs) if g.ndim < 2] if len(rows) < len(gs) else []
     order = rows + flat
     device = gs[0].device
-    grad_parts = [_unit_norms(gs[k]) for k in rows]
-    weight_parts = [_unit_norms(ws[k]) for k in rows]
+    grad_parts = _unit_norms([gs[k] for k in rows])
+    weight_parts = _unit_norms([ws[k] for k in rows])
     if flat:
         raw, touched = work.raw, work.touched
         flat_gs = [gs[k] for k in flat]
@@ -140,7 +147,7 @@ def _clip_units(
 
     ordered_ids = [ids[k] for k in order]
     outcome, names, step, params = work.outcome, work.names, work.step, work.binding.params
-    rule = bound.name
+    rule, clipping, eps, append = bound.name, action.clipping, action.eps, outcome.events.append
 
     def read(values: list[float]) -> None:
         n = len(ordered_ids)
@@ -156,11 +163,21 @@ def _clip_units(
             if counts[k] <= 0:
                 continue
             changed += 1
-            event = {"step": step, "rule": rule, "action": "agc", "param": names[index], "scope": "tensor"}
-            event |= {"clipping": action.clipping, "eps": action.eps, "units": _units(params[index].ref())}
-            event |= {"units_clipped": int(counts[k]), "max_ratio": values[3 * n + k]}
-            event |= {"before": norm, "after": math.sqrt(values[3 * k + 1])}
-            outcome.events.append(("adaptive_clip", event))
+            event = {
+                "step": step,
+                "rule": rule,
+                "action": "agc",
+                "param": names[index],
+                "scope": "tensor",
+                "clipping": clipping,
+                "eps": eps,
+                "units": _units(params[index].ref()),
+                "units_clipped": int(counts[k]),
+                "max_ratio": values[3 * n + k],
+                "before": norm,
+                "after": math.sqrt(values[3 * k + 1]),
+            }
+            append(("adaptive_clip", event))
         if changed:
             outcome.counts.append((rule, "agc", changed))
 

@@ -18,6 +18,8 @@ model that all treatments share, so they see the same weights, data and allocato
   (``policies/default.yaml``); ``gg-a0`` the same with a ``max_norm`` nothing reaches;
 - ``gg-b``: gradguard, a mixed policy of five rules (halt; embeddings clip 0.5; attention weights
   clip 1.0; norm layers ``clip_value`` 0.1; a group clip 1.0 over everything);
+- ``gg-agc``: gradguard, ``agc`` (adaptive gradient clipping, defaults) on every parameter plus
+  ``halt_on_nonfinite``: the same shape of policy as ``gg-a``, compared with it;
 - ``gg-c0`` / ``gg-c``: ``gg-a0`` / ``gg-a`` with the audit log on; ``gg-c-caller`` (deep model): as
   ``gg-c`` with the log lines rendered on the training thread instead of the writer thread.
 
@@ -211,6 +213,20 @@ def per_tensor_policy(max_norm: float) -> Policy:
     )
 
 
+def agc_policy() -> Policy:
+    """``policies/default.yaml`` with ``agc`` (timm's defaults) in place of the per-tensor ``clip_norm``."""
+    return Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+                {"name": "agc", "match": "*", "actions": [{"action": "agc"}]},
+            ],
+        },
+        source="default.yaml with agc",
+    )
+
+
 def monitored_policy(every: int) -> Policy:
     """``per_tensor_policy(NEVER)`` plus a ``monitor`` of the norm of every tensor, every ``every`` steps."""
     data = per_tensor_policy(NEVER).model_dump(mode="python")
@@ -374,7 +390,8 @@ class Guarded(Treatment):
         assert self.guard is not None
         self.before_step()
         self.guard.remove()
-        self._clips = self.guard.counters.total("clip_norm") + self.guard.counters.total("clip_value")
+        counters = self.guard.counters
+        self._clips = counters.total("clip_norm") + counters.total("clip_value") + counters.total("agc")
         self._steps = self.guard.step_count
         self._lines = 0
         log = self.guard.audit_log
@@ -407,6 +424,7 @@ def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
         Guarded("gg-a", "gradguard (a) per-tensor clip 1.0 + halt", lambda: per_tensor_policy(MAX_NORM)),
         Guarded("gg-a0", "gradguard (a), nothing clipped", lambda: per_tensor_policy(NEVER)),
         Guarded("gg-b", "gradguard (b) mixed policy, 5 rules", lambda: Policy.from_dict(MIXED_POLICY, source="mixed")),
+        Guarded("gg-agc", "gradguard agc (clipping 0.01) + halt", agc_policy),
         Guarded("gg-m", "(a), nothing clipped, + monitor norm per tensor, every step", lambda: monitored_policy(1)),
         Guarded("gg-m10", "(a), nothing clipped, + monitor norm per tensor, every: 10", lambda: monitored_policy(10)),
         Guarded(
@@ -701,6 +719,7 @@ def run_model(
         ("gg-m", "gg-a0"),
         ("gg-m10", "gg-a0"),
         ("gg-ml", "gg-m"),
+        ("gg-agc", "gg-a"),
     )
     for a, b in pairs:
         if a in wall and b in wall:
@@ -895,6 +914,13 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
                 f"{cost['update']:.4f}; {cost['wall']}",
                 cost["update"] <= limit,
             )
+    for result in (r for r in (gpt, deep) if r is not None and "gg-agc / gg-a" in r.comparisons):
+        cost = result.comparisons["gg-agc / gg-a"]
+        add(
+            f"agc vs fixed clip_norm (a), {result.workload} <= 1.01",
+            f"{cost['update']:.4f}; {cost['wall']}",
+            cost["update"] <= 1.01,
+        )
     if sweep is not None and not cuda:
         add(
             "per-tensor cost (sweep slope) < 5 us, linear",

@@ -229,6 +229,7 @@ def test_the_schema_accepts_every_shipped_policy_and_rejects_broken_ones():
     documents = _shipped_documents()
     assert {name for name, _ in documents} == {
         "default.yaml",
+        "llm-adaptive.yaml",
         "llm-pretraining.yaml",
         "finetune-frozen-backbone.toml",
         "vision.json",

@@ -223,7 +223,7 @@ CASES = {
     "unknown action, did you mean": (
         HEAD + SECOND + ACTION + "{action: clip_nrom, max_norm: 2}  # <-\n",
         "rules[1].actions[0]",
-        ["unknown action 'clip_nrom'", "did you mean 'clip_norm'?", "expected one of: autoclip, clip_norm, clip_value"],
+        ["unknown action 'clip_nrom'", "did you mean 'clip_norm'?", "expected one of: ", "clip_norm, clip_value"],
     ),
     "action without action field": (
         HEAD + SECOND + ACTION + "{max_norm: 2}  # <-\n",

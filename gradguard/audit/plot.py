@@ -120,7 +120,7 @@ class PlotCollector:
             return
         if kind == "stats" and isinstance(rule, str):
             self._stats(step, rule, event)
-        elif kind == "intervention" and isinstance(rule, str):
+        elif kind in ("intervention", "adaptive_clip") and isinstance(rule, str):
             max_norm = event.get("max_norm")
             if isinstance(max_norm, int | float) and len(self.clip_thresholds) < 20:
                 self.clip_thresholds[rule] = max(float(max_norm), self.clip_thresholds.get(rule, 0.0))

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gradguard.enforce.distributed import Collective, combine_shard_norms
+from gradguard.enforce.distributed import Collective, combine_shard_norms, local_tensor
 from gradguard.enforce.statistics import Statistics, StepStatistics
 from gradguard.enforce.tensors import norms, stack_on
 from gradguard.policy.matching import Binding
@@ -170,3 +170,16 @@ class StepWork:
         """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""
         local = norms(grads, norm_type)
         return combine_shard_norms(self.collective, local, norm_type) if self.sharded and self.collective else local
+
+    def weights(self, ids: Sequence[int]) -> list[torch.Tensor]:
+        """The parameters of ``ids`` (this rank's shards under FSDP2), for the actions that read weights (``agc``).
+
+        Taken when asked, so only those actions pay; the engine runs under ``torch.no_grad``.
+        """
+        params = self.binding.params
+        out = []
+        for index in ids:
+            param = params[index].ref()
+            assert param is not None, "a tensor with a gradient this step is alive"
+            out.append(local_tensor(param))
+        return out

@@ -24,7 +24,8 @@ SCHEMA_FILE_NAME = "gradguard-policy.schema.json"
 
 _DESCRIPTION = (
     "A gradguard policy: rules that map parameter-name patterns to gradient actions (clip_norm, "
-    "clip_value, scale, zero, drop, halt_on_nonfinite, skip_step_on_nonfinite), enforced at every "
+    "clip_value, zclip, autoclip, agc, scale, zero, drop, halt_on_nonfinite, skip_step_on_nonfinite, "
+    "skip_step_on_spike, monitor), enforced at every "
     "optimizer step by GradGuard(model, policy). Check a file with `gradguard validate`, and against a "
     "model with `gradguard explain`."
 )

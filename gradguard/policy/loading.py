@@ -25,6 +25,7 @@ from gradguard.policy.schema import (
     ACTION_NAMES,
     DUPLICATE_RULE_NAME,
     EMPTY_STEP_WINDOW,
+    AdaptiveGradClip,
     AutoClip,
     ClipNorm,
     ClipValue,
@@ -58,6 +59,7 @@ _TOML_LINE = re.compile(r"\(at line (\d+), column \d+\)")
 _SUFFIXES = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 
 _FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
+    "agc": tuple(AdaptiveGradClip.model_fields),
     "autoclip": tuple(AutoClip.model_fields),
     "clip_norm": tuple(ClipNorm.model_fields),
     "clip_value": tuple(ClipValue.model_fields),

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from gradguard.policy.patterns import check_pattern
@@ -18,6 +18,7 @@ from gradguard.policy.patterns import check_pattern
 __all__ = [
     "MONITOR_STATS",
     "Action",
+    "AdaptiveGradClip",
     "AutoClip",
     "ClipNorm",
     "ClipValue",
@@ -93,6 +94,29 @@ class ClipNorm(_StepWindow):
     @classmethod
     def _max_norm_is_finite(cls, value: float) -> float:
         return _finite(value, "max_norm")
+
+
+class AdaptiveGradClip(_StepWindow):
+    """Adaptive gradient clipping (NFNets; timm's ``adaptive_clip_grad``): a unit's gradient norm is kept
+    at most ``clipping * max(||W||, eps)``, ``W`` the unit's weights.
+
+    ``scope: tensor``: the units are a parameter's output units (its slices along the first dimension;
+    a parameter of at most one dimension is one unit), bitwise as timm. ``scope: group``: one unit, all
+    of the rule's parameters jointly (their joint weight norm against their joint gradient norm).
+    """
+
+    action: Literal["agc"]
+    clipping: float = Field(default=0.01, gt=0, strict=True)
+    """The largest gradient norm a unit keeps, as a fraction of its weight norm (NFNets' lambda)."""
+    eps: float = Field(default=1e-3, gt=0, strict=True)
+    """The smallest weight norm counted, so units with weights near zero (fresh biases) can still move."""
+    scope: Literal["tensor", "group"] = "tensor"
+    """``tensor``: each output unit (row) of each parameter; ``group``: all of the rule's parameters as one unit."""
+
+    @field_validator("clipping", "eps")
+    @classmethod
+    def _is_finite(cls, value: float, info: ValidationInfo) -> float:
+        return _finite(value, str(info.field_name))
 
 
 class ClipValue(_StepWindow):
@@ -309,7 +333,8 @@ class Monitor(_StepWindow):
 
 
 Action = Annotated[
-    AutoClip
+    AdaptiveGradClip
+    | AutoClip
     | ClipNorm
     | ClipValue
     | Drop
@@ -325,6 +350,7 @@ Action = Annotated[
 """One gradient action of a rule; the ``action`` field chooses which."""
 
 ACTION_NAMES: tuple[str, ...] = (
+    "agc",
     "autoclip",
     "clip_norm",
     "clip_value",
@@ -338,7 +364,7 @@ ACTION_NAMES: tuple[str, ...] = (
     "zero",
 )
 GRADIENT_CHANGING_ACTIONS: frozenset[str] = frozenset(
-    {"autoclip", "clip_norm", "clip_value", "drop", "scale", "zclip", "zero"}
+    {"agc", "autoclip", "clip_norm", "clip_value", "drop", "scale", "zclip", "zero"}
 )
 """Actions that change a gradient (the others only watch it: halts, skips, ``monitor``)."""
 

@@ -5,6 +5,7 @@
 - ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits);
 - ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel);
 - ``adaptive``: ``zclip`` and ``autoclip`` (thresholds from statistics of earlier norms);
+- ``adaptive_unitwise``: ``agc`` (adaptive gradient clipping against the weights' norms, per unit or group);
 - ``spikes``: ``skip_step_on_spike`` (an observing kernel whose verdict is a skip).
 
 :func:`kernel_for` maps a policy action to the kernel that executes it.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 from gradguard.enforce.actions.adaptive import AutoClipKernel, ZClipKernel
+from gradguard.enforce.actions.adaptive_unitwise import AgcKernel
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.actions.clipping import ClipNormKernel, ClipValueKernel
 from gradguard.enforce.actions.monitoring import MonitorKernel
@@ -37,6 +39,7 @@ _KERNELS: dict[type, ActionKernel] = {
         ZClipKernel(),
         AutoClipKernel(),
         SpikeSkipKernel(),
+        AgcKernel(),
     )
     for schema in kernel.schemas
 }

@@ -190,6 +190,10 @@ def subset_errors(node: dict[str, Any], value: Any, root: dict[str, Any], where:
             errors.append(f"{where}: below {expected}")
         elif keyword == "exclusiveMinimum" and isinstance(value, int | float) and value <= expected:
             errors.append(f"{where}: not above {expected}")
+        elif keyword == "maximum" and isinstance(value, int | float) and value > expected:
+            errors.append(f"{where}: above {expected}")
+        elif keyword == "exclusiveMaximum" and isinstance(value, int | float) and value >= expected:
+            errors.append(f"{where}: not below {expected}")
         elif keyword in ("anyOf", "oneOf"):
             passing = sum(not subset_errors(option, value, root, where) for option in expected)
             if passing == 0 or (keyword == "oneOf" and passing > 1):
@@ -206,6 +210,8 @@ def subset_errors(node: dict[str, Any], value: Any, root: dict[str, Any], where:
             "minLength",
             "minimum",
             "exclusiveMinimum",
+            "maximum",
+            "exclusiveMaximum",
         }:
             raise AssertionError(f"the schema uses {keyword!r}, which this check does not know")
     return errors

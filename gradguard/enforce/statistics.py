@@ -53,10 +53,17 @@ class Series:
     """Tensor index -> column (tensor scope), for the binding :attr:`bound` belongs to."""
     bound: BoundRule | None = None
     """The bound rule the columns were mapped for: a new binding (a rebind, a reload) maps them again."""
+    in_order: list[int] = field(default_factory=list)
+    """The tensor indices of every column, in column order (tensor scope)."""
 
-    def select(self, ids: Sequence[int]) -> torch.Tensor | None:
+    def map_columns(self, bound: BoundRule) -> None:
+        self.bound = bound
+        self.in_order = [entry.index for entry in bound.params]
+        self.columns = {index: column for column, index in enumerate(self.in_order)}
+
+    def select(self, ids: list[int]) -> torch.Tensor | None:
         """The columns of ``ids`` as an index tensor, or ``None`` when they are all columns in order."""
-        if len(ids) == len(self.names) and all(self.columns.get(i) == c for c, i in enumerate(ids)):
+        if ids == self.in_order:  # the common case, compared in C
             return None
         device = next(iter(self.tensors.values())).device
         return torch.tensor([self.columns[i] for i in ids], device=device)
@@ -112,15 +119,15 @@ class Statistics:
         """The statistics of ``action`` of ``bound``, made (or taken from a loaded state) on first use."""
         position = next(p for p, a in enumerate(bound.actions) if a is action)
         key = (bound.name, position)
-        names = (bound.name,) if group else tuple(entry.name for entry in bound.params)
         series = self.series.get(key)
+        if series is not None and series.bound is bound and series.kind == action.action and series.shape == shape:
+            return series  # every step but the first after a (re)binding
+        names = (bound.name,) if group else tuple(entry.name for entry in bound.params)
         if series is not None and series.kind == action.action and series.shape == shape and series.names == names:
-            if series.bound is not bound:  # same names, maybe new tensor indices
-                series.bound = bound
-                series.columns = {entry.index: column for column, entry in enumerate(bound.params)}
+            series.map_columns(bound)  # same names, maybe new tensor indices
             return series
-        fresh = Series(action.action, shape, names, init(len(names), device), bound=bound)
-        fresh.columns = {entry.index: column for column, entry in enumerate(bound.params)}
+        fresh = Series(action.action, shape, names, init(len(names), device))
+        fresh.map_columns(bound)
         earlier = series if series is not None else self._take_saved(key, device)
         if earlier is not None and earlier.kind == fresh.kind and earlier.shape == shape:
             _carry_over(earlier, fresh)

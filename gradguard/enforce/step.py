@@ -103,6 +103,8 @@ class StepOutcome:
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     observed: list[Observation] = field(default_factory=list)
     """The monitors' figures of the gradients as they arrived (before any action)."""
+    origin: dict[str, Any] | None = None
+    """Where the step's NaN/Inf started (:mod:`gradguard.enforce.provenance`), when it was traced."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any

@@ -8,7 +8,8 @@ escalates to a halt past the skip rule's limits.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
 from gradguard.enforce.step import StepContext, StepOutcome
@@ -60,8 +61,9 @@ class Verdicts:
             rule = rules[outcome.halted_by[offenders[0]]].name
             for rule_index in sorted(set(outcome.halted_by.values())):
                 self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
-            params = [names[i] for i in offenders]
-            self.halt(step, rule, params, {names[i]: outcome.nonfinite[i][0] for i in offenders}, kind, None)
+            params = first_first([names[i] for i in offenders], outcome.origin)
+            kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
+            self.halt(step, rule, params, kinds, kind, None, outcome.origin)
         if outcome.skipped_by:
             return  # the step will not happen: its interventions did not either
         self.counters.add_many(outcome.counts)
@@ -70,7 +72,14 @@ class Verdicts:
             self.events.emit(level, event, **fields)
 
     def halt(
-        self, step: int, rule: str, params: list[str], kinds: dict[str, str], kind: str, reason: str | None
+        self,
+        step: int,
+        rule: str,
+        params: list[str],
+        kinds: dict[str, str],
+        kind: str,
+        reason: str | None,
+        origin: Mapping[str, Any] | None = None,
     ) -> None:
         self.events.emit(
             "error",
@@ -81,17 +90,18 @@ class Verdicts:
             kinds=kinds,
             kind=kind,
             reason=reason,
+            origin=origin,
             counters=self.counters.snapshot(),
         )
         self.events.flush()
-        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason)
+        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason, origin=origin)
 
     def skip(
         self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int, context: StepContext
     ) -> None:
         """Skip the update: no gradient is left for the optimizer, so nothing it owns can change."""
         offenders = sorted(outcome.skipped_by)
-        params = [names[i] for i in offenders]
+        params = first_first([names[i] for i in offenders], outcome.origin)
         kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
         kind = joined_kind(kinds.values())
         for rule_index in sorted(set(outcome.skipped_by.values())):
@@ -99,7 +109,7 @@ class Verdicts:
             reason = self.skip_limits.record(rule_index, rule, step)
             if reason is not None:
                 self.counters.add(rule.name, "halt_on_nonfinite")
-                self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}")
+                self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}", outcome.origin)
             self.counters.add(rule.name, "skip_step_on_nonfinite")
         for param in context.stepped_params():
             param.grad = None
@@ -111,6 +121,7 @@ class Verdicts:
             params=params,
             kinds=kinds,
             kind=kind,
+            origin=outcome.origin,
         )
         optimizer = context.optimizer
         if (
@@ -126,3 +137,9 @@ class Verdicts:
                 GuardWarning,
                 stacklevel=6,
             )
+
+
+def first_first(params: list[str], origin: Mapping[str, Any] | None) -> list[str]:
+    """``params`` with those whose gradients went non-finite first (as backward accumulated them) first."""
+    first = [name for name in (origin or {}).get("first_params", ()) if name in params]
+    return first + [name for name in params if name not in first] if first else params

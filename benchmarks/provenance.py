@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import step_overhead as bench
 import torch
 
 import gradguard.enforce.provenance as provenance_module
-import step_overhead as bench
 
 ROWS = ("off", "off-2", "after_fault-0", "after_fault", "always")
 
@@ -113,10 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['name']} | {row['label']} | {row['median_ms']:.1f} | {row['vs_off']} | "
             f"{row['syncs']} ({row['backward_syncs']}) |"
         )
-    print(f"\n(ran in {time.perf_counter() - started:.0f} s{'; --quick: the figures mean nothing' if args.quick else ''})")
+    note = "; --quick: the figures mean nothing" if args.quick else ""
+    print(f"\n(ran in {time.perf_counter() - started:.0f} s{note})")
     return 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     sys.exit(main())

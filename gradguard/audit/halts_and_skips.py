@@ -9,7 +9,7 @@ from gradguard.audit.fields import names_field, text_field
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
-from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, StepTally
+from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, SkipOrigin, StepTally
 
 __all__ = ["HaltSkipCollector"]
 
@@ -32,6 +32,7 @@ class HaltSkipCollector:
         self.skips = StepTally()
         self.skips_by_rule: dict[str, int] = {}
         self.skipped_params: dict[str, int] = {}
+        self.skip_origins: list[SkipOrigin] = []
         self.scaler = StepTally()
 
     def halt(self, event: dict[str, Any], run: RunState, record: Record) -> None:
@@ -76,6 +77,7 @@ class HaltSkipCollector:
                     where=f"{self.paths[record.file]}:{record.line}",
                     ts=ts if type(ts) is str else None,
                     preceded_by=_describe(run.last_intervention),
+                    origin=_origin(event),
                 )
             )
 
@@ -95,6 +97,9 @@ class HaltSkipCollector:
         self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
         for name in names:
             self.skipped_params[name] = self.skipped_params.get(name, 0) + 1
+        origin = _origin(event)
+        if origin is not None and len(self.skip_origins) < KEPT_HALTS:
+            self.skip_origins.append(SkipOrigin(run=run.run, rank=run.rank, step=step, origin=origin))
 
     def scaler_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
         rule = event.get("rule")
@@ -113,3 +118,8 @@ def _describe(last: LastIntervention | None) -> str | None:
     if isinstance(what, int):
         return f"{action} of {what} parameters as a group (rule {rule!r}) at step {step}, group norm before {value}"
     return f"{action} of {what} (rule {rule!r}) at step {step}, before {value}"
+
+
+def _origin(event: dict[str, Any]) -> dict[str, Any] | None:
+    origin = event.get("origin")
+    return origin if isinstance(origin, dict) else None

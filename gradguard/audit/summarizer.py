@@ -171,6 +171,7 @@ class Summarizer:
             skips=stops.skips.done(),
             skips_by_rule=dict(stops.skips_by_rule),
             skipped_params=dict(sorted(stops.skipped_params.items(), key=lambda item: -item[1])),
+            skip_origins=list(stops.skip_origins),
             scaler_skips=stops.scaler.done(),
             other_events={name: steps.done() for name, steps in sorted(self.other.by_name.items())},
             bad_lines=list(self.stats.bad_lines),

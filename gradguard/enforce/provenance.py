@@ -77,7 +77,8 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 def _peak(tensor: torch.Tensor) -> torch.Tensor:
     """Largest absolute value: NaN if any element is NaN, else Inf if any is infinite. One kernel, no sync."""
-    return torch.linalg.vector_norm(local_tensor(tensor).detach(), _INF)
+    peak: torch.Tensor = torch.linalg.vector_norm(local_tensor(tensor).detach(), _INF)
+    return peak
 
 
 def _kind(value: float) -> str:
@@ -146,7 +147,7 @@ class Provenance:
             param = entry.ref()
             if param is not None and param.requires_grad:
                 hook = functools.partial(self._accumulated, entry.index)
-                self._grad_handles.append(param.register_post_accumulate_grad_hook(hook))
+                self._grad_handles.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def remove(self) -> None:
         self._disarm_modules()
@@ -201,7 +202,7 @@ class Provenance:
         self._seen[id(tensor)] = _Seen(tensor, consumers)
         if tensor.requires_grad:
             producer = index if role == _OUTPUT else -1
-            tensor.register_hook(functools.partial(self._backward, producer, consumers))
+            tensor.register_hook(functools.partial(self._backward, producer, consumers))  # type: ignore[no-untyped-call]
 
     def _backward(self, producer: int, consumers: list[int], grad: torch.Tensor) -> None:
         if len(self._bwd) < MAX_ENTRIES:
@@ -279,7 +280,7 @@ class Provenance:
     def _fault(self, step: int) -> None:
         if self.mode == "after_fault":
             self._arm_modules()
-            self._armed_until = step + 1 + ARMED_STEPS
+            self._armed_until = step + ARMED_STEPS
 
     def _first_params(self, values: list[float], meta: list[int]) -> list[str]:
         """The guarded tensors whose gradients were non-finite first, as backward accumulated them."""

@@ -11,7 +11,7 @@ of the median step per round against ``off``, ``[p25-p75]``):
 - ``off`` / ``off-2``: ``provenance=None`` twice: the A/A control, the measurement's floor;
 - ``after_fault-0``: ``provenance="after_fault"`` without the gradient flags, before any fault: nothing
   is registered, so it must read as A/A;
-- ``after_fault``: the default: ``after_fault`` with the post-accumulate-grad flags (one max-abs kernel
+- ``after_fault``: the default: ``after_fault`` with the post-accumulate-grad flags (one 2-norm kernel
   per guarded gradient in backward);
 - ``always``: module forward hooks and tensor hooks on every module's inputs and outputs, plus the flags.
 """

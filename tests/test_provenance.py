@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,11 +121,13 @@ def train_until_halt(
                 x[2, 1] = float("nan")
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
-            try:
+            if step < at:
                 opt.step()
-            except GradientHalt as halt:
-                assert halt.step == at
-                return halt
+                continue
+            with pytest.raises(GradientHalt) as info:
+                opt.step()
+            assert info.value.step == at
+            return info.value
     raise AssertionError("no halt")
 
 
@@ -152,7 +153,8 @@ def test_nan_in_the_input_batch_is_blamed_on_the_data_not_the_model():
     halt = train_until_halt(Net(), {"provenance": "always"}, "", at=1, poison_input=True)
     origin = halt.origin
     assert origin is not None
-    assert origin["phase"] == "forward" and origin["input_nonfinite"] is True
+    assert origin["phase"] == "forward"
+    assert origin["input_nonfinite"] is True
     assert origin["module"] == "inp"  # the first module whose output it made non-finite
     assert "the data is at fault" in str(halt)
 
@@ -185,23 +187,29 @@ def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_
     poisoned.register_hook(lambda grad: grad * float("nan") if state["poison"] else grad)
     state = {"poison": False}
     log = tmp_path / "audit.jsonl"
-    with GradGuard(model, Policy.from_dict(HALT), logger=None, audit_log=log), pytest.raises(GradientHalt) as info:
-        for step in range(6):
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, audit_log=log):
+        for step in range(5):
             state["poison"] = step == 4
             x, y = batch(step)
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step < 4:
+                opt.step()
+        with pytest.raises(GradientHalt) as info:
             opt.step()
     halt = info.value
     assert halt.step == 4
     assert len(halt.params) == len(list(model.parameters()))  # the clip made every gradient NaN
     assert halt.params[0] == "blocks.2.fc1.weight"
-    assert halt.origin is not None and halt.origin["first_params"] == ["blocks.2.fc1.weight"]
+    assert halt.origin is not None
+    assert halt.origin["first_params"] == ["blocks.2.fc1.weight"]
     assert halt.origin["spread"] is True
-    assert "a global clip" in str(halt) and "scope: group" in str(halt)
+    assert "a global clip" in str(halt)
+    assert "scope: group" in str(halt)
     event = next(e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "halt")
-    assert event["params"][0] == "blocks.2.fc1.weight" and event["origin"]["spread"] is True
+    assert event["params"][0] == "blocks.2.fc1.weight"
+    assert event["origin"]["spread"] is True
 
 
 def test_gradients_poisoned_after_backward_are_said_to_have_gone_bad_after_backward():
@@ -213,7 +221,8 @@ def test_gradients_poisoned_after_backward_are_said_to_have_gone_bad_after_backw
         model.head.weight.grad[0, 0] = float("inf")  # type: ignore[index]
         with pytest.raises(GradientHalt) as info:
             opt.step()
-    assert info.value.origin is not None and info.value.origin["phase"] == "after_backward"
+    assert info.value.origin is not None
+    assert info.value.origin["phase"] == "after_backward"
     assert info.value.params == ("head.weight",)
 
 
@@ -238,7 +247,8 @@ def test_after_fault_registers_nothing_until_a_skip_then_traces_the_second_occur
     skips = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "skip"]
     assert [e["step"] for e in skips] == [2, 4]
     first, second = skips[0]["origin"], skips[1]["origin"]
-    assert first["phase"] == "gradient" and first["module"] is None  # only the gradient flags were armed
+    assert first["phase"] == "gradient"
+    assert first["module"] is None
     assert "after_fault" in first["note"]
     assert (second["phase"], second["module"], second["kind"]) == ("forward", "blocks.1.act", "nan")
 
@@ -330,7 +340,8 @@ def test_always_runs_one_host_sync_per_step_none_in_backward_and_allows_in_place
         nn.functional.mse_loss(model(batch(9)[0]), batch(9)[1]).backward()
         with pytest.raises(GradientHalt) as info:
             opt.step()
-    assert info.value.origin is not None and info.value.origin["module"] == "fc"
+    assert info.value.origin is not None
+    assert info.value.origin["module"] == "fc"
 
 
 def test_the_audit_shows_the_origin_of_each_halt_and_skip(tmp_path):
@@ -348,7 +359,8 @@ def test_the_audit_shows_the_origin_of_each_halt_and_skip(tmp_path):
     train_until_halt(Net(), {"provenance": "always", "audit_log": halt_log}, "forward_nan", at=1)
     result = CliRunner().invoke(main, ["audit", str(log), str(halt_log)])
     text = result.output
-    assert "step 1 (run" in text and "blocks.1.boom's backward produced the first inf gradient" in text, text
+    assert "step 1 (run" in text, text
+    assert "blocks.1.boom's backward produced the first inf gradient" in text, text
     assert "origin: It started in the forward pass: blocks.1.act was the first module whose output went nan" in text
     as_json = json.loads(CliRunner().invoke(main, ["audit", "--format", "json", str(halt_log)]).output)
     assert as_json["halts"][0]["origin"]["module"] == "blocks.1.act"
@@ -377,3 +389,22 @@ def test_torch_compile_traces_the_module_hooks_into_the_compiled_forward():
     assert (origin["phase"], origin["module"]) == ("forward", "blocks.1.act")
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_under_ddp_each_rank_reports_its_own_origin_and_the_audit_shows_every_rank(tmp_path):
+    from tests.test_distributed import launch
+
+    launch(["ddp_provenance"], 2, tmp_path)
+    folder = tmp_path / "ddp_provenance"
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["halt_step"] for r in ranks] == [2, 2]  # the verdict is agreed: both ranks halt
+    assert ranks[1]["origin"]["phase"] == "forward"
+    assert ranks[1]["origin"]["input_nonfinite"] is True
+    assert ranks[1]["origin"]["module"] == "embed"
+    assert ranks[0]["origin"]["phase"] == "after_backward"
+    assert "not on this rank" in ranks[0]["origin"]["note"]
+    logs = [str(folder / f"audit-rank{r}.jsonl") for r in range(2)]
+    text = CliRunner().invoke(main, ["audit", *logs]).output
+    assert "rank 0" in text
+    assert "rank 1" in text
+    assert "the data is at fault" in text, text
+    assert "not on this rank" in text, text

@@ -1,7 +1,7 @@
 """Provenance: where a NaN or Inf started, named in the halt and the skip.
 
-Three kinds of hooks record, on the device and with no host sync, the largest absolute value (NaN if
-any element is NaN, Inf if any is Inf) of what they see, in the order they fire:
+Three kinds of hooks record, on the device and with no host sync, the 2-norm (NaN if any element is NaN,
+Inf if any is Inf) of what they see, in the order they fire:
 
 - module forward hooks (and a pre-hook on the model itself, for the input batch): every module's
   floating-point inputs and outputs, each tensor once (a tensor already recorded as an earlier module's
@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.distributed import local_tensor
-from gradguard.enforce.step import StepWork
+from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.enforce.tensors import stack_on
 from gradguard.policy.matching import Binding, canonical_name
 
@@ -48,7 +48,7 @@ FIRST_PARAMS_SHOWN: Final = 16
 ROOT: Final = "(model)"
 
 _DATA, _INPUT, _OUTPUT = 0, 1, 2
-_INF = float("inf")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 class _Seen:
@@ -76,9 +76,12 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _peak(tensor: torch.Tensor) -> torch.Tensor:
-    """Largest absolute value: NaN if any element is NaN, else Inf if any is infinite. One kernel, no sync."""
-    peak: torch.Tensor = torch.linalg.vector_norm(local_tensor(tensor).detach(), _INF)
-    return peak
+    """The 2-norm (in float32 at least): NaN if any element is NaN, else Inf if any is infinite (or if it
+    overflows: elements beyond ~1e19). One kernel, no sync; the max-abs norm would be exact about overflow,
+    but on CPU it runs 20x slower than the 2-norm."""
+    local = local_tensor(tensor).detach()
+    norm: torch.Tensor = torch.linalg.vector_norm(local, dtype=torch.float32 if local.dtype in _HALF else None)
+    return norm
 
 
 def _kind(value: float) -> str:
@@ -234,21 +237,24 @@ class Provenance:
         values = stack_on(figures, device) if figures else torch.zeros(0, device=device)
         sizes = (len(fwd), len(bwd))
         distributed = work.collective is not None
-        pending.add(values, functools.partial(self._read, work, sizes, metas, armed, distributed))
+        # Not ``work`` itself: a reader that holds it is a cycle (work -> pending -> reader) keeping the
+        # step's gradients alive until the garbage collector runs.
+        step = (work.outcome, work.step, len(work.grads))
+        pending.add(values, functools.partial(self._read, step, sizes, metas, armed, distributed))
 
     def _read(
         self,
-        work: StepWork,
+        step: tuple[StepOutcome, int, int],
         sizes: tuple[int, int],
         metas: tuple[list[tuple[int, int]], list[tuple[int, list[int]]], list[int]],
         armed: bool,
         distributed: bool,
         values: list[float],
     ) -> None:
-        outcome = work.outcome
+        outcome, index, treated = step
         if not outcome.nonfinite or outcome.scaler_found_inf:
             return  # nothing to explain (a GradScaler's inf is its loss-scale search, not a fault)
-        self._fault(work.step)
+        self._fault(index)
         fwd, bwd, acc = values[: sizes[0]], values[sizes[0] : sum(sizes)], values[sum(sizes) :]
         first = self._first_params(acc, metas[2])
         origin = self._forward_origin(fwd, metas[0]) or self._backward_origin(bwd, metas[1])
@@ -268,7 +274,7 @@ class Provenance:
             origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         if origin is None:
             return
-        everyone = len(outcome.nonfinite) == len(work.grads) > 1
+        everyone = len(outcome.nonfinite) == treated > 1
         origin["spread"] = everyone and (singled_out or origin["phase"] == "after_backward")
         origin["first_params"] = first[:FIRST_PARAMS_SHOWN] if singled_out else []
         outcome.origin = origin

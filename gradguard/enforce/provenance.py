@@ -49,6 +49,7 @@ ROOT: Final = "(model)"
 
 _DATA, _INPUT, _OUTPUT = 0, 1, 2
 _HALF = (torch.float16, torch.bfloat16)
+_STRIDED = torch.strided  # sparse tensors (Embedding(sparse=True) gradients) are left out: no norm kernel
 
 
 class _Seen:
@@ -65,7 +66,7 @@ class _Seen:
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
     """The floating-point tensors with elements in a module's arguments or outputs (tuples, lists, dicts)."""
     if isinstance(value, torch.Tensor):
-        if (value.is_floating_point() or value.is_complex()) and value.numel():
+        if (value.is_floating_point() or value.is_complex()) and value.layout is _STRIDED and value.numel():
             yield value
     elif isinstance(value, tuple | list):
         for item in value:
@@ -208,13 +209,13 @@ class Provenance:
             tensor.register_hook(functools.partial(self._backward, producer, consumers))  # type: ignore[no-untyped-call]
 
     def _backward(self, producer: int, consumers: list[int], grad: torch.Tensor) -> None:
-        if len(self._bwd) < MAX_ENTRIES:
+        if len(self._bwd) < MAX_ENTRIES and grad.layout is _STRIDED:
             self._bwd.append(_peak(grad))
             self._bwd_meta.append((producer, consumers))
 
     def _accumulated(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
-        if grad is not None and len(self._acc) < MAX_ENTRIES:
+        if grad is not None and len(self._acc) < MAX_ENTRIES and grad.layout is _STRIDED:
             self._acc.append(_peak(grad))
             self._acc_meta.append(index)
 

@@ -357,8 +357,10 @@ class Guarded(Treatment):
         *,
         audit_log: bool = False,
         render_on_writer: bool = True,
+        guard_options: dict[str, Any] | None = None,
     ) -> None:
         self.name, self.label = name, label
+        self.guard_options = guard_options or {}
         self.policy = policy
         self.audit_log = audit_log
         self.render_on_writer = render_on_writer
@@ -372,7 +374,7 @@ class Guarded(Treatment):
         saved = gradguard.events.log.RENDER_ON_WRITER
         gradguard.events.log.RENDER_ON_WRITER = self.render_on_writer
         try:
-            self.guard = GradGuard(work.model, self.policy(), audit_log=log, logger=None)
+            self.guard = GradGuard(work.model, self.policy(), audit_log=log, logger=None, **self.guard_options)
         finally:
             gradguard.events.log.RENDER_ON_WRITER = saved
         self.hooks = {key: hook for key, hook in registry.items() if key not in before}

@@ -15,8 +15,9 @@ Messages repeat what the user gave and say how to fix it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "GradGuardError",
@@ -26,6 +27,7 @@ __all__ = [
     "PolicyError",
     "PolicyIssue",
     "UnsupportedOptimizerError",
+    "origin_sentence",
 ]
 
 
@@ -72,24 +74,68 @@ class GradientHalt(GradGuardError, RuntimeError):
     they can be checkpointed as they are.
     """
 
-    def __init__(self, step: int, params: Sequence[str], kind: str, rule: str, reason: str | None = None) -> None:
+    def __init__(
+        self,
+        step: int,
+        params: Sequence[str],
+        kind: str,
+        rule: str,
+        reason: str | None = None,
+        origin: Mapping[str, Any] | None = None,
+    ) -> None:
         self.step = step
         """The guard's 0-based step index at which the halt happened."""
         self.params: tuple[str, ...] = tuple(params)
-        """Names of every parameter whose gradient was non-finite, in model order."""
+        """Names of every parameter whose gradient was non-finite: those that went non-finite first as
+        backward accumulated them (``origin["first_params"]``) first, then the others in model order."""
         self.kind = kind
         """``"nan"``, ``"inf"`` or ``"nan+inf"``; ``"spike"`` when ``skip_step_on_spike`` escalated."""
         self.rule = rule
         """The name of the (first) halt or skip rule that covered the offending parameters."""
         self.reason = reason
         """Why a skip rule escalated to a halt, or ``None`` for a plain halt."""
+        self.origin: dict[str, Any] | None = dict(origin) if origin is not None else None
+        """Where it started (``GradGuard(provenance=...)``): ``phase`` (``forward``, ``backward``, ``gradient``
+        or ``after_backward``), ``module``, ``kind``, ``input_nonfinite`` (the input batch was already
+        non-finite), ``first_params`` and ``spread`` (a global clip likely spread it); ``None`` if not traced."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
         what = "gradient norm spike" if kind == "spike" else f"non-finite gradient ({kind})"
+        traced = f" {origin_sentence(origin)}" if origin else ""
         super().__init__(
             f"{what} at step {step} in {len(self.params)} parameter(s): {shown} "
-            f"(rule {rule!r}){'; ' + reason if reason else ''}. The optimizer step was not taken: parameters "
-            "and optimizer state are as they were after the last good step."
+            f"(rule {rule!r}){'; ' + reason if reason else ''}.{traced} The optimizer step was not taken: "
+            "parameters and optimizer state are as they were after the last good step."
         )
+
+
+def origin_sentence(origin: Mapping[str, Any]) -> str:
+    """Where a NaN/Inf started (a halt's or skip's ``origin``), in one or two sentences."""
+    phase, module, seen_in = origin.get("phase"), origin.get("module"), origin.get("seen_in")
+    kind = origin.get("kind") or "non-finite"
+    first = list(origin.get("first_params") or ())
+    if phase == "forward" and origin.get("input_nonfinite"):
+        text = f"It started in the input batch, already {kind} before the first module (the data is at fault, "
+        text += f"not the model); first non-finite output: {seen_in}."
+    elif phase == "forward":
+        text = f"It started in the forward pass: {module} was the first module whose output went {kind}."
+        if seen_in and seen_in != module:
+            text = f"It started in the forward pass, in {module}'s own code: {seen_in} received a {kind} input."
+    elif phase == "backward" and module:
+        text = f"It started in the backward pass: {module}'s backward produced the first {kind} gradient"
+        text += f" (the gradient of {seen_in}'s output)." if seen_in and seen_in != module else "."
+    elif phase == "gradient" and first:
+        text = f"First gradients to go {kind} as backward accumulated them: {', '.join(first[:8])} (in {module})."
+    else:
+        text = f"Origin: {origin.get('note') or phase}."
+    if first and phase != "gradient":
+        text += f" First non-finite as accumulated: {', '.join(first[:8])}."
+    if origin.get("spread"):
+        text += (
+            " Every guarded gradient is non-finite: a global clip (clip_grad_norm_ over all parameters) likely "
+            "spread it. Let the guard clip instead (a rule matching '*' with clip_norm and scope: group, and no "
+            "clip_grad_norm_ in the loop), or call guard.step() before the clip."
+        )
+    return text
 
 
 class GuardStateError(GradGuardError, RuntimeError):

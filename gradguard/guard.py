@@ -24,6 +24,7 @@ from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
 from gradguard.enforce.micro_batch import MicroBatchHooks
 from gradguard.enforce.plans import PlanBook
+from gradguard.enforce.provenance import attach_provenance, check_mode
 from gradguard.enforce.reload import Reloader
 from gradguard.enforce.scaler import ScalerWatch, unscaled_found_inf
 from gradguard.enforce.step import StepContext
@@ -110,6 +111,8 @@ class GradGuard(ServesMetrics):
         metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
         reload, reload_interval: look at the policy file (a path) every this many seconds; a changed one takes
             over at the next step boundary, on every rank at the same step (README, "Hot reload").
+        provenance: where a NaN starts, named in halts and skips (README, "Provenance"): ``"always"``,
+            ``"after_fault"`` (module hooks armed after a first non-finite step) or ``None``.
     """
 
     def __init__(
@@ -131,9 +134,11 @@ class GradGuard(ServesMetrics):
         metrics_host: str = "127.0.0.1",
         reload: bool = False,
         reload_interval: float = 2.0,
+        provenance: str | None = "after_fault",
     ) -> None:
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
+        check_mode(provenance)
         optimizers = optimizers_given(optimizer)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._plans = PlanBook(self.policy, model, _weak_call(self._rebound))
@@ -166,6 +171,7 @@ class GradGuard(ServesMetrics):
         self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, on_failure=events.close)
         if per_micro_batch:
             self._attach_micro_batch_hooks()
+        self._enforcer.provenance = attach_provenance(model, binding, provenance, self._attachment.handles.append)
         hook = functools.partial(_on_optimizer_step, weakref.ref(self))
         # One global pre-hook either way: with optimizer=, another optimizer stepping the model's
         # parameters (a new one after a checkpoint load, say) is still caught, with a warning.
@@ -357,6 +363,8 @@ class GradGuard(ServesMetrics):
         """The policy was bound again (``replaced``: the model's parameters were replaced; None: a reload)."""
         if replaced is not None:
             self._enforcer.rebind(new)
+        if self._enforcer.provenance is not None:
+            self._enforcer.provenance.rebind(new)
         if self._enforcer.micro_batch is not None:
             self._enforcer.micro_batch.remove()
             self._attach_micro_batch_hooks()

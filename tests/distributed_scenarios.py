@@ -172,6 +172,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return train(rank, world, Ddp(make_model()), SKIP_POLICY, outdir, inject=inf_on_rank_zero_grad)
     if name == "ddp_metrics":
         return ddp_metrics(rank, Ddp(make_model()))
+    if name == "ddp_provenance":
+        return ddp_provenance(rank, Ddp(make_model()), outdir)
     if name in {"fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard"}:
         from torch.distributed.fsdp import fully_shard
 
@@ -349,6 +351,26 @@ def ddp_metrics(rank: int, model: nn.Module) -> dict[str, Any]:
         with urllib.request.urlopen(url, timeout=10) as response:
             text = response.read().decode("utf-8")
         return {"rank": rank, "url": url, "metrics": text, "counters": guard.counters.snapshot(), "steps": STEPS}
+
+
+def ddp_provenance(rank: int, model: nn.Module, outdir: Path) -> dict[str, Any]:
+    """A NaN in rank 1's input batch: every rank halts, each with its own origin (rank 1: its data)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = outdir / f"audit-rank{rank}.jsonl"
+    result: dict[str, Any] = {"rank": rank, "origin": None, "halt_step": None}
+    with GradGuard(model, Policy.from_dict(POLICY), audit_log=log, logger=None, provenance="always"):
+        for step in range(STEPS):
+            x, y = batch(rank, step)
+            if step == BAD_STEP and rank == 1:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            try:
+                opt.step()
+            except GradientHalt as exc:
+                result["origin"], result["halt_step"] = exc.origin, exc.step
+                break
+    return result
 
 
 def fsdp_attach_before_shard(rank: int, world: int, model: nn.Module, outdir: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from gradguard.audit.fields import names_field, text_field
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
-from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, StepTally
+from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, SkipOrigin, StepTally
 
 __all__ = ["HaltSkipCollector"]
 
@@ -34,6 +34,7 @@ class HaltSkipCollector:
         self.skipped_params: dict[str, int] = {}
         self.spiked_params: dict[str, int] = {}
         self.largest_spike: tuple[float, int | None] | None = None
+        self.skip_origins: list[SkipOrigin] = []
         self.scaler = StepTally()
 
     def halt(self, event: dict[str, Any], run: RunState, record: Record) -> None:
@@ -80,6 +81,7 @@ class HaltSkipCollector:
                     where=f"{self.paths[record.file]}:{record.line}",
                     ts=ts if type(ts) is str else None,
                     preceded_by=_describe(run.last_intervention),
+                    origin=_origin(event),
                 )
             )
 
@@ -99,6 +101,9 @@ class HaltSkipCollector:
         self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
         for name in names:
             self.skipped_params[name] = self.skipped_params.get(name, 0) + 1
+        origin = _origin(event)
+        if origin is not None and len(self.skip_origins) < KEPT_HALTS:
+            self.skip_origins.append(SkipOrigin(run=run.run, rank=run.rank, step=step, origin=origin))
 
     def spike_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
         """A step ``skip_step_on_spike`` skipped: one event per spiking rule (or parameter)."""
@@ -136,3 +141,8 @@ def _describe(last: LastIntervention | None) -> str | None:
     if isinstance(what, int):
         return f"{action} of {what} parameters as a group (rule {rule!r}) at step {step}, group norm before {value}"
     return f"{action} of {what} (rule {rule!r}) at step {step}, before {value}"
+
+
+def _origin(event: dict[str, Any]) -> dict[str, Any] | None:
+    origin = event.get("origin")
+    return origin if isinstance(origin, dict) else None

@@ -17,6 +17,7 @@ from typing import Any
 from gradguard.audit.health_report import health_section
 from gradguard.audit.layout import Section, Table, num, steps_range
 from gradguard.audit.summary import AuditSummary, StepList
+from gradguard.errors import origin_sentence
 
 __all__ = [
     "Section",
@@ -354,6 +355,8 @@ def _halts(summary: AuditSummary) -> Section:
         )
         if halt.reason:
             lines.append(f"    reason: {halt.reason}")
+        if halt.origin:
+            lines.append(f"    origin: {_origin(halt.origin)}")
         lines.append(
             f"    run {halt.run}, rank {halt.rank}, at {short_path(halt.where)}" + (f", {halt.ts}" if halt.ts else "")
         )
@@ -382,12 +385,21 @@ def _skips(summary: AuditSummary) -> Section:
             f"{_plural(summary.skips.events, 'step')} skipped by the guard (rule {rules}) at steps "
             f"{step_list(summary.skips)}; {'; '.join(why)}"
         )
+    for skip in summary.skip_origins:
+        lines.append(f"    step {skip.step} (run {skip.run}, rank {skip.rank}) origin: {_origin(skip.origin)}")
     if summary.scaler_skips.events:
         lines.append(
             f"{_plural(summary.scaler_skips.events, 'step')} skipped by GradScaler (its loss-scale search; not a "
             f"finding) at steps {step_list(summary.scaler_skips)}"
         )
     return Section("Skipped steps", lines or ["none"])
+
+
+def _origin(origin: dict[str, Any]) -> str:
+    try:
+        return origin_sentence(origin)
+    except (AttributeError, TypeError, ValueError):  # a hand-edited or foreign log line: show it as it is
+        return str(origin)
 
 
 def _other(summary: AuditSummary) -> Section:

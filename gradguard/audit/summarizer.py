@@ -175,6 +175,7 @@ class Summarizer:
             skipped_params=dict(sorted(stops.skipped_params.items(), key=lambda item: -item[1])),
             spiked_params=dict(sorted(stops.spiked_params.items(), key=lambda item: -item[1])),
             largest_spike=stops.largest_spike,
+            skip_origins=list(stops.skip_origins),
             scaler_skips=stops.scaler.done(),
             other_events={name: steps.done() for name, steps in sorted(self.other.by_name.items())},
             bad_lines=list(self.stats.bad_lines),

@@ -168,6 +168,18 @@ class HaltRow:
     ts: str | None
     preceded_by: str | None
     """The run's last intervention before the halt."""
+    origin: dict[str, Any] | None = None
+    """Where the NaN/Inf started, as the guard traced it (``GradGuard(provenance=...)``)."""
+
+
+@dataclass
+class SkipOrigin:
+    """Where a skipped step's NaN/Inf started, on one rank of one run."""
+
+    run: str
+    rank: int
+    step: int | None
+    origin: dict[str, Any]
 
 
 @dataclass
@@ -250,6 +262,8 @@ class AuditSummary:
     skips: StepList
     skips_by_rule: dict[str, int]
     skipped_params: dict[str, int]
+    skip_origins: list[SkipOrigin]
+    """The first skips that carry an origin (:data:`~gradguard.audit.halts_and_skips.KEPT_HALTS`)."""
     scaler_skips: StepList
     other_events: dict[str, StepList]
     bad_lines: list[BadLine]

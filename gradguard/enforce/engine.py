@@ -27,6 +27,7 @@ from gradguard.enforce.distributed import Collective, local_tensor
 from gradguard.enforce.health import Health
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
+from gradguard.enforce.provenance import Provenance
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf
 from gradguard.enforce.statistics import Statistics
 from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
@@ -65,6 +66,8 @@ class Enforcer:
         self._scaler_skip_noted = False
         self.micro_batch: MicroBatchHooks | None = None
         """Set in per-micro-batch mode: tensor-scope actions then run in hooks, not here."""
+        self.provenance: Provenance | None = None
+        """Where a NaN started: its figures ride the step's one read (``GradGuard(provenance=...)``)."""
         self.last_run_treated = False
         """Whether the last :meth:`run` found new gradients to treat."""
         self.skip_limits = SkipLimits()
@@ -115,6 +118,8 @@ class Enforcer:
         if plan.observers:
             self._observe(plan, work, everyone)
         self._apply_actions(plan, work, everyone)
+        if self.provenance is not None:
+            self.provenance.report(work)  # last: its reader sees the step's non-finite verdict
 
         work.pending.sync()  # the step's one host sync
         clear_overflows(work, plan.fragile)

@@ -123,6 +123,8 @@ class StepOutcome:
     """The monitors' figures of the gradients as they arrived (before any action)."""
     spikes: list[Spike] = field(default_factory=list)
     """``skip_step_on_spike`` verdicts: the step is skipped if there is any (and nothing halts)."""
+    origin: dict[str, Any] | None = None
+    """Where the step's NaN/Inf started (:mod:`gradguard.enforce.provenance`), when it was traced."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any

@@ -8,7 +8,8 @@ escalates to a halt past the skip rule's limits.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
 from gradguard.enforce.step import StepContext, StepOutcome
@@ -62,8 +63,9 @@ class Verdicts:
             rule = rules[outcome.halted_by[offenders[0]]].name
             for rule_index in sorted(set(outcome.halted_by.values())):
                 self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
-            params = [names[i] for i in offenders]
-            self.halt(step, rule, params, {names[i]: outcome.nonfinite[i][0] for i in offenders}, kind, None)
+            params = first_first([names[i] for i in offenders], outcome.origin)
+            kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
+            self.halt(step, rule, params, kinds, kind, None, outcome.origin)
         if outcome.skipped_by or outcome.spikes:
             return  # the step will not happen: its interventions did not either
         self.counters.add_many(outcome.counts)
@@ -72,7 +74,14 @@ class Verdicts:
             self.events.emit(level, event, **fields)
 
     def halt(
-        self, step: int, rule: str, params: list[str], kinds: dict[str, str], kind: str, reason: str | None
+        self,
+        step: int,
+        rule: str,
+        params: list[str],
+        kinds: dict[str, str],
+        kind: str,
+        reason: str | None,
+        origin: Mapping[str, Any] | None = None,
     ) -> None:
         self.events.emit(
             "error",
@@ -83,17 +92,18 @@ class Verdicts:
             kinds=kinds,
             kind=kind,
             reason=reason,
+            origin=origin,
             counters=self.counters.snapshot(),
         )
         self.events.flush()
-        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason)
+        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason, origin=origin)
 
     def skip(
         self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int, context: StepContext
     ) -> None:
         """Skip the update: no gradient is left for the optimizer, so nothing it owns can change."""
         offenders = sorted(outcome.skipped_by)
-        params = [names[i] for i in offenders]
+        params = first_first([names[i] for i in offenders], outcome.origin)
         kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
         kind = joined_kind(kinds.values())
         causes: list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]
@@ -105,9 +115,9 @@ class Verdicts:
             if reason is not None:
                 self.counters.add(rule.name, "halt_on_nonfinite" if cause is SkipStepOnNonfinite else "halt_on_spike")
                 if cause is SkipStepOnNonfinite:
-                    self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}")
+                    self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}", outcome.origin)
                 spiked = [p for spike in outcome.spikes if spike.rule_index == rule_index for p in spike.params]
-                self.halt(step, rule.name, spiked, {}, "spike", f"skip limit exceeded: {reason}")
+                self.halt(step, rule.name, spiked, {}, "spike", f"skip limit exceeded: {reason}", None)
             self.counters.add(rule.name, _SKIP_ACTION[cause])
         for param in context.stepped_params():
             param.grad = None
@@ -120,6 +130,7 @@ class Verdicts:
                 params=params,
                 kinds=kinds,
                 kind=kind,
+                origin=outcome.origin,
             )
         for rule_index in sorted({spike.rule_index for spike in outcome.spikes}):
             mine = [spike for spike in outcome.spikes if spike.rule_index == rule_index]
@@ -152,3 +163,9 @@ class Verdicts:
                 GuardWarning,
                 stacklevel=6,
             )
+
+
+def first_first(params: list[str], origin: Mapping[str, Any] | None) -> list[str]:
+    """``params`` with those whose gradients went non-finite first (as backward accumulated them) first."""
+    first = [name for name in (origin or {}).get("first_params", ()) if name in params]
+    return first + [name for name in params if name not in first] if first else params

@@ -1,0 +1,410 @@
+"""Where a NaN starts: models built to fail at a known place, and the origin the halt or skip names."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gradguard import GradGuard, GradientHalt, Policy
+from gradguard.cli import main
+from tests.support.host_syncs import count_host_syncs
+
+HALT = {"version": 1, "rules": [{"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
+SKIP = {"version": 1, "rules": [{"name": "skip", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]}]}
+
+
+class Faults:
+    """Which fault is on now (tests switch them at a chosen step)."""
+
+    def __init__(self) -> None:
+        self.forward_nan = False
+        self.backward_inf = False
+        self.log_negative = False
+        self.sqrt_negative = False
+
+
+class EmitsNaN(nn.Module):
+    """Identity, except that its output is NaN while ``faults.forward_nan`` is on."""
+
+    def __init__(self, faults: Faults) -> None:
+        super().__init__()
+        self.faults = faults
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("nan") if self.faults.forward_nan else x * 1.0
+
+
+class _InfInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, on: bool) -> torch.Tensor:
+        ctx.on = on
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (torch.full_like(grad, float("inf")) if ctx.on else grad), None
+
+
+class InfInBackward(nn.Module):
+    """Identity in forward; its backward (a custom autograd function) emits Inf while the fault is on."""
+
+    def __init__(self, faults: Faults) -> None:
+        super().__init__()
+        self.faults = faults
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _InfInBackward.apply(x, self.faults.backward_inf)
+        return out
+
+
+class Block(nn.Module):
+    """fc1 -> (fault points) -> fc2, with a residual; ``act`` and ``boom`` are the faulty modules."""
+
+    def __init__(self, faults: Faults, width: int = 8) -> None:
+        super().__init__()
+        self.faults = faults
+        self.fc1 = nn.Linear(width, width)
+        self.act = EmitsNaN(faults)
+        self.boom = InfInBackward(faults)
+        self.fc2 = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.boom(self.act(self.fc1(x)))
+        if self.faults.log_negative:
+            h = torch.log(h - 100.0)  # negative: NaN, made by the block's own code
+        if self.faults.sqrt_negative:
+            h = torch.sqrt(h - 100.0)
+        out: torch.Tensor = x + self.fc2(torch.relu(h))
+        return out
+
+
+class Net(nn.Module):
+    """Three blocks; only ``blocks.1`` carries faults (the others get a Faults that stays off)."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.faults = Faults()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([Block(Faults()), Block(self.faults), Block(Faults())])
+        self.head = nn.Linear(8, 2)
+        self.checkpointed = checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(6, 4, generator=generator), torch.randn(6, 2, generator=generator)
+
+
+def train_until_halt(
+    model: Net, guard_kwargs: dict[str, Any], fault: str, at: int, *, poison_input: bool = False, steps: int = 5
+) -> GradientHalt:
+    torch.manual_seed(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, **guard_kwargs):
+        for step in range(steps):
+            setattr(model.faults, fault, step == at) if fault else None
+            x, y = batch(step)
+            if poison_input and step == at:
+                x[2, 1] = float("nan")
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            if step < at:
+                opt.step()
+                continue
+            with pytest.raises(GradientHalt) as info:
+                opt.step()
+            assert info.value.step == at
+            return info.value
+    raise AssertionError("no halt")
+
+
+def test_a_forward_nan_in_one_block_is_traced_to_the_module_that_emitted_it():
+    halt = train_until_halt(Net(), {"provenance": "always"}, "forward_nan", at=3)
+    origin = halt.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["kind"]) == ("forward", "blocks.1.act", "nan")
+    assert origin["input_nonfinite"] is False
+    assert "blocks.1.act was the first module whose output went nan" in str(halt)
+
+
+def test_an_inf_made_by_a_modules_custom_backward_is_traced_to_that_module_in_the_backward_phase():
+    halt = train_until_halt(Net(), {"provenance": "always"}, "backward_inf", at=2)
+    origin = halt.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["kind"]) == ("backward", "blocks.1.boom", "inf")
+    assert origin["seen_in"] == "blocks.1.act"  # the output whose gradient went inf: boom's input
+    assert "blocks.1.boom's backward produced the first inf gradient" in str(halt)
+
+
+def test_nan_in_the_input_batch_is_blamed_on_the_data_not_the_model():
+    halt = train_until_halt(Net(), {"provenance": "always"}, "", at=1, poison_input=True)
+    origin = halt.origin
+    assert origin is not None
+    assert origin["phase"] == "forward"
+    assert origin["input_nonfinite"] is True
+    assert origin["module"] == "inp"  # the first module whose output it made non-finite
+    assert "the data is at fault" in str(halt)
+
+
+@pytest.mark.parametrize("fault", ["log_negative", "sqrt_negative"])
+def test_a_log_or_sqrt_of_a_negative_in_a_blocks_own_code_is_traced_to_that_block(fault):
+    halt = train_until_halt(Net(), {"provenance": "always"}, fault, at=2)
+    origin = halt.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["kind"]) == ("forward", "blocks.1", "nan")
+    assert origin["seen_in"] == "blocks.1.fc2"  # the first module to receive it
+    assert "in blocks.1's own code" in str(halt)
+
+
+def test_under_activation_checkpointing_the_recomputed_forward_does_not_change_the_origin():
+    forward = train_until_halt(Net(checkpointed=True), {"provenance": "always"}, "forward_nan", at=2)
+    assert forward.origin is not None
+    assert (forward.origin["phase"], forward.origin["module"]) == ("forward", "blocks.1.act")
+    backward = train_until_halt(Net(checkpointed=True), {"provenance": "always"}, "backward_inf", at=2)
+    assert backward.origin is not None
+    assert (backward.origin["phase"], backward.origin["module"]) == ("backward", "blocks.1.boom")
+
+
+def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_named_first(tmp_path):
+    """clip_grad_norm_ over all parameters spreads one NaN to every gradient; the halt names the first one."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    poisoned = model.blocks[2].fc1.weight
+    poisoned.register_hook(lambda grad: grad * float("nan") if state["poison"] else grad)
+    state = {"poison": False}
+    log = tmp_path / "audit.jsonl"
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, audit_log=log):
+        for step in range(5):
+            state["poison"] = step == 4
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if step < 4:
+                opt.step()
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    halt = info.value
+    assert halt.step == 4
+    assert len(halt.params) == len(list(model.parameters()))  # the clip made every gradient NaN
+    assert halt.params[0] == "blocks.2.fc1.weight"
+    assert halt.origin is not None
+    assert halt.origin["first_params"] == ["blocks.2.fc1.weight"]
+    assert halt.origin["spread"] is True
+    assert "a global clip" in str(halt)
+    assert "scope: group" in str(halt)
+    event = next(e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "halt")
+    assert event["params"][0] == "blocks.2.fc1.weight"
+    assert event["origin"]["spread"] is True
+
+
+def test_gradients_poisoned_after_backward_are_said_to_have_gone_bad_after_backward():
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None):
+        nn.functional.mse_loss(model(batch(0)[0]), batch(0)[1]).backward()
+        model.head.weight.grad[0, 0] = float("inf")  # type: ignore[index]
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    assert info.value.origin is not None
+    assert info.value.origin["phase"] == "after_backward"
+    assert info.value.params == ("head.weight",)
+
+
+def test_after_fault_registers_nothing_until_a_skip_then_traces_the_second_occurrence(tmp_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / "audit.jsonl"
+    module_hooks = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
+    with GradGuard(model, Policy.from_dict(SKIP), logger=None, audit_log=log) as guard:
+        assert module_hooks() == 0  # the default, "after_fault": no module hook before a fault
+        for step in range(6):
+            model.faults.forward_nan = step in (2, 4)
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            assert guard.last_step_skipped == (step in (2, 4))
+            if step < 2:
+                assert module_hooks() == 0
+        assert module_hooks() == len(list(model.modules()))
+    skips = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "skip"]
+    assert [e["step"] for e in skips] == [2, 4]
+    first, second = skips[0]["origin"], skips[1]["origin"]
+    assert first["phase"] == "gradient"
+    assert first["module"] is None
+    assert "after_fault" in first["note"]
+    assert (second["phase"], second["module"], second["kind"]) == ("forward", "blocks.1.act", "nan")
+
+
+def test_after_fault_disarms_its_module_hooks_after_enough_clean_steps():
+    from gradguard.enforce import provenance
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(model, Policy.from_dict(SKIP), logger=None):
+        for step in range(provenance.ARMED_STEPS + 3):
+            model.faults.forward_nan = step == 0
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            armed = any(m._forward_hooks for m in model.modules())
+            assert armed == (step < provenance.ARMED_STEPS), step
+
+
+def test_provenance_none_registers_no_hook_at_all():
+    model = Net()
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance=None):
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+        assert not any(getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())
+    with pytest.raises(ValueError, match="provenance must be"):
+        GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="sometimes")
+
+
+class Tied(nn.Module):
+    """One module under two names, called twice per forward; a NaN in its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.emit = EmitsNaN(Faults())
+        self.shared = nn.Linear(8, 8)
+        self.again = self.shared  # the same module under a second name
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.shared(self.emit(self.first(x.repeat(1, 2))))
+        out: torch.Tensor = self.head(self.again(torch.tanh(h)))
+        return out
+
+
+def test_a_module_called_twice_under_two_names_is_named_once_by_its_first_call():
+    model = Tied()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="always"):
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        model.shared.weight.data[0, 0] = float("inf")  # its first call's output goes inf, then NaN after tanh
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    origin = info.value.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["kind"]) == ("forward", "shared", "inf")
+
+
+class InPlaceAfter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.relu = nn.ReLU(inplace=True)  # modifies fc's output in place: full backward hooks would refuse it
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.relu(self.fc(x)))
+        return out
+
+
+def test_always_runs_one_host_sync_per_step_none_in_backward_and_allows_in_place_ops_after_a_module():
+    torch.manual_seed(0)
+    model = InPlaceAfter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="always"):
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            assert count_host_syncs(loss.backward) == 0
+            assert count_host_syncs(opt.step) == 1
+        model.fc.bias.data[0] = float("nan")
+        opt.zero_grad()
+        nn.functional.mse_loss(model(batch(9)[0]), batch(9)[1]).backward()
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    assert info.value.origin is not None
+    assert info.value.origin["module"] == "fc"
+
+
+def test_the_audit_shows_the_origin_of_each_halt_and_skip(tmp_path):
+    log = tmp_path / "audit.jsonl"
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(model, Policy.from_dict(SKIP), logger=None, audit_log=log, provenance="always"):
+        for step in range(3):
+            model.faults.backward_inf = step == 1
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    halt_log = tmp_path / "halt.jsonl"
+    train_until_halt(Net(), {"provenance": "always", "audit_log": halt_log}, "forward_nan", at=1)
+    result = CliRunner().invoke(main, ["audit", str(log), str(halt_log)])
+    text = result.output
+    assert "step 1 (run" in text, text
+    assert "blocks.1.boom's backward produced the first inf gradient" in text, text
+    assert "origin: It started in the forward pass: blocks.1.act was the first module whose output went nan" in text
+    as_json = json.loads(CliRunner().invoke(main, ["audit", "--format", "json", str(halt_log)]).output)
+    assert as_json["halts"][0]["origin"]["module"] == "blocks.1.act"
+
+
+def test_torch_compile_traces_the_module_hooks_into_the_compiled_forward():
+    """Under torch.compile the forward hooks are traced into the graph: a forward NaN is still named."""
+    torch._dynamo.reset()
+    model = Net()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(compiled, Policy.from_dict(HALT), logger=None, provenance="always"):
+        for step in range(3):
+            model.faults.forward_nan = step == 2
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(compiled(x), y).backward()
+            try:
+                opt.step()
+            except GradientHalt as halt:
+                origin = halt.origin
+                break
+        else:
+            raise AssertionError("no halt")
+    assert origin is not None
+    assert (origin["phase"], origin["module"]) == ("forward", "blocks.1.act")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_under_ddp_each_rank_reports_its_own_origin_and_the_audit_shows_every_rank(tmp_path):
+    from tests.test_distributed import launch
+
+    launch(["ddp_provenance"], 2, tmp_path)
+    folder = tmp_path / "ddp_provenance"
+    ranks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["halt_step"] for r in ranks] == [2, 2]  # the verdict is agreed: both ranks halt
+    assert ranks[1]["origin"]["phase"] == "forward"
+    assert ranks[1]["origin"]["input_nonfinite"] is True
+    assert ranks[1]["origin"]["module"] == "embed"
+    assert ranks[0]["origin"]["phase"] == "after_backward"
+    assert "not on this rank" in ranks[0]["origin"]["note"]
+    logs = [str(folder / f"audit-rank{r}.jsonl") for r in range(2)]
+    text = CliRunner().invoke(main, ["audit", *logs]).output
+    assert "rank 0" in text
+    assert "rank 1" in text
+    assert "the data is at fault" in text, text
+    assert "not on this rank" in text, text

@@ -1,11 +1,12 @@
 """Run by ``tests/test_agc.py`` under torchrun (2 ranks, gloo): ``agc`` on an FSDP2 model against timm's
-formula applied to an unsharded copy trained on the whole batch. Prints one ``rank N: {json}`` line."""
+formula applied to an unsharded copy trained on the whole batch. Writes ``rank{N}.json`` in the working directory."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -68,7 +69,8 @@ def main(scope: str) -> None:
                 assert torch.allclose(full, q.detach(), rtol=1e-5, atol=1e-6), (step, name)
                 worst = max(worst, float((full - q.detach()).abs().max()))
         counters = guard.counters.snapshot()
-    print(f"rank {rank}: " + json.dumps({"counters": counters, "expected": expected, "worst": worst}), flush=True)
+    # A file per rank: two ranks printing to one pipe can interleave their lines.
+    Path(f"rank{rank}.json").write_text(json.dumps({"counters": counters, "expected": expected, "worst": worst}))
     dist.destroy_process_group()
 
 

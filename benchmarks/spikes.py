@@ -5,7 +5,7 @@
     python benchmarks/spikes.py --json out.json  # also keep every loss and step time
 
 The model is the ``Decoder`` of ``benchmarks/step_overhead.py`` (4 layers, width 64, 4 heads, vocab
-64), trained with AdamW (betas 0.9/0.95, weight decay 0.1, no warm-up) at a high learning rate on a
+64), trained with AdamW (betas 0.9/0.95, weight decay 0.1, no warm-up) at a high learning rate (1e-2) on a
 synthetic language task with learnable structure: each sequence is a segment of 8 tokens drawn from a
 fixed random Markov chain (a seed's own), repeated to fill the context, so the loss goes down first by
 learning the chain and then by copying the earlier repeats (induction).
@@ -34,7 +34,9 @@ Metrics, per arm and seed:
 
 - **loss spikes**: the number of steps ``t >= 10`` whose training loss (of the clean batch, taken
   in the forward pass before that step's update) is above 1.5 times the median of the finite training
-  losses of steps ``max(0, t - 50) .. t - 1``; a non-finite loss counts as a spike;
+  losses of steps ``max(0, t - 50) .. t - 1``; a non-finite loss counts as a spike. **Of which
+  natural**: those not within 30 steps from an injected spike (``t - s`` in ``0 .. 29`` for no
+  injected step ``s``);
 - **final loss**: the cross-entropy on a held-out batch of 64 sequences from the same chain, after
   the last step (``eval``), and the mean training loss of the last 20 steps (in the JSON);
 - **skipped**: steps the guard skipped (``skip_step_on_spike`` and ``skip_step_on_nonfinite``);
@@ -80,6 +82,8 @@ from gradguard import GradientHalt, Policy
 SPIKE_RATIO = 1.5
 SPIKE_WINDOW = 50
 SPIKE_FIRST_STEP = 10
+AFTERMATH = 30
+"""A loss spike within this many steps from an injection (the injected step included) is counted as injected."""
 LAST_STEPS = 20
 
 
@@ -92,10 +96,10 @@ class Config:
     length: int = 32
     batch: int = 16
     segment: int = 8
-    sharpness: float = 2.0
+    sharpness: float = 5.0
     """Logit scale of the Markov chain's transitions: higher is more predictable."""
     steps: int = 400
-    lr: float = 6e-3
+    lr: float = 1e-2
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
     inject: tuple[int, ...] = ()
@@ -249,17 +253,22 @@ def train_step(arm: Arm, cfg: Config, step: int, tokens: torch.Tensor, corrupted
         arm._changed = changed
 
 
-def loss_spikes(losses: Sequence[float]) -> int:
+def loss_spikes(losses: Sequence[float]) -> list[int]:
     """Steps t >= 10 whose loss is above 1.5x the median of the finite losses of the previous 50 steps."""
-    count = 0
+    steps = []
     for t in range(SPIKE_FIRST_STEP, len(losses)):
         if not math.isfinite(losses[t]):
-            count += 1
+            steps.append(t)
             continue
         window = [x for x in losses[max(0, t - SPIKE_WINDOW) : t] if math.isfinite(x)]
         if window and losses[t] > SPIKE_RATIO * statistics.median(window):
-            count += 1
-    return count
+            steps.append(t)
+    return steps
+
+
+def natural(spikes: Sequence[int], inject: Sequence[int]) -> list[int]:
+    """The spikes that are not within ``AFTERMATH`` steps from an injection."""
+    return [t for t in spikes if not any(0 <= t - s < AFTERMATH for s in inject)]
 
 
 @dataclass
@@ -301,7 +310,9 @@ def run_seed(cfg: Config, names: Sequence[str], seed: int, scratch: Path) -> See
             clips = arm._changed
         results[arm.name] = {
             "label": arm.label,
-            "spikes": loss_spikes(arm.losses),
+            "spikes": len(loss_spikes(arm.losses)),
+            "natural_spikes": len(natural(loss_spikes(arm.losses), cfg.inject)),
+            "spike_steps": loss_spikes(arm.losses),
             "eval_loss": final,
             "last_train_loss": statistics.fmean(arm.losses[-LAST_STEPS:]),
             "skipped": arm.skipped,
@@ -341,12 +352,12 @@ def table(cfg: Config, names: Sequence[str], results: Sequence[SeedResult]) -> s
         f"{', '.join(str(s) for s in cfg.inject) or 'none'}.",
         "",
         "Mean over seeds, per-seed values in brackets. Loss spike: a training loss above 1.5x the median of the "
-        "previous 50; final loss: held-out cross-entropy after the last step; vs none: median over all steps of "
-        "the paired step-time ratio.",
+        "previous 50; natural: not within 30 steps from an injection; final loss: held-out cross-entropy after the "
+        "last step; vs none: median over all steps of the paired step-time ratio.",
         "",
-        "| arm | loss spikes | final loss (held-out) | skipped steps | clipped steps | clips (param x step) "
-        "| step ms | vs none: step time |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| arm | loss spikes | of which natural | final loss (held-out) | skipped steps | clipped steps "
+        "| clips (param x step) | step ms | vs none: step time |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in names:
         per_seed = [r.arms[name] for r in results]
@@ -356,6 +367,7 @@ def table(cfg: Config, names: Sequence[str], results: Sequence[SeedResult]) -> s
         label = per_seed[0]["label"] + (f" (halted: {', '.join(halted)})" if halted else "")
         lines.append(
             f"| {label} | {_spread([a['spikes'] for a in per_seed], 1)} "
+            f"| {_spread([a['natural_spikes'] for a in per_seed], 1)} "
             f"| {_spread([a['eval_loss'] for a in per_seed], 3)} "
             f"| {_spread([a['skipped'] for a in per_seed], 1)} "
             f"| {_spread([a['clipped_steps'] for a in per_seed], 1)} "
@@ -372,6 +384,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds, from 0 (default 3; 1 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="steps per seed (default 400; 40 with --quick)")
     parser.add_argument("--lr", type=float, default=Config.lr, help=f"AdamW learning rate (default {Config.lr:g})")
+    parser.add_argument(
+        "--sharpness", type=float, default=Config.sharpness, help="logit scale of the chain (higher: more predictable)"
+    )
     parser.add_argument("--factor", type=float, default=Config.factor, help="weight of the corrupted batch's loss")
     parser.add_argument(
         "--inject", default=None, help="comma-separated steps of the spikes (default: 30/50/70/90%% of the run)"
@@ -391,7 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         inject = tuple(int(steps * fraction) for fraction in (0.3, 0.5, 0.7, 0.9))
     else:
         inject = tuple(int(s) for s in args.inject.split(",") if s)
-    cfg = Config(steps=steps, lr=args.lr, factor=args.factor, inject=inject)
+    cfg = Config(steps=steps, lr=args.lr, factor=args.factor, inject=inject, sharpness=args.sharpness)
     if args.quick:
         cfg.depth, cfg.width, cfg.length, cfg.batch = 1, 16, 16, 4
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)

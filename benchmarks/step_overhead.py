@@ -21,7 +21,13 @@ model that all treatments share, so they see the same weights, data and allocato
 - ``gg-agc``: gradguard, ``agc`` (adaptive gradient clipping, defaults) on every parameter plus
   ``halt_on_nonfinite``: the same shape of policy as ``gg-a``, compared with it;
 - ``gg-c0`` / ``gg-c``: ``gg-a0`` / ``gg-a`` with the audit log on; ``gg-c-caller`` (deep model): as
-  ``gg-c`` with the log lines rendered on the training thread instead of the writer thread.
+  ``gg-c`` with the log lines rendered on the training thread instead of the writer thread;
+- adaptive actions on every parameter, each against ``gg-a`` (paired, update-phase estimate):
+  ``gg-zclip`` (``zclip`` with its defaults, per tensor, plus ``halt_on_nonfinite``: ``gg-a`` with
+  ``zclip`` in place of ``clip_norm``), ``gg-autoclip`` (the same with ``autoclip``), ``gg-spike``
+  (``gg-a`` plus ``skip_step_on_spike`` with its defaults, the joint norm: the pair isolates the spike
+  watch). Each runs ``PRIME_STEPS`` untimed steps after it attaches, so that zclip's warm-up (25 norms)
+  is over and the timed steps are those of a long run.
 
 How it measures:
 
@@ -73,6 +79,7 @@ from gradguard import GradGuard, Policy
 ROOT = Path(__file__).resolve().parent.parent
 MAX_NORM = 1.0
 NEVER = 1e12  # a max_norm no gradient reaches: nothing is clipped
+PRIME_STEPS = 30  # untimed steps of an adaptive guard before the rounds: past zclip's 25-step warm-up
 
 # --- models ---------------------------------------------------------------------------------------
 
@@ -235,6 +242,21 @@ def monitored_policy(every: int) -> Policy:
     return Policy.from_dict(data, source=f"default.yaml + monitor every {every}")
 
 
+def adaptive_policy(action: dict[str, Any], *, with_clip: bool = False) -> Policy:
+    """``halt_on_nonfinite`` and ``action`` on every parameter (after ``clip_norm`` 1.0 per tensor if ``with_clip``)."""
+    actions = [{"action": "clip_norm", "max_norm": MAX_NORM}] if with_clip else []
+    return Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+                {"name": "adaptive", "match": "*", "actions": [*actions, action]},
+            ],
+        },
+        source=f"default.yaml with {action['action']}{' after clip_norm' if with_clip else ''}",
+    )
+
+
 MIXED_POLICY: dict[str, Any] = {
     "version": 1,
     "rules": [
@@ -358,12 +380,15 @@ class Guarded(Treatment):
         audit_log: bool = False,
         render_on_writer: bool = True,
         guard_options: dict[str, Any] | None = None,
+        prime: int = 0,
     ) -> None:
         self.name, self.label = name, label
         self.guard_options = guard_options or {}
         self.policy = policy
         self.audit_log = audit_log
         self.render_on_writer = render_on_writer
+        self.prime = prime
+        """Untimed steps run right after attaching (adaptive actions: past their warm-up)."""
         self.guard: GradGuard | None = None
         self.hooks: dict[int, Callable[..., Any]] = {}
 
@@ -379,6 +404,8 @@ class Guarded(Treatment):
             gradguard.events.log.RENDER_ON_WRITER = saved
         self.hooks = {key: hook for key, hook in registry.items() if key not in before}
         self.after_step()
+        for _ in range(self.prime):
+            train_step(work, self)
 
     def before_step(self) -> None:
         _global_step_hooks().update(self.hooks)
@@ -393,7 +420,9 @@ class Guarded(Treatment):
         self.before_step()
         self.guard.remove()
         counters = self.guard.counters
-        self._clips = counters.total("clip_norm") + counters.total("clip_value") + counters.total("agc")
+        kinds = ("clip_norm", "clip_value", "agc", "zclip", "autoclip")
+        self._clips = sum(counters.total(kind) for kind in kinds)
+        self._skips = counters.total("skip_step_on_spike")
         self._steps = self.guard.step_count
         self._lines = 0
         log = self.guard.audit_log
@@ -404,6 +433,8 @@ class Guarded(Treatment):
     def note(self) -> str:
         steps = max(getattr(self, "_steps", 0), 1)
         text = f"{getattr(self, '_clips', 0) / steps:.0f} clips/step"
+        if getattr(self, "_skips", 0):
+            text += f", {self._skips} spike skips"
         if self.audit_log:
             text += f", {getattr(self, '_lines', 0) / steps:.2f} log lines/step"
         return text
@@ -425,6 +456,12 @@ def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
         Anomaly(),
         Guarded("gg-a", "gradguard (a) per-tensor clip 1.0 + halt", lambda: per_tensor_policy(MAX_NORM)),
         Guarded("gg-a0", "gradguard (a), nothing clipped", lambda: per_tensor_policy(NEVER)),
+        Guarded(
+            "gg-a-np",
+            "(a) with provenance=None (no gradient flags)",
+            lambda: per_tensor_policy(MAX_NORM),
+            guard_options={"provenance": None},
+        ),
         Guarded("gg-b", "gradguard (b) mixed policy, 5 rules", lambda: Policy.from_dict(MIXED_POLICY, source="mixed")),
         Guarded("gg-agc", "gradguard agc (clipping 0.01) + halt", agc_policy),
         Guarded("gg-m", "(a), nothing clipped, + monitor norm per tensor, every step", lambda: monitored_policy(1)),
@@ -442,6 +479,24 @@ def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
             audit_log=True,
         ),
         Guarded("gg-c", "gradguard (c) = (a) + audit log", lambda: per_tensor_policy(MAX_NORM), audit_log=True),
+        Guarded(
+            "gg-zclip",
+            "`zclip` (defaults) per tensor + halt",
+            lambda: adaptive_policy({"action": "zclip"}),
+            prime=PRIME_STEPS,
+        ),
+        Guarded(
+            "gg-autoclip",
+            "`autoclip` (defaults) per tensor + halt",
+            lambda: adaptive_policy({"action": "autoclip"}),
+            prime=PRIME_STEPS,
+        ),
+        Guarded(
+            "gg-spike",
+            "(a) + `skip_step_on_spike` (defaults, group)",
+            lambda: adaptive_policy({"action": "skip_step_on_spike"}, with_clip=True),
+            prime=PRIME_STEPS,
+        ),
     ]
     if with_caller_render:
         treatments.append(
@@ -722,6 +777,10 @@ def run_model(
         ("gg-m10", "gg-a0"),
         ("gg-ml", "gg-m"),
         ("gg-agc", "gg-a"),
+        ("gg-a", "gg-a-np"),
+        ("gg-zclip", "gg-a"),
+        ("gg-autoclip", "gg-a"),
+        ("gg-spike", "gg-a"),
     )
     for a, b in pairs:
         if a in wall and b in wall:
@@ -887,7 +946,9 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
         limit = 1.05 if cuda else 1.01
         add(f"(a) vs global, deep <= {limit}", *ratio(_row(deep, "gg-a"), "vs_global", limit))
     for result in (r for r in (gpt, deep) if r is not None):
-        rows = [_row(result, name) for name in ("gg-a", "gg-a0", "gg-b", "gg-c0", "gg-c")]
+        present = {row["name"] for row in result.rows}
+        names = ("gg-a", "gg-a0", "gg-b", "gg-c0", "gg-c", "gg-zclip", "gg-autoclip", "gg-spike")
+        rows = [_row(result, name) for name in names if name in present]
         syncs = ", ".join(f"{row['name']} {row['extra_syncs']} ({row['backward_syncs']})" for row in rows)
         ok = all(row["extra_syncs"] <= 1 and row["backward_syncs"] == 0 for row in rows)
         add(f"extra host syncs/step <= 1 (in backward: 0), {result.workload}", syncs, ok)
@@ -916,13 +977,15 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
                 f"{cost['update']:.4f}; {cost['wall']}",
                 cost["update"] <= limit,
             )
-    for result in (r for r in (gpt, deep) if r is not None and "gg-agc / gg-a" in r.comparisons):
-        cost = result.comparisons["gg-agc / gg-a"]
-        add(
-            f"agc vs fixed clip_norm (a), {result.workload} <= 1.01",
-            f"{cost['update']:.4f}; {cost['wall']}",
-            cost["update"] <= 1.01,
-        )
+    if deep is not None:
+        for name in ("gg-agc", "gg-zclip", "gg-autoclip", "gg-spike"):
+            if f"{name} / gg-a" in deep.comparisons:
+                cost = deep.comparisons[f"{name} / gg-a"]
+                add(
+                    f"adaptive ({name}) vs fixed clip_norm (gg-a), deep <= 1.01",
+                    f"{cost['update']:.4f}; {cost['wall']}",
+                    cost["update"] <= 1.01,
+                )
     if sweep is not None and not cuda:
         add(
             "per-tensor cost (sweep slope) < 5 us, linear",

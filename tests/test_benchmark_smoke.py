@@ -1,12 +1,15 @@
-"""The step-overhead benchmark still starts: its ``--quick`` run finishes in seconds and reports everything.
+"""The benchmarks still start: their ``--quick`` runs finish in seconds and report everything.
 
-The benchmark itself (``python benchmarks/step_overhead.py``, minutes) is not part of the test run.
-Both scripts run in this process (no second torch import), with torch's thread count restored after.
+The benchmarks themselves (``python benchmarks/step_overhead.py``, ``benchmarks/spikes.py``: minutes)
+are not part of the test run. The step-overhead and CUDA scripts run in this process (no second torch
+import), with torch's thread count restored after; the spikes benchmark runs in a subprocess.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,3 +67,38 @@ def test_the_cuda_sync_check_says_it_is_skipped_without_a_gpu(
     assert check.main([]) == 0
     assert "skipped, no CUDA device" in capsys.readouterr().out
     assert check.main(["--require"]) == 1
+
+
+def test_the_quick_spikes_benchmark_prints_a_row_of_figures_for_every_arm(tmp_path: Path) -> None:
+    """``benchmarks/spikes.py --quick`` (a subprocess: it sets torch's thread count) prints every arm's figures."""
+    out = tmp_path / "spikes.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "spikes.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
+    labels = (
+        "no treatment",
+        "`clip_grad_norm_(params, 1.0)`, global",
+        "gradguard `clip_norm` 1.0 per tensor",
+        "gradguard `zclip` (defaults, per tensor)",
+        "gradguard `zclip`, `scope: group`",
+        "gradguard `autoclip` (defaults, per tensor)",
+        "gradguard `skip_step_on_spike` (defaults: window 128, min_samples 64, z 6, group)",
+    )
+    for label in labels:
+        assert label in rows, done.stdout
+        cells = rows[label].strip().strip("|").split("|")[1:]
+        assert len(cells) == 8, rows[label]
+        for cell in cells:
+            float(cell.split("(")[0])  # every column starts with a number (the mean over seeds)
+    assert "none: step time" in done.stdout
+    result = json.loads(out.read_text())
+    assert set(result["seeds"][0]["arms"]) == {"none", "global", "clip", "zclip", "zclip-group", "autoclip", "spike"}
+    assert result["seeds"][0]["arms"]["global"]["clipped_steps"] > 0, "the injected spikes are above the global clip"

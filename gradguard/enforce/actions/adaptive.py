@@ -67,7 +67,7 @@ def _report(
     work: StepWork, bound: BoundRule, action: ZClip | AutoClip, ids: list[int], group: bool, figures: list[str]
 ) -> Report:
     """A reader for ``[coef, norm, threshold, *figures]`` per column: counts and logs the clips."""
-    outcome, names, step = work.outcome, work.names, work.step
+    outcome, names, step, rule = work.outcome, work.names, work.step, bound.name
     columns = 1 if group else len(ids)
     kind = action.action
 
@@ -75,28 +75,40 @@ def _report(
         coefs, norms = values[:columns], values[columns : 2 * columns]
         if min(coefs) >= 1.0 and math.isfinite(sum(norms)):
             return  # nothing clipped, every norm finite: the common case, without a loop
-        rows = [values[k * columns : (k + 1) * columns] for k in range(3 + len(figures))]
-        clipped = 0
-        for column in range(columns):
-            coef, norm, threshold = rows[0][column], rows[1][column], rows[2][column]
-            if not math.isfinite(norm):
+        thresholds = values[2 * columns : 3 * columns]
+        rows = [values[(3 + k) * columns : (4 + k) * columns] for k in range(len(figures))]
+        clipped, append, scope = 0, outcome.events.append, action.scope
+        for column, (coef, norm) in enumerate(zip(coefs, norms, strict=True)):
+            if coef >= 1.0 and norm - norm == 0.0:
+                continue  # not clipped, finite (the test is false for NaN and Inf)
+            if norm - norm != 0.0:
                 for index in ids if group else [ids[column]]:
                     outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
                 continue
-            if coef >= 1.0:
-                continue
-            event = {"step": step, "rule": bound.name, "action": kind, "scope": action.scope}
             if group:
-                event |= {"param": None, "params": [names[i] for i in ids], "n_params": len(ids)}
+                param, params = None, [names[i] for i in ids]
                 clipped += len(ids)
             else:
-                event["param"] = names[ids[column]]
+                param, params = names[ids[column]], None
                 clipped += 1
-            event |= {"before": norm, "after": norm * coef, "coef": coef, "threshold": threshold}
-            event |= {name: rows[3 + k][column] for k, name in enumerate(figures)}
-            outcome.events.append(("adaptive_clip", event))
+            event = {
+                "step": step,
+                "rule": rule,
+                "action": kind,
+                "scope": scope,
+                "param": param,
+                "before": norm,
+                "after": norm * coef,
+                "coef": coef,
+                "threshold": thresholds[column],
+            }
+            if params is not None:
+                event["params"], event["n_params"] = params, len(params)
+            for name, row in zip(figures, rows, strict=True):
+                event[name] = row[column]
+            append(("adaptive_clip", event))
         if clipped:
-            outcome.counts.append((bound.name, kind, clipped))
+            outcome.counts.append((rule, kind, clipped))
 
     return read
 

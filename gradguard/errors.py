@@ -130,8 +130,9 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     if first and phase != "gradient":
         text += f" First non-finite as accumulated: {', '.join(first[:8])}."
     if origin.get("spread"):
+        likely = "may have" if phase == "untraced" else "likely"
         text += (
-            " Every guarded gradient is non-finite: a global clip (clip_grad_norm_ over all parameters) likely "
+            f" Every guarded gradient is non-finite: a global clip (clip_grad_norm_ over all parameters) {likely} "
             "spread it. Let the guard clip instead (a rule matching '*' with clip_norm and scope: group, and no "
             "clip_grad_norm_ in the loop), or call guard.step() before the clip."
         )

@@ -480,8 +480,8 @@ def test_sync_counter_sees_item_and_tolist(make_workload):
 
 
 def test_no_hooks_are_registered_on_parameters(make_workload, make_policy):
-    """The guard registers no tensor hook on any parameter: it acts only at the optimizer step. Provenance's
-    gradient flags (on by default) only observe, after accumulation; ``provenance=None`` registers none."""
+    """By default the guard registers no hook on any parameter or module: it acts only at the optimizer
+    step (provenance's hooks wait for a fault); ``provenance="always"`` adds observing hooks only."""
     workload = make_workload("decoder")
     policy = make_policy(
         {"match": "*", "actions": [{"action": "halt_on_nonfinite"}, {"action": "clip_norm", "max_norm": 1.0}]}
@@ -489,12 +489,14 @@ def test_no_hooks_are_registered_on_parameters(make_workload, make_policy):
     with GradGuard(workload.model, policy, logger=None):
         for p in workload.model.parameters():
             assert not p._backward_hooks
-            assert len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) == 1
-        assert not workload.model._backward_hooks
-        assert not workload.model._forward_hooks
-    with GradGuard(workload.model, policy, logger=None, provenance=None):
-        for p in workload.model.parameters():
-            assert not p._backward_hooks
             assert not getattr(p, "_post_accumulate_grad_hooks", None)
         assert not workload.model._backward_hooks
         assert not workload.model._forward_hooks
+    with GradGuard(workload.model, policy, logger=None, provenance="always"):
+        for p in workload.model.parameters():
+            assert not p._backward_hooks
+            assert len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) == 1  # the gradient flags
+        assert len(workload.model._forward_hooks) == 1
+    for p in workload.model.parameters():
+        assert not getattr(p, "_post_accumulate_grad_hooks", None)  # remove() took every hook away
+    assert not workload.model._forward_hooks

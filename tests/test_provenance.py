@@ -178,8 +178,8 @@ def test_under_activation_checkpointing_the_recomputed_forward_does_not_change_t
     assert (backward.origin["phase"], backward.origin["module"]) == ("backward", "blocks.1.boom")
 
 
-def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_named_first(tmp_path):
-    """clip_grad_norm_ over all parameters spreads one NaN to every gradient; the halt names the first one."""
+def _clipping_loop_halt(tmp_path, provenance: str) -> GradientHalt:
+    """nanoGPT's loop: backward, clip_grad_norm_ over all parameters, step; one gradient poisoned at step 4."""
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -187,7 +187,7 @@ def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_
     poisoned.register_hook(lambda grad: grad * float("nan") if state["poison"] else grad)
     state = {"poison": False}
     log = tmp_path / "audit.jsonl"
-    with GradGuard(model, Policy.from_dict(HALT), logger=None, audit_log=log):
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, audit_log=log, provenance=provenance):
         for step in range(5):
             state["poison"] = step == 4
             x, y = batch(step)
@@ -198,9 +198,15 @@ def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_
                 opt.step()
         with pytest.raises(GradientHalt) as info:
             opt.step()
-    halt = info.value
-    assert halt.step == 4
-    assert len(halt.params) == len(list(model.parameters()))  # the clip made every gradient NaN
+    assert info.value.step == 4
+    assert len(info.value.params) == len(list(model.parameters()))  # the clip made every gradient NaN
+    return info.value
+
+
+def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_named_first(tmp_path):
+    """provenance="always": the gradient flags saw each gradient before the clip; the halt names the first."""
+    halt = _clipping_loop_halt(tmp_path, "always")
+    log = tmp_path / "audit.jsonl"
     assert halt.params[0] == "blocks.2.fc1.weight"
     assert halt.origin is not None
     assert halt.origin["first_params"] == ["blocks.2.fc1.weight"]
@@ -212,11 +218,23 @@ def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_
     assert event["origin"]["spread"] is True
 
 
+def test_by_default_a_first_fault_spread_by_a_global_clip_is_said_to_be_maybe_spread_and_how_to_avoid_it(tmp_path):
+    """after_fault (the default) has no hook before the first fault: the halt cannot name the first parameter,
+    but says every gradient is non-finite, that a global clip may have spread it, and how to let the guard clip."""
+    halt = _clipping_loop_halt(tmp_path, "after_fault")
+    assert halt.origin is not None
+    assert halt.origin["phase"] == "untraced"
+    assert halt.origin["spread"] is True
+    assert "a global clip (clip_grad_norm_ over all parameters) may have spread it" in str(halt)
+    assert "clip_norm and scope: group" in str(halt)
+    assert "provenance='after_fault' has armed its module hooks" in str(halt)
+
+
 def test_gradients_poisoned_after_backward_are_said_to_have_gone_bad_after_backward():
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with GradGuard(model, Policy.from_dict(HALT), logger=None):
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="always"):
         nn.functional.mse_loss(model(batch(0)[0]), batch(0)[1]).backward()
         model.head.weight.grad[0, 0] = float("inf")  # type: ignore[index]
         with pytest.raises(GradientHalt) as info:
@@ -247,7 +265,7 @@ def test_after_fault_registers_nothing_until_a_skip_then_traces_the_second_occur
     skips = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "skip"]
     assert [e["step"] for e in skips] == [2, 4]
     first, second = skips[0]["origin"], skips[1]["origin"]
-    assert first["phase"] == "gradient"
+    assert first["phase"] == "untraced"
     assert first["module"] is None
     assert "after_fault" in first["note"]
     assert (second["phase"], second["module"], second["kind"]) == ("forward", "blocks.1.act", "nan")

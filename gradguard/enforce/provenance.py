@@ -12,9 +12,10 @@ Inf if any is Inf) of what they see, in the order they fire:
 - post-accumulate-grad hooks on the guarded parameters: their gradients as backward accumulates them,
   before any code after backward (a ``clip_grad_norm_`` over every parameter) spreads one NaN to all.
 
-The figures ride the step's one host read; the first non-finite one names the origin. ``"always"`` arms the
-module hooks at attach; ``"after_fault"`` arms them after the first non-finite step (or skip) and disarms
-them after :data:`ARMED_STEPS` clean steps, so it costs nothing until a fault and traces its recurrence.
+The figures ride the step's one host read; the first non-finite one names the origin. ``"always"`` arms
+every hook at attach; ``"after_fault"`` arms them (module hooks and gradient flags) after the first
+non-finite step (or skip) and disarms them after :data:`ARMED_STEPS` clean steps, so it costs nothing
+until a fault and traces its recurrence.
 """
 
 from __future__ import annotations
@@ -39,8 +40,11 @@ __all__ = ["ARMED_STEPS", "GRADIENT_FLAGS_BY_DEFAULT", "MODES", "Provenance", "a
 MODES: Final = ("always", "after_fault")
 ARMED_STEPS: Final = 100
 """``after_fault``: the module hooks stay armed this many steps after the last non-finite step."""
-GRADIENT_FLAGS_BY_DEFAULT: Final = True
-"""The post-accumulate-grad flags are on in ``after_fault`` mode too (benchmarks/provenance.py: cheap)."""
+GRADIENT_FLAGS_BY_DEFAULT: Final = False
+"""Whether the post-accumulate-grad flags are on from the start in ``after_fault`` mode too. No: on the deep
+benchmark model (293 tensors) they cost 5% of the whole step (a norm and a Python call per parameter
+during backward; benchmarks/step_overhead.py, gg-a against gg-a-np), so ``after_fault`` arms them with
+the module hooks, after a fault."""
 MAX_ENTRIES: Final = 4096
 """Figures kept per kind and step (the first ones are the ones that matter; a loop that never steps
 cannot grow them without bound)."""
@@ -96,6 +100,7 @@ class Provenance:
         check_mode(mode)
         self.mode = mode
         self.gradients = mode is not None and (mode == "always" or GRADIENT_FLAGS_BY_DEFAULT)
+        """Whether the gradient flags are on from the start (else they are armed with the module hooks)."""
         if gradients is not None:
             self.gradients = gradients
         self._model = weakref.ref(model)
@@ -107,6 +112,7 @@ class Provenance:
         position = {name: i for i, name in enumerate(self.names)}
         self._parent = [position.get(name.rpartition(".")[0], 0) for name in self.names]
         self._param_names: dict[int, str] = {}
+        self._param_refs: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
         self._module_handles: list[RemovableHandle] = []
         self._grad_handles: list[RemovableHandle] = []
         self._armed_until: int | None = None
@@ -125,6 +131,8 @@ class Provenance:
     def _arm_modules(self) -> None:
         if self._module_handles:
             return
+        if not self.gradients and self.mode is not None:
+            self._register_flags()
         for index, ref in enumerate(self._modules):
             module = ref()
             if module is not None:
@@ -138,26 +146,34 @@ class Provenance:
         for handle in self._module_handles:
             handle.remove()
         self._module_handles = []
+        if not self.gradients:
+            self._remove_flags()
+
+    def _remove_flags(self) -> None:
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles = []
+
+    def _register_flags(self) -> None:
+        self._remove_flags()
+        for index, ref in self._param_refs:
+            param = ref()
+            if param is not None and param.requires_grad:
+                hook = functools.partial(self._accumulated, index)
+                self._grad_handles.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def rebind(self, binding: Binding) -> None:
         """(Re)register the post-accumulate-grad flags on the binding's tensors (new after a rebind)."""
-        for handle in self._grad_handles:
-            handle.remove()
-        self._grad_handles = []
         self._param_names = {entry.index: entry.name for entry in binding.params}
-        if not self.gradients:
-            return
-        for entry in binding.params:
-            param = entry.ref()
-            if param is not None and param.requires_grad:
-                hook = functools.partial(self._accumulated, entry.index)
-                self._grad_handles.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+        self._param_refs = [(entry.index, entry.ref) for entry in binding.params]
+        if self.gradients or self.armed:
+            self._register_flags()
+        else:
+            self._remove_flags()
 
     def remove(self) -> None:
         self._disarm_modules()
-        for handle in self._grad_handles:
-            handle.remove()
-        self._grad_handles = []
+        self._remove_flags()
         self._reset()
 
     def _reset(self) -> None:
@@ -273,10 +289,12 @@ class Provenance:
                 note = "not on this rank: its forward, backward and gradients were finite (another rank's arrived"
                 note += " through the all-reduce)"
             origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
-        if origin is None:
-            return
         everyone = len(outcome.nonfinite) == treated > 1
-        origin["spread"] = everyone and (singled_out or origin["phase"] == "after_backward")
+        if origin is None:
+            # Nothing was recorded: after_fault's first fault (its hooks are armed from now on).
+            note = "not traced: no hook was armed" + (self._retrace if self.mode == "after_fault" else "")
+            origin = {"phase": "untraced", "module": None, "kind": None, "input_nonfinite": False, "note": note}
+        origin["spread"] = everyone and (singled_out or origin["phase"] in ("after_backward", "untraced"))
         origin["first_params"] = first[:FIRST_PARAMS_SHOWN] if singled_out else []
         outcome.origin = origin
 

@@ -9,10 +9,9 @@ that share their weights and optimizer state (step_overhead.py's method: shuffle
 of the median step per round against ``off``, ``[p25-p75]``):
 
 - ``off`` / ``off-2``: ``provenance=None`` twice: the A/A control, the measurement's floor;
-- ``after_fault-0``: ``provenance="after_fault"`` without the gradient flags, before any fault: nothing
-  is registered, so it must read as A/A;
-- ``after_fault``: the default: ``after_fault`` with the post-accumulate-grad flags (one 2-norm kernel
-  per guarded gradient in backward);
+- ``after_fault``: the default, before any fault: nothing is registered, so it must read as A/A;
+- ``after_fault+flags``: ``after_fault`` with the post-accumulate-grad flags on from the start (one
+  2-norm kernel per guarded gradient in backward): what turning them on by default would cost;
 - ``always``: module forward hooks and tensor hooks on every module's inputs and outputs, plus the flags.
 """
 
@@ -33,14 +32,14 @@ import torch
 
 import gradguard.enforce.provenance as provenance_module
 
-ROWS = ("off", "off-2", "after_fault-0", "after_fault", "always")
+ROWS = ("off", "off-2", "after_fault", "after_fault+flags", "always")
 
 
-class WithoutFlags(bench.Guarded):
-    """``after_fault`` with the gradient flags turned off for this guard (a module switch, read at attach)."""
+class WithFlags(bench.Guarded):
+    """``after_fault`` with the gradient flags on from the start for this guard (a module switch, read at attach)."""
 
     def setup(self, work: bench.Workload, scratch: Path) -> None:
-        with flags(False):
+        with flags(True):
             super().setup(work, scratch)
 
 
@@ -59,8 +58,8 @@ def treatments() -> list[bench.Treatment]:
     return [
         bench.Guarded("off", "provenance=None", policy, guard_options={"provenance": None}),
         bench.Guarded("off-2", "provenance=None, again (A/A)", policy, guard_options={"provenance": None}),
-        WithoutFlags("after_fault-0", "after_fault, no gradient flags", policy),
-        bench.Guarded("after_fault", "after_fault (default: + gradient flags)", policy),
+        bench.Guarded("after_fault", "after_fault (the default), before any fault", policy),
+        WithFlags("after_fault+flags", "after_fault with the gradient flags on from the start", policy),
         bench.Guarded("always", "always", policy, guard_options={"provenance": "always"}),
     ]
 

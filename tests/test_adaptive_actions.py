@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy, PolicyError
+from gradguard.audit.fields import per_parameter
 from tests.support.host_syncs import count_host_syncs
 
 EPS = 1e-6
@@ -155,7 +156,7 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
         assert stats["tensors"]["mean"][column] == pytest.approx(reference.mean, rel=1e-12)
         assert stats["tensors"]["var"][column] == pytest.approx(reference.var, rel=1e-12)
     events = [json.loads(line) for line in log.read_text().splitlines()]
-    clips = [e for e in events if e["event"] == "adaptive_clip"]
+    clips = [one for e in events if e["event"] == "adaptive_clip" for one in per_parameter(e)]
     assert sorted((e["param"], e["step"]) for e in clips) == sorted(
         (name, step) for name, steps in clipped_steps.items() for step in steps
     )
@@ -164,6 +165,23 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
     assert spike["z"] > 2.5
     assert spike["after"] == pytest.approx(spike["threshold"])
     assert guard.counters.snapshot()["adaptive"]["zclip"] == len(clips)
+
+
+def test_per_tensor_adaptive_clips_are_one_log_line_per_rule_and_step_listing_each_clipped_parameter(
+    tmp_path: Path,
+) -> None:
+    """scope: tensor: one adaptive_clip event per step whose lists hold each clipped parameter's figures."""
+    log = tmp_path / "run.jsonl"
+    drive(policy_of({"action": "autoclip", "percentile": 10.0, "history": 8}), 20, log)
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    clips = [e for e in events if e["event"] == "adaptive_clip"]
+    assert len({e["step"] for e in clips}) == len(clips)  # one line per step
+    both = next(e for e in clips if e["n_params"] == 2)
+    assert both["param"] is None
+    assert both["params"] == ["a", "b"]
+    assert all(len(both[key]) == 2 for key in ("before", "after", "coef", "threshold", "samples"))
+    expanded = per_parameter(both)
+    assert [(one["param"], one["before"]) for one in expanded] == list(zip(both["params"], both["before"], strict=True))
 
 
 def test_zclip_on_a_group_clips_the_joint_norm_with_one_set_of_statistics() -> None:
@@ -221,7 +239,7 @@ def test_autoclip_clips_to_the_percentile_of_the_recent_norms_as_numpy_computes_
             thresholds[(name, step)] = threshold
             torch.testing.assert_close(after, before * coef, rtol=1e-6, atol=0, equal_nan=True)
     events = [json.loads(line) for line in log.read_text().splitlines()]
-    clips = [e for e in events if e["event"] == "adaptive_clip"]
+    clips = [one for e in events if e["event"] == "adaptive_clip" for one in per_parameter(e)]
     assert clips
     for event in clips:
         assert event["threshold"] == thresholds[(event["param"], event["step"])]  # bitwise: numpy's own order

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy, PolicyError
+from gradguard.audit.fields import per_parameter
 from gradguard.cli import main
 from tests.support.host_syncs import count_host_syncs
 
@@ -299,11 +300,14 @@ def test_agc_rides_in_the_step_s_one_host_sync(scope: str) -> None:
         assert guard.counters.total("agc") > 0
 
 
-def test_each_clipped_tensor_is_an_adaptive_clip_event_and_a_count(read_audit, tmp_path: Path) -> None:
-    """Every tensor with a clipped unit is one adaptive_clip event with its figures; the counter counts them."""
+def test_each_clipped_tensor_is_an_adaptive_clip_entry_and_a_count(read_audit, tmp_path: Path) -> None:
+    """Every tensor with a clipped unit is an entry of its step's adaptive_clip event, with its figures; the
+    counter counts them. One event per step lists them all."""
     log = tmp_path / "run.jsonl"
     counters, seen = _train_pair(_policy({}), lambda m: adaptive_clip_grad(m.parameters()), audit_log=log)
-    events = [e for e in read_audit(log) if e["event"] == "adaptive_clip"]
+    lines = [e for e in read_audit(log) if e["event"] == "adaptive_clip"]
+    assert len({e["step"] for e in lines}) == len(lines)
+    events = [one for e in lines for one in per_parameter(e)]
     expected = [(step, name, over, units) for step, s in enumerate(seen) for name, (over, units) in s.items() if over]
     assert sorted((e["step"], e["param"], e["units_clipped"], e["units"]) for e in events) == sorted(expected)
     assert counters["agc"]["agc"] == len(events)

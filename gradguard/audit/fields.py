@@ -11,7 +11,7 @@ from typing import Any
 
 from gradguard.audit.summary import Counts
 
-__all__ = ["Malformed", "counters_field", "names_field", "number_or_none", "text_field"]
+__all__ = ["Malformed", "counters_field", "names_field", "number_or_none", "per_parameter", "text_field"]
 
 
 class Malformed(Exception):
@@ -49,3 +49,22 @@ def counters_field(event: Mapping[str, Any]) -> Counts:
     ):
         return value
     raise Malformed(f"gradguard {event.get('event')!r} event whose 'counters' is not {{rule: {{action: count}}}}")
+
+
+def per_parameter(event: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """An ``adaptive_clip`` event of ``scope: tensor`` (its ``params`` and figures are lists, one entry per
+    clipped parameter) as one event per parameter, with ``param`` set; any other event as itself."""
+    before = event.get("before")
+    if not isinstance(before, list):
+        return [event]
+    params = names_field(event, "params")
+    listed = {key: value for key, value in event.items() if isinstance(value, list) and key != "params"}
+    if any(len(value) != len(params) for value in listed.values()):
+        raise Malformed(
+            f"gradguard {event.get('event')!r} event whose lists do not have one entry per parameter "
+            f"({len(params)} params; {', '.join(f'{key}: {len(value)}' for key, value in listed.items())})"
+        )
+    shared = {key: value for key, value in event.items() if key not in listed and key not in ("params", "n_params")}
+    return [
+        shared | {key: value[i] for key, value in listed.items()} | {"param": name} for i, name in enumerate(params)
+    ]

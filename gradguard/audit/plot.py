@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from gradguard.audit.fields import number_or_none
+from gradguard.audit.fields import number_or_none, per_parameter
 from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.reader import Record
 from gradguard.audit.summary import AuditSummary
@@ -120,6 +120,9 @@ class PlotCollector:
             return
         if kind == "stats" and isinstance(rule, str):
             self._stats(step, rule, event)
+        elif kind == "adaptive_clip" and isinstance(rule, str) and isinstance(event.get("before"), list):
+            for one in per_parameter(event):
+                self._add(dict(one) | {"event": "intervention"})
         elif kind in ("intervention", "adaptive_clip") and isinstance(rule, str):
             max_norm = event.get("max_norm")
             if isinstance(max_norm, int | float) and len(self.clip_thresholds) < 20:

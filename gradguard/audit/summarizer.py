@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from gradguard.audit.counters import CounterCheck
-from gradguard.audit.fields import Malformed
+from gradguard.audit.fields import Malformed, per_parameter
 from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.halts_and_skips import HaltSkipCollector
 from gradguard.audit.health import HealthCollector
@@ -83,7 +83,7 @@ class Summarizer:
             "detach": self.runs.detach,
             "counters": self.counters.snapshot,
             "intervention": self.interventions.intervention,
-            "adaptive_clip": self.interventions.intervention,
+            "adaptive_clip": self._adaptive_clip,
             "nonfinite": self.nonfinite.nonfinite,
             "nonfinite_unhalted": self.nonfinite.unhalted_event,
             "nonfinite_group_norm": self.nonfinite.group_norm_event,
@@ -96,6 +96,11 @@ class Summarizer:
             "exploding": self.health.flag,
             "recovered": self.health.flag,
         }
+
+    def _adaptive_clip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        """An adaptive clip is an intervention per parameter (``scope: tensor`` events list them in one line)."""
+        for one in per_parameter(event):
+            self.interventions.intervention(dict(one), run, record)
 
     def add(self, record: Record) -> None:
         """Take one event; a malformed one is reported as a bad line (with its number) and skipped."""

@@ -66,7 +66,12 @@ Report = Callable[[list[float]], None]
 def _report(
     work: StepWork, bound: BoundRule, action: ZClip | AutoClip, ids: list[int], group: bool, figures: list[str]
 ) -> Report:
-    """A reader for ``[coef, norm, threshold, *figures]`` per column: counts and logs the clips."""
+    """A reader for ``[coef, norm, threshold, *figures]`` per column: counts and logs the clips.
+
+    One ``adaptive_clip`` event per rule and step, whatever the scope: for ``scope: tensor`` its fields
+    are lists, one entry per clipped parameter (an adaptive clip typically changes most tensors every
+    step: one line per step, not one per tensor, keeps the log and the training thread light).
+    """
     outcome, names, step, rule = work.outcome, work.names, work.step, bound.name
     columns = 1 if group else len(ids)
     kind = action.action
@@ -75,40 +80,31 @@ def _report(
         coefs, norms = values[:columns], values[columns : 2 * columns]
         if min(coefs) >= 1.0 and math.isfinite(sum(norms)):
             return  # nothing clipped, every norm finite: the common case, without a loop
-        thresholds = values[2 * columns : 3 * columns]
-        rows = [values[(3 + k) * columns : (4 + k) * columns] for k in range(len(figures))]
-        clipped, append, scope = 0, outcome.events.append, action.scope
+        clipped = []
         for column, (coef, norm) in enumerate(zip(coefs, norms, strict=True)):
-            if coef >= 1.0 and norm - norm == 0.0:
-                continue  # not clipped, finite (the test is false for NaN and Inf)
-            if norm - norm != 0.0:
+            if norm - norm != 0.0:  # NaN or Inf: left as it is, for the non-finite watch to report
                 for index in ids if group else [ids[column]]:
                     outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
-                continue
-            if group:
-                param, params = None, [names[i] for i in ids]
-                clipped += len(ids)
-            else:
-                param, params = names[ids[column]], None
-                clipped += 1
-            event = {
-                "step": step,
-                "rule": rule,
-                "action": kind,
-                "scope": scope,
-                "param": param,
-                "before": norm,
-                "after": norm * coef,
-                "coef": coef,
-                "threshold": thresholds[column],
-            }
-            if params is not None:
-                event["params"], event["n_params"] = params, len(params)
-            for name, row in zip(figures, rows, strict=True):
-                event[name] = row[column]
-            append(("adaptive_clip", event))
-        if clipped:
-            outcome.counts.append((rule, kind, clipped))
+            elif coef < 1.0:
+                clipped.append(column)
+        if not clipped:
+            return
+        rows = {"threshold": values[2 * columns : 3 * columns]}
+        rows |= {name: values[(3 + k) * columns : (4 + k) * columns] for k, name in enumerate(figures)}
+        event: dict[str, object] = {"step": step, "rule": rule, "action": kind, "scope": action.scope}
+        if group:
+            norm, coef = norms[0], coefs[0]
+            event |= {"param": None, "params": [names[i] for i in ids], "n_params": len(ids)}
+            event |= {"before": norm, "after": norm * coef, "coef": coef}
+            event |= {name: row[0] for name, row in rows.items()}
+            outcome.counts.append((rule, kind, len(ids)))
+        else:
+            event |= {"param": None, "params": [names[ids[c]] for c in clipped], "n_params": len(clipped)}
+            event |= {"before": [norms[c] for c in clipped], "after": [norms[c] * coefs[c] for c in clipped]}
+            event["coef"] = [coefs[c] for c in clipped]
+            event |= {name: [row[c] for c in clipped] for name, row in rows.items()}
+            outcome.counts.append((rule, kind, len(clipped)))
+        outcome.events.append(("adaptive_clip", event))
 
     return read
 

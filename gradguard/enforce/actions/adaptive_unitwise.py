@@ -154,32 +154,34 @@ def _clip_units(
         squares, counts = values[0 : 3 * n : 3], values[2 : 3 * n : 3]
         if not any(counts) and math.isfinite(sum(squares)):
             return  # nothing clipped, every norm finite: the common case, without a loop in Python
-        changed = 0
+        clipped = []
         for k, index in enumerate(ordered_ids):
-            norm = math.sqrt(squares[k])
-            if not math.isfinite(norm):
-                outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
-                continue
-            if counts[k] <= 0:
-                continue
-            changed += 1
-            event = {
-                "step": step,
-                "rule": rule,
-                "action": "agc",
-                "param": names[index],
-                "scope": "tensor",
-                "clipping": clipping,
-                "eps": eps,
-                "units": _units(params[index].ref()),
-                "units_clipped": int(counts[k]),
-                "max_ratio": values[3 * n + k],
-                "before": norm,
-                "after": math.sqrt(values[3 * k + 1]),
-            }
-            append(("adaptive_clip", event))
-        if changed:
-            outcome.counts.append((rule, "agc", changed))
+            square = squares[k]
+            if square - square != 0.0:  # NaN or Inf
+                outcome.nonfinite.setdefault(index, ("nan" if square != square else "inf", bound.index))
+            elif counts[k] > 0:
+                clipped.append(k)
+        if not clipped:
+            return
+        # One event per rule and step, one list entry per clipped parameter (most are, every step).
+        event = {
+            "step": step,
+            "rule": rule,
+            "action": "agc",
+            "scope": "tensor",
+            "clipping": clipping,
+            "eps": eps,
+            "param": None,
+            "params": [names[ordered_ids[k]] for k in clipped],
+            "n_params": len(clipped),
+            "units": [_units(params[ordered_ids[k]].ref()) for k in clipped],
+            "units_clipped": [int(counts[k]) for k in clipped],
+            "max_ratio": [values[3 * n + k] for k in clipped],
+            "before": [math.sqrt(squares[k]) for k in clipped],
+            "after": [math.sqrt(values[3 * k + 1]) for k in clipped],
+        }
+        append(("adaptive_clip", event))
+        outcome.counts.append((rule, "agc", len(clipped)))
 
     work.pending.add(torch.cat([sums.reshape(-1), peaks.to(sums.dtype)]), read)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from distributed_scenarios import final_params
 from torch import nn
 
 from gradguard import GradGuard, Policy
@@ -62,18 +63,10 @@ def train(
             opt.step()
             if guard.last_step_skipped:
                 result["skipped"].append(step)
-            result["weights"].append(_weights(model))
+            result["weights"].append(final_params(model))
         result["statistics"] = guard.state_dict()["statistics"]
         result["counters"] = guard.counters.snapshot()
     return result
-
-
-def _weights(model: nn.Module) -> dict[str, list[float]]:
-    out = {}
-    for name, param in model.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        out[name.removeprefix("module.")] = full.detach().reshape(-1).tolist()
-    return out
 
 
 def reference(
@@ -93,7 +86,7 @@ def reference(
             opt.step()
             if guard.last_step_skipped:
                 result["skipped"].append(step)
-            result["weights"].append(_weights(model))
+            result["weights"].append(final_params(model))
         result["statistics"] = guard.state_dict()["statistics"]
     return result
 

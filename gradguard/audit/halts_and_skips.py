@@ -92,15 +92,8 @@ class HaltSkipCollector:
         skipping = run.skipping_rules if run.watch_step == step and run.skipping_rules else {rule: None}
         for name in skipping:
             run.count(name, "skip_step_on_nonfinite")
-        if not self._shown(step, rule):
+        if not self._tally(step, rule, params, self.skipped_params):
             return
-        names = self._narrow(params)
-        if not names:
-            return
-        self.skips.add(step)
-        self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
-        for name in names:
-            self.skipped_params[name] = self.skipped_params.get(name, 0) + 1
         origin = _origin(event)
         if origin is not None and len(self.skip_origins) < KEPT_HALTS:
             self.skip_origins.append(SkipOrigin(run=run.run, rank=run.rank, step=step, origin=origin))
@@ -111,18 +104,24 @@ class HaltSkipCollector:
         params = names_field(event, "params")
         step: int | None = event.get("step")
         run.count(rule, "skip_step_on_spike")
-        if not self._shown(step, rule):
+        if not self._tally(step, rule, params, self.spiked_params):
             return
-        names = self._narrow(params)
-        if not names:
-            return
-        self.skips.add(step)
-        self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
-        for name in names:
-            self.spiked_params[name] = self.spiked_params.get(name, 0) + 1
         z = event.get("z")
         if type(z) is float and (self.largest_spike is None or z > self.largest_spike[0]):
             self.largest_spike = (z, step)
+
+    def _tally(self, step: int | None, rule: str, params: list[str], per_param: dict[str, int]) -> bool:
+        """Count a skipped step the filters show, and its parameters into ``per_param``; False if not shown."""
+        if not self._shown(step, rule):
+            return False
+        names = self._narrow(params)
+        if not names:
+            return False
+        self.skips.add(step)
+        self.skips_by_rule[rule] = self.skips_by_rule.get(rule, 0) + 1
+        for name in names:
+            per_param[name] = per_param.get(name, 0) + 1
+        return True
 
     def scaler_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
         rule = event.get("rule")

@@ -22,10 +22,17 @@ from gradguard.enforce.tensors import EPS, by_device, in_torch_order, stack_on
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, AutoClip, ZClip
 
-__all__ = ["AutoClipKernel", "ZClipKernel", "norms_for_statistics"]
+__all__ = ["AutoClipKernel", "ZClipKernel", "followed_norms", "norms_for_statistics"]
 
 ZCLIP_EPS = 1e-6
 """ZClip's epsilon in ``z = (norm - mean) / (std + eps)`` (the reference implementation's)."""
+
+
+def followed_norms(work: StepWork, ids: list[int], scope: str) -> tuple[bool, list[torch.Tensor], torch.Tensor]:
+    """``(group scope?, the gradients of ids, the norms the statistics follow)``: see :func:`norms_for_statistics`."""
+    group = scope == "group"
+    gs = [work.grads[i] for i in ids]
+    return group, gs, norms_for_statistics(work, ids, gs, group)
 
 
 def norms_for_statistics(work: StepWork, ids: list[int], gs: list[torch.Tensor], group: bool) -> torch.Tensor:
@@ -120,9 +127,7 @@ class ZClipKernel(ActionKernel):
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         assert isinstance(action, ZClip)
         assert work.statistics is not None
-        group = action.scope == "group"
-        gs = [work.grads[i] for i in ids]
-        g = norms_for_statistics(work, ids, gs, group)
+        group, gs, g = followed_norms(work, ids, action.scope)
         warmup = action.warmup_steps
 
         def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -195,9 +200,7 @@ class AutoClipKernel(ActionKernel):
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         assert isinstance(action, AutoClip)
         assert work.statistics is not None
-        group = action.scope == "group"
-        gs = [work.grads[i] for i in ids]
-        g = norms_for_statistics(work, ids, gs, group)
+        group, gs, g = followed_norms(work, ids, action.scope)
         history = action.history
 
         def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from gradguard.enforce.actions.adaptive import norms_for_statistics
+from gradguard.enforce.actions.adaptive import followed_norms
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.statistics import STATS_DTYPE
 from gradguard.enforce.step import Spike, StepWork
@@ -40,9 +40,7 @@ class SpikeSkipKernel(ActionKernel):
     def observe(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> None:
         assert isinstance(action, SkipStepOnSpike)
         assert work.statistics is not None
-        group = action.scope == "group"
-        gs = [work.grads[i] for i in ids]
-        g = norms_for_statistics(work, ids, gs, group)
+        group, _, g = followed_norms(work, ids, action.scope)
         window = action.window
 
         def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:

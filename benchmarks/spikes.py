@@ -183,6 +183,7 @@ class Arm:
     norms: list[torch.Tensor] = field(default_factory=list)
     clipped_steps: int = 0
     skipped: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
     halted_at: int | None = None
     _changed: int = 0
 
@@ -251,6 +252,8 @@ def train_step(arm: Arm, cfg: Config, step: int, tokens: torch.Tensor, corrupted
         changed = arm.changed()
         arm.clipped_steps += changed > arm._changed
         arm._changed = changed
+        if arm.guard.guard is not None and arm.guard.guard.last_step_skipped:
+            arm.skipped_steps.append(step)
 
 
 def loss_spikes(losses: Sequence[float]) -> list[int]:
@@ -316,6 +319,7 @@ def run_seed(cfg: Config, names: Sequence[str], seed: int, scratch: Path) -> See
             "eval_loss": final,
             "last_train_loss": statistics.fmean(arm.losses[-LAST_STEPS:]),
             "skipped": arm.skipped,
+            "skipped_steps": arm.skipped_steps,
             "clipped_steps": arm.clipped_steps,
             "clips": clips,
             "halted_at": arm.halted_at,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from distributed_scenarios import shutdown  # tests/, this script's folder
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
@@ -71,7 +72,7 @@ def main(scope: str) -> None:
         counters = guard.counters.snapshot()
     # A file per rank: two ranks printing to one pipe can interleave their lines.
     Path(f"rank{rank}.json").write_text(json.dumps({"counters": counters, "expected": expected, "worst": worst}))
-    dist.destroy_process_group()
+    shutdown()
 
 
 if __name__ == "__main__":

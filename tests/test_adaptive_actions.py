@@ -509,3 +509,29 @@ def test_a_reload_keeps_the_statistics_of_an_action_that_keeps_its_kind_and_drop
     assert after["0"]["tensors"]["mean"] != before["0"]["tensors"]["mean"]  # and step 6 updated the EMA
     assert after["1"]["action"] == "skip_step_on_spike"
     assert sum(math.isfinite(x) for x in after["1"]["tensors"]["ring"][0]) == 1  # only step 6's norm
+
+
+def test_with_per_micro_batch_the_adaptive_actions_still_act_once_per_step_on_the_accumulated_gradient(
+    make_workload: Any,
+) -> None:
+    """per_micro_batch=True moves only the per-tensor fixed actions into the hooks: zclip and autoclip see the
+    step's accumulated gradient, so two micro-batches give the same weights and statistics either way."""
+    policy = policy_of({"action": "zclip", "warmup_steps": 2}, {"action": "autoclip", "history": 4, "scope": "group"})
+    results = []
+    for per_micro_batch in (False, True):
+        work = make_workload("mlp")
+        opt = torch.optim.SGD(work.model.parameters(), lr=0.1)
+        with GradGuard(work.model, policy, logger=None, per_micro_batch=per_micro_batch) as guard:
+            for step in range(6):
+                opt.zero_grad()
+                for micro in range(2):
+                    (work.loss(work.batch(10 * step + micro)) / 2).backward()
+                opt.step()
+            results.append(
+                (guard.state_dict()["statistics"], {k: v.clone() for k, v in work.model.state_dict().items()})
+            )
+    (stats_a, weights_a), (stats_b, weights_b) = results
+    assert stats_a == stats_b
+    assert stats_a["adaptive"]["1"]["counters"]["slot"] == 2  # 6 steps in a 4-slot ring: one norm per step
+    for name, value in weights_a.items():
+        assert torch.equal(value, weights_b[name]), name

@@ -10,6 +10,7 @@ the fused path where the guard, not the fused kernel, divides by the scale.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,44 @@ def test_a_finite_gradient_whose_float32_norm_overflows_is_clipped_by_its_float6
     (event,) = events_of(log, "intervention")
     assert event["param"] == "weight"
     assert event["overflowed"] is True
+
+
+ADAPTIVE = make_policy(
+    {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+    {"name": "auto", "match": "*", "actions": [{"action": "autoclip", "history": 32}]},
+    {"name": "z", "match": "*", "actions": [{"action": "zclip", "warmup_steps": 2, "scope": "group"}]},
+    {"name": "spike", "match": "*", "actions": [{"action": "skip_step_on_spike", "window": 32, "min_samples": 2}]},
+)
+
+
+@pytest.mark.parametrize("boundary", ["optimizer", "explicit", "fused"])
+def test_the_steps_gradscaler_skips_never_enter_the_adaptive_statistics(boundary: str) -> None:
+    """The loss-scale search's overflowing steps are the scaler's to skip: no statistic takes them, whether the
+    guard acts in the optimizer's step, at guard.step(opt) after unscale_, or beside a fused kernel."""
+    torch.manual_seed(1)
+    model = SmallMLP()
+    opt = make_optimizer("adamw-fused" if boundary == "fused" else "sgd", model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**18)
+    applied = 0
+    with GradGuard(model, ADAPTIVE, logger=None, scaler=None if boundary == "fused" else scaler) as guard:
+        for step in range(16):
+            opt.zero_grad()
+            autocast_backward(model, scaler, step)
+            if boundary == "explicit":
+                scaler.unscale_(opt)
+                guard.step(opt)
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            applied += scaler.get_scale() >= before  # the scale only drops on a skipped step
+        statistics = guard.state_dict()["statistics"]
+        skips = guard.counters.snapshot()["grad_scaler"]["skip"]
+    assert skips >= 2  # a real loss-scale search happened
+    assert applied == 16 - skips
+    assert statistics["auto"]["0"]["counters"]["slot"] == applied  # the 32-slot ring's next slot
+    assert sum(x != math.inf for x in statistics["auto"]["0"]["tensors"]["ring"][0]) == applied
+    assert all(math.isfinite(x) for row in statistics["auto"]["0"]["tensors"]["ring"] for x in row if x != math.inf)
+    assert statistics["z"]["0"]["tensors"]["count"] == [2.0]  # warm-up filled by applied steps only
+    assert math.isfinite(statistics["z"]["0"]["tensors"]["mean"][0])
+    assert statistics["spike"]["0"]["counters"]["slot"] == applied
+    assert sum(x == x for x in statistics["spike"]["0"]["tensors"]["ring"][0]) == applied  # NaN: empty

@@ -250,7 +250,13 @@ def test_state_dict_carries_the_step_and_skip_history_into_a_new_guard(make_work
         poisoned_step(0)
         assert first.last_step_skipped
         state = first.state_dict()
-    assert state == {"format": 1, "step": 1, "skips": {"r0": {"consecutive": 1, "recent": [0]}}, "statistics": {}}
+    assert state == {
+        "format": 1,
+        "step": 1,
+        "skips": {"r0": {"consecutive": 1, "recent": [0]}},
+        "statistics": {},
+        "health": [],
+    }
     with GradGuard(work.model, policy, logger=None) as second:
         second.load_state_dict(state)
         assert second.step_count == 1

@@ -239,6 +239,37 @@ def test_vanishing_and_exploding_layers_are_warned_about_once_until_they_recover
     assert counts == {"layers": {"vanishing": 2, "exploding": 1}}
 
 
+def test_a_resumed_run_does_not_warn_again_about_a_layer_still_vanishing(make_policy, read_audit, tmp_path):
+    """The monitors' flags travel in guard.state_dict(): after a resume, a layer that still vanishes is not
+    warned about again; its recovery is reported, as in the uninterrupted run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Gain(8), nn.Linear(8, 1))
+    rule = {
+        "name": "layers",
+        "match": ["1.*"],
+        "actions": [{"action": "monitor", "scope": "module", "vanishing_below": 1e-6}],
+    }
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def run(guard: GradGuard, gains: list[float]) -> None:
+        for step, gain in enumerate(gains):
+            model[1].gain = gain
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).sum().backward()
+            opt.step()
+
+    with GradGuard(model, make_policy(rule), logger=None) as first:
+        run(first, [1e-9, 1e-9])
+        state = first.state_dict()
+    assert state["health"] == [["layers", "module", "1", "vanishing"]]
+    log = tmp_path / "resumed.jsonl"
+    with GradGuard(model, make_policy(rule), logger=None, audit_log=log) as second:
+        second.load_state_dict(state)
+        run(second, [1e-9, 1.0])
+    flagged = [(e["event"], e["name"]) for e in read_audit(log) if e["event"] in {"vanishing", "recovered"}]
+    assert flagged == [("recovered", "1")]
+
+
 def test_a_nan_gradient_s_figures_are_logged_as_nan_before_the_halt(make_workload, make_policy, read_audit, tmp_path):
     """The monitor logs a NaN figure as "NaN" (never dropped), in the step that halts, before the halt event."""
     from gradguard import GradientHalt

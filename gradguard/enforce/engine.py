@@ -280,12 +280,14 @@ class Enforcer:
             self.record_scaler_skip(entry.index for entry in plan.params)
 
     def state_dict(self) -> dict[str, Any]:
-        """What decides future steps: the step number, every rule's skip history, every adaptive statistic."""
+        """What decides future steps: the step number, every rule's skip history, every adaptive statistic (and the
+        monitors' flags, so a resumed run does not warn again about what is still vanishing or exploding)."""
         rules = self.binding.policy.rules
         return {
             "step": self.step,
             "skips": self.skip_limits.state_dict(rules),
             "statistics": self.statistics.state_dict(),
+            "health": self.health.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -296,6 +298,7 @@ class Enforcer:
         unknown = self.skip_limits.load_state_dict(dict(state.get("skips", {})), rules)
         names = [rule.name for rule in rules]
         unknown += self.statistics.load_state_dict(dict(state.get("statistics", {})), names)
+        self.health.load_state_dict(list(state.get("health", [])), set(names))
         return sorted(set(unknown))
 
     def emit_summary(self) -> None:

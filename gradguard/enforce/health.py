@@ -92,6 +92,18 @@ class Health:
             self._last = {key: value for key, value in self._last.items() if key.startswith(prefixes)}
         self._flagged = {key: state for key, state in self._flagged.items() if key[0] in names}
 
+    def state_dict(self) -> list[list[str]]:
+        """The names out of their thresholds now, ``[rule, scope, name, state]``: a resumed run warns again only
+        after they recover, as the uninterrupted run would."""
+        return [[rule, scope, name, state] for (rule, scope, name), state in sorted(self._flagged.items())]
+
+    def load_state_dict(self, saved: Sequence[Sequence[str]], rule_names: set[str]) -> None:
+        self._flagged = {
+            (str(rule), str(scope), str(name)): str(state)
+            for rule, scope, name, state in saved
+            if rule in rule_names and state in ("vanishing", "exploding")
+        }
+
     def flagged(self) -> dict[tuple[str, str], str]:
         """``(rule, name) -> "vanishing" | "exploding"`` for the names out of their thresholds now."""
         return {(rule, name): state for (rule, _, name), state in self._flagged.items()}

@@ -131,9 +131,9 @@ class ZClipKernel(ActionKernel):
         warmup = action.warmup_steps
 
         def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
-            zeros = torch.zeros(columns, dtype=STATS_DTYPE, device=device)
             buffer = torch.zeros(columns, warmup, dtype=STATS_DTYPE, device=device)
-            return {"ready": zeros, "count": zeros.clone(), "buffer": buffer, "mean": zeros.clone(), "var": zeros * 1}
+            fresh = {key: torch.zeros(columns, dtype=STATS_DTYPE, device=device) for key in ("ready", "count", "mean")}
+            return fresh | {"var": torch.zeros(columns, dtype=STATS_DTYPE, device=device), "buffer": buffer}
 
         series = work.statistics.series_for(bound, action, group, (warmup,), g.device, empty)
         cols = None if group else series.select(ids)

@@ -10,7 +10,16 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from gradguard.policy.patterns import check_pattern
@@ -69,10 +78,16 @@ class _StepWindow(_Strict):
         return self.until_step is None or step < self.until_step
 
 
-def _finite(value: float, what: str) -> float:
+def _finite(value: float, info: ValidationInfo) -> float:
     if not math.isfinite(value):
-        raise ValueError(f"{what} must be a finite number, got {value!r}")
+        raise ValueError(f"{info.field_name} must be a finite number, got {value!r}")
     return value
+
+
+Finite = Annotated[float, AfterValidator(_finite)]
+"""A float field that must be finite (``.inf`` and ``.nan`` parse as floats): the error names the field."""
+PositiveFinite = Annotated[float, Field(gt=0, strict=True), AfterValidator(_finite)]
+"""A finite float above 0, for optional fields (the bound belongs to the number, not to ``None``)."""
 
 
 class ClipNorm(_StepWindow):
@@ -83,17 +98,12 @@ class ClipNorm(_StepWindow):
     """
 
     action: Literal["clip_norm"]
-    max_norm: float = Field(gt=0, strict=True)
+    max_norm: Finite = Field(gt=0, strict=True)
     """Largest norm a gradient keeps; a larger one is scaled down to it."""
     norm_type: float = Field(default=2.0, gt=0, strict=True)
     """The p of the p-norm (2.0: Euclidean; .inf: largest absolute element)."""
     scope: Literal["tensor", "group"] = "tensor"
     """``tensor``: each parameter by its own norm; ``group``: all of the rule's parameters by their joint norm."""
-
-    @field_validator("max_norm")
-    @classmethod
-    def _max_norm_is_finite(cls, value: float) -> float:
-        return _finite(value, "max_norm")
 
 
 class AdaptiveGradClip(_StepWindow):
@@ -106,43 +116,28 @@ class AdaptiveGradClip(_StepWindow):
     """
 
     action: Literal["agc"]
-    clipping: float = Field(default=0.01, gt=0, strict=True)
+    clipping: Finite = Field(default=0.01, gt=0, strict=True)
     """The largest gradient norm a unit keeps, as a fraction of its weight norm (NFNets' lambda)."""
-    eps: float = Field(default=1e-3, gt=0, strict=True)
+    eps: Finite = Field(default=1e-3, gt=0, strict=True)
     """The smallest weight norm counted, so units with weights near zero (fresh biases) can still move."""
     scope: Literal["tensor", "group"] = "tensor"
     """``tensor``: each output unit (row) of each parameter; ``group``: all of the rule's parameters as one unit."""
-
-    @field_validator("clipping", "eps")
-    @classmethod
-    def _is_finite(cls, value: float, info: ValidationInfo) -> float:
-        return _finite(value, str(info.field_name))
 
 
 class ClipValue(_StepWindow):
     """Clamp every gradient element into ``[-limit, limit]``, exactly as ``clip_grad_value_`` does."""
 
     action: Literal["clip_value"]
-    limit: float = Field(gt=0, strict=True)
+    limit: Finite = Field(gt=0, strict=True)
     """Every element is clamped into ``[-limit, limit]``."""
-
-    @field_validator("limit")
-    @classmethod
-    def _limit_is_finite(cls, value: float) -> float:
-        return _finite(value, "limit")
 
 
 class Scale(_StepWindow):
     """Multiply the gradient by ``factor`` (e.g. 0.1 to slow a part of the model down)."""
 
     action: Literal["scale"]
-    factor: float = Field(ge=0, strict=True)
+    factor: Finite = Field(ge=0, strict=True)
     """What the gradient is multiplied by."""
-
-    @field_validator("factor")
-    @classmethod
-    def _factor_is_finite(cls, value: float) -> float:
-        return _finite(value, "factor")
 
 
 class Zero(_StepWindow):
@@ -211,7 +206,7 @@ class SkipStepOnSpike(_SkipLimits):
     """
 
     action: Literal["skip_step_on_spike"]
-    z_thresh: float = Field(default=6.0, gt=0, strict=True)
+    z_thresh: Finite = Field(default=6.0, gt=0, strict=True)
     """How many standard deviations above the window's mean make a spike."""
     window: int = Field(default=128, ge=2, le=100_000, strict=True)
     """How many recent applied steps' norms the mean and standard deviation are taken over."""
@@ -222,7 +217,6 @@ class SkipStepOnSpike(_SkipLimits):
 
     @model_validator(mode="after")
     def _samples_fit_the_window(self) -> SkipStepOnSpike:
-        _finite(self.z_thresh, "z_thresh")
         if self.min_samples > self.window:
             raise ValueError(
                 f"min_samples ({self.min_samples}) cannot exceed window ({self.window}); "
@@ -243,21 +237,14 @@ class ZClip(_StepWindow):
     action: Literal["zclip"]
     alpha: float = Field(default=0.97, gt=0, lt=1, strict=True)
     """EMA smoothing factor of the mean and the variance (closer to 1: slower)."""
-    z_thresh: float = Field(default=2.5, gt=0, strict=True)
+    z_thresh: Finite = Field(default=2.5, gt=0, strict=True)
     """The z-score above which a norm is clipped."""
     warmup_steps: int = Field(default=25, ge=1, le=100_000, strict=True)
     """How many finite norms set the first mean and variance; no adaptive clip before."""
-    max_norm: float | None = Field(default=None, gt=0, strict=True)
+    max_norm: PositiveFinite | None = None
     """A fixed ceiling on the norm at every step, also during warm-up (``None``: none)."""
     scope: Literal["tensor", "group"] = "tensor"
     """``tensor``: each parameter by its own norm and statistics; ``group``: the rule's joint norm."""
-
-    @model_validator(mode="after")
-    def _figures_are_finite(self) -> ZClip:
-        _finite(self.z_thresh, "z_thresh")
-        if self.max_norm is not None:
-            _finite(self.max_norm, "max_norm")
-        return self
 
 
 class AutoClip(_StepWindow):
@@ -295,8 +282,8 @@ class Monitor(_StepWindow):
     action: Literal["monitor"]
     every: int = Field(default=1, ge=1, strict=True)
     stats: tuple[MonitorStat, ...] = Field(default=("norm",), min_length=1)
-    vanishing_below: float | None = Field(default=None, gt=0, strict=True)
-    exploding_above: float | None = Field(default=None, gt=0, strict=True)
+    vanishing_below: PositiveFinite | None = None
+    exploding_above: PositiveFinite | None = None
     scope: Literal["tensor", "group", "module"] = "tensor"
     depth: int = Field(default=1, ge=1, strict=True)
     """``scope: module``: how many leading segments of the dotted name make the module (1: ``blocks``,
@@ -316,10 +303,6 @@ class Monitor(_StepWindow):
 
     @model_validator(mode="after")
     def _thresholds_are_ordered(self) -> Monitor:
-        for name in ("vanishing_below", "exploding_above"):
-            value = getattr(self, name)
-            if value is not None:
-                _finite(value, name)
         low, high = self.vanishing_below, self.exploding_above
         if low is not None and high is not None and low >= high:
             raise ValueError(

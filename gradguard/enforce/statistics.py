@@ -27,7 +27,7 @@ import torch
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action
 
-__all__ = ["Series", "Statistics", "StepStatistics"]
+__all__ = ["Series", "Statistics", "StepStatistics", "pushed"]
 
 STATS_DTYPE = torch.float64
 """Statistics are kept in float64 whatever the gradients' dtype: they are a few numbers per parameter."""
@@ -60,6 +60,14 @@ class Series:
         self.bound = bound
         self.in_order = [entry.index for entry in bound.params]
         self.columns = {index: column for column, index in enumerate(self.in_order)}
+
+    def at(self, cols: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Every tensor's rows ``cols`` (``None``: all of them, not copied)."""
+        return {key: value if cols is None else value.index_select(0, cols) for key, value in self.tensors.items()}
+
+    def ring_slot(self, size: int) -> int:
+        """The column of a ring of ``size`` columns the next applied step writes (propose ``slot + 1`` after)."""
+        return self.counters.get("slot", 0) % size
 
     def select(self, ids: list[int]) -> torch.Tensor | None:
         """The columns of ``ids`` as an index tensor, or ``None`` when they are all columns in order."""
@@ -177,6 +185,15 @@ class Statistics:
         }
         counters = {name: int(value) for name, value in entry["counters"].items()}
         return Series(str(entry["action"]), tuple(entry["shape"]), tuple(entry["names"]), tensors, counters)
+
+
+def pushed(ring: torch.Tensor, slot: int, values: torch.Tensor, empty: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A copy of ``ring`` whose column ``slot`` holds ``values`` (``empty`` where one is not finite: non-finite
+    norms never enter a ring), and the column it replaced."""
+    out = ring.clone()
+    evicted = out[:, slot].clone()
+    out[:, slot] = torch.where(torch.isfinite(values), values, torch.full_like(values, empty))
+    return out, evicted
 
 
 def _carry_over(earlier: Series, fresh: Series) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.statistics import STATS_DTYPE, Series
+from gradguard.enforce.statistics import STATS_DTYPE, pushed
 from gradguard.enforce.step import StepWork
 from gradguard.enforce.tensors import EPS, by_device, in_torch_order, stack_on
 from gradguard.policy.matching import BoundRule
@@ -61,10 +61,6 @@ def _rescale(gs: list[torch.Tensor], coef: torch.Tensor, group: bool) -> None:
             continue
         mine = coef if len(positions) == len(gs) else coef[positions]
         torch._foreach_mul_(members, list(mine.to(device, torch.float32).unbind()))
-
-
-def _sub(series: Series, cols: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    return {k: v if cols is None else v.index_select(0, cols) for k, v in series.tensors.items()}
 
 
 Report = Callable[[list[float]], None]
@@ -137,7 +133,7 @@ class ZClipKernel(ActionKernel):
 
         series = work.statistics.series_for(bound, action, group, (warmup,), g.device, empty)
         cols = None if group else series.select(ids)
-        state = _sub(series, cols)
+        state = series.at(cols)
         finite = torch.isfinite(g)
         ready = state["ready"] > 0
         mean, var = state["mean"], state["var"]
@@ -210,12 +206,10 @@ class AutoClipKernel(ActionKernel):
 
         series = work.statistics.series_for(bound, action, group, (history,), g.device, empty)
         cols = None if group else series.select(ids)
-        state = _sub(series, cols)
-        slot = series.counters.get("slot", 0) % history
+        state = series.at(cols)
+        slot = series.ring_slot(history)
         finite = torch.isfinite(g)
-        ring = state["ring"].clone()
-        evicted = ring[:, slot].clone()
-        ring[:, slot] = torch.where(finite, g, torch.full_like(g, math.inf))
+        ring, evicted = pushed(state["ring"], slot, g, math.inf)
         count = state["count"] - (evicted < math.inf).to(STATS_DTYPE) + finite.to(STATS_DTYPE)
         threshold = _percentile(ring, count, action.percentile)
         usable = finite & torch.isfinite(threshold)

@@ -17,7 +17,7 @@ import torch
 
 from gradguard.enforce.actions.adaptive import followed_norms
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.statistics import STATS_DTYPE
+from gradguard.enforce.statistics import STATS_DTYPE, pushed
 from gradguard.enforce.step import Spike, StepWork
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, SkipStepOnSpike
@@ -49,7 +49,7 @@ class SpikeSkipKernel(ActionKernel):
 
         series = work.statistics.series_for(bound, action, group, (window,), g.device, empty)
         cols = None if group else series.select(ids)
-        ring = series.tensors["ring"] if cols is None else series.tensors["ring"].index_select(0, cols)
+        ring = series.at(cols)["ring"]
         known = ~torch.isnan(ring)
         count = known.sum(dim=1).to(STATS_DTYPE)
         values = torch.where(known, ring, torch.zeros_like(ring))
@@ -59,9 +59,8 @@ class SpikeSkipKernel(ActionKernel):
         finite = torch.isfinite(g)
         spike = finite & (count >= action.min_samples) & (g - mean > action.z_thresh * std)
 
-        slot = series.counters.get("slot", 0) % window
-        proposed = ring.clone()
-        proposed[:, slot] = torch.where(finite, g, torch.full_like(g, math.nan))
+        slot = series.ring_slot(window)
+        proposed, _ = pushed(ring, slot, g, math.nan)
         work.statistics_step.propose(series, cols, {"ring": proposed}, {"slot": slot + 1})
 
         figures = torch.stack([spike.to(STATS_DTYPE), g, mean, std, count])

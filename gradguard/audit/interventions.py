@@ -13,7 +13,7 @@ from gradguard.audit.fields import Malformed, names_field, number_or_none
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
-from gradguard.audit.summary import ParamRow, RuleActionRow
+from gradguard.audit.summary import ParamRow, ParamTally, RuleActionRow
 
 __all__ = ["InterventionCollector"]
 
@@ -33,18 +33,15 @@ class _RuleAction:
         self.best_step: int | None = None
 
 
-class _Param:
-    __slots__ = ("count", "element", "element_step", "first", "last", "norm", "norm_step", "rules")
+class _Param(ParamTally):
+    __slots__ = ("element", "element_step", "norm", "norm_step")
 
     def __init__(self) -> None:
-        self.count = 0
-        self.first: int | None = None
-        self.last: int | None = None
+        super().__init__()
         self.norm: float | None = None
         self.norm_step: int | None = None
         self.element: float | None = None
         self.element_step: int | None = None
-        self.rules: dict[str, None] = {}
 
 
 NORM_ACTIONS = frozenset({"clip_norm", "zclip", "autoclip", "agc"})
@@ -122,13 +119,7 @@ class InterventionCollector:
         entry = self._params.get(name)
         if entry is None:
             entry = self._params[name] = _Param()
-        entry.count += 1
-        if step is not None:
-            if entry.first is None:
-                entry.first = step
-            entry.last = step
-        if rule not in entry.rules:
-            entry.rules[rule] = None
+        entry.add(step, rule)
         if before is None:
             return
         if action in NORM_ACTIONS:

@@ -10,20 +10,17 @@ from gradguard.audit.fields import names_field, text_field
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
-from gradguard.audit.summary import NonfiniteRow, StepTally
+from gradguard.audit.summary import NonfiniteRow, ParamTally, StepTally
 
 __all__ = ["NonfiniteCollector"]
 
 
-class _Nonfinite:
-    __slots__ = ("count", "first", "kinds", "last", "rules")
+class _Nonfinite(ParamTally):
+    __slots__ = ("kinds",)
 
     def __init__(self) -> None:
-        self.count = 0
-        self.first: int | None = None
-        self.last: int | None = None
+        super().__init__()
         self.kinds: dict[str, None] = {}
-        self.rules: dict[str, None] = {}
 
 
 class NonfiniteCollector:
@@ -61,13 +58,8 @@ class NonfiniteCollector:
         entry = self._by_param.get(param)
         if entry is None:
             entry = self._by_param[param] = _Nonfinite()
-        entry.count += 1
-        if step is not None:
-            if entry.first is None:
-                entry.first = step
-            entry.last = step
+        entry.add(step, rule)
         entry.kinds[kind] = None
-        entry.rules[rule] = None
 
     def unhalted_event(self, event: dict[str, Any], run: RunState, record: Record) -> None:
         names = names_field(event, "params")

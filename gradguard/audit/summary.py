@@ -23,6 +23,7 @@ __all__ = [
     "Mismatch",
     "NonfiniteRow",
     "ParamRow",
+    "ParamTally",
     "RuleActionRow",
     "RunInfo",
     "StepList",
@@ -121,6 +122,26 @@ class StepList:
     """The first :data:`SHOWN_STEPS` distinct steps."""
     first_step: int | None = None
     last_step: int | None = None
+
+
+class ParamTally:
+    """One parameter's events of a kind: how many, the first and last step, and under which rules."""
+
+    __slots__ = ("count", "first", "last", "rules")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first: int | None = None
+        self.last: int | None = None
+        self.rules: dict[str, None] = {}
+
+    def add(self, step: int | None, rule: str) -> None:
+        self.count += 1
+        if step is not None:
+            if self.first is None:
+                self.first = step
+            self.last = step
+        self.rules[rule] = None
 
 
 class StepTally:

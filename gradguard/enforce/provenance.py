@@ -24,6 +24,7 @@ import functools
 import math
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
@@ -37,7 +38,7 @@ from gradguard.policy.matching import Binding, canonical_name
 
 __all__ = ["ARMED_STEPS", "GRADIENT_FLAGS_BY_DEFAULT", "MODES", "Provenance", "attach_provenance", "check_mode"]
 
-MODES: Final = ("always", "after_fault")
+MODES: Final = ("first_fault", "always", "after_fault")
 ARMED_STEPS: Final = 100
 """``after_fault``: the module hooks stay armed this many steps after the last non-finite step."""
 GRADIENT_FLAGS_BY_DEFAULT: Final = False
@@ -89,6 +90,31 @@ def _peak(tensor: torch.Tensor) -> torch.Tensor:
     return norm
 
 
+def _sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum (in float32 at least): NaN if any element is NaN or if both infinities are present, else
+    Inf if any is infinite or if the sum overflows (a finite tensor whose elements add up beyond ~3e38,
+    far rarer than the 2-norm's overflow). Half the cost of the 2-norm on CPU; no sync."""
+    local = local_tensor(tensor).detach()
+    total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
+    return total
+
+
+@dataclass(frozen=True)
+class Tracing:
+    """How the light trace (``first_fault``) records: the benchmark's arms vary these."""
+
+    reduce: Callable[[torch.Tensor], torch.Tensor] = _sum
+    backward: bool = True
+    """Tensor hooks on the recorded outputs (their gradients in backward)."""
+    depth: int | None = None
+    """Hook only the modules at most this many dots deep (None: every module)."""
+    leaves: bool = False
+    """Hook only the modules without children."""
+
+
+LIGHT: Final = Tracing()
+
+
 def _kind(value: float) -> str:
     return "nan" if math.isnan(value) else "inf"
 
@@ -96,9 +122,18 @@ def _kind(value: float) -> str:
 class Provenance:
     """Arms and disarms the hooks, queues their figures into the step's one read, and names the origin."""
 
-    def __init__(self, model: nn.Module, binding: Binding, mode: str | None, *, gradients: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        binding: Binding,
+        mode: str | None,
+        *,
+        gradients: bool | None = None,
+        tracing: Tracing = LIGHT,
+    ) -> None:
         check_mode(mode)
         self.mode = mode
+        self._tracing = tracing
         self.gradients = mode is not None and (mode == "always" or GRADIENT_FLAGS_BY_DEFAULT)
         """Whether the gradient flags are on from the start (else they are armed with the module hooks)."""
         if gradients is not None:
@@ -115,10 +150,13 @@ class Provenance:
         self._param_refs: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
         self._module_handles: list[RemovableHandle] = []
         self._grad_handles: list[RemovableHandle] = []
+        self._light_handles: list[RemovableHandle] = []
         self._armed_until: int | None = None
         self._reset()
         if mode == "always":
             self._arm_modules()
+        elif mode == "first_fault":
+            self._arm_light()
         self.rebind(binding)
 
     # --- arming ------------------------------------------------------------------------------------
@@ -128,9 +166,33 @@ class Provenance:
         """Whether the module hooks are registered now."""
         return bool(self._module_handles)
 
+    def _arm_light(self) -> None:
+        """``first_fault``'s light trace: a forward hook per module that reduces its output (and a tensor hook
+        on that output for its gradient), and the pre-hook on the model for the batch."""
+        tracing = self._tracing
+        for index, ref in enumerate(self._modules):
+            module = ref()
+            if module is None or index == 0 and (tracing.depth is not None or tracing.leaves):
+                continue
+            if tracing.depth is not None and self.names[index].count(".") > tracing.depth:
+                continue
+            if tracing.leaves and next(module.children(), None) is not None:
+                continue
+            hook = functools.partial(self._light_forward, index)
+            self._light_handles.append(module.register_forward_hook(hook))
+        root = self._modules[0]()
+        if root is not None:
+            self._light_handles.append(root.register_forward_pre_hook(self._light_data))
+
+    def _disarm_light(self) -> None:
+        for handle in self._light_handles:
+            handle.remove()
+        self._light_handles = []
+
     def _arm_modules(self) -> None:
         if self._module_handles:
             return
+        self._disarm_light()
         if not self.gradients and self.mode is not None:
             self._register_flags()
         for index, ref in enumerate(self._modules):
@@ -148,6 +210,8 @@ class Provenance:
         self._module_handles = []
         if not self.gradients:
             self._remove_flags()
+        if self.mode == "first_fault" and not self._light_handles:
+            self._arm_light()
 
     def _remove_flags(self) -> None:
         for handle in self._grad_handles:
@@ -172,7 +236,9 @@ class Provenance:
             self._remove_flags()
 
     def remove(self) -> None:
+        self.mode = None  # nothing re-arms
         self._disarm_modules()
+        self._disarm_light()
         self._remove_flags()
         self._reset()
 
@@ -181,12 +247,15 @@ class Provenance:
         self._fwd_meta: list[tuple[int, int]] = []
         """(module index, role: data, input or output), per forward figure."""
         self._bwd: list[torch.Tensor] = []
-        self._bwd_meta: list[tuple[int, list[int]]] = []
-        """(producing module or -1, the modules that took the tensor as input), per gradient figure."""
+        self._bwd_meta: list[tuple[int, list[int], int]] = []
+        """(producing module or -1, the modules that took the tensor as input, and for the light trace, which
+        does not follow inputs, the position of the tensor's own forward figure, else -1), per gradient figure."""
         self._acc: list[torch.Tensor] = []
         self._acc_meta: list[int] = []
         """Guarded tensor index, per accumulated-gradient figure."""
         self._seen: dict[int, _Seen] = {}
+        self._last: tuple[int, int] = (0, -1)
+        """The light trace's last recorded tensor (id, version): a container passing it on is not read again."""
 
     # --- hooks (no host sync in any of them) -------------------------------------------------------
 
@@ -227,7 +296,39 @@ class Provenance:
     def _backward(self, producer: int, consumers: list[int], grad: torch.Tensor) -> None:
         if len(self._bwd) < MAX_ENTRIES and grad.layout is _STRIDED:
             self._bwd.append(_peak(grad))
-            self._bwd_meta.append((producer, consumers))
+            self._bwd_meta.append((producer, consumers, -1))
+
+    def _light_data(self, module: nn.Module, args: Any) -> None:
+        if self._recording():
+            for tensor in _tensors(args):
+                self._fwd.append(self._tracing.reduce(tensor))
+                self._fwd_meta.append((0, _DATA))
+
+    def _light_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._recording():
+            return
+        if isinstance(output, torch.Tensor):
+            if (output.is_floating_point() or output.is_complex()) and output.layout is _STRIDED and output.numel():
+                self._light_record(output, index)
+        else:
+            for tensor in _tensors(output):
+                self._light_record(tensor, index)
+
+    def _light_record(self, tensor: torch.Tensor, index: int) -> None:
+        key = (id(tensor), tensor._version)
+        if key == self._last:
+            return  # a container passing its last child's output on
+        self._last = key
+        position = len(self._fwd)
+        self._fwd.append(self._tracing.reduce(tensor))
+        self._fwd_meta.append((index, _OUTPUT))
+        if tensor.requires_grad and self._tracing.backward:
+            tensor.register_hook(functools.partial(self._light_backward, index, position))  # type: ignore[no-untyped-call]
+
+    def _light_backward(self, producer: int, position: int, grad: torch.Tensor) -> None:
+        if len(self._bwd) < MAX_ENTRIES and grad.layout is _STRIDED:
+            self._bwd.append(self._tracing.reduce(grad))
+            self._bwd_meta.append((producer, [], position))
 
     def _accumulated(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
@@ -263,7 +364,7 @@ class Provenance:
         self,
         step: tuple[StepOutcome, int, int],
         sizes: tuple[int, int],
-        metas: tuple[list[tuple[int, int]], list[tuple[int, list[int]]], list[int]],
+        metas: tuple[list[tuple[int, int]], list[tuple[int, list[int], int]], list[int]],
         armed: bool,
         distributed: bool,
         values: list[float],
@@ -274,7 +375,7 @@ class Provenance:
         self._fault(index)
         fwd, bwd, acc = values[: sizes[0]], values[sizes[0] : sum(sizes)], values[sum(sizes) :]
         first = self._first_params(acc, metas[2])
-        origin = self._forward_origin(fwd, metas[0]) or self._backward_origin(bwd, metas[1])
+        origin = self._forward_origin(fwd, metas[0]) or self._backward_origin(bwd, metas[1], metas[0])
         singled_out = len(first) < len(outcome.nonfinite)  # some went non-finite before the others
         if origin is None and first:
             kind = _kind(next(v for v in acc if not math.isfinite(v)))
@@ -290,6 +391,10 @@ class Provenance:
                 note += " through the all-reduce)"
             origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         everyone = len(outcome.nonfinite) == treated > 1
+        if origin is None and fwd:
+            note = "its forward and the gradients of the modules' outputs were finite: it went non-finite in a "
+            note += "parameter's own gradient, or after backward"
+            origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         if origin is None:
             # Nothing was recorded: after_fault's first fault (its hooks are armed from now on).
             note = "not traced: no hook was armed" + (self._retrace if self.mode == "after_fault" else "")
@@ -303,7 +408,7 @@ class Provenance:
         return " (provenance='after_fault' has armed its module hooks: a recurrence is traced)" if self.mode else ""
 
     def _fault(self, step: int) -> None:
-        if self.mode == "after_fault":
+        if self.mode in ("after_fault", "first_fault"):
             self._arm_modules()
             self._armed_until = step + ARMED_STEPS
 
@@ -334,12 +439,16 @@ class Provenance:
             return origin | {"module": names[index], "seen_in": names[index]}
         return None
 
-    def _backward_origin(self, values: list[float], meta: list[tuple[int, list[int]]]) -> dict[str, Any] | None:
+    def _backward_origin(
+        self, values: list[float], meta: list[tuple[int, list[int], int]], forward: list[tuple[int, int]]
+    ) -> dict[str, Any] | None:
         names = self.names
         for position, value in enumerate(values):
             if math.isfinite(value):
                 continue
-            producer, consumers = meta[position]
+            producer, consumers, recorded = meta[position]
+            if recorded >= 0:
+                consumers = self._next_module(producer, forward[recorded + 1 :])
             # The tensor's gradient comes from the modules that took it as input: the innermost of them.
             inner = [c for c in consumers if not any(d != c and self._within(d, c) for d in consumers)]
             if inner:
@@ -357,6 +466,11 @@ class Provenance:
                 origin["note"] = "the gradient of the model's output was already non-finite: the loss made it"
             return origin
         return None
+
+    def _next_module(self, producer: int, later: list[tuple[int, int]]) -> list[int]:
+        """The light trace's guess at who consumed ``producer``'s output: the next module to record an output
+        that is not around ``producer`` (the trace does not follow inputs)."""
+        return next(([index] for index, role in later if role == _OUTPUT and not self._within(producer, index)), [])
 
     def _within(self, inner: int, outer: int) -> bool:
         """Whether module ``inner`` is ``outer`` or lies inside it (by name)."""
@@ -378,4 +492,4 @@ def attach_provenance(
 
 def check_mode(mode: object) -> None:
     if mode is not None and mode not in MODES:
-        raise ValueError(f"provenance must be 'always', 'after_fault' or None, got {mode!r}")
+        raise ValueError(f"provenance must be 'first_fault', 'always', 'after_fault' or None, got {mode!r}")

@@ -18,12 +18,11 @@ of the median step per round against ``off``, ``[p25-p75]``):
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,49 +31,82 @@ import torch
 
 import gradguard.enforce.provenance as provenance_module
 
-ROWS = ("off", "off-2", "after_fault", "after_fault+flags", "always")
+ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-norm", "ff-fwd", "ff-depth2", "always")
 
 
-class WithFlags(bench.Guarded):
-    """``after_fault`` with the gradient flags on from the start for this guard (a module switch, read at attach)."""
+class Traced(bench.Guarded):
+    """A guard with ``provenance=None``, then a :class:`Provenance` in ``mode`` with these ``tracing`` knobs."""
+
+    def __init__(self, name: str, label: str, policy: Any, mode: str, tracing: provenance_module.Tracing) -> None:
+        super().__init__(name, label, policy, guard_options={"provenance": None})
+        self.mode, self.tracing = mode, tracing
 
     def setup(self, work: bench.Workload, scratch: Path) -> None:
-        with flags(True):
-            super().setup(work, scratch)
-
-
-@contextlib.contextmanager
-def flags(on: bool) -> Iterator[None]:
-    saved = provenance_module.GRADIENT_FLAGS_BY_DEFAULT
-    provenance_module.GRADIENT_FLAGS_BY_DEFAULT = on  # type: ignore[misc]
-    try:
-        yield
-    finally:
-        provenance_module.GRADIENT_FLAGS_BY_DEFAULT = saved  # type: ignore[misc]
+        super().setup(work, scratch)
+        guard = self.guard
+        assert guard is not None
+        enforcer = guard._enforcer
+        traced = provenance_module.Provenance(work.model, guard._plans.binding, self.mode, tracing=self.tracing)
+        enforcer.provenance = traced
+        guard._attachment.handles.append(traced)
 
 
 def treatments() -> list[bench.Treatment]:
     policy = lambda: bench.per_tensor_policy(bench.NEVER)  # noqa: E731
+    light = provenance_module.LIGHT
     return [
         bench.Guarded("off", "provenance=None", policy, guard_options={"provenance": None}),
         bench.Guarded("off-2", "provenance=None, again (A/A)", policy, guard_options={"provenance": None}),
-        bench.Guarded("after_fault", "after_fault (the default), before any fault", policy),
-        WithFlags("after_fault+flags", "after_fault with the gradient flags on from the start", policy),
+        bench.Guarded(
+            "after_fault", "after_fault, before any fault", policy, guard_options={"provenance": "after_fault"}
+        ),
+        bench.Guarded(
+            "first_fault",
+            "first_fault: output sums + their gradients' sums",
+            policy,
+            guard_options={"provenance": "first_fault"},
+        ),
+        Traced(
+            "ff-norm",
+            "first_fault with 2-norms in place of sums",
+            policy,
+            "first_fault",
+            dataclasses.replace(light, reduce=provenance_module._peak),
+        ),
+        Traced(
+            "ff-fwd",
+            "first_fault, forward only (no tensor hooks)",
+            policy,
+            "first_fault",
+            dataclasses.replace(light, backward=False),
+        ),
+        Traced(
+            "ff-depth2",
+            "first_fault on modules at most 2 dots deep",
+            policy,
+            "first_fault",
+            dataclasses.replace(light, depth=2),
+        ),
         bench.Guarded("always", "always", policy, guard_options={"provenance": "always"}),
     ]
 
 
-def run(quick: bool, rounds: int, seed: int) -> dict[str, Any]:
+SHAPES: dict[str, tuple[dict[str, int], int, int]] = {
+    # step_overhead.py's configurations on CPU: (decoder shape, batch, length)
+    "gpt": (dict(vocab=8192, width=384, depth=6, heads=6), 4, 64),
+    "deep": (dict(vocab=2048, width=128, depth=24, heads=4), 4, 32),
+    "quick": (dict(vocab=64, width=32, depth=1, heads=2), 2, 8),
+}
+
+
+def run(model: str, rounds: int, seed: int, only: set[str] | None = None) -> dict[str, Any]:
     device = torch.device("cpu")
-    shape: dict[str, int] = (
-        dict(vocab=64, width=32, depth=1, heads=2) if quick else dict(vocab=8192, width=384, depth=6, heads=6)
-    )
-    batch, length = (2, 8) if quick else (4, 64)
-    rows = treatments()
-    works = [bench.decoder_workload("gpt", device, **shape, batch=batch, length=length) for _ in rows]
+    shape, batch, length = SHAPES[model]
+    rows = [row for row in treatments() if only is None or row.name in only or row.name in ("off", "off-2")]
+    works = [bench.decoder_workload(model, device, **shape, batch=batch, length=length) for _ in rows]
     bench.share_memory(works)
     with tempfile.TemporaryDirectory(prefix="gradguard-prov-") as scratch, bench.set_up(works, rows, Path(scratch)):
-        times = bench.interleaved(works, rows, rounds, 1 if quick else 3, seed, "provenance")
+        times = bench.interleaved(works, rows, rounds, 1 if model == "quick" else 3, seed, "provenance")
         probes = [bench.probe(work, row) for work, row in zip(works, rows, strict=True)]
     wall = {row.name: [t.wall for t in steps] for row, steps in zip(rows, times, strict=True)}
     return {
@@ -97,14 +129,18 @@ def run(quick: bool, rounds: int, seed: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--model", choices=("gpt", "deep"), default="gpt")
+    parser.add_argument("--only", default=None, help="comma-separated rows (off and off-2 always run)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    result = run(args.quick, args.rounds or (2 if args.quick else 40), args.seed)
-    print(f"## provenance cost, GPT model ({result['description']}), {result['rounds']} rounds, CPU\n")
+    model = "quick" if args.quick else args.model
+    only = set(args.only.split(",")) if args.only else None
+    result = run(model, args.rounds or (2 if args.quick else 40), args.seed, only)
+    print(f"## provenance cost, {model} model ({result['description']}), {result['rounds']} rounds, CPU\n")
     print("| row | what | median step ms | whole step vs `off` | host syncs/step (in backward) |")
     print("|---|---|---:|---:|---:|")
     for row in result["rows"]:

@@ -1,5 +1,9 @@
 """Structured events: one JSON line per event in the audit log, and the application's structlog.
 
+The audit log keeps every field of every event; the application's logger (a console, by default) gets
+a short form of the long ones (:func:`console_fields`): a halt of a 300-parameter model is one line of a
+few hundred characters there, with the rule, step, kind, count, the first names and the origin.
+
 gradguard never calls ``structlog.configure``. The audit log has a processor chain of its own
 (``structlog.wrap_logger``), so its format is the same whatever the application configured. Events
 also go to a structlog logger (by default ``structlog.get_logger("gradguard")``), where the
@@ -30,11 +34,16 @@ from typing import Any, Final
 
 import structlog
 
-__all__ = ["DEFAULT_LOGGER", "EVENT_SCHEMA_VERSION", "EventLog", "JsonLinesFile"]
+__all__ = ["CONSOLE_NAMES", "DEFAULT_LOGGER", "EVENT_SCHEMA_VERSION", "EventLog", "JsonLinesFile", "console_fields"]
 
 EVENT_SCHEMA_VERSION: Final = 1
 
 _LEVELS: Final = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+
+CONSOLE_NAMES: Final = 5
+"""Names (list items) the application's logger is shown per field; the audit log has them all."""
+_CONSOLE_ORIGIN: Final = ("phase", "module", "seen_in", "kind", "input_nonfinite", "spread", "note")
+"""The keys of an ``origin`` the application's logger is shown (``first_params`` are ``params``' first)."""
 
 _BATCH_BYTES: Final = 1 << 20
 """A batch of lines is written once it reaches this size, so a burst never builds one huge buffer."""
@@ -109,6 +118,33 @@ def _finite_json(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mappi
     ordered = {key: event_dict[key] for key in _HEAD_KEYS if key in event_dict}
     ordered.update(event_dict)
     return {key: _json_safe(value) for key, value in ordered.items()}
+
+
+def console_fields(event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The short form of an event's fields for the application's logger; the audit log keeps ``fields``.
+
+    A list longer than :data:`CONSOLE_NAMES` keeps its first items and says how many more there are
+    (``params`` also gets its ``count``); ``kinds`` (a kind per parameter) becomes a tally per kind;
+    ``origin`` keeps where it started (not its list of first parameters, which lead ``params``); a
+    halt's cumulative ``counters`` are left to the audit log (and ``guard.counters``).
+    """
+    out: dict[str, Any] = {}
+    for key, value in fields.items():
+        if key == "counters" and event == "halt":
+            continue
+        if key == "kinds" and isinstance(value, Mapping):
+            tally: dict[str, int] = {}
+            for kind in value.values():
+                tally[kind] = tally.get(kind, 0) + 1
+            value = tally
+        elif key == "origin" and isinstance(value, Mapping):
+            value = {k: value[k] for k in _CONSOLE_ORIGIN if value.get(k) not in (None, False, "")}
+        elif isinstance(value, list | tuple) and len(value) > CONSOLE_NAMES:
+            value = [*value[:CONSOLE_NAMES], f"... and {len(value) - CONSOLE_NAMES} more"]
+        out[key] = value
+        if key == "params" and isinstance(fields[key], list | tuple):
+            out["count"] = len(fields[key])
+    return out
 
 
 def _add_level(_: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -329,7 +365,7 @@ class EventLog:
             self._writer.put(item if self._render_on_writer else self._writer.render(item))
             self._warn_on_write_error()
         if self._app is not None and _LEVELS[level] >= self._app_min_level:
-            getattr(self._app, level)(event, **fields)
+            getattr(self._app, level)(event, **console_fields(event, fields))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Return once every event emitted so far is in the audit file (in the OS's hands).

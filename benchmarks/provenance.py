@@ -31,7 +31,7 @@ import torch
 
 import gradguard.enforce.provenance as provenance_module
 
-ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-norm", "ff-fwd", "ff-depth2", "always")
+DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-norm", "ff-fwd", "ff-depth2", "always")
 
 
 class Traced(bench.Guarded):
@@ -87,6 +87,17 @@ def treatments() -> list[bench.Treatment]:
             "first_fault",
             dataclasses.replace(light, depth=2),
         ),
+        *(
+            Traced(
+                f"ff-b{budget}{suffix}",
+                f"first_fault on the shallowest levels of at most {budget} modules{label}",
+                policy,
+                "first_fault",
+                dataclasses.replace(light, budget=budget, backward=not suffix),
+            )
+            for budget in (32, 64, 128)
+            for suffix, label in (("", ""), ("-fwd", ", forward only"))
+        ),
         bench.Guarded("always", "always", policy, guard_options={"provenance": "always"}),
     ]
 
@@ -102,7 +113,8 @@ SHAPES: dict[str, tuple[dict[str, int], int, int]] = {
 def run(model: str, rounds: int, seed: int, only: set[str] | None = None) -> dict[str, Any]:
     device = torch.device("cpu")
     shape, batch, length = SHAPES[model]
-    rows = [row for row in treatments() if only is None or row.name in only or row.name in ("off", "off-2")]
+    only = only if only is not None else set(DEFAULT_ROWS)
+    rows = [row for row in treatments() if row.name in only or row.name in ("off", "off-2")]
     works = [bench.decoder_workload(model, device, **shape, batch=batch, length=length) for _ in rows]
     bench.share_memory(works)
     with tempfile.TemporaryDirectory(prefix="gradguard-prov-") as scratch, bench.set_up(works, rows, Path(scratch)):

@@ -143,7 +143,9 @@ def run_demo(
     with GradGuard(model, policy, audit_log=log_path, logger=None) as guard:
         for step in range(steps):
             tokens = _batch(generator, vocab, 16, length)
-            hook = cast(_Block, model.blocks[0]).mlp.register_forward_hook(poison) if step == nan_step else None
+            mlp = cast(_Block, model.blocks[0]).mlp
+            # prepend: the poison is the module's own output (a broken kernel inside it), before any other hook
+            hook = mlp.register_forward_hook(poison, prepend=True) if step == nan_step else None
             logits = model(tokens[:, :-1])
             loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
             if hook is not None:

@@ -110,6 +110,8 @@ class Tracing:
     """Hook only the modules at most this many dots deep (None: every module)."""
     leaves: bool = False
     """Hook only the modules without children."""
+    budget: int | None = None
+    """Hook at most this many modules: the model's shallowest levels, as many whole levels as fit (None: all)."""
 
 
 LIGHT: Final = Tracing()
@@ -146,6 +148,9 @@ class Provenance:
         self.names[0] = ROOT
         position = {name: i for i, name in enumerate(self.names)}
         self._parent = [position.get(name.rpartition(".")[0], 0) for name in self.names]
+        self._level = [0] * len(self.names)
+        for index in range(1, len(self.names)):
+            self._level[index] = self._level[self._parent[index]] + 1  # named_modules lists parents first
         self._param_names: dict[int, str] = {}
         self._param_refs: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
         self._module_handles: list[RemovableHandle] = []
@@ -170,9 +175,12 @@ class Provenance:
         """``first_fault``'s light trace: a forward hook per module that reduces its output (and a tensor hook
         on that output for its gradient), and the pre-hook on the model for the batch."""
         tracing = self._tracing
+        deepest = self._deepest_level(tracing.budget)
         for index, ref in enumerate(self._modules):
             module = ref()
-            if module is None or index == 0 and (tracing.depth is not None or tracing.leaves):
+            if module is None or (index == 0 and (tracing.depth is not None or tracing.leaves)):
+                continue
+            if deepest is not None and self._level[index] > deepest:
                 continue
             if tracing.depth is not None and self.names[index].count(".") > tracing.depth:
                 continue
@@ -183,6 +191,19 @@ class Provenance:
         root = self._modules[0]()
         if root is not None:
             self._light_handles.append(root.register_forward_pre_hook(self._light_data))
+
+    def _deepest_level(self, budget: int | None) -> int | None:
+        """The deepest level of modules (the model is level 0) such that the levels down to it hold at most
+        ``budget`` modules together (None: no budget)."""
+        if budget is None:
+            return None
+        deepest, total = 0, 0
+        for level in range(max(self._level) + 1):
+            total += self._level.count(level)
+            if total > budget:
+                break
+            deepest = level
+        return deepest
 
     def _disarm_light(self) -> None:
         for handle in self._light_handles:

@@ -127,6 +127,8 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
         text = f"First gradients to go {kind} as backward accumulated them: {', '.join(first[:8])} (in {module})."
     else:
         text = f"Origin: {origin.get('note') or phase}."
+    if origin.get("hint"):
+        text += f" {origin['hint']}"
     if first and phase != "gradient":
         text += f" First non-finite as accumulated: {', '.join(first[:8])}."
     if origin.get("spread"):

@@ -111,9 +111,11 @@ class GradGuard(ServesMetrics):
         metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
         reload, reload_interval: look at the policy file (a path) every this many seconds; a changed one takes
             over at the next step boundary, on every rank at the same step (README, "Hot reload").
-        provenance: where a NaN starts, named in halts and skips (README, "Provenance"): ``"always"``
-            (module hooks and gradient flags from the start), ``"after_fault"`` (the same hooks, armed after
-            a first non-finite or skipped step; nothing before) or ``None``.
+        provenance: where a NaN starts, named in halts and skips (README, "Provenance"): ``"first_fault"``
+            (the default: a light trace from the start, a sum per output of the model's outer modules and of
+            its gradient, so the first fault is named; every module's hooks after a fault), ``"always"``
+            (every module's hooks and the gradient flags from the start: a debugging run), ``"after_fault"``
+            (nothing until a first non-finite or skipped step, then what ``"always"`` registers) or ``None``.
     """
 
     def __init__(
@@ -135,7 +137,7 @@ class GradGuard(ServesMetrics):
         metrics_host: str = "127.0.0.1",
         reload: bool = False,
         reload_interval: float = 2.0,
-        provenance: str | None = "after_fault",
+        provenance: str | None = "first_fault",
     ) -> None:
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)

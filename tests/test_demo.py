@@ -68,11 +68,15 @@ def _check_demo(output: str, log: Path, read_audit) -> None:
     assert halt["step"] == NAN_STEP
     assert halt["kind"] == "nan"
     assert halt["params"]
+    # where the demo's NaN starts: blocks.0.mlp's output, in the forward pass, named in the halt itself
+    assert (halt["origin"]["phase"], halt["origin"]["module"]) == ("forward", "blocks.0.mlp")
+    assert "It started in the forward pass: blocks.0.mlp was the first module whose output went nan" in output
     assert not [event for event in events if event.get("step", -1) > NAN_STEP]
 
 
 def test_demo_through_click_runner(demo_process, read_audit, tmp_path):
-    """CliRunner: exit 0, loss falls, the spike is clipped, the halt leaves weights unchanged, the log is written."""
+    """CliRunner: exit 0, loss falls, the spike is clipped, the halt names blocks.0.mlp's forward and leaves
+    weights unchanged, the log is written."""
     log = tmp_path / "demo.jsonl"
     result = CliRunner().invoke(main, ["demo", "--log", str(log)])
     assert result.exit_code == 0, result.output

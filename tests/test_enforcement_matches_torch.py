@@ -480,8 +480,8 @@ def test_sync_counter_sees_item_and_tolist(make_workload):
 
 
 def test_no_hooks_are_registered_on_parameters(make_workload, make_policy):
-    """By default the guard registers no hook on any parameter or module: it acts only at the optimizer
-    step (provenance's hooks wait for a fault); ``provenance="always"`` adds observing hooks only."""
+    """By default the guard registers no hook on any parameter: it acts only at the optimizer step; its
+    provenance (``first_fault``) observes module outputs only; ``provenance="always"`` adds observing hooks only."""
     workload = make_workload("decoder")
     policy = make_policy(
         {"match": "*", "actions": [{"action": "halt_on_nonfinite"}, {"action": "clip_norm", "max_norm": 1.0}]}
@@ -491,7 +491,10 @@ def test_no_hooks_are_registered_on_parameters(make_workload, make_policy):
             assert not p._backward_hooks
             assert not getattr(p, "_post_accumulate_grad_hooks", None)
         assert not workload.model._backward_hooks
+        assert len(workload.model._forward_hooks) == 1  # first_fault's light trace: it reads outputs only
+    with GradGuard(workload.model, policy, logger=None, provenance=None):
         assert not workload.model._forward_hooks
+        assert not workload.model._forward_pre_hooks
     with GradGuard(workload.model, policy, logger=None, provenance="always"):
         for p in workload.model.parameters():
             assert not p._backward_hooks

@@ -57,7 +57,8 @@ def test_a_300_parameter_halts_console_line_is_short_and_the_audit_log_keeps_eve
     for shown in ("rule=halt", "step=0", "kind=nan", "count=300", "0.weight", "... and 295 more", "'phase': "):
         assert shown in line, (shown, line)
     assert "149.bias" not in line
-    event = next(e for e in map(json.loads, (tmp_path / "audit.jsonl").read_text().splitlines()) if e["event"] == "halt")
+    lines = (tmp_path / "audit.jsonl").read_text().splitlines()
+    event = next(e for e in map(json.loads, lines) if e["event"] == "halt")
     assert len(event["params"]) == len(event["kinds"]) == 2 * LAYERS
     assert set(event["params"]) == {f"{i}.{kind}" for i in range(LAYERS) for kind in ("weight", "bias")}
     assert event["counters"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -218,8 +219,8 @@ def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_
     assert event["origin"]["spread"] is True
 
 
-def test_by_default_a_first_fault_spread_by_a_global_clip_is_said_to_be_maybe_spread_and_how_to_avoid_it(tmp_path):
-    """after_fault (the default) has no hook before the first fault: the halt cannot name the first parameter,
+def test_after_fault_says_a_first_fault_spread_by_a_global_clip_was_maybe_spread_and_how_to_avoid_it(tmp_path):
+    """after_fault has no hook before the first fault: the halt cannot name the first parameter,
     but says every gradient is non-finite, that a global clip may have spread it, and how to let the guard clip."""
     halt = _clipping_loop_halt(tmp_path, "after_fault")
     assert halt.origin is not None
@@ -250,8 +251,8 @@ def test_after_fault_registers_nothing_until_a_skip_then_traces_the_second_occur
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     log = tmp_path / "audit.jsonl"
     module_hooks = lambda: sum(len(m._forward_hooks) for m in model.modules())  # noqa: E731
-    with GradGuard(model, Policy.from_dict(SKIP), logger=None, audit_log=log) as guard:
-        assert module_hooks() == 0  # the default, "after_fault": no module hook before a fault
+    with GradGuard(model, Policy.from_dict(SKIP), logger=None, audit_log=log, provenance="after_fault") as guard:
+        assert module_hooks() == 0  # "after_fault": no module hook before a fault
         for step in range(6):
             model.faults.forward_nan = step in (2, 4)
             x, y = batch(step)
@@ -276,7 +277,7 @@ def test_after_fault_disarms_its_module_hooks_after_enough_clean_steps():
 
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    with GradGuard(model, Policy.from_dict(SKIP), logger=None):
+    with GradGuard(model, Policy.from_dict(SKIP), logger=None, provenance="after_fault"):
         for step in range(provenance.ARMED_STEPS + 3):
             model.faults.forward_nan = step == 0
             x, y = batch(step)
@@ -426,3 +427,109 @@ def test_under_ddp_each_rank_reports_its_own_origin_and_the_audit_shows_every_ra
     assert "rank 1" in text
     assert "the data is at fault" in text, text
     assert "not on this rank" in text, text
+
+
+# --- first_fault: the first fault's origin, traced from the start ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "phase", "module", "kind"),
+    [("forward_nan", "forward", "blocks.1.act", "nan"), ("backward_inf", "backward", "blocks.1.boom", "inf")],
+)
+def test_first_fault_names_the_module_and_phase_of_the_very_first_fault(fault, phase, module, kind):
+    """provenance="first_fault" traces from the start: the first fault's halt names its module and phase."""
+    halt = train_until_halt(Net(), {"provenance": "first_fault"}, fault, at=2)
+    assert halt.origin is not None
+    assert (halt.origin["phase"], halt.origin["module"], halt.origin["kind"]) == (phase, module, kind)
+    assert "hint" not in halt.origin  # the trace reached every module of this small model
+
+
+def test_first_fault_reads_no_host_data_in_forward_or_backward_and_one_read_at_the_step():
+    """The light trace's figures ride the step's one host read: none in forward, none in backward."""
+    torch.manual_seed(0)
+    model = InPlaceAfter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="first_fault"):
+        losses: list[torch.Tensor] = []
+
+        def forward(x: torch.Tensor, y: torch.Tensor) -> None:
+            losses.append(nn.functional.mse_loss(model(x), y))
+
+        for step in range(3):
+            opt.zero_grad()
+            assert count_host_syncs(functools.partial(forward, *batch(step))) == 0
+            assert count_host_syncs(losses[-1].backward) == 0
+            assert count_host_syncs(opt.step) == 1
+
+
+class Stack(nn.Module):
+    """Twenty blocks of three Linear layers: more modules than the light trace's budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)) for _ in range(20))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + block(h)
+        out: torch.Tensor = self.head(h)
+        return out
+
+
+def test_first_fault_on_a_model_beyond_its_budget_names_the_block_and_how_to_see_inside_it():
+    """On a big model the light trace hooks its outer levels only: the halt names the block and says how to
+    name the module inside (provenance="always")."""
+    from gradguard.enforce.provenance import LIGHT
+
+    model = Stack()
+    assert LIGHT.budget is not None
+    assert len(list(model.modules())) > LIGHT.budget
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="first_fault"):
+        hooked = sum(1 for m in model.modules() if m._forward_hooks)
+        assert hooked <= LIGHT.budget
+        model.blocks[7][2].weight.data[0, 0] = float("inf")
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    origin = info.value.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"]) == ("forward", "blocks.7")
+    assert "provenance='always'" in origin["hint"]
+    assert "provenance='always'" in str(info.value)
+
+
+def test_first_fault_arms_every_modules_hooks_after_a_fault_and_goes_back_to_the_light_trace():
+    """After a skipped first fault, the full hooks (every module) trace recurrences; after ARMED_STEPS clean
+    steps the light trace is back."""
+    from gradguard.enforce import provenance
+
+    model = Stack()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    every = len(list(model.modules()))
+    hooked = lambda: sum(1 for m in model.modules() if m._forward_hooks)  # noqa: E731
+    with GradGuard(model, Policy.from_dict(SKIP), logger=None, provenance="first_fault") as guard:
+        light = hooked()
+        assert 0 < light < every
+        for step in range(provenance.ARMED_STEPS + 2):
+            x, y = batch(step)
+            if step == 0:
+                x[0, 0] = float("nan")
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            assert guard.last_step_skipped == (step == 0)
+            assert hooked() == (every if step < provenance.ARMED_STEPS else light), step
+    assert hooked() == 0
+
+
+def test_an_untraced_halt_says_in_one_line_how_to_trace_the_first_fault(tmp_path):
+    """provenance="after_fault" cannot trace a first fault; its halt says how to (one sentence)."""
+    halt = _clipping_loop_halt(tmp_path, "after_fault")
+    assert halt.origin is not None
+    assert halt.origin["hint"] == "To trace a first fault: GradGuard(..., provenance='first_fault')."
+    assert halt.origin["hint"] in str(halt)

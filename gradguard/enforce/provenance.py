@@ -1,21 +1,32 @@
 """Provenance: where a NaN or Inf started, named in the halt and the skip.
 
-Three kinds of hooks record, on the device and with no host sync, the 2-norm (NaN if any element is NaN,
-Inf if any is Inf) of what they see, in the order they fire:
+Two traces record, on the device and with no host sync, one figure per tensor (non-finite if any element
+is), in the order the hooks fire; the figures ride the step's one host read and the first non-finite one
+names the origin.
+
+The light trace (``"first_fault"``, the default, armed from the start):
+
+- a forward hook on each of the model's outer modules (the shallowest whole levels of at most
+  :attr:`Tracing.budget` modules: every module of a small model, the blocks of a deep one) that sums its
+  output (a sum is half the cost of a 2-norm, and NaN/Inf all the same), and a pre-hook on the model for
+  the input batch; outputs only (a module's input is the previous one's output), with no per-tensor
+  bookkeeping but the last output's identity (a container passing its last child's output on);
+- a tensor hook on each of those outputs: the sum of its gradient in backward, so a fault made in
+  backward is named by phase and module too.
+
+The full trace (``"always"`` from the start; ``"first_fault"`` and ``"after_fault"`` arm it after a
+non-finite step or skip, for :data:`ARMED_STEPS` steps, then go back to their light trace or to nothing):
 
 - module forward hooks (and a pre-hook on the model itself, for the input batch): every module's
   floating-point inputs and outputs, each tensor once (a tensor already recorded as an earlier module's
-  output, unchanged since, is not read again: the module is noted as one of its consumers);
+  output, unchanged since, is not read again: the module is noted as one of its consumers), as 2-norms;
 - tensor hooks on those tensors: their gradients in backward, in the order backward produces them (tensor
   hooks, not ``register_full_backward_hook``: those wrap module outputs in a view that in-place ops after
   the module, such as ``ReLU(inplace=True)``, refuse);
 - post-accumulate-grad hooks on the guarded parameters: their gradients as backward accumulates them,
   before any code after backward (a ``clip_grad_norm_`` over every parameter) spreads one NaN to all.
 
-The figures ride the step's one host read; the first non-finite one names the origin. ``"always"`` arms
-every hook at attach; ``"after_fault"`` arms them (module hooks and gradient flags) after the first
-non-finite step (or skip) and disarms them after :data:`ARMED_STEPS` clean steps, so it costs nothing
-until a fault and traces its recurrence.
+``"after_fault"`` costs nothing until a fault and cannot name the first one.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ MAX_ENTRIES: Final = 4096
 """Figures kept per kind and step (the first ones are the ones that matter; a loop that never steps
 cannot grow them without bound)."""
 FIRST_PARAMS_SHOWN: Final = 16
+UNTRACED_HINT: Final = "To trace a first fault: GradGuard(..., provenance='first_fault')."
 ROOT: Final = "(model)"
 
 _DATA, _INPUT, _OUTPUT = 0, 1, 2
@@ -147,6 +159,7 @@ class Provenance:
         self.names = [canonical_name(name, strip_module_prefix=strip) or ROOT for name, _ in modules]
         self.names[0] = ROOT
         position = {name: i for i, name in enumerate(self.names)}
+        self._position = position
         self._parent = [position.get(name.rpartition(".")[0], 0) for name in self.names]
         self._level = [0] * len(self.names)
         for index in range(1, len(self.names)):
@@ -156,6 +169,7 @@ class Provenance:
         self._module_handles: list[RemovableHandle] = []
         self._grad_handles: list[RemovableHandle] = []
         self._light_handles: list[RemovableHandle] = []
+        self._light_levels: tuple[int, int] | None = None
         self._armed_until: int | None = None
         self._reset()
         if mode == "always":
@@ -176,6 +190,9 @@ class Provenance:
         on that output for its gradient), and the pre-hook on the model for the batch."""
         tracing = self._tracing
         deepest = self._deepest_level(tracing.budget)
+        hooked = sum(1 for level in self._level if level <= deepest) if deepest is not None else 0
+        self._light_levels = (deepest, hooked) if deepest is not None and deepest < max(self._level) else None
+        """When the budget stopped the trace short of the leaves: (the deepest level hooked, modules hooked)."""
         for index, ref in enumerate(self._modules):
             module = ref()
             if module is None or (index == 0 and (tracing.depth is not None or tracing.leaves)):
@@ -397,7 +414,7 @@ class Provenance:
         fwd, bwd, acc = values[: sizes[0]], values[sizes[0] : sum(sizes)], values[sum(sizes) :]
         first = self._first_params(acc, metas[2])
         origin = self._forward_origin(fwd, metas[0]) or self._backward_origin(bwd, metas[1], metas[0])
-        singled_out = len(first) < len(outcome.nonfinite)  # some went non-finite before the others
+        singled_out = 0 < len(first) < len(outcome.nonfinite)  # some went non-finite before the others
         if origin is None and first:
             kind = _kind(next(v for v in acc if not math.isfinite(v)))
             module = (first[0].rpartition(".")[0] or ROOT) if singled_out else None
@@ -420,13 +437,26 @@ class Provenance:
             # Nothing was recorded: after_fault's first fault (its hooks are armed from now on).
             note = "not traced: no hook was armed" + (self._retrace if self.mode == "after_fault" else "")
             origin = {"phase": "untraced", "module": None, "kind": None, "input_nonfinite": False, "note": note}
+            origin["hint"] = UNTRACED_HINT
+        elif not armed and self._light_levels is not None and self._inside_unhooked(origin.get("module")):
+            origin["hint"] = (
+                f"The first fault's trace covers the model's {self._light_levels[1]} outermost modules: for the "
+                f"module inside {origin['module']}, GradGuard(..., provenance='always') (a debugging run)."
+            )
         origin["spread"] = everyone and (singled_out or origin["phase"] in ("after_backward", "untraced"))
         origin["first_params"] = first[:FIRST_PARAMS_SHOWN] if singled_out else []
         outcome.origin = origin
 
     @property
     def _retrace(self) -> str:
-        return " (provenance='after_fault' has armed its module hooks: a recurrence is traced)" if self.mode else ""
+        return f" (provenance={self.mode!r} has armed its module hooks: a recurrence is traced)" if self.mode else ""
+
+    def _inside_unhooked(self, module: str | None) -> bool:
+        """Whether ``module`` has submodules the light trace (bounded to its outer levels) did not hook."""
+        if module is None or self._light_levels is None or module not in self._position:
+            return False
+        index = self._position[module]
+        return self._level[index] == self._light_levels[0] and index in self._parent[1:]
 
     def _fault(self, step: int) -> None:
         if self.mode in ("after_fault", "first_fault"):

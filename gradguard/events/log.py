@@ -42,7 +42,7 @@ _LEVELS: Final = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 CONSOLE_NAMES: Final = 5
 """Names (list items) the application's logger is shown per field; the audit log has them all."""
-_CONSOLE_ORIGIN: Final = ("phase", "module", "seen_in", "kind", "input_nonfinite", "spread", "note")
+_CONSOLE_ORIGIN: Final = ("phase", "module", "seen_in", "kind", "input_nonfinite", "spread", "note", "hint")
 """The keys of an ``origin`` the application's logger is shown (``first_params`` are ``params``' first)."""
 
 _BATCH_BYTES: Final = 1 << 20

@@ -44,7 +44,6 @@ STATE_FILE = "gradguard_state.json"
 """The guard's ``state_dict()``, written into each checkpoint folder the Trainer saves."""
 
 
-
 class GradGuardCallback(transformers.TrainerCallback):
     """Attaches a :class:`~gradguard.GradGuard` to the Trainer's model for each ``trainer.train()``.
 

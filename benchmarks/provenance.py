@@ -31,7 +31,7 @@ import torch
 
 import gradguard.enforce.provenance as provenance_module
 
-DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-norm", "ff-fwd", "ff-depth2", "always")
+DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-all", "ff-norm", "ff-fwd", "ff-b32-fwd", "always")
 
 
 class Traced(bench.Guarded):
@@ -62,30 +62,37 @@ def treatments() -> list[bench.Treatment]:
         ),
         bench.Guarded(
             "first_fault",
-            "first_fault: output sums + their gradients' sums",
+            f"first_fault (the default): output sums + their gradients' sums, budget {light.budget} modules",
             policy,
             guard_options={"provenance": "first_fault"},
         ),
         Traced(
-            "ff-norm",
-            "first_fault with 2-norms in place of sums",
+            "ff-all",
+            "first_fault on every module (no budget)",
             policy,
             "first_fault",
-            dataclasses.replace(light, reduce=provenance_module._peak),
+            dataclasses.replace(light, budget=None),
+        ),
+        Traced(
+            "ff-norm",
+            "ff-all with 2-norms in place of sums",
+            policy,
+            "first_fault",
+            dataclasses.replace(light, budget=None, reduce=provenance_module._peak),
         ),
         Traced(
             "ff-fwd",
-            "first_fault, forward only (no tensor hooks)",
+            "ff-all, forward only (no tensor hooks)",
             policy,
             "first_fault",
-            dataclasses.replace(light, backward=False),
+            dataclasses.replace(light, budget=None, backward=False),
         ),
         Traced(
             "ff-depth2",
-            "first_fault on modules at most 2 dots deep",
+            "ff-all on modules at most 2 dots deep",
             policy,
             "first_fault",
-            dataclasses.replace(light, depth=2),
+            dataclasses.replace(light, budget=None, depth=2),
         ),
         *(
             Traced(
@@ -121,6 +128,7 @@ def run(model: str, rounds: int, seed: int, only: set[str] | None = None) -> dic
         times = bench.interleaved(works, rows, rounds, 1 if model == "quick" else 3, seed, "provenance")
         probes = [bench.probe(work, row) for work, row in zip(works, rows, strict=True)]
     wall = {row.name: [t.wall for t in steps] for row, steps in zip(rows, times, strict=True)}
+    cpu = {row.name: [t.cpu for t in steps] for row, steps in zip(rows, times, strict=True)}
     return {
         "description": works[0].description,
         "rounds": rounds,
@@ -130,6 +138,7 @@ def run(model: str, rounds: int, seed: int, only: set[str] | None = None) -> dic
                 "label": row.label,
                 "median_ms": statistics.median(wall[row.name]) * 1e3,
                 "vs_off": bench.paired(wall[row.name], wall["off"]),
+                "cpu_vs_off": bench.paired(cpu[row.name], cpu["off"]),
                 "syncs": probe.syncs,
                 "backward_syncs": probe.backward_syncs,
             }
@@ -153,11 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(",")) if args.only else None
     result = run(model, args.rounds or (2 if args.quick else 40), args.seed, only)
     print(f"## provenance cost, {model} model ({result['description']}), {result['rounds']} rounds, CPU\n")
-    print("| row | what | median step ms | whole step vs `off` | host syncs/step (in backward) |")
-    print("|---|---|---:|---:|---:|")
+    print(
+        "| row | what | median step ms | whole step vs `off` | process CPU time vs `off` "
+        "| host syncs/step (in backward) |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
     for row in result["rows"]:
         print(
-            f"| {row['name']} | {row['label']} | {row['median_ms']:.1f} | {row['vs_off']} | "
+            f"| {row['name']} | {row['label']} | {row['median_ms']:.1f} | {row['vs_off']} | {row['cpu_vs_off']} | "
             f"{row['syncs']} ({row['backward_syncs']}) |"
         )
     note = "; --quick: the figures mean nothing" if args.quick else ""

@@ -97,7 +97,8 @@ class GradientHalt(GradGuardError, RuntimeError):
         self.origin: dict[str, Any] | None = dict(origin) if origin is not None else None
         """Where it started (``GradGuard(provenance=...)``): ``phase`` (``forward``, ``backward``, ``gradient``
         or ``after_backward``), ``module``, ``kind``, ``input_nonfinite`` (the input batch was already
-        non-finite), ``first_params`` and ``spread`` (a global clip likely spread it); ``None`` if not traced."""
+        non-finite), ``first_params``, ``spread`` (a global clip likely spread it) and ``hint`` (one sentence:
+        how to trace it, or to trace it further); ``None`` if not traced."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
         what = "gradient norm spike" if kind == "spike" else f"non-finite gradient ({kind})"
         traced = f" {origin_sentence(origin)}" if origin else ""
@@ -120,6 +121,11 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
         text = f"It started in the forward pass: {module} was the first module whose output went {kind}."
         if seen_in and seen_in != module:
             text = f"It started in the forward pass, in {module}'s own code: {seen_in} received a {kind} input."
+    elif phase == "backward" and module and origin.get("before"):
+        text = f"It started in the backward pass, in {module} or after it: the parameters' gradients up to "
+        text += f"{module} went {kind}, those from {origin['before']} on stayed finite"
+        others = list(origin.get("consumers") or ())
+        text += f" (between them: {', '.join(others)})." if others else "."
     elif phase == "backward" and module:
         text = f"It started in the backward pass: {module}'s backward produced the first {kind} gradient"
         text += f" (the gradient of {seen_in}'s output)." if seen_in and seen_in != module else "."

@@ -432,16 +432,25 @@ def test_under_ddp_each_rank_reports_its_own_origin_and_the_audit_shows_every_ra
 # --- first_fault: the first fault's origin, traced from the start ------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("fault", "phase", "module", "kind"),
-    [("forward_nan", "forward", "blocks.1.act", "nan"), ("backward_inf", "backward", "blocks.1.boom", "inf")],
-)
-def test_first_fault_names_the_module_and_phase_of_the_very_first_fault(fault, phase, module, kind):
+def test_first_fault_names_the_module_and_the_forward_phase_of_the_very_first_fault():
     """provenance="first_fault" traces from the start: the first fault's halt names its module and phase."""
-    halt = train_until_halt(Net(), {"provenance": "first_fault"}, fault, at=2)
+    halt = train_until_halt(Net(), {"provenance": "first_fault"}, "forward_nan", at=2)
     assert halt.origin is not None
-    assert (halt.origin["phase"], halt.origin["module"], halt.origin["kind"]) == (phase, module, kind)
+    assert (halt.origin["phase"], halt.origin["module"], halt.origin["kind"]) == ("forward", "blocks.1.act", "nan")
     assert "hint" not in halt.origin  # the trace reached every module of this small model
+    assert "It started in the forward pass: blocks.1.act was the first module whose output went nan" in str(halt)
+
+
+def test_first_fault_places_a_fault_made_in_backward_between_the_last_bad_and_the_first_good_parameters():
+    """A backward fault, its forward finite: the halt names the backward phase and where it lies, from which
+    parameters' gradients went non-finite (those before it in forward order) and which stayed finite."""
+    halt = train_until_halt(Net(), {"provenance": "first_fault"}, "backward_inf", at=2)
+    origin = halt.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["before"]) == ("backward", "blocks.1.fc1", "blocks.1.fc2")
+    assert origin["consumers"] == ["blocks.1.act", "blocks.1.boom"]  # the culprit, boom, is among them
+    assert "It started in the backward pass, in blocks.1.fc1 or after it" in str(halt)
+    assert "(between them: blocks.1.act, blocks.1.boom)" in str(halt)
 
 
 def test_first_fault_reads_no_host_data_in_forward_or_backward_and_one_read_at_the_step():

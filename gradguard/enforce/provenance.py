@@ -126,7 +126,7 @@ class Tracing:
     """Hook at most this many modules: the model's shallowest levels, as many whole levels as fit (None: all)."""
 
 
-LIGHT: Final = Tracing()
+LIGHT: Final = Tracing(backward=False, budget=32)
 
 
 def _kind(value: float) -> str:
@@ -395,25 +395,28 @@ class Provenance:
         distributed = work.collective is not None
         # Not ``work`` itself: a reader that holds it is a cycle (work -> pending -> reader) keeping the
         # step's gradients alive until the garbage collector runs.
-        step = (work.outcome, work.step, len(work.grads))
+        step = (work.outcome, work.step, tuple(work.grads))
         pending.add(values, functools.partial(self._read, step, sizes, metas, armed, distributed))
 
     def _read(
         self,
-        step: tuple[StepOutcome, int, int],
+        step: tuple[StepOutcome, int, tuple[int, ...]],
         sizes: tuple[int, int],
         metas: tuple[list[tuple[int, int]], list[tuple[int, list[int], int]], list[int]],
         armed: bool,
         distributed: bool,
         values: list[float],
     ) -> None:
-        outcome, index, treated = step
+        outcome, index, grads = step
+        treated = len(grads)
         if not outcome.nonfinite or outcome.scaler_found_inf:
             return  # nothing to explain (a GradScaler's inf is its loss-scale search, not a fault)
         self._fault(index)
         fwd, bwd, acc = values[: sizes[0]], values[sizes[0] : sum(sizes)], values[sum(sizes) :]
         first = self._first_params(acc, metas[2])
         origin = self._forward_origin(fwd, metas[0]) or self._backward_origin(bwd, metas[1], metas[0])
+        if origin is None and fwd and not bwd and not acc:
+            origin = self._boundary_origin(metas[0], grads, outcome.nonfinite)
         singled_out = 0 < len(first) < len(outcome.nonfinite)  # some went non-finite before the others
         if origin is None and first:
             kind = _kind(next(v for v in acc if not math.isfinite(v)))
@@ -430,8 +433,10 @@ class Provenance:
             origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         everyone = len(outcome.nonfinite) == treated > 1
         if origin is None and fwd:
-            note = "its forward and the gradients of the modules' outputs were finite: it went non-finite in a "
-            note += "parameter's own gradient, or after backward"
+            note = "its forward was finite and every gradient is non-finite: the loss, or code after backward, made it"
+            if bwd:
+                note = "its forward and the gradients of the modules' outputs were finite: it went non-finite in a "
+                note += "parameter's own gradient, or after backward"
             origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         if origin is None:
             # Nothing was recorded: after_fault's first fault (its hooks are armed from now on).
@@ -517,6 +522,43 @@ class Provenance:
                 origin["note"] = "the gradient of the model's output was already non-finite: the loss made it"
             return origin
         return None
+
+    def _boundary_origin(
+        self, forward: list[tuple[int, int]], grads: tuple[int, ...], nonfinite: Mapping[int, tuple[str, int]]
+    ) -> dict[str, Any] | None:
+        """The light trace without tensor hooks, its forward finite: the fault started in backward, after
+        (in forward order) the last traced module with a non-finite parameter gradient, and before the first
+        one after it whose parameter gradients are all finite (backward runs from the loss: everything it
+        reaches after a fault goes non-finite, nothing it reached before does)."""
+        order: dict[int, int] = {}
+        for module, role in forward:
+            if role == _OUTPUT:
+                order.setdefault(module, len(order))
+        bad: set[int] = set()
+        good: set[int] = set()
+        for index in grads:
+            name = self._param_names.get(index)
+            module = self._position.get(name.rpartition(".")[0], 0) if name else 0
+            while module not in order and module != 0:
+                module = self._parent[module]
+            (bad if index in nonfinite else good).add(order.get(module, -1))
+        if not bad or not good:
+            return None  # every gradient non-finite: the loss, or code after backward (a global clip spreads one)
+        last = max(bad)
+        kinds = {kind for kind, _ in nonfinite.values()}
+        origin: dict[str, Any] = {"phase": "backward", "kind": kinds.pop() if len(kinds) == 1 else None}
+        origin["input_nonfinite"] = False
+        after = [p for p in good if p > last]
+        if not after:
+            note = "the gradient of the model's output was already non-finite: the loss made it"
+            return origin | {"module": None, "seen_in": None, "note": note}
+        modules = list(order)
+        between = [self.names[m] for m in modules[last + 1 : min(after)]]
+        where = self.names[modules[last]] if last >= 0 else ROOT
+        origin |= {"module": where, "seen_in": where, "before": self.names[modules[min(after)]]}
+        if between:
+            origin["consumers"] = between[:4]
+        return origin
 
     def _next_module(self, producer: int, later: list[tuple[int, int]]) -> list[int]:
         """The light trace's guess at who consumed ``producer``'s output: the next module to record an output

@@ -1,18 +1,24 @@
-"""What provenance costs (``GradGuard(provenance=...)``), on step_overhead.py's GPT model, rows side by side.
+"""What provenance costs (``GradGuard(provenance=...)``), on step_overhead.py's GPT or deep model, rows side by side.
 
-    python benchmarks/provenance.py              # CPU, a few minutes; prints a Markdown table
-    python benchmarks/provenance.py --quick      # tiny model, seconds (the figures mean nothing)
+    python benchmarks/provenance.py                          # GPT model, CPU, a few minutes; a Markdown table
+    python benchmarks/provenance.py --model deep --rounds 300
+    python benchmarks/provenance.py --only first_fault,always  # these rows (and off, off-2)
+    python benchmarks/provenance.py --quick                  # tiny model, seconds (the figures mean nothing)
 
 Every row is a whole training step (zero_grad, forward, backward, AdamW step) under gradguard with
 ``policies/default.yaml``-like rules (halt + a per-tensor clip nothing reaches), on copies of one model
 that share their weights and optimizer state (step_overhead.py's method: shuffled rounds, paired ratios
-of the median step per round against ``off``, ``[p25-p75]``):
+of the median step per round against ``off``, ``[p25-p75]``), by wall time and by the process's CPU
+time (steadier on a machine shared with other jobs: time spent waiting for a core is not counted):
 
 - ``off`` / ``off-2``: ``provenance=None`` twice: the A/A control, the measurement's floor;
-- ``after_fault``: the default, before any fault: nothing is registered, so it must read as A/A;
-- ``after_fault+flags``: ``after_fault`` with the post-accumulate-grad flags on from the start (one
-  2-norm kernel per guarded gradient in backward): what turning them on by default would cost;
-- ``always``: module forward hooks and tensor hooks on every module's inputs and outputs, plus the flags.
+- ``after_fault``: before any fault nothing is registered, so it must read as A/A;
+- ``first_fault`` (the default): a forward hook on the model's outermost levels of at most 32 modules
+  that sums each output, and the model's pre-hook for the batch;
+- ``ff-*``: the designs measured against it: with tensor hooks on the traced outputs (``-bwd``), on every
+  module (``all``), 2-norms for sums (``-norm``), a depth limit, a larger budget;
+- ``always``: module forward hooks and tensor hooks on every module's inputs and outputs, plus the
+  gradient flags (a post-accumulate-grad hook per parameter).
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ import step_overhead as bench
 import torch
 
 import gradguard.enforce.provenance as provenance_module
+from gradguard.enforce.provenance import _peak
 
-DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-all", "ff-norm", "ff-fwd", "ff-b32-fwd", "always")
+DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-bwd", "ff-all", "ff-all-bwd", "always")
 
 
 class Traced(bench.Guarded):
@@ -62,48 +69,32 @@ def treatments() -> list[bench.Treatment]:
         ),
         bench.Guarded(
             "first_fault",
-            f"first_fault (the default): output sums + their gradients' sums, budget {light.budget} modules",
+            f"first_fault (the default): output sums of the outermost levels of at most {light.budget} modules",
             policy,
             guard_options={"provenance": "first_fault"},
         ),
-        Traced(
-            "ff-all",
-            "first_fault on every module (no budget)",
-            policy,
-            "first_fault",
-            dataclasses.replace(light, budget=None),
-        ),
-        Traced(
-            "ff-norm",
-            "ff-all with 2-norms in place of sums",
-            policy,
-            "first_fault",
-            dataclasses.replace(light, budget=None, reduce=provenance_module._peak),
-        ),
-        Traced(
-            "ff-fwd",
-            "ff-all, forward only (no tensor hooks)",
-            policy,
-            "first_fault",
-            dataclasses.replace(light, budget=None, backward=False),
-        ),
-        Traced(
-            "ff-depth2",
-            "ff-all on modules at most 2 dots deep",
-            policy,
-            "first_fault",
-            dataclasses.replace(light, budget=None, depth=2),
-        ),
         *(
-            Traced(
-                f"ff-b{budget}{suffix}",
-                f"first_fault on the shallowest levels of at most {budget} modules{label}",
-                policy,
-                "first_fault",
-                dataclasses.replace(light, budget=budget, backward=not suffix),
+            Traced(name, label, policy, "first_fault", dataclasses.replace(light, **knobs))
+            for name, label, knobs in (
+                (
+                    "ff-bwd",
+                    "first_fault + tensor hooks on the traced outputs (their gradients' sums)",
+                    {"backward": True},
+                ),
+                ("ff-all", "first_fault on every module (no budget)", {"budget": None}),
+                ("ff-all-bwd", "ff-all + tensor hooks", {"budget": None, "backward": True}),
+                (
+                    "ff-all-bwd-norm",
+                    "ff-all-bwd, 2-norms for sums",
+                    {"budget": None, "backward": True, "reduce": _peak},
+                ),
+                (
+                    "ff-depth2-bwd",
+                    "ff-all-bwd on modules at most 2 dots deep",
+                    {"budget": None, "backward": True, "depth": 2},
+                ),
+                ("ff-b128", "first_fault with a budget of 128 modules", {"budget": 128}),
             )
-            for budget in (32, 64, 128)
-            for suffix, label in (("", ""), ("-fwd", ", forward only"))
         ),
         bench.Guarded("always", "always", policy, guard_options={"provenance": "always"}),
     ]

@@ -47,16 +47,25 @@ from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.enforce.tensors import stack_on
 from gradguard.policy.matching import Binding, canonical_name
 
-__all__ = ["ARMED_STEPS", "GRADIENT_FLAGS_BY_DEFAULT", "MODES", "Provenance", "attach_provenance", "check_mode"]
+__all__ = [
+    "ARMED_STEPS",
+    "GRADIENT_FLAGS_BY_DEFAULT",
+    "LIGHT",
+    "MODES",
+    "UNTRACED_HINT",
+    "Provenance",
+    "Tracing",
+    "attach_provenance",
+    "check_mode",
+]
 
 MODES: Final = ("first_fault", "always", "after_fault")
 ARMED_STEPS: Final = 100
 """``after_fault``: the module hooks stay armed this many steps after the last non-finite step."""
 GRADIENT_FLAGS_BY_DEFAULT: Final = False
-"""Whether the post-accumulate-grad flags are on from the start in ``after_fault`` mode too. No: on the deep
-benchmark model (293 tensors) they cost 5% of the whole step (a norm and a Python call per parameter
-during backward; benchmarks/step_overhead.py, gg-a against gg-a-np), so ``after_fault`` arms them with
-the module hooks, after a fault."""
+"""Whether the post-accumulate-grad flags are on from the start in ``first_fault`` and ``after_fault`` modes
+too. No: on the deep benchmark model (293 tensors) they cost 5% of the whole step (a norm and a Python call
+per parameter during backward), so these modes arm them with the module hooks, after a fault."""
 MAX_ENTRIES: Final = 4096
 """Figures kept per kind and step (the first ones are the ones that matter; a loop that never steps
 cannot grow them without bound)."""
@@ -127,6 +136,9 @@ class Tracing:
 
 
 LIGHT: Final = Tracing(backward=False, budget=32)
+"""``first_fault``'s trace: sums of the outputs of the model's outermost 32 modules at most, forward only
+(benchmarks/provenance.py: within 1% of the step on the GPT and the deep model; tensor hooks or every
+module's outputs are not)."""
 
 
 def _kind(value: float) -> str:

@@ -141,6 +141,24 @@ LIGHT: Final = Tracing(backward=False, budget=32)
 module's outputs are not)."""
 
 
+def _finite_note(flags: bool, gradients: bool, distributed: bool) -> str:
+    """Why nothing the hooks recorded was non-finite: with the gradient flags, every gradient as backward
+    accumulated it was finite; without, only the forward (and the outputs' gradients) were looked at."""
+    if flags and distributed:
+        return (
+            "not on this rank: its forward, backward and gradients were finite (another rank's arrived through "
+            "the all-reduce)"
+        )
+    if flags:
+        return "every gradient was finite as backward accumulated it: it went non-finite after backward"
+    if gradients:
+        return (
+            "its forward and the gradients of the modules' outputs were finite: it went non-finite in a "
+            "parameter's own gradient, or after backward"
+        )
+    return "its forward was finite and every gradient is non-finite: the loss, or code after backward, made it"
+
+
 def _kind(value: float) -> str:
     return "nan" if math.isnan(value) else "inf"
 
@@ -437,18 +455,9 @@ class Provenance:
             if not singled_out:
                 origin["note"] = "every non-finite gradient was so as backward accumulated it: it started in the "
                 origin["note"] += "forward or backward pass" + ("" if armed else self._retrace)
-        if origin is None and acc:
-            note = "every gradient was finite as backward accumulated it: it went non-finite after backward"
-            if distributed:
-                note = "not on this rank: its forward, backward and gradients were finite (another rank's arrived"
-                note += " through the all-reduce)"
-            origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         everyone = len(outcome.nonfinite) == treated > 1
-        if origin is None and fwd:
-            note = "its forward was finite and every gradient is non-finite: the loss, or code after backward, made it"
-            if bwd:
-                note = "its forward and the gradients of the modules' outputs were finite: it went non-finite in a "
-                note += "parameter's own gradient, or after backward"
+        if origin is None and (acc or fwd):
+            note = _finite_note(bool(acc), bool(bwd), distributed)
             origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         if origin is None:
             # Nothing was recorded: after_fault's first fault (its hooks are armed from now on).

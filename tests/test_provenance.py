@@ -542,3 +542,27 @@ def test_an_untraced_halt_says_in_one_line_how_to_trace_the_first_fault(tmp_path
     assert halt.origin is not None
     assert halt.origin["hint"] == "To trace a first fault: GradGuard(..., provenance='first_fault')."
     assert halt.origin["hint"] in str(halt)
+
+
+def test_under_torch_compile_the_default_trace_breaks_no_graph_and_names_the_module():
+    """torch.compile (aot_eager) inlines first_fault's forward hooks with no graph break; a forward NaN is named."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = Net()
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(compiled, Policy.from_dict(HALT), logger=None):
+        for step in range(3):
+            model.faults.forward_nan = step == 2
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(compiled(x), y).backward()
+            if step < 2:
+                opt.step()
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert info.value.origin is not None
+    assert (info.value.origin["phase"], info.value.origin["module"]) == ("forward", "blocks.1.act")

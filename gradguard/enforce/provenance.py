@@ -330,7 +330,11 @@ class Provenance:
     def _recording(self) -> bool:
         # Not under no_grad (evaluation), and not the recomputation that activation checkpointing runs
         # inside backward (it repeats the forward the first figures already describe).
-        return torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1 and len(self._fwd) < MAX_ENTRIES
+        # Under torch.compile (dynamo inlines the hooks) the graph task id is not traceable: every hooked module
+        # would break the graph; a compiled region is not a checkpoint's recomputation.
+        if not torch.is_grad_enabled() or len(self._fwd) >= MAX_ENTRIES:
+            return False
+        return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
 
     def _data(self, module: nn.Module, args: Any) -> None:
         if self._recording():
@@ -383,10 +387,11 @@ class Provenance:
                 self._light_record(tensor, index)
 
     def _light_record(self, tensor: torch.Tensor, index: int) -> None:
-        key = (id(tensor), tensor._version)
-        if key == self._last:
-            return  # a container passing its last child's output on
-        self._last = key
+        if not torch.compiler.is_compiling():  # dynamo cannot compare ids: there a container's output is read twice
+            key = (id(tensor), tensor._version)
+            if key == self._last:
+                return  # a container passing its last child's output on
+            self._last = key
         position = len(self._fwd)
         self._fwd.append(self._tracing.reduce(tensor))
         self._fwd_meta.append((index, _OUTPUT))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import statistics
 import sys
 import tempfile
@@ -138,6 +139,44 @@ def run(model: str, rounds: int, seed: int, only: set[str] | None = None) -> dic
     }
 
 
+def toggled(model: str, rounds: int, seed: int) -> dict[str, bench.Ratio]:
+    """One model, one guard (``provenance=None``) and a ``first_fault`` :class:`Provenance` whose light hooks are
+    switched on and off between steps: ``on``, ``off`` and ``off`` again (the A/A control) each round, in a
+    shuffled order; paired ratios of the thread's CPU time and of wall time per step against ``off``. The
+    same parameters, optimizer state and memory in every arm: only the hooks differ."""
+    shape, batch, length = SHAPES[model]
+    work = bench.decoder_workload(model, torch.device("cpu"), **shape, batch=batch, length=length)
+    policy = bench.per_tensor_policy(bench.NEVER)
+    guard = bench.GradGuard(work.model, policy, logger=None, provenance=None)
+    traced = provenance_module.Provenance(work.model, guard._plans.binding, "first_fault")
+    guard._enforcer.provenance = traced
+    guard._attachment.handles.append(traced)
+    arms: dict[str, list[tuple[float, float]]] = {"on": [], "off": [], "off-2": []}
+    order = list(arms)
+    shuffle = random.Random(seed)
+    try:
+        for index in range(rounds + 3):
+            shuffle.shuffle(order)
+            for arm in order:
+                if arm == "on":
+                    traced._arm_light()
+                work.opt.zero_grad(set_to_none=True)
+                wall, cpu = time.perf_counter(), time.thread_time()
+                work.loss().backward()  # type: ignore[no-untyped-call]
+                work.opt.step()
+                cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+                traced._disarm_light()
+                if index >= 3:
+                    arms[arm].append((cpu, wall))
+    finally:
+        guard.remove()
+    out = {}
+    for arm in ("on", "off-2"):
+        out[f"{arm} cpu"] = bench.paired([c for c, _ in arms[arm]], [c for c, _ in arms["off"]])
+        out[f"{arm} wall"] = bench.paired([w for _, w in arms[arm]], [w for _, w in arms["off"]])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -146,8 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--toggle", action="store_true", help="first_fault's hooks on/off on one model (see toggled)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.toggle:
+        model = "quick" if args.quick else args.model
+        rounds = args.rounds or (2 if args.quick else 300)
+        print(f"first_fault on/off, {model} model, {rounds} rounds: {toggled(model, rounds, args.seed)}")
+        return 0
     started = time.perf_counter()
     model = "quick" if args.quick else args.model
     only = set(args.only.split(",")) if args.only else None

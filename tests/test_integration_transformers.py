@@ -1,4 +1,4 @@
-"""gradguard with the Hugging Face Trainer: guard_trainer acts before Trainer's clip; the bare callback after it."""
+"""gradguard with the Hugging Face Trainer: guard_trainer and the bare callback both act before Trainer's clip."""
 
 from __future__ import annotations
 
@@ -222,10 +222,10 @@ def test_guard_trainer_clips_before_trainers_clip_exactly_as_a_plain_torch_loop(
     assert not torch.equal(expected["second.weight"], wrong_order["second.weight"]), "the order is visible"
 
 
-def test_bare_callback_acts_after_trainers_clip(tmp_path, same):
-    """The callback alone treats gradients Trainer already clipped: equal to a torch loop clipping globally first."""
+def test_bare_callback_acts_before_trainers_clip_too(tmp_path, same):
+    """The callback alone (Trainer's clip is intercepted): equal to a torch loop doing the policy's clip, then Trainer's."""
     _, collator, start, run = run_regression(tmp_path, bare=True)
-    expected = reference_run(copy.deepcopy(start), collator.batches[:6], lr=1e-2, clip="global-first")
+    expected = reference_run(copy.deepcopy(start), collator.batches[:6], lr=1e-2, clip="policy-first")
     same(model_state(run["model"]), expected)
     assert run["callback"].guard.step_count == 3
     assert not run["callback"].guard.attached
@@ -256,16 +256,19 @@ def test_nan_in_one_gradient_halts_naming_that_parameter_with_the_default_max_gr
     assert "log" not in vars(trainer)
 
 
-def test_bare_callback_halts_at_the_right_step_but_names_every_parameter(tmp_path, same):
-    """Without guard_trainer, Trainer's clip has spread the NaN before the guard looks: every parameter is named."""
+def test_bare_callback_halts_naming_the_poisoned_parameter_and_logs_counters(tmp_path, same):
+    """Only callbacks=[GradGuardCallback(...)] and max_grad_norm=1.0: the halt names the one parameter; counters
+    are in state.log_history."""
     model = tiny_gpt2()
     snapshots = Snapshots()
-    callback = GradGuardCallback(make_policy(HALT_ALL), logger=None)
+    policy = make_policy(
+        {"name": "clip", "match": ["*"], "actions": [{"action": "clip_norm", "max_norm": 1e-3}]}, HALT_ALL
+    )
+    callback = GradGuardCallback(policy, logger=None)
+    args = training_args(tmp_path, max_steps=4, logging_steps=1)
+    assert args.max_grad_norm == 1.0
     trainer = transformers.Trainer(
-        model=model,
-        args=training_args(tmp_path, max_steps=4),
-        train_dataset=token_data(),
-        callbacks=[snapshots, callback],
+        model=model, args=args, train_dataset=token_data(), callbacks=[snapshots, callback]
     )
     handle = poison_at(trainer, model, NAN_PARAM, step=2)
     try:
@@ -275,10 +278,13 @@ def test_bare_callback_halts_at_the_right_step_but_names_every_parameter(tmp_pat
         handle.remove()
         callback.remove()  # a bare callback cannot see the exception: the guard stays attached until removed
     assert excinfo.value.step == 2
-    assert set(excinfo.value.params) == {name for name, _ in model.named_parameters()}
-    assert len(excinfo.value.params) > 1
+    assert excinfo.value.params == (NAN_PARAM,)
     same(model_state(model), snapshots.weights[2])
     assert no_nonfinite_parameter(model)
+    logged = [entry for entry in trainer.state.log_history if "gradguard/clip/clip_norm" in entry]
+    assert [entry["step"] for entry in logged] == [1, 2]
+    assert logged[0]["gradguard/clip/clip_norm"] > 0
+    assert logged[1]["gradguard/clip/clip_norm"] > logged[0]["gradguard/clip/clip_norm"]
 
 
 def test_counters_reach_log_history_and_every_on_log_callback(tmp_path):

@@ -12,6 +12,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -37,6 +38,7 @@ class PlanBook:
             weakref.WeakKeyDictionary()
         )
         self._warned_split: set[int] = set()
+        self._by_clip: tuple[tuple[int, ...], Plan | None] | None = None
 
     def with_policy(self, policy: Policy) -> PlanBook:
         """A new book for ``policy`` on the same model; raises :class:`PolicyError` if it does not bind."""
@@ -66,6 +68,31 @@ class PlanBook:
         self._by_optimizer[optimizer] = (fingerprint, plan)
         return plan
 
+    def guarded_among(self, tensors: list[torch.Tensor], *, of_grads: bool) -> list[torch.Tensor]:
+        """The guarded parameters among ``tensors``, or among the owners of ``tensors`` if they are gradients."""
+        if of_grads:
+            grads = {id(t) for t in tensors}
+            owners = (entry.ref() for entry in self.binding.params)
+            return [p for p in owners if p is not None and p.grad is not None and id(p.grad) in grads]
+        by_id = self.binding.by_id
+        return [t for t in tensors if (entry := by_id.get(id(t))) is not None and entry.ref() is t]
+
+    def for_params(self, params: list[torch.Tensor]) -> Plan | None:
+        """The guarded tensors among ``params`` (a clip's), in model order; the last answer is cached."""
+        fingerprint = tuple(id(p) for p in params)
+        cached = self._by_clip
+        if cached is not None and cached[0] == fingerprint:
+            return cached[1]
+        self._check_model()
+        by_id = self.binding.by_id
+        found = {entry.index: entry for p in params if (entry := by_id.get(id(p))) is not None and entry.ref() is p}
+        if len(found) == len(self.binding.params):
+            plan: Plan | None = self.whole
+        else:
+            plan = Plan.build(self.binding, [found[i] for i in sorted(found)]) if found else None
+        self._by_clip = (fingerprint, plan)
+        return plan
+
     def _check_model(self) -> None:
         model = self._model_ref()
         if model is not None and not self.binding.still_matches(model):
@@ -83,6 +110,7 @@ class PlanBook:
         self.binding = new
         self.whole = Plan.build(new, new.params)
         self._by_optimizer = weakref.WeakKeyDictionary()
+        self._by_clip = None
         self._on_rebind(new, replaced)
 
     def _warn_split_groups(self, plan: Plan) -> None:

@@ -294,7 +294,11 @@ class Provenance:
             # Nothing was recorded: after_fault's first fault (its hooks are armed from now on).
             note = "not traced: no hook was armed" + (self._retrace if self.mode == "after_fault" else "")
             origin = {"phase": "untraced", "module": None, "kind": None, "input_nonfinite": False, "note": note}
-        origin["spread"] = everyone and (singled_out or origin["phase"] in ("after_backward", "untraced"))
+        # Said only when the guard saw a clip run over these gradients before its step: a NaN that reached
+        # every gradient by itself (bad data, a NaN activation) never blames a clip.
+        origin["spread"] = everyone and outcome.clipped_before is not None
+        if origin["spread"]:
+            origin["clip"] = outcome.clipped_before
         origin["first_params"] = first[:FIRST_PARAMS_SHOWN] if singled_out else []
         outcome.origin = origin
 

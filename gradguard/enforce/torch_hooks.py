@@ -41,7 +41,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-__all__ = ["CLIPS", "ClipCall", "GuardHooks", "Scaled", "enlist", "optimizer_steps", "scaler_view"]
+__all__ = ["CLIPS", "ClipCall", "Enlisted", "GuardHooks", "Scaled", "enlist", "optimizer_steps", "scaler_view"]
 
 
 class GuardHooks(Protocol):
@@ -100,7 +100,7 @@ _unscaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, dict[int, weakref.Ref
 _scaler_lock = threading.Lock()
 
 
-class _Enlisted:
+class Enlisted:
     """A guard's place in the registry; :meth:`remove` takes it out (the last one unwraps the clips)."""
 
     def __init__(self, ref: weakref.ReferenceType[GuardHooks]) -> None:
@@ -114,7 +114,7 @@ class _Enlisted:
                 _unwrap_all()
 
 
-def enlist(guard: GuardHooks) -> _Enlisted:
+def enlist(guard: GuardHooks) -> Enlisted:
     """Dispatch torch's optimizer steps and clips to ``guard`` from now on (held weakly)."""
     global _guards, _optimizer_hooks_registered
     ref: weakref.ReferenceType[GuardHooks] = weakref.ref(guard)
@@ -127,7 +127,7 @@ def enlist(guard: GuardHooks) -> _Enlisted:
         _guards = (*(r for r in _guards if r() is not None), ref)
         if not _wrapped:
             _wrap_all()
-    return _Enlisted(ref)
+    return Enlisted(ref)
 
 
 def _live() -> Iterator[GuardHooks]:

@@ -213,6 +213,31 @@ def test_manual_optimization_is_treated_at_the_lightning_optimizer_step(make_pol
     assert 0 < counts["r0"]["clip_norm"] <= run.global_step * 3
 
 
+def test_manual_optimization_with_self_clip_gradients_is_one_step_and_halts_naming_the_parameter(make_policy):
+    """self.clip_gradients(...) then opt.step(): the guard acts at the clip, counts one step, names the NaN."""
+
+    def clip_then_poison_at_2(module: Net, step: int) -> None:
+        if step == 2:
+            module.net[2].weight.grad[0, 0] = float("nan")
+        module.clip_gradients(module.optimizers(), gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+    def clip(module: Net, step: int) -> None:
+        module.clip_gradients(module.optimizers(), gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+    policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
+    callback = GradGuardCallback(policy, logger=None)
+    run = trainer(callback)
+    run.fit(Net("adamw", manual=True, tamper=clip), loader())
+    assert callback.guard is not None
+    assert callback.guard.step_count == run.global_step == 4
+
+    callback = GradGuardCallback(policy, logger=None)
+    with pytest.raises(GradientHalt) as excinfo:
+        trainer(callback).fit(Net("adamw", manual=True, tamper=clip_then_poison_at_2), loader())
+    assert excinfo.value.step == 2
+    assert excinfo.value.params == ("net.2.weight",)
+
+
 def test_accumulate_grad_batches_clips_the_summed_gradient_once_per_optimizer_step(
     make_policy, same, read_audit, tmp_path
 ):

@@ -11,13 +11,10 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from support.training import SmallMLP, assert_same, assert_same_training_state, clip_each, make_policy, model_state
-from torch import nn
 
 import gradguard.enforce.torch_hooks as torch_hooks
 from gradguard import GradGuard, GradientHalt
@@ -35,47 +32,45 @@ def poison_at(param: torch.Tensor, steps: set[int], counter: list[int]) -> None:
     param.register_hook(hook)
 
 
-def nanogpt_iteration(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    generator: torch.Generator,
-    clip: Callable[..., Any] | None = None,
-    accumulation: int = 3,
-) -> torch.Tensor | None:
-    """One iteration of nanoGPT's train.py: micro-batches, ``unscale_``, a global clip, ``scaler.step``."""
-    for _ in range(accumulation):
-        x = torch.randn(6, 8, generator=generator)
-        loss = model(x).pow(2).mean() / accumulation
-        scaler.scale(loss).backward()
-    norm = None
-    if clip is not None:
-        scaler.unscale_(opt)
-        norm = clip(model.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-    return norm
+class NanoGPTLoop:
+    """nanoGPT's train.py in miniature: micro-batches, ``unscale_``, a global clip, ``scaler.step``; one
+    parameter's gradient poisoned at the given iterations."""
+
+    def __init__(self, poison: set[int], *, scaler: torch.amp.GradScaler, weight_decay: float = 0.01) -> None:
+        torch.manual_seed(0)
+        self.model = SmallMLP()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=weight_decay)
+        self.scaler = scaler
+        self.counter = [0]
+        poison_at(self.model.hidden.weight, poison, self.counter)
+        self.generator = torch.Generator().manual_seed(1)
+
+    def iteration(self, index: int, accumulation: int = 3) -> torch.Tensor:
+        """One iteration; returns what the loop's ``clip_grad_norm_`` returned."""
+        self.counter[0] = index
+        for _ in range(accumulation):
+            x = torch.randn(6, 8, generator=self.generator)
+            loss = self.model(x).pow(2).mean() / accumulation
+            self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.opt)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
 
 
 def test_a_nanogpt_loop_halts_naming_the_poisoned_parameter_with_no_options():
     """Accumulation, unscale_, clip_grad_norm_ over every parameter, scaler.step: the halt names hidden.weight."""
-    torch.manual_seed(0)
-    model = SmallMLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)  # nanoGPT's bfloat16 default: a disabled scaler
-    counter = [0]
-    poison_at(model.hidden.weight, {7}, counter)
-    generator = torch.Generator().manual_seed(1)
+    loop = NanoGPTLoop({7}, scaler=torch.amp.GradScaler("cpu", enabled=False))  # nanoGPT's bfloat16: disabled
+    model, opt = loop.model, loop.opt
     with GradGuard(model, make_policy(HALT_ALL), logger=None) as guard:
         for iteration in range(7):
-            counter[0] = iteration
-            nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
+            loop.iteration(iteration)
         before = model_state(model)
         state_before = copy.deepcopy(opt.state_dict())
-        counter[0] = 7
         with pytest.raises(GradientHalt) as caught:
-            nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
+            loop.iteration(7)
     assert caught.value.step == 7
     assert caught.value.params == ("hidden.weight",)
     assert "clip" not in str(caught.value)
@@ -86,21 +81,13 @@ def test_a_nanogpt_loop_halts_naming_the_poisoned_parameter_with_no_options():
 
 def test_an_enabled_gradscaler_skips_a_nan_step_itself_and_the_guard_does_not_halt():
     """A NaN under an enabled GradScaler is in unscale_'s found_inf: the scaler's skip, counted, no halt."""
-    torch.manual_seed(0)
-    model = SmallMLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    counter = [0]
-    poison_at(model.hidden.weight, {3}, counter)
-    generator = torch.Generator().manual_seed(1)
-    with GradGuard(model, make_policy(HALT_ALL), logger=None) as guard:
+    loop = NanoGPTLoop({3}, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    with GradGuard(loop.model, make_policy(HALT_ALL), logger=None) as guard:
         for iteration in range(6):
-            counter[0] = iteration
+            before = model_state(loop.model)
+            loop.iteration(iteration)
             if iteration == 3:
-                before = model_state(model)
-            nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
-            if iteration == 3:
-                assert_same(model_state(model), before, "parameters after the scaler's skip")
+                assert_same(model_state(loop.model), before, "parameters after the scaler's skip")
     assert guard.counters.snapshot() == {"grad_scaler": {"skip": 1}}
     assert guard.step_count == 6
 
@@ -177,24 +164,16 @@ def test_every_public_spelling_of_the_clips_runs_the_guards_step_first(module, n
 
 def test_a_skip_decided_at_the_clip_leaves_parameters_and_optimizer_state_bitwise_untouched():
     """skip_step_on_nonfinite at the clip: the clip and step() that follow change nothing."""
-    torch.manual_seed(0)
-    model = SmallMLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    counter = [0]
-    poison_at(model.inp.weight, {2}, counter)
-    generator = torch.Generator().manual_seed(3)
-    with GradGuard(model, make_policy(SKIP_ALL), logger=None) as guard:
+    loop = NanoGPTLoop({2}, scaler=torch.amp.GradScaler("cpu", enabled=False), weight_decay=0.1)
+    with GradGuard(loop.model, make_policy(SKIP_ALL), logger=None) as guard:
         for iteration in range(5):
-            counter[0] = iteration
-            before, state_before = model_state(model), copy.deepcopy(opt.state_dict())
-            norm = nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
+            before, state_before = model_state(loop.model), copy.deepcopy(loop.opt.state_dict())
+            norm = loop.iteration(iteration)
             if iteration == 2:
                 assert guard.last_step_skipped
-                assert norm is not None
-                assert norm.item() == 0.0
-                assert_same(model_state(model), before, "parameters after the skip")
-                assert_same(opt.state_dict(), state_before, "optimizer state after the skip")
+                assert norm.item() == 0.0  # every gradient was dropped before the clip
+                assert_same(model_state(loop.model), before, "parameters after the skip")
+                assert_same(loop.opt.state_dict(), state_before, "optimizer state after the skip")
     assert guard.counters.snapshot()["r0"] == {"nan": 1, "skip_step_on_nonfinite": 1}
 
 

@@ -276,3 +276,25 @@ def test_an_optimizer_step_in_another_thread_never_sees_torchs_hook_table_change
     assert not errors
     assert (dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks)) == tables
     assert torch_hooks._guards == ()
+
+
+def test_another_models_gradscaler_in_flight_does_not_hold_back_a_model_without_one():
+    """A scaler that has scaled a loss and only ever unscaled another optimizer: this model's clip is its boundary."""
+    torch.manual_seed(0)
+    scaled_model, plain = SmallMLP(), SmallMLP()
+    scaled_opt = torch.optim.SGD(scaled_model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    with GradGuard(plain, make_policy(HALT_ALL), logger=None):
+        for iteration in range(2):
+            scaler.scale(scaled_model(torch.randn(4, 8)).sum()).backward()  # in flight: scaled, not yet updated
+            plain(torch.randn(4, 8)).sum().backward()
+            if iteration == 1:
+                plain.inp.weight.grad[0, 0] = math.nan
+                with pytest.raises(GradientHalt) as caught:
+                    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+                assert caught.value.params == ("inp.weight",)
+            scaler.unscale_(scaled_opt)
+            scaler.step(scaled_opt)
+            scaler.update()
+            scaled_opt.zero_grad()
+            plain.zero_grad()

@@ -263,7 +263,11 @@ class Scaled:
 
 
 def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
-    """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight)."""
+    """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight).
+
+    A scaler in flight whose ``unscale_`` has only ever named optimizers that hold none of ``params`` is
+    another model's (another thread's, say); one that never unscaled anything yet may be this one's.
+    """
     with _scaler_lock:
         in_flight = [s for s, table in _scaled.items() if table == id(s._per_optimizer_states) and s.is_enabled()]
         unscaled = {s: dict(records) for s, records in _unscaled.items()}
@@ -273,15 +277,20 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     flags: list[torch.Tensor] = []
     optimizers: list[Optimizer] = []
     covered: set[int] = set()
+    relevant = False
     for scaler in in_flight:
-        for key, state in scaler._per_optimizer_states.items():
-            ref = unscaled.get(scaler, {}).get(key)
-            optimizer = ref() if ref is not None else None
-            if optimizer is None or state["stage"] is not OptState.UNSCALED:
-                continue
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]} & ids
-            if held:
+        records = unscaled.get(scaler, {})
+        known = [(key, opt) for key, ref in records.items() if (opt := ref()) is not None]
+        held_by = {key: held for key, opt in known if (held := _param_ids(opt) & ids)}
+        relevant |= not known or bool(held_by)
+        for key, held in held_by.items():
+            state = scaler._per_optimizer_states.get(key)
+            if state is not None and state["stage"] is OptState.UNSCALED:
                 covered |= held
-                optimizers.append(optimizer)
+                optimizers.extend(opt for k, opt in known if k == key)
                 flags.extend(state["found_inf_per_device"].values())
-    return Scaled(still_scaled=covered != ids, found_inf=tuple(flags), optimizers=tuple(optimizers))
+    return Scaled(still_scaled=relevant and covered != ids, found_inf=tuple(flags), optimizers=tuple(optimizers))
+
+
+def _param_ids(optimizer: Optimizer) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}

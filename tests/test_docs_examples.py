@@ -23,7 +23,7 @@ from gradguard import Policy, PolicyError
 from gradguard.cli import main
 
 ALL = [block for page in pages() for block in blocks(page)]
-_EXIT = re.compile(r"\s+# exit (\d+)\s*$")
+_EXIT = re.compile(r"\s+# exit (\d+)\b.*$")
 
 
 def _unique(language: str) -> list[Block]:

@@ -8,7 +8,9 @@ the code and the policies come from the wheel alone (a test checks where they we
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -122,3 +124,13 @@ def test_gradguard_policies_and_the_demo_run_from_the_installed_wheel(built: Bui
     assert "halted at step 90 on nan; parameters after the halt: unchanged" in demo.stdout
     assert str(built.installed / "gradguard" / "policies" / "llm-pretraining.yaml") in demo.stdout
     assert (tmp_path / "demo.jsonl").stat().st_size > 0
+
+
+def test_the_version_is_written_once_and_the_changelog_names_it():
+    """The installed metadata is gradguard.__version__, and CHANGELOG.md's newest release is that version."""
+    assert importlib.metadata.version("gradguard") == gradguard.__version__
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M)
+    assert releases[0] == gradguard.__version__
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(r"^version\s*=", pyproject, re.M) is None, "the version belongs in gradguard/__init__.py only"

@@ -132,5 +132,6 @@ def test_the_version_is_written_once_and_the_changelog_names_it():
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     releases = re.findall(r"^## \[(\d+\.\d+\.\d+)\] - \d{4}-\d{2}-\d{2}$", changelog, re.M)
     assert releases[0] == gradguard.__version__
-    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
-    assert re.search(r"^version\s*=", pyproject, re.M) is None, "the version belongs in gradguard/__init__.py only"
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "version" not in pyproject["project"], "the version belongs in gradguard/__init__.py only"
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gradguard.__version__"}

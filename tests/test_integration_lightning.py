@@ -33,7 +33,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Be aware that when using `ckpt_path`.*",
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
 
 

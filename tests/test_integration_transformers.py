@@ -26,7 +26,6 @@ pytest.importorskip("accelerate")
 from gradguard.integrations.transformers import STATE_FILE, GradGuardCallback, guard_trainer  # noqa: E402
 
 NAN_PARAM = "transformer.h.1.mlp.c_fc.weight"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- tiny models, data and arguments ----------------------------------------------------------------

@@ -35,11 +35,12 @@ def _unique(language: str) -> list[Block]:
     return list(seen.values())
 
 
-def _environment() -> dict[str, str]:
-    # This checkout's gradguard and this interpreter's scripts, whatever the shell had before.
+def _run(command: list[str], cwd: Path, **environment: str) -> subprocess.CompletedProcess[str]:
+    """``command`` in ``cwd`` with this checkout's gradguard and this interpreter's scripts first."""
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PATH": path, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PATH": path, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1", **environment}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False)
 
 
 def _page_directory(page: str, directory: Path) -> Path:
@@ -73,15 +74,7 @@ def test_the_python_block_runs_as_written(block: Block, tmp_path: Path):
     """The block is a whole program: run alone, in an empty directory, it exits 0."""
     script = _page_directory(block.page, tmp_path) / "docs_example.py"
     script.write_text(block.code, encoding="utf-8")
-    done = subprocess.run(
-        [sys.executable, script.name],
-        cwd=tmp_path,
-        env=_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = _run([sys.executable, script.name], tmp_path)
     assert done.returncode == 0, f"{block.where} failed:\n{(done.stdout + done.stderr)[-4000:]}"
 
 
@@ -101,15 +94,7 @@ def test_the_console_transcripts_of_the_page_run_with_the_exit_codes_shown(page:
         assert commands, f"{block.where}: a console block without a `$ ` command (use ```text for output alone)"
         for command in commands:
             expected = _EXIT.search(command)
-            done = subprocess.run(
-                ["bash", "-c", command],
-                cwd=tmp_path,
-                env=_environment(),
-                capture_output=True,
-                text=True,
-                timeout=300,
-                check=False,
-            )
+            done = _run(["bash", "-c", command], tmp_path)
             want = int(expected.group(1)) if expected else 0
             assert done.returncode == want, (
                 f"{block.where}: `{command}` exited {done.returncode}, not {want}:\n"
@@ -171,13 +156,5 @@ def test_the_site_builds_strict_where_mkdocs_is_installed(tmp_path: Path):
     pytest.importorskip("mkdocs", reason="the docs extra is not installed: pip install -e '.[docs]'")
     pytest.importorskip("mkdocstrings", reason="the docs extra is not installed: pip install -e '.[docs]'")
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")]
-    done = subprocess.run(
-        command,
-        cwd=ROOT,
-        env={**_environment(), "NO_MKDOCS_2_WARNING": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = _run(command, ROOT, NO_MKDOCS_2_WARNING="1")
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

@@ -83,8 +83,8 @@ class GradGuard(ServesMetrics):
             attach with a different policy, parameters or options are refused at once, on every rank.
         metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
         reload, reload_interval: look at the policy file (a path) every this many seconds; a changed one takes
-            over at the next step boundary, on every rank at the same step (README, "Hot reload").
-        provenance: where a NaN starts, named in halts and skips (README, "Provenance"): ``"always"``
+            over at the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
+        provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"always"``
             (module hooks and gradient flags from the start), ``"after_fault"`` (the same hooks, armed after
             a first non-finite or skipped step; nothing before) or ``None``.
         before_clip: a call of torch's ``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm`` or

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.docs import documented_example
 
 pytest.importorskip("lightning")
 
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Be aware that when using `ckpt_path`.*",
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
 
 
@@ -691,9 +691,9 @@ def test_policy_file_path_is_accepted(tmp_path):
     assert callback.guard.step_count == 2
 
 
-# --- the README example ---------------------------------------------------------------------------
+# --- the documented example (docs/frameworks.md) -------------------------------------------------
 
-README_EXAMPLE = """\
+DOCUMENTED_EXAMPLE = """\
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -740,14 +740,11 @@ print(guard_callback.guard.step_count, guard_callback.guard.counters.snapshot())
 """
 
 
-def test_readme_lightning_example_runs(tmp_path, monkeypatch, capsys):
-    """The README's Lightning example is this code, and it runs: 16 steps, clips counted, an audit log written."""
-    readme = (ROOT / "README.md").read_text("utf-8")
-    match = re.search(r"<!-- example: lightning -->\n```python\n(.*?)```", readme, re.S)
-    assert match is not None, "README.md has no example marked 'lightning'"
-    assert match.group(1) == README_EXAMPLE
+def test_the_documented_lightning_example_runs(tmp_path, monkeypatch, capsys):
+    """docs/frameworks.md's Lightning example is this code, and it runs: 16 steps, clips counted, a log written."""
+    assert documented_example("docs/frameworks.md", "lightning") == DOCUMENTED_EXAMPLE
     monkeypatch.chdir(tmp_path)
-    exec(compile(README_EXAMPLE, "readme-lightning-example", "exec"), {"__name__": "__readme__"})
+    exec(compile(DOCUMENTED_EXAMPLE, "documented-lightning-example", "exec"), {"__name__": "__example__"})
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed.startswith("16 {")
     assert "'clip': {'clip_norm':" in printed

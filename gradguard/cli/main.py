@@ -1,11 +1,11 @@
-"""The ``gradguard`` command line: ``validate``, ``explain``, ``audit``, ``schema`` and ``demo``.
+"""The ``gradguard`` command line: ``validate``, ``explain``, ``audit``, ``schema``, ``policies`` and ``demo``.
 
 Exit codes: 0 all good; 1 findings (an invalid policy, a rule that matches nothing, a halt, a
 non-finite gradient, a skipped step, an unreadable log line, a counter mismatch); 2 a usage or input
 error (a missing file, a bad ``MODULE:CALLABLE``, a log with no gradguard event).
 
-Only ``explain`` and ``demo`` import torch, inside the command: ``validate``, ``audit`` and
-``schema`` answer without it.
+Only ``explain`` and ``demo`` import torch, inside the command: ``validate``, ``audit``,
+``schema`` and ``policies`` answer without it.
 """
 
 from __future__ import annotations
@@ -315,6 +315,39 @@ def schema(output: Path | None) -> None:
     click.echo(f"policy JSON Schema written to {output}", err=True)
 
 
+# --- policies --------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("name", required=False)
+def policies(name: str | None) -> None:
+    """List the policies gradguard ships, or print the one called NAME.
+
+    \b
+    Without NAME: one line each, its name, file and what it is for.
+    With NAME (e.g. default, or default.yaml): the file, to start a policy of your own:
+      gradguard policies default > my-policy.yaml
+    The printed copy's $schema reference points at the installed JSON Schema, so an editor still
+    finds it. In Python, Policy.shipped(NAME) loads one. Does not import torch.
+    """
+    from gradguard.errors import PolicyError
+    from gradguard.policy.shipped import shipped_policies, shipped_policy
+
+    if name is not None:
+        try:
+            found = shipped_policy(name)
+        except PolicyError as exc:
+            _fail(str(exc.issues[0].message))
+        click.echo(found.text_for_a_copy(), nl=False)
+        return
+    every = shipped_policies()
+    width = max(len(policy.name) for policy in every)
+    file_width = max(len(policy.file_name) for policy in every)
+    for policy in every:
+        click.echo(f"{policy.name:<{width}}  {policy.file_name:<{file_width}}  {policy.purpose}")
+    click.echo("\nprint one: gradguard policies NAME > my-policy.yaml; load one: Policy.shipped(NAME)")
+
+
 # --- demo ------------------------------------------------------------------------------------------
 
 
@@ -332,18 +365,17 @@ def schema(output: Path | None) -> None:
     "policy_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Policy file to use instead of the shipped policies/llm-pretraining.yaml.",
+    help="Policy file to use instead of the shipped llm-pretraining policy (gradguard policies llm-pretraining).",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=120, show_default=True, help="Training steps.")
 def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     """Train a small decoder on the CPU with a spike and a NaN injected, guarded by a shipped policy."""
-    from gradguard.cli.demo import bundled_policy_path, run_demo
+    from gradguard.cli.demo import DEMO_POLICY, run_demo
     from gradguard.errors import PolicyError
     from gradguard.policy.document import Policy
 
-    path = policy_path or bundled_policy_path()
     try:
-        policy = Policy.from_file(path)
+        policy = Policy.from_file(policy_path) if policy_path is not None else Policy.shipped(DEMO_POLICY)
     except PolicyError as exc:
         click.echo(str(exc), err=True)
         sys.exit(2)

@@ -298,3 +298,24 @@ def test_another_models_gradscaler_in_flight_does_not_hold_back_a_model_without_
             scaler.update()
             scaled_opt.zero_grad()
             plain.zero_grad()
+
+
+def test_a_clip_inside_a_compiled_function_still_runs_the_guards_step_first():
+    """torch.compile (eager backend) around the clip: the guard runs eagerly at a graph break and names the NaN."""
+    torch.manual_seed(0)
+    model = SmallMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = torch.compile(lambda params: torch.nn.utils.clip_grad_norm_(params, 1.0), backend="eager")
+    with GradGuard(model, make_policy(HALT_ALL), logger=None) as guard:
+        for step in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            if step == 2:
+                model.out.weight.grad[0, 0] = math.nan
+                with pytest.raises(GradientHalt) as caught:
+                    clip(list(model.parameters()))
+                break
+            clip(list(model.parameters()))
+            opt.step()
+            opt.zero_grad()
+    assert caught.value.params == ("out.weight",)
+    assert guard.step_count == 3

@@ -137,6 +137,7 @@ def _live() -> Iterator[GuardHooks]:
             yield guard
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _before_step(
     optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -150,6 +151,7 @@ def _before_step(
     return changed
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _after_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for guard in _live():
         guard._after_optimizer_step(optimizer)
@@ -204,16 +206,27 @@ def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first
                 tensors = kwargs[first] = _as_list(kwargs[first])
             else:
                 return original(*args, **kwargs)  # let torch say what is missing
-            call = ClipCall(name, tensors, of_grads)
-            acted = [guard for guard in _live() if guard._before_clip(call)]
+            acted = _before_clip(ClipCall(name, tensors, of_grads))
             result = original(*args, **kwargs)
-            for guard in acted:
-                guard._after_clip()
+            _after_clip(acted)
             return result
         return original(*args, **kwargs)
 
     intercepted.__gradguard_original__ = original  # type: ignore[attr-defined]
     return intercepted
+
+
+# The guards run eagerly, also inside a torch.compile'd function (their step reads the host once and keeps
+# Python state that dynamo must not trace): dynamo breaks the graph around these calls.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _before_clip(call: ClipCall) -> list[GuardHooks]:
+    return [guard for guard in _live() if guard._before_clip(call)]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _after_clip(acted: list[GuardHooks]) -> None:
+    for guard in acted:
+        guard._after_clip()
 
 
 def _as_list(value: Any) -> Any:

@@ -22,7 +22,7 @@ __all__ = ["Family", "family_key", "family_pattern", "merge_alike"]
 
 
 def family_key(name: str) -> str:
-    """The name with every all-digit segment folded into ``*``: ``blocks.3.mlp.0.weight`` -> ``blocks.*.mlp.*.weight``."""
+    """Every all-digit segment of the name folded into ``*``: ``blocks.3.mlp.0.weight`` -> ``blocks.*.mlp.*.weight``."""
     return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 

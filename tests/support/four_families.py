@@ -20,7 +20,7 @@ from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy
 
-__all__ = ["SCALES", "SPIKE", "FourFamilies", "Schedule", "record_run"]
+__all__ = ["MONITOR_RULE", "SCALES", "SPIKE", "FourFamilies", "Run", "Schedule", "record_run"]
 
 SCALES: dict[str, float] = {"huge": 1.0, "large": 1e-1, "small": 1e-2, "tiny": 1e-4}
 SPIKE = 100.0
@@ -30,17 +30,18 @@ MONITOR_RULE = {"name": "norms", "match": "*", "actions": [{"action": "monitor",
 class FourFamilies(nn.Module):
     """``blocks.<i>.<family>.weight`` for each family of :data:`SCALES`."""
 
-    def __init__(self, blocks: int = 3, width: int = 8) -> None:
+    def __init__(self, blocks: int = 3, width: int = 8, scales: Mapping[str, float] = SCALES) -> None:
         super().__init__()
         self.width = width
+        self.scales = dict(scales)
         self.blocks = nn.ModuleList(
-            nn.ModuleDict({name: nn.Linear(width, width, bias=False) for name in SCALES}) for _ in range(blocks)
+            nn.ModuleDict({name: nn.Linear(width, width, bias=False) for name in scales}) for _ in range(blocks)
         )
 
     def loss(self, x: torch.Tensor, targets: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
         total = x.new_zeros(())
         for block, wanted in zip(self.blocks, targets, strict=True):
-            for name, scale in SCALES.items():
+            for name, scale in self.scales.items():
                 total = total + scale * ((block[name](x) - wanted[name]) ** 2).mean()  # type: ignore[operator]
         return total
 
@@ -56,17 +57,25 @@ class Schedule:
 
 @dataclass
 class Run:
+    """Where a run's audit log is, where it halted (if it did) and which steps the guard skipped."""
+
     log: Path
     halted_at: int | None
     skipped: list[int]
 
 
 def record_run(
-    log: Path, policy: Policy | Mapping[str, Any], schedule: Schedule, *, seed: int = 0, batch: int = 16
+    log: Path,
+    policy: Policy | Mapping[str, Any],
+    schedule: Schedule,
+    *,
+    seed: int = 0,
+    batch: int = 16,
+    scales: Mapping[str, float] = SCALES,
 ) -> Run:
     """Train :class:`FourFamilies` under ``policy`` for ``schedule.steps`` steps, writing the audit log to ``log``."""
     torch.manual_seed(seed)
-    model = FourFamilies()
+    model = FourFamilies(scales=scales)
     teacher = copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     if not isinstance(policy, Policy):
@@ -80,7 +89,7 @@ def record_run(
             targets = []
             for block in teacher.blocks:
                 wanted = {}
-                for name in SCALES:
+                for name in scales:
                     noise = torch.randn(batch, model.width, generator=generator)
                     if schedule.spikes.get(step) in (name, "all"):
                         noise = noise * SPIKE

@@ -17,6 +17,7 @@ from click.testing import CliRunner, Result
 from support.four_families import MONITOR_RULE, FourFamilies, Schedule, record_run
 
 from gradguard import GradGuard, Policy
+from gradguard.audit.plot import policy_thresholds
 from gradguard.cli import main
 from gradguard.tuning.replay import replay_files
 from gradguard.tuning.suggest import suggest_files
@@ -306,3 +307,20 @@ def test_families_fold_layer_indices_and_merge_when_their_norms_are_alike(tmp_pa
     with GradGuard(FourFamilies(scales=scales), suggestion.policy):
         pass
     assert torch.isfinite(torch.tensor([t.max_norm for t in suggestion.thresholds])).all()
+
+
+def test_audit_plot_draws_the_suggested_max_norm_over_each_plotted_parameter_s_norm(
+    suggested: Path, recorded: Path, tmp_path: Path
+) -> None:
+    """--threshold-policy with --plot: each plotted parameter's line gets the max_norm its family's rule clips at."""
+    out = tmp_path / "norms.png"
+    result = _cli("audit", str(recorded), "--plot", str(out), "--threshold-policy", str(suggested))
+    assert result.exit_code == 0, result.output
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    policy = Policy.from_file(suggested)
+    rule = _rule_of(policy)["tiny"]
+    max_norm = next(r for r in policy.rules if r.name == rule).actions[0]
+    assert policy_thresholds(policy, ["blocks.2.tiny.weight"]) == {"blocks.2.tiny.weight": (rule, max_norm.max_norm)}
+    alone = _cli("audit", str(recorded), "--threshold-policy", str(suggested))
+    assert alone.exit_code == 2
+    assert "--plot" in alone.output

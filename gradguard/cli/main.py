@@ -185,6 +185,13 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     help="Stop following after this many seconds.",
 )
 @click.option("--plot-series", type=click.IntRange(min=1, max=10), default=5, hidden=True, help="Series to plot.")
+@click.option(
+    "--threshold-policy",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="POLICY",
+    help="With --plot: draw, over each plotted parameter's recorded norm, the max_norm of the clip_norm POLICY "
+    "gives it (e.g. the output of `gradguard suggest`).",
+)
 def audit(
     logs: tuple[Path, ...],
     fmt: str,
@@ -199,6 +206,7 @@ def audit(
     progress: bool | None,
     follow_timeout: float | None,
     plot_series: int,
+    threshold_policy: Path | None,
 ) -> None:
     """Summarize gradguard audit logs: what the guard did, where and when.
 
@@ -231,6 +239,17 @@ def audit(
             click.echo(f"note: {path} is given twice; reading it once", err=True)
             continue
         paths.append(path)
+    thresholds = None
+    if threshold_policy is not None:
+        if plot_path is None:
+            raise click.BadParameter("draws on the plot: give --plot FILE.png too", param_hint="'--threshold-policy'")
+        from gradguard.errors import PolicyError
+        from gradguard.policy.document import Policy
+
+        try:
+            thresholds = Policy.from_file(threshold_policy)
+        except PolicyError as exc:
+            _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(threshold_policy))}` after fixing it)")
     if plot_path is not None:
         from gradguard.audit.plot import PLOT_SUFFIXES, PlotUnavailable, require_matplotlib
 
@@ -271,7 +290,7 @@ def audit(
         click.echo(_audit.render_summary(summary, fmt, top), nl=False)
     if plot_path is not None:
         try:
-            _audit.plot_files(paths, filters, summary, plot_path, plot_series)
+            _audit.plot_files(paths, filters, summary, plot_path, plot_series, thresholds)
         except OSError as exc:
             _fail(f"cannot write the plot {plot_path}: {exc.strerror or exc}")
         click.echo(f"plot written to {plot_path}", err=True)

@@ -1,11 +1,14 @@
-"""Families of parameters: names with their layer indices folded, merged where their norms are alike.
+"""Families of parameters: names with their layer index folded, merged where their norms are alike.
 
 ``blocks.3.attn.qkv.weight`` and ``blocks.7.attn.qkv.weight`` are one family, ``blocks.*.attn.qkv.weight``:
-every segment of the dotted name that is a number is folded into ``*``. Families whose median norms lie
-within a factor of each other are then merged (:func:`merge_alike`), so a policy has one rule per kind
-of gradient rather than one per layer type. A family's pattern is a glob where the glob matches exactly
-its members among the recorded names (a policy's ``*`` also crosses dots), else an RE2 ``re:`` pattern
-with ``\\d+`` for each folded index.
+the first segment of the dotted name that is a number (the layer index) is folded into ``*``. Later
+numbers are kept: in ``blocks.3.mlp.0.weight`` and ``blocks.3.mlp.2.weight`` they name different roles
+(an ``nn.Sequential``'s up and down projections) whose gradients can differ several-fold. Families whose
+median norms lie within a factor of each other are then merged (:func:`merge_alike`), so a policy has
+one rule per kind of gradient rather than one per layer type (and nested indices, ``stages.*.blocks.4``,
+collapse there when their norms agree). A family's pattern is a glob where the glob matches exactly its
+members among the recorded names (a policy's ``*`` also crosses dots), else an RE2 ``re:`` pattern with
+``\\d+`` for the folded index.
 """
 
 from __future__ import annotations
@@ -22,8 +25,13 @@ __all__ = ["Family", "family_key", "family_pattern", "merge_alike"]
 
 
 def family_key(name: str) -> str:
-    """Every all-digit segment of the name folded into ``*``: ``blocks.3.mlp.0.weight`` -> ``blocks.*.mlp.*.weight``."""
-    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+    """The first all-digit segment folded into ``*``: ``blocks.3.mlp.0.weight`` -> ``blocks.*.mlp.0.weight``."""
+    parts = name.split(".")
+    for position, part in enumerate(parts):
+        if part.isdigit():
+            parts[position] = "*"
+            break
+    return ".".join(parts)
 
 
 def family_pattern(key: str, members: set[str], names: Iterable[str]) -> str:
@@ -31,7 +39,7 @@ def family_pattern(key: str, members: set[str], names: Iterable[str]) -> str:
     glob = pattern_matcher(key)
     if all(glob(name) == (name in members) for name in names):
         return key
-    parts = (r"\d+" if part == "*" else re.escape(part) for part in key.split("."))
+    parts = (r"\d+" if part == "*" else re.escape(part) for part in key.split("."))  # only the folded index is "*"
     return REGEX_PREFIX + r"\.".join(parts)
 
 

@@ -40,7 +40,7 @@ from gradguard.enforce.actions.spikes import spike_decide, spike_empty
 from gradguard.enforce.statistics import STATS_DTYPE, Init
 from gradguard.enforce.tensors import clip_coefficients
 from gradguard.policy.document import Policy
-from gradguard.policy.matching import rule_matches
+from gradguard.policy.patterns import rule_matches
 from gradguard.policy.schema import (
     Action,
     AdaptiveGradClip,

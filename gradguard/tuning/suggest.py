@@ -213,8 +213,20 @@ def _steps(steps: list[int], of: int) -> str:
     return f"acts on {len(steps):,} of {of:,} recorded steps ({percent:.2g}%): {shown}{more}"
 
 
+def _natural(name: str) -> list[tuple[int, int | str]]:
+    """A sort key that puts ``blocks.2`` before ``blocks.10``."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
+
+
+def _percent(level: float) -> str:
+    """A quantile level as a percentage with the digits that tell it from 100% (99.9983%)."""
+    tail = 100.0 * (1.0 - level)
+    decimals = max(1, math.ceil(-math.log10(tail)) + 1) if tail > 0 else 1
+    return f"{100.0 * level:.{decimals}f}%"
+
+
 def _members(family: Family) -> str:
-    members = sorted(family.members)
+    members = sorted(family.members, key=_natural)
     shown = ", ".join(members[:3]) + (f", ... ({len(members) - 3} more)" if len(members) > 3 else "")
     return f"{len(members)} tensor{'s' if len(members) != 1 else ''}: {shown}"
 
@@ -268,7 +280,7 @@ def _render(
         lines += [
             f"  # {' + '.join(family.keys)}: {_members(family)}",
             f"  # {family.samples:,} norms{left_out}; median {_g(threshold.median)}, spread {threshold.spread:.3g} "
-            f"(x{math.exp(threshold.spread):.3g}), {100 * threshold.level:.4g}% quantile {_g(threshold.quantile)}",
+            f"(x{math.exp(threshold.spread):.3g}), {_percent(threshold.level)} quantile {_g(threshold.quantile)}",
             f"  # max_norm: {_bound_text(threshold, z)}",
         ]
         if replay is not None:
@@ -308,7 +320,7 @@ def _bound_text(threshold: Threshold, z: float) -> str:
     elif threshold.bound_by == "factor":
         why = f"{MIN_FACTOR:g} x median (the spread is small)"
     else:
-        why = f"the {100 * threshold.level:.4g}% quantile of ordinary norms"
+        why = f"the {_percent(threshold.level)} quantile of ordinary norms"
     return f"{value} = {why}, {ratio:.3g} x the median"
 
 

@@ -272,11 +272,12 @@ def write_norm_run(path: Path, *, params: int, steps: int, seed: int = 0, rule: 
     import numpy as np
 
     names = decoder_names(params)
-    medians = {"embed": 1.0, "pos_embed": 0.3, "attn.in_proj_weight": 0.05, "attn.out_proj.weight": 0.02}
+    medians = {"embed.weight": 1.0, "pos_embed": 0.3, "attn.in_proj_weight": 0.05, "attn.out_proj.weight": 0.02}
     medians |= {"mlp.0.weight": 0.01, "mlp.2.weight": 0.004, "router.weight": 1e-4}
-    centre = np.log([next(v for k, v in medians.items() if k in name) for name in names])
     kinds = sorted(medians)
-    kind_of = np.array([kinds.index(next(k for k in medians if k in name)) for name in names])
+    kind_names = [next(k for k in kinds if name.endswith(k)) for name in names]  # "embed.weight" is not pos_embed
+    centre = np.log([medians[kind] for kind in kind_names])
+    kind_of = np.array([kinds.index(kind) for kind in kind_names])
     rng = np.random.default_rng(seed)
     spikes = []
     with LogBuilder(path) as log:

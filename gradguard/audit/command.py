@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,7 +21,9 @@ from gradguard.audit.reader import FollowReader, ReadStats, read_merged, total_b
 from gradguard.audit.render import audit_header, audit_sections, audit_title, render, render_json
 from gradguard.audit.summarizer import Summarizer
 from gradguard.audit.summary import AuditSummary
-from gradguard.policy.schema import PolicyFields
+
+if TYPE_CHECKING:
+    from gradguard.policy.schema import PolicyFields
 
 __all__ = ["PROGRESS_MIN_BYTES", "follow_files", "plot_files", "render_summary", "summarize_files"]
 

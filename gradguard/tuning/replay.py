@@ -34,34 +34,37 @@ from typing import Any
 
 import torch
 
-from gradguard.enforce.actions.adaptive import autoclip_decide, autoclip_empty, zclip_decide, zclip_empty
 from gradguard.enforce.actions.nonfinite import SkipLimits, has_active
-from gradguard.enforce.actions.spikes import spike_decide, spike_empty
-from gradguard.enforce.statistics import STATS_DTYPE, Init
-from gradguard.enforce.tensors import clip_coefficients
+from gradguard.enforce.actions.spikes import spike_decide
 from gradguard.policy.document import Policy
 from gradguard.policy.patterns import rule_matches
 from gradguard.policy.schema import (
     Action,
     AdaptiveGradClip,
-    AutoClip,
     ClipNorm,
     ClipValue,
     Drop,
     HaltOnNonfinite,
     Monitor,
     Rule,
-    Scale,
     SkipStepOnNonfinite,
     SkipStepOnSpike,
-    ZClip,
-    Zero,
+)
+from gradguard.tuning.acting import (
+    F32,
+    NO_MAX_ABS,
+    NO_WEIGHTS,
+    Proposal,
+    Stats,
+    act,
+    followed,
+    init_for,
+    never_decidable,
+    scope_of,
 )
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
 
 __all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]
-
-_F32 = torch.float32
 
 
 @dataclass
@@ -137,14 +140,6 @@ class ReplayResult:
 
 
 @dataclass
-class _Stats:
-    """One adaptive action's statistics: tensors whose rows are its columns (members, or one for a group)."""
-
-    tensors: dict[str, torch.Tensor]
-    slot: int = 0
-
-
-@dataclass
 class _Bound:
     """A rule bound to the recorded names: its members, in the order the names were first seen."""
 
@@ -170,13 +165,13 @@ class Replayer:
                 if not isinstance(action, Monitor):
                     self.entries[(index, position)] = ActionSteps(rule.name, action.action, position)
         self.undecidable: dict[tuple[int, int], str] = {}
-        self.stats: dict[tuple[int, int], _Stats] = {}
+        self.stats: dict[tuple[int, int], Stats] = {}
         self.skip_limits = SkipLimits()
         self.halt: Halt | None = None
         self.steps = 0
         for index, rule in enumerate(self.rules):
             for position, action in enumerate(rule.actions):
-                reason = _never_decidable(action)
+                reason = never_decidable(action)
                 if reason is not None:
                     self.undecidable[(index, position)] = reason
 
@@ -197,10 +192,10 @@ class Replayer:
                         self.watchers.setdefault(index, []).append(bound.index)
         for (rule_index, position), stats in self.stats.items():
             action = self.rules[rule_index].actions[position]
-            if _scope(action) == "tensor":
+            if scope_of(action) == "tensor":
                 grown = len(self.bound[rule_index].members) - next(iter(stats.tensors.values())).shape[0]
                 if grown > 0:
-                    extra = _init(action)(grown, torch.device("cpu"))
+                    extra = init_for(action)(grown, torch.device("cpu"))
                     stats.tensors = {k: torch.cat([v, extra[k]]) for k, v in stats.tensors.items()}
 
     # --- one step -----------------------------------------------------------------------------------
@@ -212,14 +207,14 @@ class Replayer:
         self._learn(recorded.norm)
         step = recorded.step
         self.steps += 1
-        raw = torch.tensor([recorded.norm.get(name, math.nan) for name in self.names], dtype=_F32)
+        raw = torch.tensor([recorded.norm.get(name, math.nan) for name in self.names], dtype=F32)
         present = [name in recorded.norm for name in self.names]
         everyone = all(present)
         peaks: torch.Tensor | None = None
         if recorded.max_abs and all(name in recorded.max_abs for name in recorded.norm):
-            peaks = torch.tensor([recorded.max_abs.get(name, math.nan) for name in self.names], dtype=_F32)
+            peaks = torch.tensor([recorded.max_abs.get(name, math.nan) for name in self.names], dtype=F32)
         halted_by, skipped_by = self._watch(raw, present, step)
-        proposals: list[tuple[tuple[int, int], torch.Tensor | None, dict[str, torch.Tensor], int]] = []
+        proposals: list[Proposal] = []
         spikes = self._spikes(raw, present, everyone, step, proposals)
         acted: list[tuple[int, int]] = []
         self._actions(raw, peaks, present, everyone, step, recorded, proposals, acted)
@@ -290,10 +285,10 @@ class Replayer:
         columns = [column for column, index in enumerate(bound.members) if present[index]]
         return [bound.members[c] for c in columns], torch.tensor(columns, dtype=torch.long)
 
-    def _state(self, key: tuple[int, int], action: Action, columns: int) -> _Stats:
+    def _state(self, key: tuple[int, int], action: Action, columns: int) -> Stats:
         stats = self.stats.get(key)
         if stats is None:
-            stats = self.stats[key] = _Stats(_init(action)(columns, torch.device("cpu")))
+            stats = self.stats[key] = Stats(init_for(action)(columns, torch.device("cpu")))
         return stats
 
     def _spikes(
@@ -302,7 +297,7 @@ class Replayer:
         present: list[bool],
         everyone: bool,
         step: int,
-        proposals: list[tuple[tuple[int, int], torch.Tensor | None, dict[str, torch.Tensor], int]],
+        proposals: list[Proposal],
     ) -> list[int]:
         """The spike watch, on the norms as they arrived (before any action): the rules whose norm spiked."""
         spiked: list[int] = []
@@ -317,7 +312,7 @@ class Replayer:
                 if not ids:
                     continue
                 group = action.scope == "group"
-                g = _followed(raw, ids, group)
+                g = followed(raw, ids, group)
                 key = (bound.index, position)
                 stats = self._state(key, action, 1 if group else len(bound.members))
                 ring = stats.tensors["ring"] if group or cols is None else stats.tensors["ring"].index_select(0, cols)
@@ -336,7 +331,7 @@ class Replayer:
         everyone: bool,
         step: int,
         recorded: RecordedStep,
-        proposals: list[tuple[tuple[int, int], torch.Tensor | None, dict[str, torch.Tensor], int]],
+        proposals: list[Proposal],
         acted: list[tuple[int, int]],
     ) -> None:
         """Every rule's gradient-changing actions in policy order, on the norms the earlier ones left."""
@@ -356,15 +351,30 @@ class Replayer:
                     continue
                 if isinstance(action, Monitor | HaltOnNonfinite | SkipStepOnNonfinite | SkipStepOnSpike):
                     continue
-                if isinstance(action, ClipValue) and peaks is None:
-                    self.undecidable[key] = _NO_MAX_ABS
+                inf_norm = isinstance(action, ClipNorm) and action.norm_type != 2.0
+                if (isinstance(action, ClipValue) or inf_norm) and peaks is None:
+                    self.undecidable[key] = NO_MAX_ABS
                     continue
                 if isinstance(action, AdaptiveGradClip) and not all(
                     recorded.grad_to_weight.get(self.names[i]) is not None for i in ids
                 ):
-                    self.undecidable[key] = _NO_WEIGHTS
+                    self.undecidable[key] = NO_WEIGHTS
                     continue
-                coef, did = self._one(key, action, current, peaks, recorded, index, ids, cols, proposals)
+                columns = len(bound.members)
+                coef, did = act(
+                    key,
+                    action,
+                    current,
+                    peaks,
+                    recorded,
+                    self.names,
+                    index,
+                    ids,
+                    cols,
+                    proposals,
+                    lambda width, key=key, action=action: self._state(key, action, width),  # type: ignore[misc]
+                    columns,
+                )
                 if did:
                     acted.append(key)
                 if coef is not None:
@@ -375,79 +385,6 @@ class Replayer:
                     for i in ids:
                         present[i] = False
                     break  # the rule's later actions have no gradient left
-
-    def _one(
-        self,
-        key: tuple[int, int],
-        action: Action,
-        current: torch.Tensor,
-        peaks: torch.Tensor | None,
-        recorded: RecordedStep,
-        index: torch.Tensor,
-        ids: list[int],
-        cols: torch.Tensor | None,
-        proposals: list[tuple[tuple[int, int], torch.Tensor | None, dict[str, torch.Tensor], int]],
-    ) -> tuple[torch.Tensor | None, bool]:
-        """One action: the float32 coefficient it multiplies its members' norms by, and whether it acted."""
-        norms = current.index_select(0, index)
-        if isinstance(action, ClipNorm):
-            assert action.norm_type in (2.0, math.inf)
-            if action.norm_type != 2.0:
-                assert peaks is not None
-                norms = peaks.index_select(0, index)
-            if action.scope == "tensor":
-                totals = torch.linalg.vector_norm(norms.unsqueeze(1), action.norm_type, dim=1)
-                coef = clip_coefficients(totals, action.max_norm)
-                return coef, bool((coef < 1.0).any())
-            total = torch.linalg.vector_norm(norms, action.norm_type)
-            coef = clip_coefficients(total, action.max_norm)
-            return coef.expand(len(ids)), bool(coef < 1.0)
-        if isinstance(action, ZClip | AutoClip):
-            group = action.scope == "group"
-            g = _followed(current, ids, group)
-            columns = 1 if group else len(self.bound[key[0]].members)
-            stats = self._state(key, action, columns)
-            take = None if group else cols
-            state = stats.tensors if take is None else {k: v.index_select(0, take) for k, v in stats.tensors.items()}
-            if isinstance(action, ZClip):
-                decision = zclip_decide(action, g, state, warming=not bool(stats.tensors["ready"].all()))
-                proposals.append((key, take, decision.proposal, stats.slot))
-                coef64 = decision.coef
-            else:
-                slot = stats.slot % action.history
-                auto = autoclip_decide(action, g, state, slot)
-                proposals.append((key, take, auto.proposal, slot + 1))
-                coef64 = auto.coef
-            coef = coef64.to(_F32)
-            did = bool((coef64 < 1.0).any())
-            return (coef.expand(len(ids)) if group else coef), did
-        if isinstance(action, ClipValue):
-            assert peaks is not None
-            mine = peaks.index_select(0, index)
-            did = bool(((mine > action.limit) & torch.isfinite(mine)).any())
-            peaks[index] = torch.clamp(mine, max=action.limit)
-            return None, did
-        if isinstance(action, AdaptiveGradClip):
-            weights = torch.tensor(
-                [recorded.norm[self.names[i]] / recorded.grad_to_weight[self.names[i]] for i in ids], dtype=_F32
-            )
-            if action.scope == "group":
-                total, weight = torch.linalg.vector_norm(norms), torch.linalg.vector_norm(weights)
-            else:
-                total, weight = norms, weights
-            limit = action.clipping * torch.clamp(weight, min=action.eps)
-            coef = torch.where(total > limit, limit / torch.clamp(total, min=1e-6), torch.ones_like(total))
-            coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
-            return coef.expand(len(ids)) if action.scope == "group" else coef, bool((coef < 1.0).any())
-        if isinstance(action, Scale):
-            return torch.full((len(ids),), action.factor, dtype=_F32), True
-        if isinstance(action, Zero):
-            return torch.zeros(len(ids), dtype=_F32), True
-        if isinstance(action, Drop):
-            return None, True
-        raise AssertionError(f"unexpected action {action.action!r}")
-
-    # --- the result ---------------------------------------------------------------------------------
 
     def result(self, recording: Recording) -> ReplayResult:
         """What the policy did, per action (the undecidable ones listed apart)."""
@@ -466,53 +403,6 @@ class Replayer:
             for (r, p), reason in sorted(undecidable.items())
         ]
         return ReplayResult(self.policy.source, actions, listed, self.halt, recording, list(self.names), self.steps)
-
-
-_NO_MAX_ABS = (
-    "clip_value compares each element with its limit: the log has no 'max_abs' of every parameter on every step; "
-    "record it with a monitor with stats: [norm, max_abs] at scope: tensor"
-)
-_NO_WEIGHTS = (
-    "agc compares gradient norms with weight norms: the log has no 'grad_to_weight' of every parameter; "
-    "record it with a monitor with stats: [norm, grad_to_weight] at scope: tensor"
-)
-
-
-def _never_decidable(action: Action) -> str | None:
-    """Why no recorded norms can decide ``action``, or ``None``."""
-    if isinstance(action, AdaptiveGradClip) and action.scope == "tensor":
-        return (
-            "agc at scope: tensor clips each output unit (row) by its own norms; the log records norms per "
-            "tensor only (scope: group is decidable with grad_to_weight)"
-        )
-    if isinstance(action, ClipNorm) and action.norm_type not in (2.0, math.inf):
-        return (
-            f"clip_norm with norm_type {action.norm_type} needs that p-norm of each gradient; the log records "
-            "2-norms (norm) and inf-norms (max_abs) only"
-        )
-    return None
-
-
-def _scope(action: Action) -> str:
-    return str(getattr(action, "scope", "tensor"))
-
-
-def _init(action: Action) -> Init:
-    if isinstance(action, ZClip):
-        return zclip_empty(action.warmup_steps)
-    if isinstance(action, AutoClip):
-        return autoclip_empty(action.history)
-    assert isinstance(action, SkipStepOnSpike)
-    return spike_empty(action.window)
-
-
-def _followed(norms: torch.Tensor, ids: list[int], group: bool) -> torch.Tensor:
-    """The float64 norms an adaptive action follows: one per member, or their joint float32 norm (as the guard)."""
-    mine = norms.index_select(0, torch.tensor(ids, dtype=torch.long))
-    if group:
-        joint: torch.Tensor = torch.linalg.vector_norm(mine, 2.0)
-        return joint.reshape(1).to(STATS_DTYPE)
-    return mine.to(STATS_DTYPE)
 
 
 def replay_files(policy: Policy, paths: Sequence[Path], recording: Recording | None = None) -> ReplayResult:

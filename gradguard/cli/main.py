@@ -356,7 +356,7 @@ def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float
         _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
-    _note_unreadable(suggestion.recording.read)
+    _note_recording(suggestion.recording)
     if output is None:
         click.echo(suggestion.text, nl=False)
         return
@@ -403,7 +403,7 @@ def replay(policy_path: Path, logs: tuple[Path, ...], fmt: str) -> None:
         _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
     if not result.params:
         _fail(no_norms_message(list(logs), result.recording))
-    _note_unreadable(result.recording.read)
+    _note_recording(result.recording)
     guarded = result.recording.guarded_params
     if guarded is not None and guarded > len(result.params):
         click.echo(
@@ -417,11 +417,19 @@ def replay(policy_path: Path, logs: tuple[Path, ...], fmt: str) -> None:
     sys.exit(result.exit_code)
 
 
-def _note_unreadable(read: object) -> None:
-    """Say on stderr how many log lines were unreadable (and skipped), with the first few."""
-    from gradguard.audit.reader import ReadStats
+def _note_recording(recording: object) -> None:
+    """Say on stderr how many log lines were unreadable (and skipped), and whether the steps went back."""
+    from gradguard.tuning.records import Recording
 
-    assert isinstance(read, ReadStats)
+    assert isinstance(recording, Recording)
+    if recording.step_back is not None:
+        after, back = recording.step_back
+        click.echo(
+            f"note: the steps go back from {after} to {back}: the log holds several runs, read as one "
+            "(give each run's log on its own)",
+            err=True,
+        )
+    read = recording.read
     if not read.bad_total:
         return
     shown = "".join(f"\n  {bad}" for bad in read.bad_lines[:3])

@@ -60,6 +60,8 @@ class Recording:
     last_step: int | None = None
     guarded_params: int | None = None
     """The ``params`` of the log's last ``attach`` event: how many tensors the guard watched."""
+    step_back: tuple[int, int] | None = None
+    """The first place the steps went back, ``(from, to)``: the log holds several runs (read as one)."""
 
 
 def no_norms_message(paths: Sequence[Path], recording: Recording) -> str:
@@ -98,6 +100,8 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
             recording.other_scopes[key] = recording.other_scopes.get(key, 0) + 1
             continue
         if current is not None and step != current.step:
+            if step < current.step and recording.step_back is None:
+                recording.step_back = (current.step, step)
             yield current
             current = None
         if current is None:

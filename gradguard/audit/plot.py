@@ -323,13 +323,15 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
 
 def _draw_health(axis: Any, collector: PlotCollector, summary: AuditSummary) -> None:
     """The recorded norms (log scale), clip and vanishing/exploding thresholds, intervention ticks."""
+    drawn: set[tuple[str, float]] = set()
     for index, ((rule, name), bins) in enumerate(collector.health.items()):
         xs, norms, _, _ = bins.points()
         if xs:
             label = f"{rule} (group)" if name == rule else f"{rule}: {name}"
             axis.plot(xs, norms, "-", color=f"C{index % 10}", linewidth=1.2, label=label)
         threshold = collector.policy_thresholds.get(name)
-        if threshold is not None:
+        if threshold is not None and threshold not in drawn:  # one line per rule, in its first series' colour
+            drawn.add(threshold)
             clip_rule, max_norm = threshold
             axis.axhline(
                 max_norm,

@@ -14,9 +14,12 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import click
+
+if TYPE_CHECKING:
+    from gradguard.policy.document import Policy
 
 __all__ = ["main"]
 
@@ -26,6 +29,22 @@ _FORMATS = click.Choice(["table", "json", "markdown"])
 def _fail(message: str, code: int = 2) -> NoReturn:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def _unreadable(exc: OSError) -> NoReturn:
+    """A log that cannot be read: its name and the system's reason, exit 2."""
+    _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
+
+
+def _load_policy(path: Path) -> Policy:
+    """The policy in ``path``, or exit 2 with its problems and the command that checks the fix."""
+    from gradguard.errors import PolicyError
+    from gradguard.policy.document import Policy
+
+    try:
+        return Policy.from_file(path)
+    except PolicyError as exc:
+        _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(path))}` after fixing it)")
 
 
 class _Group(click.Group):
@@ -119,13 +138,7 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     GradGuard would raise when attaching. Exit 1 if there are such problems (e.g. a rule that matches
     nothing without allow_no_match).
     """
-    from gradguard.errors import PolicyError
-    from gradguard.policy.document import Policy
-
-    try:
-        policy = Policy.from_file(policy_path)
-    except PolicyError as exc:
-        _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(policy_path))}` after fixing it)")
+    policy = _load_policy(policy_path)
 
     from gradguard.audit.render import render
     from gradguard.cli.explain import ModelSpecError, explain, explain_header, explain_sections, load_model
@@ -243,13 +256,7 @@ def audit(
     if threshold_policy is not None:
         if plot_path is None:
             raise click.BadParameter("draws on the plot: give --plot FILE.png too", param_hint="'--threshold-policy'")
-        from gradguard.errors import PolicyError
-        from gradguard.policy.document import Policy
-
-        try:
-            thresholds = Policy.from_file(threshold_policy)
-        except PolicyError as exc:
-            _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(threshold_policy))}` after fixing it)")
+        thresholds = _load_policy(threshold_policy)
     if plot_path is not None:
         from gradguard.audit.plot import PLOT_SUFFIXES, PlotUnavailable, require_matplotlib
 
@@ -278,7 +285,7 @@ def audit(
         else:
             summary = _audit.summarize_files(paths, filters, progress=progress)
     except OSError as exc:
-        _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
+        _unreadable(exc)
 
     if summary.events == 0 and not follow:
         shown = "".join(f"\n  {bad}" for bad in summary.bad_lines[:3])
@@ -355,7 +362,7 @@ def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float
     except NoNorms as exc:
         _fail(str(exc))
     except OSError as exc:
-        _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
+        _unreadable(exc)
     _note_recording(suggestion.recording)
     if output is None:
         click.echo(suggestion.text, nl=False)
@@ -387,20 +394,14 @@ def replay(policy_path: Path, logs: tuple[Path, ...], fmt: str) -> None:
     The logs need a monitor of each tensor's norm (see `gradguard suggest --help`).
     Exit 1 if an action would have halted the run, 2 on unusable input.
     """
-    from gradguard.errors import PolicyError
-    from gradguard.policy.document import Policy
-
-    try:
-        policy = Policy.from_file(policy_path)
-    except PolicyError as exc:
-        _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(policy_path))}` after fixing it)")
+    policy = _load_policy(policy_path)
     from gradguard.tuning.records import no_norms_message
     from gradguard.tuning.replay import replay_files
 
     try:
         result = replay_files(policy, list(logs))
     except OSError as exc:
-        _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
+        _unreadable(exc)
     if not result.params:
         _fail(no_norms_message(list(logs), result.recording))
     _note_recording(result.recording)

@@ -353,7 +353,8 @@ def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float
     are merged, and each gets a per-tensor clip_norm set from the median and spread of its
     log-norms, so that on the recorded run the clips act on spikes and on at most --budget of the
     ordinary steps. Every parameter gets a non-finite rule. Each number is explained in a comment.
-    Exit 2 if the logs hold no per-tensor norms. Does not import torch until the replay check.
+    Exit 2 if the logs hold no per-tensor norms. The suggestion is replayed on the logs before it is
+    written (that check imports torch).
     """
     from gradguard.tuning.suggest import NoNorms, suggest_files
 

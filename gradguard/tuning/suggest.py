@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from gradguard.policy.document import Policy
 from gradguard.policy.loading import load_policy_text
@@ -323,7 +323,3 @@ def _bound_text(threshold: Threshold, z: float) -> str:
         why = f"the {_percent(threshold.level)} quantile of ordinary norms"
     return f"{value} = {why}, {ratio:.3g} x the median"
 
-
-def describe(suggestion: Suggestion) -> dict[str, Any]:
-    """A short account for the command's last line."""
-    return {"families": len(suggestion.thresholds), "params": suggestion.params, "steps": suggestion.recording.steps}

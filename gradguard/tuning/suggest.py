@@ -322,4 +322,3 @@ def _bound_text(threshold: Threshold, z: float) -> str:
     else:
         why = f"the {_percent(threshold.level)} quantile of ordinary norms"
     return f"{value} = {why}, {ratio:.3g} x the median"
-

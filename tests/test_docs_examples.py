@@ -17,7 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.docs import DEDICATED_EXAMPLES, LANGUAGES, ROOT, Block, blocks, pages, policy_data
+from support.docs import (
+    DEDICATED_EXAMPLES,
+    DEDICATED_TRANSCRIPTS,
+    LANGUAGES,
+    ROOT,
+    Block,
+    blocks,
+    pages,
+    policy_data,
+)
 
 from gradguard import Policy, PolicyError
 from gradguard.cli import main
@@ -79,7 +88,14 @@ def test_the_python_block_runs_as_written(block: Block, tmp_path: Path):
 
 
 def _transcript_pages() -> list[str]:
-    return sorted({block.page for block in ALL if block.language == "console"})
+    return sorted({block.page for block in ALL if block.language == "console"} - set(DEDICATED_TRANSCRIPTS))
+
+
+def test_every_page_left_to_a_dedicated_transcript_test_has_one():
+    """A page in DEDICATED_TRANSCRIPTS has console blocks, and its test file reads that page."""
+    for page, test_file in DEDICATED_TRANSCRIPTS.items():
+        assert any(block.page == page and block.language == "console" for block in ALL), page
+        assert Path(page).name in (ROOT / test_file).read_text(encoding="utf-8"), f"{test_file} never reads {page}"
 
 
 @pytest.mark.parametrize("page", _transcript_pages())

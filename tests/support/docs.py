@@ -41,6 +41,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = [
     "DEDICATED_EXAMPLES",
+    "DEDICATED_TRANSCRIPTS",
     "LANGUAGES",
     "ROOT",
     "Block",
@@ -63,6 +64,12 @@ DEDICATED_EXAMPLES: dict[str, str] = {
     "metrics": "tests/test_live_metrics.py",
 }
 """Each ``<!-- example: NAME -->`` block and the test file that runs it (and checks what it does)."""
+
+DEDICATED_TRANSCRIPTS: dict[str, str] = {
+    "docs/choosing-thresholds.md": "tests/test_docs_choosing_thresholds.py",
+}
+"""Pages whose console transcripts need what the page's python made (a recorded run's log), and the test
+file that runs them there and compares their output with the page's, byte for byte."""
 
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _MARK = re.compile(r"^<!-- ([a-z][\w-]*)(?::\s*(.*?))?\s*-->$")

@@ -15,37 +15,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
 
 import click
 
-if TYPE_CHECKING:
-    from gradguard.policy.document import Policy
+from gradguard.cli.common import fail, load_policy, unreadable
+from gradguard.cli.tuning import replay, suggest
 
 __all__ = ["main"]
 
 _FORMATS = click.Choice(["table", "json", "markdown"])
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
-
-
-def _unreadable(exc: OSError) -> NoReturn:
-    """A log that cannot be read: its name and the system's reason, exit 2."""
-    _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
-
-
-def _load_policy(path: Path) -> Policy:
-    """The policy in ``path``, or exit 2 with its problems and the command that checks the fix."""
-    from gradguard.errors import PolicyError
-    from gradguard.policy.document import Policy
-
-    try:
-        return Policy.from_file(path)
-    except PolicyError as exc:
-        _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(path))}` after fixing it)")
 
 
 class _Group(click.Group):
@@ -139,7 +117,7 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     GradGuard would raise when attaching. Exit 1 if there are such problems (e.g. a rule that matches
     nothing without allow_no_match).
     """
-    policy = _load_policy(policy_path)
+    policy = load_policy(policy_path)
 
     from gradguard.audit.render import render
     from gradguard.cli.explain import ModelSpecError, explain, explain_header, explain_sections, load_model
@@ -147,7 +125,7 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     try:
         model = load_model(model_spec)
     except ModelSpecError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     result = explain(policy, model, model_spec)
     title = "gradguard explain"
     click.echo(render(fmt, title, explain_header(result), explain_sections(result), result.as_json()), nl=False)
@@ -257,7 +235,7 @@ def audit(
     if threshold_policy is not None:
         if plot_path is None:
             raise click.BadParameter("draws on the plot: give --plot FILE.png too", param_hint="'--threshold-policy'")
-        thresholds = _load_policy(threshold_policy)
+        thresholds = load_policy(threshold_policy)
     if plot_path is not None:
         from gradguard.audit.plot import PLOT_SUFFIXES, PlotUnavailable, require_matplotlib
 
@@ -268,7 +246,7 @@ def audit(
         try:
             require_matplotlib()
         except PlotUnavailable as exc:
-            _fail(str(exc))
+            fail(str(exc))
 
     try:
         if follow:
@@ -286,11 +264,11 @@ def audit(
         else:
             summary = _audit.summarize_files(paths, filters, progress=progress)
     except OSError as exc:
-        _unreadable(exc)
+        unreadable(exc)
 
     if summary.events == 0 and not follow:
         shown = "".join(f"\n  {bad}" for bad in summary.bad_lines[:3])
-        _fail(
+        fail(
             f"no gradguard event in {', '.join(map(str, paths))}: is it an audit log written with "
             f"GradGuard(..., audit_log=PATH)?{shown}"
         )
@@ -300,143 +278,9 @@ def audit(
         try:
             _audit.plot_files(paths, filters, summary, plot_path, plot_series, thresholds)
         except OSError as exc:
-            _fail(f"cannot write the plot {plot_path}: {exc.strerror or exc}")
+            fail(f"cannot write the plot {plot_path}: {exc.strerror or exc}")
         click.echo(f"plot written to {plot_path}", err=True)
     sys.exit(summary.exit_code)
-
-
-# --- suggest and replay ----------------------------------------------------------------------------
-
-
-_LOGS = click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
-
-
-@main.command()
-@_LOGS
-@click.option(
-    "--output",
-    "-o",
-    "output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    metavar="FILE",
-    help="Write the policy to FILE instead of printing it.",
-)
-@click.option(
-    "--budget",
-    type=click.FloatRange(min=0.0001, max=0.5),
-    default=0.01,
-    show_default=True,
-    help="At most this share of the recorded run's ordinary steps may be acted on.",
-)
-@click.option(
-    "--z",
-    "z",
-    type=click.FloatRange(min=1.0, max=50.0),
-    default=6.0,
-    show_default=True,
-    help="How many robust spreads of ln(norm) above a family's median its threshold lies (at least).",
-)
-@click.option(
-    "--merge-within",
-    type=click.FloatRange(min=1.0),
-    default=1.5,
-    show_default=True,
-    metavar="FACTOR",
-    help="Merge families whose median norms lie within this factor of each other (1: never merge).",
-)
-def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float, merge_within: float) -> None:
-    """Propose a policy from the gradient norms a run recorded: a clip per family of parameters.
-
-    \b
-    LOGS are audit logs of a run whose policy had a monitor recording each tensor's norm:
-      {name: record-norms, match: '*', actions: [{action: monitor, stats: [norm], scope: tensor, every: 1}]}
-    Parameters are grouped into families by name (layer indices folded), families with alike norms
-    are merged, and each gets a per-tensor clip_norm set from the median and spread of its
-    log-norms, so that on the recorded run the clips act on spikes and on at most --budget of the
-    ordinary steps. Every parameter gets a non-finite rule. Each number is explained in a comment.
-    Exit 2 if the logs hold no per-tensor norms. The suggestion is replayed on the logs before it is
-    written (that check imports torch).
-    """
-    from gradguard.tuning.suggest import NoNorms, suggest_files
-
-    try:
-        suggestion = suggest_files(list(logs), budget=budget, z=z, merge_within=merge_within)
-    except NoNorms as exc:
-        _fail(str(exc))
-    except OSError as exc:
-        _unreadable(exc)
-    _note_recording(suggestion.recording)
-    if output is None:
-        click.echo(suggestion.text, nl=False)
-        return
-    try:
-        output.write_text(suggestion.text, encoding="utf-8")
-    except OSError as exc:
-        _fail(f"cannot write {output}: {exc.strerror or exc}")
-    families = len(suggestion.thresholds)
-    click.echo(
-        f"policy written to {output}: {families} famil{'ies' if families != 1 else 'y'} with a clip, "
-        f"{suggestion.params} parameters, from {suggestion.recording.steps:,} recorded steps",
-        err=True,
-    )
-
-
-@main.command()
-@click.argument("policy_path", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@_LOGS
-@click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def replay(policy_path: Path, logs: tuple[Path, ...], fmt: str) -> None:
-    """Apply POLICY to the gradient norms recorded in LOGS: on which steps each action would have acted.
-
-    \b
-    Per rule and action: the steps on which it would have changed a gradient, or skipped or halted
-    the step, as the guard would have (rules in policy order, each on what the earlier ones left;
-    zclip, autoclip and skip_step_on_spike with their statistics as the guard keeps them). Actions
-    the log cannot decide are listed with the reason (e.g. clip_value without recorded max_abs).
-    The logs need a monitor of each tensor's norm (see `gradguard suggest --help`).
-    Exit 1 if an action would have halted the run, 2 on unusable input.
-    """
-    policy = _load_policy(policy_path)
-    from gradguard.tuning.records import no_norms_message
-    from gradguard.tuning.replay import replay_files
-
-    try:
-        result = replay_files(policy, list(logs))
-    except OSError as exc:
-        _unreadable(exc)
-    if not result.params:
-        _fail(no_norms_message(list(logs), result.recording))
-    _note_recording(result.recording)
-    guarded = result.recording.guarded_params
-    if guarded is not None and guarded > len(result.params):
-        click.echo(
-            f"note: the log recorded norms of {len(result.params)} of the {guarded} parameters the guard watched; "
-            "actions on the others are not replayed",
-            err=True,
-        )
-    from gradguard.tuning.report import replay_json, replay_text
-
-    click.echo(replay_json(result) if fmt == "json" else replay_text(result), nl=False)
-    sys.exit(result.exit_code)
-
-
-def _note_recording(recording: object) -> None:
-    """Say on stderr how many log lines were unreadable (and skipped), and whether the steps went back."""
-    from gradguard.tuning.records import Recording
-
-    assert isinstance(recording, Recording)
-    if recording.step_back is not None:
-        after, back = recording.step_back
-        click.echo(
-            f"note: the steps go back from {after} to {back}: the log holds several runs, read as one "
-            "(give each run's log on its own)",
-            err=True,
-        )
-    read = recording.read
-    if not read.bad_total:
-        return
-    shown = "".join(f"\n  {bad}" for bad in read.bad_lines[:3])
-    click.echo(f"warning: {read.bad_total} unreadable log line(s) skipped:{shown}", err=True)
 
 
 # --- schema ----------------------------------------------------------------------------------------
@@ -472,7 +316,7 @@ def schema(output: Path | None) -> None:
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
-        _fail(f"cannot write {output}: {exc.strerror or exc}")
+        fail(f"cannot write {output}: {exc.strerror or exc}")
     click.echo(f"policy JSON Schema written to {output}", err=True)
 
 
@@ -498,7 +342,7 @@ def policies(name: str | None) -> None:
         try:
             found = shipped_policy(name)
         except PolicyError as exc:
-            _fail(str(exc.issues[0].message))
+            fail(str(exc.issues[0].message))
         click.echo(found.text_for_a_copy(), nl=False)
         return
     every = shipped_policies()
@@ -544,3 +388,7 @@ def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     click.echo(f"  next: gradguard audit {shlex.quote(str(log_path))}")
     if result.halt is not None and not result.params_untouched:
         sys.exit(1)
+
+
+main.add_command(suggest)
+main.add_command(replay)

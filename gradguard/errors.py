@@ -97,8 +97,9 @@ class GradientHalt(GradGuardError, RuntimeError):
         self.origin: dict[str, Any] | None = dict(origin) if origin is not None else None
         """Where it started (``GradGuard(provenance=...)``): ``phase`` (``forward``, ``backward``, ``gradient``
         or ``after_backward``), ``module``, ``kind``, ``input_nonfinite`` (the input batch was already
-        non-finite), ``first_params``, ``spread`` (a global clip likely spread it) and ``hint`` (one sentence:
-        how to trace it, or to trace it further); ``None`` if not traced."""
+        non-finite), ``first_params``, ``spread`` (a clip the guard saw run before its step spread it to
+        every gradient), ``clip`` (that clip's name) and ``hint`` (one sentence: how to trace it, or to trace it
+        further); ``None`` if not traced."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
         what = "gradient norm spike" if kind == "spike" else f"non-finite gradient ({kind})"
         traced = f" {origin_sentence(origin)}" if origin else ""
@@ -138,11 +139,12 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     if first and phase != "gradient":
         text += f" First non-finite as accumulated: {', '.join(first[:8])}."
     if origin.get("spread"):
-        likely = "may have" if phase == "untraced" else "likely"
+        clip = origin.get("clip") or "a global clip"
         text += (
-            f" Every guarded gradient is non-finite: a global clip (clip_grad_norm_ over all parameters) {likely} "
-            "spread it. Let the guard clip instead (a rule matching '*' with clip_norm and scope: group, and no "
-            "clip_grad_norm_ in the loop), or call guard.step() before the clip."
+            f" {clip} ran over these gradients before the guard's step (a GradScaler still held them scaled, or "
+            "GradGuard(before_clip=False)), and a global clip turns one NaN into NaN in every gradient: the "
+            "parameters named may not be where it started. Call scaler.unscale_(optimizer) before the clip, so the "
+            "guard acts first."
         )
     return text
 

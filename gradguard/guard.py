@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import uuid
 import warnings
@@ -16,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradguard.enforce.agreement import agree_at_attach, fingerprint
+from gradguard.enforce.clips import ClipWatch
 from gradguard.enforce.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
 from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
@@ -28,6 +27,7 @@ from gradguard.enforce.provenance import attach_provenance, check_mode
 from gradguard.enforce.reload import Reloader
 from gradguard.enforce.scaler import ScalerWatch, unscaled_found_inf
 from gradguard.enforce.step import StepContext
+from gradguard.enforce.torch_hooks import ClipCall, enlist, optimizer_steps
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import DEFAULT_LOGGER, EventLog
@@ -49,43 +49,16 @@ __all__ = ["GradGuard"]
 _LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
 
 
-def _on_optimizer_step(
-    guard_ref: weakref.ReferenceType[GradGuard], optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> StepArgs | None:
-    """An optimizer's ``step()`` begins: treat its gradients now, or after its closure computes them."""
-    guard = guard_ref()
-    if guard is None or not guard.attached:
-        return None
-    closure = closure_of(args, kwargs)
-    if closure is None:
-        guard._enforce_for(optimizer)
-        return None
-    if guard._plans.for_optimizer(optimizer) is None:
-        return None  # it steps nothing of the model
-    refuse_reevaluating(optimizer)
-
-    def treat() -> None:
-        alive = guard_ref()
-        if alive is not None:
-            alive._enforce_for(optimizer)
-
-    return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
-
-
-def _after_optimizer_step(guard_ref: weakref.ReferenceType[GradGuard], *_: Any) -> None:
-    guard = guard_ref()
-    if guard is not None:
-        guard._enforcer.seal_explicit()
-
-
 class GradGuard(ServesMetrics):
     """Enforce a gradient :class:`Policy` on a model, at every optimizer step, until removed.
 
     ``GradGuard(model, policy)`` finds the step boundary by itself: it acts inside the ``step()`` of
     any ``torch.optim`` optimizer that holds guarded parameters, just before the update, on the
     gradient the optimizer will apply (after all backward passes of the step, GradScaler's unscale
-    and DDP's averaging). ``optimizer=opt`` limits that to the given optimizer(s); loops without a
-    torch optimizer call :meth:`step` themselves before their update.
+    and DDP's averaging), or earlier, when the loop clips those gradients with torch's
+    ``clip_grad_norm_`` (or ``clip_grad_value_``, ``get_total_norm``): then just before that clip, so
+    the clip cannot spread one NaN to every gradient first. ``optimizer=opt`` limits the optimizers
+    to the given one(s); loops without a torch optimizer call :meth:`step` themselves before their update.
 
     Use it as a context manager, or call :meth:`remove`; a guard that is garbage-collected while
     attached removes its hooks and warns.
@@ -110,12 +83,15 @@ class GradGuard(ServesMetrics):
             attach with a different policy, parameters or options are refused at once, on every rank.
         metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
         reload, reload_interval: look at the policy file (a path) every this many seconds; a changed one takes
-            over at the next step boundary, on every rank at the same step (README, "Hot reload").
-        provenance: where a NaN starts, named in halts and skips (README, "Provenance"): ``"first_fault"``
+            over at the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
+        provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"first_fault"``
             (the default: a light trace from the start, a sum per output of the model's outer modules and of
             its gradient, so the first fault is named; every module's hooks after a fault), ``"always"``
             (every module's hooks and the gradient flags from the start: a debugging run), ``"after_fault"``
             (nothing until a first non-finite or skipped step, then what ``"always"`` registers) or ``None``.
+        before_clip: a call of torch's ``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm`` or
+            ``clip_grads_with_norm_`` on guarded gradients runs the guard's step first, as ``guard.step()``
+            there would (docs/clip-interception.md); ``False`` leaves the step at the optimizer's ``step()``.
     """
 
     def __init__(
@@ -138,6 +114,7 @@ class GradGuard(ServesMetrics):
         reload: bool = False,
         reload_interval: float = 2.0,
         provenance: str | None = "first_fault",
+        before_clip: bool = True,
     ) -> None:
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
@@ -175,17 +152,13 @@ class GradGuard(ServesMetrics):
         if per_micro_batch:
             self._attach_micro_batch_hooks()
         self._enforcer.provenance = attach_provenance(model, binding, provenance, self._attachment.handles.append)
-        hook = functools.partial(_on_optimizer_step, weakref.ref(self))
-        # One global pre-hook either way: with optimizer=, another optimizer stepping the model's
-        # parameters (a new one after a checkpoint load, say) is still caught, with a warning.
-        self._attachment.handles.append(register_optimizer_step_pre_hook(hook))
-        after = functools.partial(_after_optimizer_step, weakref.ref(self))
-        self._attachment.handles.append(register_optimizer_step_post_hook(after))
+        self._clips = ClipWatch(before_clip)
         self._scaler = scaler
         if scaler is not None:
             self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
         self._last_step_skipped = False
-        self._step_calls = 0
+        # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
+        self._attachment.handles.append(enlist(self))
         self._finalizer = weakref.finalize(self, self._attachment.collected)
         self._finalizer.atexit = False
         _LIVE_GUARDS.add(self)
@@ -227,12 +200,10 @@ class GradGuard(ServesMetrics):
     def step(self, optimizer: Optimizer | None = None) -> bool:
         """Enforce the policy now: an explicit step boundary, placed by the loop.
 
-        Call it after the step's last backward and before anything else reads the gradients: a loop
-        without a torch optimizer calls it before its own update, and a loop that clips globally
-        (``clip_grad_norm_`` spreads one NaN to every gradient) calls it before that clip, so a halt
-        names the parameter that went bad. The gradients it treats count as treated until the
-        optimizer has stepped: the coming ``optimizer.step()`` does not treat them again, whatever
-        changes them in between.
+        Call it after the step's last backward and before anything else reads the gradients: before the
+        update of a loop without a torch optimizer, before a clip that is not torch's (torch's run the
+        guard's step by themselves). The gradients it treats count as treated until the optimizer has
+        stepped: the coming ``optimizer.step()`` does not treat them again, whatever changes them between.
 
         Args:
             optimizer: treat only the guarded gradients this optimizer steps (a skip then clears every
@@ -314,6 +285,20 @@ class GradGuard(ServesMetrics):
             f"steps={self.step_count}>"
         )
 
+    # --- the process-wide hooks (gradguard.enforce.torch_hooks) dispatch here ------------------------
+
+    def _on_optimizer_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:  # noqa: E501
+        return _optimizer_step_begins(self, optimizer, args, kwargs) if self.attached else None
+
+    def _after_optimizer_step(self, optimizer: Optimizer) -> None:
+        self._enforcer.seal_explicit()
+
+    def _before_clip(self, call: ClipCall) -> bool:
+        return _clip_begins(self, call) if self.attached else False
+
+    def _after_clip(self) -> None:  # the clip's own change to the gradients is not a new gradient
+        self._enforcer.clipped()
+
     # --- internals ----------------------------------------------------------------------------------
 
     def _require_attached(self) -> None:
@@ -324,10 +309,6 @@ class GradGuard(ServesMetrics):
         self._last_step_skipped = not proceed
         return proceed
 
-    def _scaler_skipped(self, optimizer: Optimizer) -> None:
-        """The guard's GradScaler skipped this optimizer's step (its ``step()`` was never called)."""
-        self._enforcer.scaler_skipped(lambda: self._plans.for_optimizer(optimizer))
-
     def _enforce_for(self, optimizer: Optimizer) -> None:
         """An optimizer is about to step: treat the guarded gradients it is about to apply.
 
@@ -336,14 +317,17 @@ class GradGuard(ServesMetrics):
         """
         if not self._attachment.open:
             return
-        self._step_calls += 1
         plan = self._plans.for_optimizer(optimizer)
         if plan is not None and self._at_boundary():  # not for an optimizer of another model: it may be on one rank
             plan = self._plans.for_optimizer(optimizer)
         if plan is None:
             return
         # A skipped step must be skipped by every optimizer of the model, not only this one.
-        context = StepContext(optimizer=optimizer, stepped_params=_stepped_by(optimizer, self._model_ref))
+        context = StepContext(
+            optimizer=optimizer,
+            stepped_params=_stepped_by(optimizer, self._model_ref),
+            clipped_before=self._clips.take_seen(),
+        )
         proceed = self._enforcer.run(plan, context)
         if self._enforcer.last_run_treated:
             # A pass that found every gradient already treated (after guard.step(), or a second
@@ -386,6 +370,51 @@ class GradGuard(ServesMetrics):
         hooks = MicroBatchHooks(self._plans.binding, lambda: enforcer.step)
         enforcer.micro_batch = hooks
         self._attachment.handles.append(hooks)
+
+
+def _optimizer_step_begins(
+    guard: GradGuard, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> StepArgs | None:
+    """An optimizer's ``step()`` begins: treat its gradients now, or after its closure computes them."""
+    closure = closure_of(args, kwargs)
+    if closure is None:
+        guard._enforce_for(optimizer)
+        return None
+    if guard._plans.for_optimizer(optimizer) is None:
+        return None  # it steps nothing of the model
+    refuse_reevaluating(optimizer)
+    guard_ref = weakref.ref(guard)
+
+    def treat() -> None:
+        alive = guard_ref()
+        if alive is not None:
+            alive._enforce_for(optimizer)
+
+    return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
+
+
+def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
+    """The loop clips gradients: if they are the guard's, its step runs first, on the raw gradients, as
+    ``guard.step()`` there would (after GradScaler's ``unscale_``: a scaler skip stays the scaler's), and the
+    optimizer's coming ``step()`` leaves them alone. True: the guard's ``_after_clip`` follows the clip."""
+    boundary = guard._clips.boundary(call, guard._plans)
+    if boundary is None:
+        return False
+    guard._at_boundary()
+    plan = guard._plans.for_params(boundary.params)
+    if plan is None:
+        return False
+    context = StepContext(
+        optimizer=None,
+        stepped_params=_stepped_by(boundary.optimizer, guard._model_ref),
+        explicit=True,
+        found_inf=boundary.found_inf,
+        clipped_before=guard._clips.take_seen(),
+    )
+    proceed = guard._enforcer.run(plan, context)
+    if guard._enforcer.last_run_treated:
+        guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
+    return True
 
 
 def _claim_parameters(guard: GradGuard, model: nn.Module, replace: bool) -> None:
@@ -432,16 +461,13 @@ def _stepped_by(
 
 
 def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> ScalerWatch:
-    def calls() -> int:
-        guard = guard_ref()
-        return guard._step_calls if guard is not None else 0
-
     def on_skip(optimizer: Optimizer) -> None:
         guard = guard_ref()
         if guard is not None and guard.attached:
-            guard._scaler_skipped(optimizer)
+            plans = guard._plans  # the guard's GradScaler skipped this optimizer's step (its step() never ran)
+            guard._enforcer.scaler_skipped(lambda: plans.for_optimizer(optimizer))
 
-    return ScalerWatch(scaler, calls, on_skip)
+    return ScalerWatch(scaler, optimizer_steps, on_skip)
 
 
 @atexit.register

@@ -10,22 +10,16 @@ import pytest
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
+import gradguard.enforce.torch_hooks as torch_hooks
 from gradguard import GradGuard, GuardStateError, GuardWarning
 
 TINY_CLIP = [{"action": "clip_norm", "max_norm": 1e-3}]
 
 
 def _guard_hooks(guard=None) -> list:
-    """The global optimizer step pre-hooks that belong to a gradguard guard (to ``guard`` if given)."""
-    found = []
-    for hook in _global_optimizer_pre_hooks.values():
-        func = getattr(hook, "func", None)
-        if func is None or getattr(func, "__module__", "") != "gradguard.guard":
-            continue
-        owner = hook.args[0]() if hook.args and isinstance(hook.args[0], weakref.ref) else None
-        if guard is None or owner is guard or owner is None:
-            found.append(hook)
-    return found
+    """The guards the process-wide optimizer hooks dispatch to (``guard`` only, if given)."""
+    live = [ref() for ref in torch_hooks._guards]
+    return [g for g in live if g is not None and (guard is None or g is guard)]
 
 
 def _huge_step(workload, opt) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -44,9 +38,9 @@ def test_remove_is_idempotent_and_leaves_no_hook_behind(make_workload, make_poli
     workload = make_workload("mlp")
     opt = torch.optim.SGD(workload.model.parameters(), lr=1e-6)
     log = tmp_path / "audit.jsonl"
-    hooks_before = len(_global_optimizer_pre_hooks)
     guard = GradGuard(workload.model, make_policy({"name": "clip", "match": "*", "actions": TINY_CLIP}), audit_log=log)
     assert len(_guard_hooks(guard)) == 1
+    hooks_attached = dict(_global_optimizer_pre_hooks)  # gradguard's one dispatcher, registered once
     before, after = _huge_step(workload, opt)
     assert not any(torch.equal(before[name], after[name]) for name in before)  # attached: everything clipped
     counted = guard.counters.snapshot()
@@ -56,7 +50,7 @@ def test_remove_is_idempotent_and_leaves_no_hook_behind(make_workload, make_poli
     guard.remove()
     assert not guard.attached
     assert _guard_hooks(guard) == []
-    assert len(_global_optimizer_pre_hooks) == hooks_before
+    assert dict(_global_optimizer_pre_hooks) == hooks_attached  # never mutated: another thread may be stepping
     before, after = _huge_step(workload, opt)
     same(after, before)  # removed: the optimizer sees the raw gradient
     assert guard.counters.snapshot() == counted

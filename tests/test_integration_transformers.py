@@ -1,4 +1,4 @@
-"""gradguard with the Hugging Face Trainer: guard_trainer acts before Trainer's clip; the bare callback after it."""
+"""gradguard with the Hugging Face Trainer: guard_trainer and the bare callback both act before Trainer's clip."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.docs import documented_example
 from support.training import make_policy, model_state
 from torch import nn
 
@@ -25,7 +26,6 @@ pytest.importorskip("accelerate")
 from gradguard.integrations.transformers import STATE_FILE, GradGuardCallback, guard_trainer  # noqa: E402
 
 NAN_PARAM = "transformer.h.1.mlp.c_fc.weight"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- tiny models, data and arguments ----------------------------------------------------------------
@@ -222,10 +222,10 @@ def test_guard_trainer_clips_before_trainers_clip_exactly_as_a_plain_torch_loop(
     assert not torch.equal(expected["second.weight"], wrong_order["second.weight"]), "the order is visible"
 
 
-def test_bare_callback_acts_after_trainers_clip(tmp_path, same):
-    """The callback alone treats gradients Trainer already clipped: equal to a torch loop clipping globally first."""
+def test_bare_callback_acts_before_trainers_clip_too(tmp_path, same):
+    """The callback alone (Trainer's clip is intercepted): a torch loop doing the policy's clip, then Trainer's."""
     _, collator, start, run = run_regression(tmp_path, bare=True)
-    expected = reference_run(copy.deepcopy(start), collator.batches[:6], lr=1e-2, clip="global-first")
+    expected = reference_run(copy.deepcopy(start), collator.batches[:6], lr=1e-2, clip="policy-first")
     same(model_state(run["model"]), expected)
     assert run["callback"].guard.step_count == 3
     assert not run["callback"].guard.attached
@@ -256,16 +256,19 @@ def test_nan_in_one_gradient_halts_naming_that_parameter_with_the_default_max_gr
     assert "log" not in vars(trainer)
 
 
-def test_bare_callback_halts_at_the_right_step_but_names_every_parameter(tmp_path, same):
-    """Without guard_trainer, Trainer's clip has spread the NaN before the guard looks: every parameter is named."""
+def test_bare_callback_halts_naming_the_poisoned_parameter_and_logs_counters(tmp_path, same):
+    """Only callbacks=[GradGuardCallback(...)] and max_grad_norm=1.0: the halt names the one parameter; counters
+    are in state.log_history."""
     model = tiny_gpt2()
     snapshots = Snapshots()
-    callback = GradGuardCallback(make_policy(HALT_ALL), logger=None)
+    policy = make_policy(
+        {"name": "clip", "match": ["*"], "actions": [{"action": "clip_norm", "max_norm": 1e-3}]}, HALT_ALL
+    )
+    callback = GradGuardCallback(policy, logger=None)
+    args = training_args(tmp_path, max_steps=4, logging_steps=1)
+    assert args.max_grad_norm == 1.0
     trainer = transformers.Trainer(
-        model=model,
-        args=training_args(tmp_path, max_steps=4),
-        train_dataset=token_data(),
-        callbacks=[snapshots, callback],
+        model=model, args=args, train_dataset=token_data(), callbacks=[snapshots, callback]
     )
     handle = poison_at(trainer, model, NAN_PARAM, step=2)
     try:
@@ -275,10 +278,13 @@ def test_bare_callback_halts_at_the_right_step_but_names_every_parameter(tmp_pat
         handle.remove()
         callback.remove()  # a bare callback cannot see the exception: the guard stays attached until removed
     assert excinfo.value.step == 2
-    assert set(excinfo.value.params) == {name for name, _ in model.named_parameters()}
-    assert len(excinfo.value.params) > 1
+    assert excinfo.value.params == (NAN_PARAM,)
     same(model_state(model), snapshots.weights[2])
     assert no_nonfinite_parameter(model)
+    logged = [entry for entry in trainer.state.log_history if "gradguard/clip/clip_norm" in entry]
+    assert [entry["step"] for entry in logged] == [1, 2]
+    assert logged[0]["gradguard/clip/clip_norm"] > 0
+    assert logged[1]["gradguard/clip/clip_norm"] > logged[0]["gradguard/clip/clip_norm"]
 
 
 def test_counters_reach_log_history_and_every_on_log_callback(tmp_path):
@@ -500,13 +506,14 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from gradguard import Policy
 from gradguard.integrations.accelerate import guard_accelerator
 
 torch.manual_seed(0)
 accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)  # drop cpu=True on a GPU
 model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
 model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-with guard_accelerator(accelerator, model, "policies/default.yaml", audit_log="accelerate-run.jsonl") as guard:
+with guard_accelerator(accelerator, model, Policy.shipped("default"), audit_log="accelerate-run.jsonl") as guard:
     for step in range(20):
         x = torch.randn(32, 16)
         with accelerator.accumulate(model):
@@ -521,21 +528,18 @@ print(guard.step_count, guard.counters.snapshot())  # 10 optimizer steps
 EXAMPLES = {"hf-trainer": HF_TRAINER_EXAMPLE, "accelerate": ACCELERATE_EXAMPLE}
 
 
-def documented_examples(path: Path) -> dict[str, str]:
-    text = path.read_text(encoding="utf-8")
-    return dict(re.findall(r"<!-- example: ([\w-]+) -->\n```python\n(.*?)```", text, re.S))
-
-
 def test_the_documented_examples_are_the_ones_tested():
-    """README.md holds exactly the code the next test runs, for each example."""
-    readme = documented_examples(ROOT / "README.md")
-    assert {name: readme.get(name) for name in EXAMPLES} == EXAMPLES
+    """docs/frameworks.md holds exactly the code the next test runs, for each example."""
+    documented = {
+        "hf-trainer": documented_example("docs/frameworks.md", "hf-trainer"),
+        "accelerate": documented_example("docs/frameworks.md", "accelerate"),
+    }
+    assert documented == EXAMPLES
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_the_documented_example_runs_as_written(name, tmp_path, monkeypatch, read_audit):
-    """Each example runs from the repository root's layout, guards, logs, and leaves no guard attached."""
-    (tmp_path / "policies").symlink_to(ROOT / "policies")
+    """Each example runs in an empty directory, guards, logs, and leaves no guard attached."""
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

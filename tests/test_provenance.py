@@ -194,41 +194,37 @@ def _clipping_loop_halt(tmp_path, provenance: str) -> GradientHalt:
             x, y = batch(step)
             opt.zero_grad()
             nn.functional.mse_loss(model(x), y).backward()
+            if step == 4:
+                with pytest.raises(GradientHalt) as info:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the guard's step runs first
+                break
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if step < 4:
-                opt.step()
-        with pytest.raises(GradientHalt) as info:
             opt.step()
     assert info.value.step == 4
-    assert len(info.value.params) == len(list(model.parameters()))  # the clip made every gradient NaN
     return info.value
 
 
-def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_named_first(tmp_path):
-    """provenance="always": the gradient flags saw each gradient before the clip; the halt names the first."""
+def test_a_loop_that_clips_globally_before_the_step_gets_the_poisoned_parameter_named(tmp_path):
+    """provenance="always": the guard acts before the loop's clip; the halt names the one parameter, no clip."""
     halt = _clipping_loop_halt(tmp_path, "always")
     log = tmp_path / "audit.jsonl"
-    assert halt.params[0] == "blocks.2.fc1.weight"
+    assert halt.params == ("blocks.2.fc1.weight",)
     assert halt.origin is not None
-    assert halt.origin["first_params"] == ["blocks.2.fc1.weight"]
-    assert halt.origin["spread"] is True
-    assert "a global clip" in str(halt)
-    assert "scope: group" in str(halt)
+    assert halt.origin["spread"] is False
+    assert "clip" not in str(halt)
     event = next(e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "halt")
-    assert event["params"][0] == "blocks.2.fc1.weight"
-    assert event["origin"]["spread"] is True
+    assert event["params"] == ["blocks.2.fc1.weight"]
+    assert event["origin"]["spread"] is False
 
 
-def test_after_fault_says_a_first_fault_spread_by_a_global_clip_was_maybe_spread_and_how_to_avoid_it(tmp_path):
-    """after_fault has no hook before the first fault: the halt cannot name the first parameter,
-    but says every gradient is non-finite, that a global clip may have spread it, and how to let the guard clip."""
+def test_by_default_a_first_fault_in_a_clipping_loop_names_its_parameter_and_blames_no_clip(tmp_path):
+    """The default provenance, no hook armed before the first fault: the guard's step before the loop's clip
+    still names the one poisoned parameter, and the halt says nothing of clips."""
     halt = _clipping_loop_halt(tmp_path, "after_fault")
+    assert halt.params == ("blocks.2.fc1.weight",)
     assert halt.origin is not None
-    assert halt.origin["phase"] == "untraced"
-    assert halt.origin["spread"] is True
-    assert "a global clip (clip_grad_norm_ over all parameters) may have spread it" in str(halt)
-    assert "clip_norm and scope: group" in str(halt)
-    assert "provenance='after_fault' has armed its module hooks" in str(halt)
+    assert halt.origin["spread"] is False
+    assert "clip" not in str(halt)
 
 
 def test_gradients_poisoned_after_backward_are_said_to_have_gone_bad_after_backward():

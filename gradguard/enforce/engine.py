@@ -103,6 +103,7 @@ class Enforcer:
         sharded = collective is not None and bool(wrapped)  # wrapped holds the DTensor (FSDP2) gradients
         work = StepWork(self.binding, plan.names, grads, step, Pending(), StepOutcome(), collective, sharded)
         work.statistics = self.statistics
+        work.outcome.clipped_before = context.clipped_before
         adopt_fused_scaler(context, work.pending, work.outcome)
         read_found_inf(context, work.pending, work.outcome)
         if self.micro_batch is not None:
@@ -129,6 +130,9 @@ class Enforcer:
         if outcome.scaler_found_inf:
             self.record_scaler_skip((), step=step, fused=context.optimizer is not None and not context.explicit)
             self.scaler_skip_at_boundary = context.explicit
+            # Seen, so a second boundary of this step (accelerate's unscale, then the clip) does not count a
+            # new step; not held: no optimizer step will seal it, and the next backward must be treated.
+            self._mark_treated(grads, wrapped, held=False)
             return True  # the scaler (or the fused kernel it drives) skips the update itself
         try:
             self.verdicts.report(self.binding.policy.rules, outcome, plan.names, step)
@@ -146,14 +150,16 @@ class Enforcer:
         work.statistics_step.commit()  # only an applied step's norms enter the adaptive statistics
         if self.summary_every and (step + 1) % self.summary_every == 0:
             self.emit_summary()
+        self._explicit_marks |= context.explicit
+        self._mark_treated(grads, wrapped, held=context.explicit)
+        return True
+
+    def _mark_treated(self, grads: dict[int, torch.Tensor], wrapped: dict[int, torch.Tensor], *, held: bool) -> None:
         # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
         ref = weakref.ref
-        held = context.explicit
-        self._explicit_marks |= held
         self.applied_versions.update(
             {i: (ref(wrapped.get(i, local)), local._version, held) for i, local in grads.items()}
         )
-        return True
 
     def _gather(self, plan: Plan, context: StepContext) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """The gradients to treat: ``(index -> local gradient, index -> the DTensor it came from)``."""
@@ -231,6 +237,17 @@ class Enforcer:
             grad = ref()
             if held and grad is not None:
                 self.applied_versions[index] = (ref, local_tensor(grad)._version, False)
+
+    def clipped(self) -> None:
+        """The loop's clip has changed the gradients treated at its boundary: that is not a new gradient.
+
+        Their versions are taken again, so a second clip of the step (``clip_grad_value_`` after
+        ``clip_grad_norm_``) finds them treated, while the next backward, which changes them again, does not.
+        """
+        applied, plain = self.applied_versions, torch.Tensor  # locals: a loop per tensor, once per clip
+        for index, (ref, _, held) in list(applied.items()):
+            if held and (grad := ref()) is not None:
+                applied[index] = (ref, (grad if type(grad) is plain else local_tensor(grad))._version, True)
 
     def rebind(self, binding: Binding, keep: dict[int, int] | None = None) -> None:
         """Switch to a new binding; tensor indices start afresh, or follow ``keep`` (old index -> new)."""

@@ -474,7 +474,11 @@ class Provenance:
                 f"The first fault's trace covers the model's {self._light_levels[1]} outermost modules: for the "
                 f"module inside {origin['module']}, GradGuard(..., provenance='always') (a debugging run)."
             )
-        origin["spread"] = everyone and (singled_out or origin["phase"] in ("after_backward", "untraced"))
+        # Said only when the guard saw a clip run over these gradients before its step: a NaN that reached
+        # every gradient by itself (bad data, a NaN activation) never blames a clip.
+        origin["spread"] = everyone and outcome.clipped_before is not None
+        if origin["spread"]:
+            origin["clip"] = outcome.clipped_before
         origin["first_params"] = first[:FIRST_PARAMS_SHOWN] if singled_out else []
         outcome.origin = origin
 

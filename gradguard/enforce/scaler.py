@@ -99,22 +99,26 @@ class ScalerWatch:
 
     Without a fused optimizer, a skipping GradScaler never calls ``optimizer.step()``, so the guard's
     step pre-hook does not run: no halt and no clip, as it should be; ``on_skip`` logs the skip.
-    ``calls`` counts the optimizer steps the guard has seen, so an unchanged count means a skip.
+    ``steps(optimizer)`` counts that optimizer's ``step()`` calls, so an unchanged count means a skip
+    (per optimizer: another thread's steps meanwhile do not hide it).
     """
 
     def __init__(
-        self, scaler: torch.amp.GradScaler, calls: Callable[[], int], on_skip: Callable[[Optimizer], None]
+        self,
+        scaler: torch.amp.GradScaler,
+        steps: Callable[[Optimizer], int],
+        on_skip: Callable[[Optimizer], None],
     ) -> None:
         self.scaler = scaler
-        self.calls = calls
+        self.steps = steps
         self.on_skip = on_skip
         self.original = scaler.step
         scaler.step = self  # type: ignore[method-assign]
 
     def __call__(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        before = self.calls()
+        before = self.steps(optimizer)
         result = self.original(optimizer, *args, **kwargs)
-        if self.calls() == before:
+        if self.steps(optimizer) == before:
             self.on_skip(optimizer)
         return result
 

@@ -36,6 +36,9 @@ class StepContext:
     found_inf: Sequence[torch.Tensor] = ()
     """A GradScaler's inf/NaN flags for gradients it has already unscaled: if set, the step is the
     scaler's to skip (no halt, no intervention counted)."""
+    clipped_before: str | None = None
+    """A clip the guard saw run over these gradients before this step (e.g. ``clip_grad_norm_`` while a
+    GradScaler still held them scaled): it may have spread a NaN to every gradient it clipped."""
 
 
 @dataclass
@@ -125,6 +128,8 @@ class StepOutcome:
     """``skip_step_on_spike`` verdicts: the step is skipped if there is any (and nothing halts)."""
     origin: dict[str, Any] | None = None
     """Where the step's NaN/Inf started (:mod:`gradguard.enforce.provenance`), when it was traced."""
+    clipped_before: str | None = None
+    """:attr:`StepContext.clipped_before`: a clip that ran over these gradients before the guard's step."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any

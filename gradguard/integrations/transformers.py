@@ -47,12 +47,15 @@ STATE_FILE = "gradguard_state.json"
 class GradGuardCallback(transformers.TrainerCallback):
     """Attaches a :class:`~gradguard.GradGuard` to the Trainer's model for each ``trainer.train()``.
 
-    Prefer :func:`guard_trainer`, which adds this callback *and* places the guard before Trainer's
-    gradient clip. Added on its own (``Trainer(..., callbacks=[GradGuardCallback(policy)])``) the
-    guard acts at the optimizer's ``step()``, after Trainer's clip: clips then come after the global
-    one, and a NaN, already spread to every gradient by that clip, halts at the right step but names
-    every parameter. A :class:`~gradguard.GradientHalt` raised out of ``trainer.train()`` then leaves
-    the guard attached (``on_train_end`` does not run): call :meth:`remove`.
+    On its own (``Trainer(..., callbacks=[GradGuardCallback(policy)])``, the Hugging Face convention) the
+    guard acts before Trainer's ``max_grad_norm`` clip: accelerate's ``clip_grad_norm_`` unscales, then
+    calls ``torch.nn.utils.clip_grad_norm_``, which runs the guard's step first while a guard is attached;
+    a NaN halts naming the parameter it came from. ``on_log`` adds the guard's counters
+    (``gradguard/<rule>/<action>``) to the entry Trainer has just put in ``state.log_history``.
+    :func:`guard_trainer` does the same and more: the counters also reach the ``report_to`` integrations
+    (wandb, TensorBoard run before user callbacks), checkpoints resume with ``resume_from_checkpoint=True``,
+    and a :class:`~gradguard.GradientHalt` raised out of ``trainer.train()`` removes the guard (with the
+    callback alone ``on_train_end`` does not run then: call :meth:`remove`).
 
     The guard is created at ``on_train_begin`` with ``start_step=state.global_step`` (a resumed run
     carries the step numbers on) and removed at ``on_train_end``; :attr:`guard` keeps the last run's
@@ -129,6 +132,22 @@ class GradGuardCallback(transformers.TrainerCallback):
         folder = Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if folder.is_dir():
             (folder / STATE_FILE).write_text(json.dumps(guard.state_dict()), encoding="utf-8")
+
+    def on_log(
+        self,
+        args: transformers.TrainingArguments,
+        state: transformers.TrainerState,
+        control: transformers.TrainerControl,
+        logs: dict[str, float] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self._log_patch is not None or self.guard is None:
+            return  # guard_trainer's wrapper of Trainer.log put them in already, before the integrations
+        entries = self.log_entries()
+        if logs is not None:
+            logs.update(entries)  # for the callbacks after this one
+        if state.log_history:
+            state.log_history[-1].update(entries)  # Trainer.log appended this entry just before on_log
 
     # --- public -----------------------------------------------------------------------------------
 

@@ -285,11 +285,16 @@ class GradGuard(ServesMetrics):
 
     # --- the process-wide hooks (gradguard.enforce.torch_hooks) dispatch here ------------------------
 
-    def _on_optimizer_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:  # noqa: E501
+    def _on_optimizer_step(
+        self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> StepArgs | None:
         return _optimizer_step_begins(self, optimizer, args, kwargs) if self.attached else None
 
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
-        self._enforcer.seal_explicit()
+        # Only after a step of this model: another thread's optimizer may step between this guard's clip
+        # boundary and its own optimizer's step, and must not turn the gradients it treated into new ones.
+        if self.attached and self._plans.for_optimizer(optimizer) is not None:
+            self._enforcer.seal_explicit()
 
     def _before_clip(self, call: ClipCall) -> bool:
         return _clip_begins(self, call) if self.attached else False

@@ -91,9 +91,10 @@ _wrapped: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
 """(owner, attribute, original, wrapper) of every swap in force."""
 _steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 _steps_lock = threading.Lock()
-_scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, int] = weakref.WeakKeyDictionary()
+_scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[int, int]] = weakref.WeakKeyDictionary()
 """Scalers that scaled a loss, with the identity of their per-optimizer state table at that moment
-(``update()`` replaces the table: a different identity means the scaler has finished that step)."""
+(``update()`` replaces the table: a different identity means the scaler has finished that step) and the
+thread that scaled it (a loss scaled on another thread is another training's)."""
 _unscaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, dict[int, weakref.ReferenceType[Optimizer]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -233,7 +234,7 @@ def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def scale(self: torch.amp.GradScaler, outputs: Any) -> Any:
         if self.is_enabled():
             with _scaler_lock:
-                _scaled[self] = id(self._per_optimizer_states)
+                _scaled[self] = (id(self._per_optimizer_states), threading.get_ident())
         return original(self, outputs)
 
     return scale
@@ -263,25 +264,37 @@ class Scaled:
 
 
 def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
-    """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight)."""
+    """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight).
+
+    A scaler counts if it scaled a loss on this thread, or unscaled an optimizer that holds ``params``:
+    another thread's scaler in flight is another training's (several trainings, one per thread).
+    """
+    here = threading.get_ident()
     with _scaler_lock:
-        in_flight = [s for s, table in _scaled.items() if table == id(s._per_optimizer_states) and s.is_enabled()]
+        in_flight = []
+        for scaler, (table, thread) in list(_scaled.items()):
+            states = scaler._per_optimizer_states  # read once: update() replaces it (on its own thread)
+            if id(states) == table and scaler.is_enabled():
+                in_flight.append((scaler, thread == here, dict(states)))  # a copy: its thread may add to it
         unscaled = {s: dict(records) for s, records in _unscaled.items()}
-    if not in_flight:
-        return Scaled(still_scaled=False)
     ids = {id(p) for p in params}
     flags: list[torch.Tensor] = []
     optimizers: list[Optimizer] = []
     covered: set[int] = set()
-    for scaler in in_flight:
-        for key, state in scaler._per_optimizer_states.items():
+    ours = False
+    for scaler, on_this_thread, states in in_flight:
+        ours |= on_this_thread
+        for key, state in states.items():
             ref = unscaled.get(scaler, {}).get(key)
             optimizer = ref() if ref is not None else None
             if optimizer is None or state["stage"] is not OptState.UNSCALED:
                 continue
             held = {id(p) for group in optimizer.param_groups for p in group["params"]} & ids
             if held:
+                ours = True
                 covered |= held
                 optimizers.append(optimizer)
                 flags.extend(state["found_inf_per_device"].values())
+    if not ours:
+        return Scaled(still_scaled=False)
     return Scaled(still_scaled=covered != ids, found_inf=tuple(flags), optimizers=tuple(optimizers))

@@ -147,7 +147,8 @@ def test_get_total_norm_and_clip_grads_with_norm_run_the_guards_step_first():
         torch.nn.utils.clip_grads_with_norm_(guarded.parameters(), 1.0, total)
         clip_each(reference, 0.3)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        assert_same({n: p.grad for n, p in guarded.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()})
+        grads = {n: p.grad for n, p in guarded.named_parameters()}
+        assert_same(grads, {n: p.grad for n, p in reference.named_parameters()})
 
 
 @pytest.mark.parametrize(
@@ -189,7 +190,8 @@ def test_a_skip_decided_at_the_clip_leaves_parameters_and_optimizer_state_bitwis
             norm = nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
             if iteration == 2:
                 assert guard.last_step_skipped
-                assert norm is not None and norm.item() == 0.0  # every gradient was dropped before the clip
+                assert norm is not None
+                assert norm.item() == 0.0
                 assert_same(model_state(model), before, "parameters after the skip")
                 assert_same(opt.state_dict(), state_before, "optimizer state after the skip")
     assert guard.counters.snapshot()["r0"] == {"nan": 1, "skip_step_on_nonfinite": 1}
@@ -206,9 +208,11 @@ def test_a_nan_batch_without_any_clip_in_the_loop_halts_without_a_word_about_cli
         model(x).sum().backward()
         with pytest.raises(GradientHalt) as caught:
             opt.step()
-    assert "out.bias" not in caught.value.params and len(caught.value.params) == 5  # a sum's bias grad is 1
+    assert "out.bias" not in caught.value.params
+    assert len(caught.value.params) == 5
     assert "clip" not in str(caught.value)
-    assert caught.value.origin is not None and not caught.value.origin["spread"]
+    assert caught.value.origin is not None
+    assert not caught.value.origin["spread"]
 
 
 def test_a_nan_batch_with_the_loops_clip_halts_at_the_clip_without_blaming_it():
@@ -222,7 +226,8 @@ def test_a_nan_batch_with_the_loops_clip_halts_at_the_clip_without_blaming_it():
         with pytest.raises(GradientHalt) as caught:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     assert "clip" not in str(caught.value)
-    assert caught.value.origin is not None and caught.value.origin["phase"] == "forward"
+    assert caught.value.origin is not None
+    assert caught.value.origin["phase"] == "forward"
 
 
 def test_a_clip_the_guard_saw_run_before_its_step_is_named_plainly_in_the_halt():
@@ -237,7 +242,8 @@ def test_a_clip_the_guard_saw_run_before_its_step_is_named_plainly_in_the_halt()
         with pytest.raises(GradientHalt) as caught:
             opt.step()
     assert len(caught.value.params) == 6
-    assert caught.value.origin is not None and caught.value.origin["spread"]
+    assert caught.value.origin is not None
+    assert caught.value.origin["spread"]
     assert "torch.nn.utils.clip_grad_norm_ ran over these gradients before the guard's step" in str(caught.value)
 
 

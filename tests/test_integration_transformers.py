@@ -223,7 +223,7 @@ def test_guard_trainer_clips_before_trainers_clip_exactly_as_a_plain_torch_loop(
 
 
 def test_bare_callback_acts_before_trainers_clip_too(tmp_path, same):
-    """The callback alone (Trainer's clip is intercepted): equal to a torch loop doing the policy's clip, then Trainer's."""
+    """The callback alone (Trainer's clip is intercepted): a torch loop doing the policy's clip, then Trainer's."""
     _, collator, start, run = run_regression(tmp_path, bare=True)
     expected = reference_run(copy.deepcopy(start), collator.batches[:6], lr=1e-2, clip="policy-first")
     same(model_state(run["model"]), expected)

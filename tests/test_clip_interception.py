@@ -247,21 +247,28 @@ def test_a_clip_the_guard_saw_run_before_its_step_is_named_plainly_in_the_halt()
     assert "torch.nn.utils.clip_grad_norm_ ran over these gradients before the guard's step" in str(caught.value)
 
 
-def test_the_clips_are_wrapped_while_a_guard_is_attached_and_restored_when_the_last_goes():
-    """Two guards: the originals come back only after both are removed; an early-bound name is not wrapped."""
-    original = torch.nn.utils.clip_grad_norm_
+def test_the_clips_are_wrapped_once_at_the_first_attach_and_stay_wrapped_after_the_last_guard_goes():
+    """Swapping back could race a thread that looked a clip up: wrapped once, for good; with no guard, as torch's."""
+    GradGuard(SmallMLP(), make_policy(HALT_ALL), logger=None).remove()
+    wrapped = torch.nn.utils.clip_grad_norm_
+    original = wrapped.__gradguard_original__
     assert not hasattr(original, "__gradguard_original__")
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is wrapped
+    scale, unscale = torch.amp.GradScaler.scale, torch.amp.GradScaler.unscale_
     models = SmallMLP(), SmallMLP()  # held: a guard holds its model weakly
     first = GradGuard(models[0], make_policy(HALT_ALL), logger=None)
     second = GradGuard(models[1], make_policy(HALT_ALL), logger=None)
-    assert torch.nn.utils.clip_grad_norm_.__gradguard_original__ is original
-    assert torch.nn.utils.clip_grad.clip_grad_norm_ is torch.nn.utils.clip_grad_norm_
     first.remove()
-    assert torch.nn.utils.clip_grad_norm_ is not original
     second.remove()
-    assert torch.nn.utils.clip_grad_norm_ is original
-    assert torch.nn.utils.clip_grad.clip_grad_norm_ is original
-    assert not hasattr(torch.amp.GradScaler.unscale_, "__wrapped__")
+    assert torch.nn.utils.clip_grad_norm_ is wrapped
+    assert (torch.amp.GradScaler.scale, torch.amp.GradScaler.unscale_) == (scale, unscale)
+    assert unscale.__wrapped__.__qualname__ == "GradScaler.unscale_"  # wrapped once, not once per attach
+    model, x = SmallMLP(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    for each in (model, twin):
+        each(x).sum().backward()
+    assert torch.equal(wrapped(model.parameters(), 0.1), original(twin.parameters(), 0.1))
+    assert_same({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in twin.named_parameters()})
 
 
 def test_a_guard_on_another_model_leaves_a_clip_of_this_one_alone():

@@ -7,7 +7,7 @@ pre-hook and one post-hook into them, once, the first time a guard attaches, and
 they dispatch to the guards that are attached at that moment (an immutable tuple, replaced under a
 lock when a guard comes or goes: a step in flight keeps iterating the tuple it read).
 
-The same registry wraps torch's gradient clips while any guard is attached, so a loop's own
+The same registry wraps torch's gradient clips, from the first attach on, so a loop's own
 ``clip_grad_norm_`` (nanoGPT, timm, Lightning, accelerate, HF Trainer) runs the guard's step first,
 on the raw gradients, before the clip spreads one NaN to every gradient:
 
@@ -15,10 +15,12 @@ on the raw gradients, before the clip spreads one NaN to every gradient:
   ``clip_grads_with_norm_`` and ``get_total_norm`` (which takes gradients, not parameters);
 - ``torch.nn.utils.clip_grad``: ``clip_grad_norm_``, ``clip_grad_norm`` and ``clip_grad_value_``.
 
-A wrapper is a module attribute swapped in one assignment (atomic for every thread); the originals are
-put back when the last guard goes, unless someone else wrapped them on top of ours since. A name bound
-before the swap (``from torch.nn.utils import clip_grad_norm_`` before gradguard attached) keeps the
-original function and is not intercepted.
+A wrapper is a module attribute swapped in once, at the first attach, and never swapped back: a thread
+that looked a clip up before a swap back would run the original under a guard attached meanwhile, and a
+``scale()`` that ran unwrapped would leave a guard blind to gradients still scaled. With no guard
+attached a wrapper calls the original at once. A name bound before the swap (``from torch.nn.utils
+import clip_grad_norm_`` before gradguard first attached) keeps the original function and is not
+intercepted.
 
 And it wraps ``torch.amp.GradScaler.scale`` and ``unscale_`` (class attributes, the same way), so a
 guard acting at a clip knows whether the gradients are still scaled (a scaler has scaled a loss and not
@@ -86,9 +88,8 @@ CLIPS: tuple[str, ...] = tuple(f"{module}.{name}" for module, name, _, _ in _CLI
 
 _lock = threading.Lock()
 _guards: tuple[weakref.ReferenceType[GuardHooks], ...] = ()
-_optimizer_hooks_registered = False
-_wrapped: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
-"""(owner, attribute, original, wrapper) of every swap in force."""
+_installed = False
+"""The optimizer hooks are registered and the clips and GradScaler wrapped (once, for the process's life)."""
 _steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 _steps_lock = threading.Lock()
 _scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -102,7 +103,7 @@ _scaler_lock = threading.Lock()
 
 
 class _Enlisted:
-    """A guard's place in the registry; :meth:`remove` takes it out (the last one unwraps the clips)."""
+    """A guard's place in the registry; :meth:`remove` takes it out (the hooks and wrappers stay)."""
 
     def __init__(self, ref: weakref.ReferenceType[GuardHooks]) -> None:
         self.ref = ref
@@ -111,23 +112,20 @@ class _Enlisted:
         global _guards
         with _lock:
             _guards = tuple(ref for ref in _guards if ref is not self.ref and ref() is not None)
-            if not _guards:
-                _unwrap_all()
 
 
 def enlist(guard: GuardHooks) -> _Enlisted:
     """Dispatch torch's optimizer steps and clips to ``guard`` from now on (held weakly)."""
-    global _guards, _optimizer_hooks_registered
+    global _guards, _installed
     ref: weakref.ReferenceType[GuardHooks] = weakref.ref(guard)
     with _lock:
-        if not _optimizer_hooks_registered:
+        if not _installed:
             # Never removed: removing mutates torch's table while another thread may iterate it.
             register_optimizer_step_pre_hook(_before_step)
             register_optimizer_step_post_hook(_after_step)
-            _optimizer_hooks_registered = True
-        _guards = (*(r for r in _guards if r() is not None), ref)
-        if not _wrapped:
             _wrap_all()
+            _installed = True
+        _guards = (*(r for r in _guards if r() is not None), ref)
     return _Enlisted(ref)
 
 
@@ -179,19 +177,8 @@ def _wrap_all() -> None:
         if wrapper is None:
             wrapper = made[id(original)] = _clip_wrapper(original, f"{module_name}.{attribute}", of_grads, first)
         setattr(owner, attribute, wrapper)
-        _wrapped.append((owner, attribute, original, wrapper))
     for attribute, make in (("scale", _scale_wrapper), ("unscale_", _unscale_wrapper)):
-        original = getattr(torch.amp.GradScaler, attribute)
-        wrapper = make(original)
-        setattr(torch.amp.GradScaler, attribute, wrapper)
-        _wrapped.append((torch.amp.GradScaler, attribute, original, wrapper))
-
-
-def _unwrap_all() -> None:
-    for owner, attribute, original, wrapper in reversed(_wrapped):
-        if owner.__dict__.get(attribute) is wrapper:  # not if another library wrapped ours since
-            setattr(owner, attribute, original)
-    _wrapped.clear()
+        setattr(torch.amp.GradScaler, attribute, make(getattr(torch.amp.GradScaler, attribute)))
 
 
 def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first: str) -> Callable[..., Any]:

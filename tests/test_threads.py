@@ -345,3 +345,76 @@ def test_four_trainers_are_undisturbed_while_two_threads_attach_and_remove_guard
     on_threads([trainers_then_done, churn(0), churn(1)])
     assert len(churned) == 2
     assert_same([outcome(guard, training) for guard, training in zip(guards, trainings, strict=True)], expected)
+
+
+def test_a_guard_removed_from_another_thread_mid_training_logs_exactly_what_it_counted(tmp_path: Path) -> None:
+    """remove() waits for a step in flight: the detach event's counters are the log's clips, and nothing follows it."""
+    for attempt in range(12):
+        training = Training.make("scaler_clip", 800 + attempt)
+        log = tmp_path / f"removed-{attempt}.jsonl"
+        guard = training.guard(log)
+        started = threading.Event()
+
+        def train(training: Training = training, started: threading.Event = started) -> None:
+            training.run(lambda step: started.set())
+
+        def remove(guard: GradGuard = guard, started: threading.Event = started, attempt: int = attempt) -> None:
+            started.wait()
+            for _ in range(attempt * 50):  # a little later each attempt: in a step, between steps, after the last
+                pass
+            guard.remove()
+
+        on_threads([train, remove])
+        events = events_of(log, guard.run_id)
+        assert events[-1]["event"] == "detach"
+        clips = sum(event["n_params"] if event.get("param") is None else 1 for event in events if event["event"] == "intervention")
+        assert events[-1]["counters"].get("r1", {}).get("clip_norm", 0) == clips
+        assert events[-1]["counters"] == guard.counters.snapshot()
+        assert events[-1]["steps"] == guard.step_count
+
+
+def test_of_two_threads_attaching_to_one_model_at_once_exactly_one_attaches(tmp_path: Path) -> None:
+    """Checking that no guard holds the model and claiming it are one step: the other thread is refused."""
+    from gradguard import GuardStateError
+
+    for attempt in range(20):
+        training = Training.make("clip", 900 + attempt)
+        attached: list[GradGuard] = []
+        refused: list[GuardStateError] = []
+
+        def attach(training: Training = training, attached: list[GradGuard] = attached) -> None:
+            try:
+                attached.append(GradGuard(training.model, training.policy(), logger=None))
+            except GuardStateError as error:
+                refused.append(error)
+
+        on_threads([attach, attach])
+        assert (len(attached), len(refused)) == (1, 1)
+        attached[0].remove()
+
+
+def test_a_policy_reloaded_from_another_thread_takes_over_at_a_step_boundary_of_the_training(tmp_path: Path) -> None:
+    """guard.reload() on a reader thread while the model trains: the new policy binds at one step, nothing raises."""
+    import json
+
+    training = Training.make("clip", 1000)
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    first.write_text(json.dumps({"version": 1, "rules": [{"name": "clip", **CLIP}]}))
+    second.write_text(json.dumps({"version": 1, "rules": [{"name": "clip", **CLIP}, {"name": "halt", **HALT}]}))
+    log = tmp_path / "reload.jsonl"
+    guard = GradGuard(training.model, first, audit_log=log, logger=None)
+    started = threading.Event()
+    reloaded: list[bool] = []
+
+    def reload() -> None:
+        started.wait()
+        reloaded.append(guard.reload(second))
+
+    on_threads([lambda: training.run(lambda step: started.set()), reload])
+    guard.remove()
+    events = events_of(log, guard.run_id)
+    assert reloaded == [True]
+    takeovers = [event for event in events if event["event"] == "policy_reload"]
+    assert len(takeovers) <= 1  # none if the training ended first
+    halts = [event for event in events if event["event"] == "halt"]
+    assert len(halts) == (1 if takeovers and takeovers[0]["step"] <= min(BAD_STEPS) else 0)

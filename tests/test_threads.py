@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,10 @@ import pytest
 import torch
 from support.training import SmallMLP, make_policy
 
-from gradguard import GradGuard, GradientHalt, Policy
+from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
 from gradguard.enforce import torch_hooks
 
-STEPS = 14
+STEPS = 20
 BAD_STEPS = frozenset({3, 8})
 """Where a training makes one gradient non-finite (NaN, or Inf under a GradScaler)."""
 
@@ -73,13 +75,13 @@ class Training:
     def guard(self, log: Path, **options: Any) -> GradGuard:
         return GradGuard(self.model, self.policy(), audit_log=log, logger=None, scaler=self.scaler, **options)
 
-    def run(self, after: Callable[[int], None] | None = None) -> None:
-        """Every step (``after(step)`` after each), or up to a halt (a training whose guard halts ends there)."""
+    def run(self, after: Callable[[], None] | None = None) -> None:
+        """Every step (``after()`` after each), or up to a halt (a training whose guard halts ends there)."""
         try:
             for step in range(STEPS):
                 self.iteration(step)
                 if after is not None:
-                    after(step)
+                    after()
         except GradientHalt:
             pass
 
@@ -177,10 +179,24 @@ def eight(seed: int) -> list[Training]:
     return [Training.make(KINDS[i % len(KINDS)], seed + i) for i in range(8)]
 
 
+def live_guards() -> set[Any]:
+    return {guard for ref in torch_hooks._guards if (guard := ref()) is not None and guard.attached}
+
+
 @pytest.fixture(autouse=True)
 def no_guard_left_behind() -> Any:
+    before = live_guards()
     yield
-    assert torch_hooks._guards == ()
+    assert live_guards() <= before
+
+
+@pytest.fixture(autouse=True)
+def threads_switch_often() -> Any:
+    """Python switches threads every 5 ms by default; every 20 us makes the trainings interleave inside steps."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(2e-5)
+    yield
+    sys.setswitchinterval(interval)
 
 
 def test_eight_threads_with_guards_attached_before_any_trains_count_only_their_own_steps(tmp_path: Path) -> None:
@@ -292,8 +308,8 @@ def test_two_guards_sharing_one_log_file_write_whole_lines_each_run_separable(tm
     guards = [training.guard(shared) for training in trainings]
 
     def train(i: int) -> Callable[[], None]:
-        def pad(step: int) -> None:
-            guards[i]._events.emit("info", "padding", step=step, **big)
+        def pad() -> None:
+            guards[i]._events.emit("info", "padding", **big)
 
         return lambda: trainings[i].run(pad)
 
@@ -347,48 +363,44 @@ def test_four_trainers_are_undisturbed_while_two_threads_attach_and_remove_guard
     assert_same([outcome(guard, training) for guard, training in zip(guards, trainings, strict=True)], expected)
 
 
+def remove_later(guard: GradGuard, started: threading.Event, delay: int) -> None:
+    started.wait()
+    for _ in range(delay):  # a little later each time: in a step, between steps, after the last
+        pass
+    guard.remove()
+
+
 def test_a_guard_removed_from_another_thread_mid_training_logs_exactly_what_it_counted(tmp_path: Path) -> None:
     """remove() waits for a step in flight: the detach event's counters are the log's clips, and nothing follows it."""
     for attempt in range(12):
         training = Training.make("scaler_clip", 800 + attempt)
-        log = tmp_path / f"removed-{attempt}.jsonl"
-        guard = training.guard(log)
+        guard = training.guard(tmp_path / f"removed-{attempt}.jsonl")
         started = threading.Event()
-
-        def train(training: Training = training, started: threading.Event = started) -> None:
-            training.run(lambda step: started.set())
-
-        def remove(guard: GradGuard = guard, started: threading.Event = started, attempt: int = attempt) -> None:
-            started.wait()
-            for _ in range(attempt * 50):  # a little later each attempt: in a step, between steps, after the last
-                pass
-            guard.remove()
-
-        on_threads([train, remove])
-        events = events_of(log, guard.run_id)
-        assert events[-1]["event"] == "detach"
-        clips = sum(event["n_params"] if event.get("param") is None else 1 for event in events if event["event"] == "intervention")
-        assert events[-1]["counters"].get("r1", {}).get("clip_norm", 0) == clips
-        assert events[-1]["counters"] == guard.counters.snapshot()
-        assert events[-1]["steps"] == guard.step_count
+        on_threads([partial(training.run, started.set), partial(remove_later, guard, started, attempt * 50)])
+        assert guard.audit_log is not None
+        events = events_of(guard.audit_log, guard.run_id)
+        detach = events[-1]
+        assert detach["event"] == "detach"
+        clips = sum(event["event"] == "intervention" for event in events)  # one per parameter: scope tensor
+        assert detach["counters"].get("r1", {}).get("clip_norm", 0) == clips
+        assert detach["counters"] == guard.counters.snapshot()
+        assert detach["steps"] == guard.step_count
 
 
-def test_of_two_threads_attaching_to_one_model_at_once_exactly_one_attaches(tmp_path: Path) -> None:
+def attach_or_refused(training: Training, attached: list[GradGuard], refused: list[GuardStateError]) -> None:
+    try:
+        attached.append(GradGuard(training.model, training.policy(), logger=None))
+    except GuardStateError as error:
+        refused.append(error)
+
+
+def test_of_two_threads_attaching_to_one_model_at_once_exactly_one_attaches() -> None:
     """Checking that no guard holds the model and claiming it are one step: the other thread is refused."""
-    from gradguard import GuardStateError
-
     for attempt in range(20):
         training = Training.make("clip", 900 + attempt)
         attached: list[GradGuard] = []
         refused: list[GuardStateError] = []
-
-        def attach(training: Training = training, attached: list[GradGuard] = attached) -> None:
-            try:
-                attached.append(GradGuard(training.model, training.policy(), logger=None))
-            except GuardStateError as error:
-                refused.append(error)
-
-        on_threads([attach, attach])
+        on_threads([partial(attach_or_refused, training, attached, refused)] * 2)
         assert (len(attached), len(refused)) == (1, 1)
         attached[0].remove()
 
@@ -410,7 +422,7 @@ def test_a_policy_reloaded_from_another_thread_takes_over_at_a_step_boundary_of_
         started.wait()
         reloaded.append(guard.reload(second))
 
-    on_threads([lambda: training.run(lambda step: started.set()), reload])
+    on_threads([partial(training.run, started.set), reload])
     guard.remove()
     events = events_of(log, guard.run_id)
     assert reloaded == [True]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import os
 import threading
 import uuid
@@ -36,8 +35,10 @@ from gradguard.events.prometheus import ServesMetrics, check_metrics_port
 from gradguard.lifecycle import (
     Attachment,
     check_arguments,
+    claim_model,
     distributed_rank,
     emit_attach,
+    forget,
     load_guard_state,
     optimizers_given,
     warn_unexpected_optimizer,
@@ -47,13 +48,6 @@ from gradguard.policy.matching import Binding
 
 __all__ = ["GradGuard"]
 
-_LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
-"""Every guard attached or attaching; read and changed only under ``_LIVE_LOCK``."""
-_LIVE_LOCK = threading.Lock()
-"""Attaching checks that no other guard holds the model and claims it in one step (two threads attaching
-to one model: one of them is refused)."""
-_EXIT_LOCK_TIMEOUT_S = 5.0
-"""How long interpreter exit waits for a guard's step in flight on another thread before closing it anyway."""
 
 
 class GradGuard(ServesMetrics):
@@ -132,7 +126,7 @@ class GradGuard(ServesMetrics):
         for opt in optimizers or ():
             if any(id(p) in binding.by_id for group in opt.param_groups for p in group["params"]):
                 refuse_reevaluating(opt)
-        _claim_parameters(self, model, replace)
+        claim_model(self, model, replace)
         try:
             collective = Collective(process_group)
             mine = fingerprint(self.policy, binding, per_micro_batch, start_step, reload)
@@ -174,7 +168,7 @@ class GradGuard(ServesMetrics):
 
             emit_attach(events, self.policy, model, binding, optimizers, start_step)
         except BaseException:
-            _forget(self)  # the model is free again
+            forget(self)  # the model is free again
             raise
 
     # --- public ------------------------------------------------------------------------------------
@@ -230,23 +224,7 @@ class GradGuard(ServesMetrics):
         :class:`GuardStateError` when the guard's ``scaler`` has not unscaled the gradients yet.
         """
         with self._lock:
-            self._require_attached()
-            self._at_boundary()
-            if optimizer is None:
-                plan = self._plans.current()
-            else:
-                found = self._plans.for_optimizer(optimizer)
-                if found is None:
-                    return True
-                plan = found
-            context = StepContext(
-                optimizer=optimizer,
-                stepped_params=_stepped_by(optimizer, self._model_ref),
-                explicit=True,
-                found_inf=unscaled_found_inf(self._scaler, optimizer),
-            )
-            proceed = self._enforcer.run(plan, context)
-            return self._record(proceed and not self._enforcer.scaler_skip_at_boundary)
+            return _explicit_boundary(self, optimizer)
 
     def reload(self, path: str | os.PathLike[str] | None = None) -> bool:
         """Load ``path`` (default: the same file) now, to take over at the next step boundary; False (with a
@@ -286,7 +264,7 @@ class GradGuard(ServesMetrics):
         with self._lock:
             if self._finalizer.detach() is not None:
                 self._attachment.close("removed")
-        _forget(self)
+        forget(self)
 
     def __enter__(self) -> GradGuard:
         return self
@@ -308,9 +286,8 @@ class GradGuard(ServesMetrics):
 
     # --- the process-wide hooks (gradguard.enforce.torch_hooks) dispatch here ------------------------
 
-    # Each is called for every optimizer step and clip of the process, on the thread that runs it. Another
-    # training's (an optimizer known to step none of the model, a clip of none of its tensors) returns at
-    # once, without the guard's lock: trainings on other threads do not wait for this guard's steps.
+    # Called for every step and clip of the process, on its thread; another training's returns at once,
+    # without the lock (an optimizer known to step none of the model, a clip of none of its tensors).
 
     def _on_optimizer_step(
         self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -355,31 +332,7 @@ class GradGuard(ServesMetrics):
         are still scaled until their own ``scaler.step()``.
         """
         with self._lock:
-            self._enforce_locked(optimizer)
-
-    def _enforce_locked(self, optimizer: Optimizer) -> None:
-        if not self._attachment.open:
-            return
-        plan = self._plans.for_optimizer(optimizer)
-        if plan is not None and self._at_boundary():  # not for an optimizer of another model: it may be on one rank
-            plan = self._plans.for_optimizer(optimizer)
-        if plan is None:
-            return
-        # A skipped step must be skipped by every optimizer of the model, not only this one.
-        context = StepContext(
-            optimizer=optimizer,
-            stepped_params=_stepped_by(optimizer, self._model_ref),
-            clipped_before=self._clips.take_seen(),
-        )
-        proceed = self._enforcer.run(plan, context)
-        if self._enforcer.last_run_treated:
-            # A pass that found every gradient already treated (after guard.step(), or a second
-            # optimizer's step) says nothing about the step: it must not undo a skip's verdict.
-            self._record(proceed)
-        unexpected = self._expected is not None and all(optimizer is not opt for opt in self._expected)
-        if unexpected and self._enforcer.last_run_treated and not self._warned_unexpected:
-            self._warned_unexpected = True
-            warn_unexpected_optimizer(self._events, optimizer, self._enforcer.step - 1)
+            _optimizer_boundary(self, optimizer)
 
     def _at_boundary(self) -> bool:
         """A step boundary: a new policy the reloader holds (agreed on by every rank) takes over now, or not."""
@@ -437,6 +390,53 @@ def _optimizer_step_begins(
     return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
 
 
+def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
+    """:meth:`GradGuard._enforce_for`, under the guard's lock."""
+    if not guard._attachment.open:
+        return
+    plan = guard._plans.for_optimizer(optimizer)
+    if plan is not None and guard._at_boundary():  # not for an optimizer of another model: it may be on one rank
+        plan = guard._plans.for_optimizer(optimizer)
+    if plan is None:
+        return
+    # A skipped step must be skipped by every optimizer of the model, not only this one.
+    context = StepContext(
+        optimizer=optimizer,
+        stepped_params=_stepped_by(optimizer, guard._model_ref),
+        clipped_before=guard._clips.take_seen(),
+    )
+    proceed = guard._enforcer.run(plan, context)
+    if guard._enforcer.last_run_treated:
+        # A pass that found every gradient already treated (after guard.step(), or a second
+        # optimizer's step) says nothing about the step: it must not undo a skip's verdict.
+        guard._record(proceed)
+    unexpected = guard._expected is not None and all(optimizer is not opt for opt in guard._expected)
+    if unexpected and guard._enforcer.last_run_treated and not guard._warned_unexpected:
+        guard._warned_unexpected = True
+        warn_unexpected_optimizer(guard._events, optimizer, guard._enforcer.step - 1)
+
+
+def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
+    """:meth:`GradGuard.step`, under the guard's lock."""
+    guard._require_attached()
+    guard._at_boundary()
+    if optimizer is None:
+        plan = guard._plans.current()
+    else:
+        found = guard._plans.for_optimizer(optimizer)
+        if found is None:
+            return True
+        plan = found
+    context = StepContext(
+        optimizer=optimizer,
+        stepped_params=_stepped_by(optimizer, guard._model_ref),
+        explicit=True,
+        found_inf=unscaled_found_inf(guard._scaler, optimizer),
+    )
+    proceed = guard._enforcer.run(plan, context)
+    return guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
+
+
 def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     """The loop clips gradients: if they are the guard's, its step runs first, on the raw gradients, as
     ``guard.step()`` there would (after GradScaler's ``unscale_``: a scaler skip stays the scaler's), and the
@@ -459,48 +459,6 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     if guard._enforcer.last_run_treated:
         guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
     return True
-
-
-def _claim_parameters(guard: GradGuard, model: nn.Module, replace: bool) -> None:
-    """Refuse (or, with ``replace``, remove) another live guard on the same model or tensors, and claim them.
-
-    Checked and claimed under one lock: of two threads attaching to one model at once, one is refused.
-    """
-    with _LIVE_LOCK:
-        others = [other for other in _LIVE_GUARDS if other is not guard and _holds(other, model, guard)]
-        if others and not replace:
-            raise GuardStateError(
-                f"this model already has a GradGuard attached ({others[0]!r}); a second guard would apply "
-                "every action twice. Call .remove() on the first guard, or pass replace=True to "
-                "remove it and attach this one."
-            )
-        for other in others:
-            _LIVE_GUARDS.discard(other)
-        _LIVE_GUARDS.add(guard)
-    for other in others:
-        other.remove()
-
-
-def _holds(other: GradGuard, model: nn.Module, guard: GradGuard) -> bool:
-    """Whether ``other`` (attached, or still attaching) guards ``model`` or one of the tensors ``guard`` binds."""
-    attachment: Attachment | None = other.__dict__.get("_attachment")
-    if attachment is not None and not attachment.open:
-        return False
-    theirs = other._model_ref()
-    if theirs is None:
-        return False  # its model is gone, and with it the tensors whose ids it holds
-    if theirs is model:
-        return True
-    by_id = other._plans.binding.by_id
-    return any(
-        (entry := by_id.get(key)) is not None and (tensor := entry.ref()) is not None and tensor is mine.ref()
-        for key, mine in guard._plans.binding.by_id.items()
-    )
-
-
-def _forget(guard: GradGuard) -> None:
-    with _LIVE_LOCK:
-        _LIVE_GUARDS.discard(guard)
 
 
 def _weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding, list[str]], None]:
@@ -540,19 +498,3 @@ def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType
                 guard._enforcer.scaler_skipped(lambda: plans.for_optimizer(optimizer))
 
     return ScalerWatch(scaler, optimizer_steps, on_skip)
-
-
-@atexit.register
-def _remove_all_at_exit() -> None:
-    with _LIVE_LOCK:
-        guards = list(_LIVE_GUARDS)
-    for guard in guards:
-        # A daemon thread may have been stopped in a step, holding the lock for good: exit must not hang.
-        locked = guard._lock.acquire(timeout=_EXIT_LOCK_TIMEOUT_S)
-        try:
-            if guard.attached:
-                guard._finalizer.detach()
-                guard._attachment.close("interpreter-exit")
-        finally:
-            if locked:
-                guard._lock.release()

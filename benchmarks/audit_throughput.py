@@ -45,15 +45,20 @@ print(json.dumps([elapsed, usage.ru_maxrss, os.waitstatus_to_exitcode(status)]))
 that parent."""
 
 
-def run_audit(log: Path, out: Path) -> tuple[float, int, int]:
-    """Wall seconds, peak RSS in bytes, and exit code of `python -m gradguard.cli audit LOG --format json`."""
-    command = [sys.executable, "-m", "gradguard.cli", "audit", str(log), "--format", "json", "--no-progress"]
+def run_measured(command: list[str], out: Path) -> tuple[float, int, int]:
+    """Wall seconds, peak RSS in bytes, and exit code of ``command`` run in a fresh process (stdout to ``out``)."""
     done = subprocess.run(
         [sys.executable, "-c", _LAUNCHER, str(out), *command], capture_output=True, text=True, check=True
     )
     elapsed, maxrss, code = json.loads(done.stdout)
     peak = maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
     return float(elapsed), int(peak), int(code)
+
+
+def run_audit(log: Path, out: Path) -> tuple[float, int, int]:
+    """Wall seconds, peak RSS in bytes, and exit code of `python -m gradguard.cli audit LOG --format json`."""
+    command = [sys.executable, "-m", "gradguard.cli", "audit", str(log), "--format", "json", "--no-progress"]
+    return run_measured(command, out)
 
 
 def main() -> None:

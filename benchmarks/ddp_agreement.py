@@ -5,7 +5,7 @@
 Each rank trains the same DDP model. Rounds alternate (in a shuffled order that every rank shares):
 no guard; the guard with only ``halt_on_nonfinite`` on every parameter (its cost is the
 agreement all-reduce plus the norms); the same without the agreement all-reduce (``--`` a measurement
-only: the guard keeps it, see README "Distributed training"; this is what dropping it would save);
+only: the guard keeps it, see docs/distributed.md; this is what dropping it would save);
 and ``policies/default.yaml`` (halt + per-tensor clip). Rank 0 prints the median step time of each,
 the paired ratio against no guard, and what the agreement all-reduce alone costs.
 """

@@ -64,7 +64,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+import gradguard.enforce.torch_hooks as torch_hooks
 import gradguard.events.log
 from gradguard import GradGuard, Policy
 
@@ -355,20 +356,13 @@ class Anomaly(Treatment):
         torch.autograd.set_detect_anomaly(False)
 
 
-def _global_step_hooks() -> MutableMapping[int, Callable[..., Any]]:
-    """torch's registry of global optimizer step pre-hooks, where every GradGuard hooks in."""
-    from torch.optim import optimizer
-
-    hooks: MutableMapping[int, Callable[..., Any]] = optimizer._global_optimizer_pre_hooks
-    return hooks
-
-
 class Guarded(Treatment):
     """gradguard on this treatment's model copy; it acts inside ``opt.step()``, so ``treat`` does nothing.
 
-    Every guard hooks into all optimizers (a global step pre-hook) and checks in a few microseconds
-    per tensor whether an optimizer is its own. So that the guards of other rows cost the steps of a
-    row nothing, a guard's hook is in torch's registry only during its own row's steps.
+    Every guard is reached from gradguard's process-wide optimizer hook (and, while any guard is attached,
+    from torch's clip functions) and checks in a few microseconds per tensor whether a step or a clip is
+    its own. So that the guards of other rows cost the steps of a row nothing, a guard is enlisted there
+    only during its own row's steps (and torch's clips are unwrapped during the other rows).
     """
 
     def __init__(
@@ -390,35 +384,36 @@ class Guarded(Treatment):
         self.prime = prime
         """Untimed steps run right after attaching (adaptive actions: past their warm-up)."""
         self.guard: GradGuard | None = None
-        self.hooks: dict[int, Callable[..., Any]] = {}
+        self.enlisted: Any = None
 
     def setup(self, work: Workload, scratch: Path) -> None:
         log = scratch / f"{work.name}-{self.name}.jsonl" if self.audit_log else None
-        registry = _global_step_hooks()
-        before = set(registry)
         saved = gradguard.events.log.RENDER_ON_WRITER
         gradguard.events.log.RENDER_ON_WRITER = self.render_on_writer
         try:
             self.guard = GradGuard(work.model, self.policy(), audit_log=log, logger=None, **self.guard_options)
         finally:
             gradguard.events.log.RENDER_ON_WRITER = saved
-        self.hooks = {key: hook for key, hook in registry.items() if key not in before}
-        self.after_step()
+        self.enlisted = next(h for h in self.guard._attachment.handles if isinstance(h, torch_hooks.Enlisted))
         for _ in range(self.prime):
-            train_step(work, self)
+            train_step(work, self)  # before_step/after_step enlist and delist it around each
+        self.after_step()
 
     def before_step(self) -> None:
-        _global_step_hooks().update(self.hooks)
+        assert self.guard is not None
+        if self.enlisted is None:
+            self.enlisted = torch_hooks.enlist(self.guard)
 
     def after_step(self) -> None:
-        registry = _global_step_hooks()
-        for key in self.hooks:
-            registry.pop(key, None)
+        if self.enlisted is not None:
+            self.enlisted.remove()
+            self.enlisted = None
 
     def teardown(self, work: Workload) -> None:
         assert self.guard is not None
         self.before_step()
         self.guard.remove()
+        self.after_step()
         counters = self.guard.counters
         kinds = ("clip_norm", "clip_value", "agc", "zclip", "autoclip")
         self._clips = sum(counters.total(kind) for kind in kinds)
@@ -438,6 +433,13 @@ class Guarded(Treatment):
         if self.audit_log:
             text += f", {getattr(self, '_lines', 0) / steps:.2f} log lines/step"
         return text
+
+
+class GuardedLoopClip(Guarded):
+    """A guard in a loop that clips globally itself (nanoGPT's ``clip_grad_norm_(params, 1.0)`` before the step)."""
+
+    def treat(self, work: Workload) -> None:
+        torch.nn.utils.clip_grad_norm_(work.params, MAX_NORM, foreach=True)
 
 
 class SecondCopy(NoTreatment):
@@ -461,6 +463,17 @@ def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
             "(a) with provenance=None (no gradient flags)",
             lambda: per_tensor_policy(MAX_NORM),
             guard_options={"provenance": None},
+        ),
+        GuardedLoopClip(
+            "gg-a0-lc",
+            "(a), nothing clipped, + the loop's global clip (the guard acts before it)",
+            lambda: per_tensor_policy(NEVER),
+        ),
+        GuardedLoopClip(
+            "gg-a0-lc-off",
+            "the same, before_clip=False (the guard acts at step(): the A/A of acting before the clip)",
+            lambda: per_tensor_policy(NEVER),
+            guard_options={"before_clip": False},
         ),
         Guarded("gg-b", "gradguard (b) mixed policy, 5 rules", lambda: Policy.from_dict(MIXED_POLICY, source="mixed")),
         Guarded("gg-agc", "gradguard agc (clipping 0.01) + halt", agc_policy),
@@ -778,6 +791,7 @@ def run_model(
         ("gg-ml", "gg-m"),
         ("gg-agc", "gg-a"),
         ("gg-a", "gg-a-np"),
+        ("gg-a0-lc", "gg-a0-lc-off"),
         ("gg-zclip", "gg-a"),
         ("gg-autoclip", "gg-a"),
         ("gg-spike", "gg-a"),
@@ -947,7 +961,7 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
         add(f"(a) vs global, deep <= {limit}", *ratio(_row(deep, "gg-a"), "vs_global", limit))
     for result in (r for r in (gpt, deep) if r is not None):
         present = {row["name"] for row in result.rows}
-        names = ("gg-a", "gg-a0", "gg-b", "gg-c0", "gg-c", "gg-zclip", "gg-autoclip", "gg-spike")
+        names = ("gg-a", "gg-a0", "gg-a0-lc", "gg-b", "gg-c0", "gg-c", "gg-zclip", "gg-autoclip", "gg-spike")
         rows = [_row(result, name) for name in names if name in present]
         syncs = ", ".join(f"{row['name']} {row['extra_syncs']} ({row['backward_syncs']})" for row in rows)
         ok = all(row["extra_syncs"] <= 1 and row["backward_syncs"] == 0 for row in rows)
@@ -955,6 +969,14 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
         memory = ", ".join(f"{row['name']} {row['extra_peak_pct']:+.2f}%" for row in rows)
         ok = all(abs(row["extra_peak_pct"]) <= 1.0 for row in rows)
         add(f"peak memory within 1% of none, {result.workload}", memory, ok)
+    for result in (r for r in (gpt, deep) if r is not None):
+        if "gg-a0-lc / gg-a0-lc-off" in result.comparisons:
+            cost = result.comparisons["gg-a0-lc / gg-a0-lc-off"]
+            add(
+                f"acting before the loop's clip: (a0)+clip, before it vs at step(), {result.workload} <= 1.005",
+                f"{cost['update']:.4f}; {cost['wall']}",
+                cost["update"] <= 1.005,
+            )
     if gpt is not None and "gg-c0 / gg-a0" in gpt.comparisons:
         cost = gpt.comparisons["gg-c0 / gg-a0"]
         add(
@@ -1021,7 +1043,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU (default 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    parser.add_argument(
+        "--rows", default=None, help="comma-separated treatments to run (default: all), e.g. none,none-2,global,gg-a"
+    )
     args = parser.parse_args(argv)
+    wanted = None if args.rows is None else set(args.rows.split(","))
+
+    def treatments(with_caller_render: bool) -> list[Treatment]:
+        every = decoder_treatments(with_caller_render)
+        chosen = [t for t in every if wanted is None or t.name in wanted or t.name in ("none", "global")]
+        unknown = (wanted or set()) - {t.name for t in every}
+        if unknown:
+            parser.error(f"--rows: no treatment named {', '.join(sorted(unknown))}")
+        return chosen
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -1048,7 +1082,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lambda: decoder_workload(
                     "gpt", device, **shape, batch=2 if quick else batch, length=8 if quick else length
                 ),
-                decoder_treatments(False),
+                treatments(False),
                 rounds(25),
                 scratch,
                 args.seed,
@@ -1063,7 +1097,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lambda: decoder_workload(
                     "deep", device, **shape, batch=2 if quick else batch, length=8 if quick else length
                 ),
-                decoder_treatments(True),
+                treatments(True),
                 rounds(45),
                 scratch,
                 args.seed,

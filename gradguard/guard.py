@@ -56,8 +56,10 @@ class GradGuard(ServesMetrics):
     ``GradGuard(model, policy)`` finds the step boundary by itself: it acts inside the ``step()`` of
     any ``torch.optim`` optimizer that holds guarded parameters, just before the update, on the
     gradient the optimizer will apply (after all backward passes of the step, GradScaler's unscale
-    and DDP's averaging). ``optimizer=opt`` limits that to the given optimizer(s); loops without a
-    torch optimizer call :meth:`step` themselves before their update.
+    and DDP's averaging), or earlier, when the loop clips those gradients with torch's
+    ``clip_grad_norm_`` (or ``clip_grad_value_``, ``get_total_norm``): then just before that clip, so
+    the clip cannot spread one NaN to every gradient first. ``optimizer=opt`` limits the optimizers
+    to the given one(s); loops without a torch optimizer call :meth:`step` themselves before their update.
 
     Use it as a context manager, or call :meth:`remove`; a guard that is garbage-collected while
     attached removes its hooks and warns.
@@ -82,8 +84,8 @@ class GradGuard(ServesMetrics):
             attach with a different policy, parameters or options are refused at once, on every rank.
         metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
         reload, reload_interval: look at the policy file (a path) every this many seconds; a changed one takes
-            over at the next step boundary, on every rank at the same step (README, "Hot reload").
-        provenance: where a NaN starts, named in halts and skips (README, "Provenance"): ``"always"``
+            over at the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
+        provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"always"``
             (module hooks and gradient flags from the start), ``"after_fault"`` (the same hooks, armed after
             a first non-finite or skipped step; nothing before) or ``None``.
         before_clip: a call of torch's ``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm`` or
@@ -207,12 +209,10 @@ class GradGuard(ServesMetrics):
     def step(self, optimizer: Optimizer | None = None) -> bool:
         """Enforce the policy now: an explicit step boundary, placed by the loop.
 
-        Call it after the step's last backward and before anything else reads the gradients: a loop
-        without a torch optimizer calls it before its own update, and a loop that clips globally
-        (``clip_grad_norm_`` spreads one NaN to every gradient) calls it before that clip, so a halt
-        names the parameter that went bad. The gradients it treats count as treated until the
-        optimizer has stepped: the coming ``optimizer.step()`` does not treat them again, whatever
-        changes them in between.
+        Call it after the step's last backward and before anything else reads the gradients: before the
+        update of a loop without a torch optimizer, before a clip that is not torch's (torch's run the
+        guard's step by themselves). The gradients it treats count as treated until the optimizer has
+        stepped: the coming ``optimizer.step()`` does not treat them again, whatever changes them between.
 
         Args:
             optimizer: treat only the guarded gradients this optimizer steps (a skip then clears every

@@ -102,3 +102,23 @@ def test_the_quick_spikes_benchmark_prints_a_row_of_figures_for_every_arm(tmp_pa
     result = json.loads(out.read_text())
     assert set(result["seeds"][0]["arms"]) == {"none", "global", "clip", "zclip", "zclip-group", "autoclip", "spike"}
     assert result["seeds"][0]["arms"]["global"]["clipped_steps"] > 0, "the injected spikes are above the global clip"
+
+
+def test_the_quick_suggest_and_replay_benchmark_times_both_commands_at_two_lengths(tmp_path: Path) -> None:
+    """``benchmarks/suggest_replay.py --quick`` times suggest and replay at two log lengths and catches the spikes."""
+    out = tmp_path / "suggest.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "suggest_replay.py"), "--quick", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "| steps | log MB | suggest s |" in done.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["steps"] for row in rows] == [300, 1200]
+    for row in rows:
+        assert row["suggest_exit"] == 0
+        assert row["replay_exit"] == 0
+        assert row["spikes_caught"] == row["spikes"]

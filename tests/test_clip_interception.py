@@ -11,13 +11,10 @@ from __future__ import annotations
 import copy
 import math
 import threading
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 from support.training import SmallMLP, assert_same, assert_same_training_state, clip_each, make_policy, model_state
-from torch import nn
 
 import gradguard.enforce.torch_hooks as torch_hooks
 from gradguard import GradGuard, GradientHalt
@@ -35,47 +32,45 @@ def poison_at(param: torch.Tensor, steps: set[int], counter: list[int]) -> None:
     param.register_hook(hook)
 
 
-def nanogpt_iteration(
-    model: nn.Module,
-    opt: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    generator: torch.Generator,
-    clip: Callable[..., Any] | None = None,
-    accumulation: int = 3,
-) -> torch.Tensor | None:
-    """One iteration of nanoGPT's train.py: micro-batches, ``unscale_``, a global clip, ``scaler.step``."""
-    for _ in range(accumulation):
-        x = torch.randn(6, 8, generator=generator)
-        loss = model(x).pow(2).mean() / accumulation
-        scaler.scale(loss).backward()
-    norm = None
-    if clip is not None:
-        scaler.unscale_(opt)
-        norm = clip(model.parameters(), 1.0)
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad(set_to_none=True)
-    return norm
+class NanoGPTLoop:
+    """nanoGPT's train.py in miniature: micro-batches, ``unscale_``, a global clip, ``scaler.step``; one
+    parameter's gradient poisoned at the given iterations."""
+
+    def __init__(self, poison: set[int], *, scaler: torch.amp.GradScaler, weight_decay: float = 0.01) -> None:
+        torch.manual_seed(0)
+        self.model = SmallMLP()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=weight_decay)
+        self.scaler = scaler
+        self.counter = [0]
+        poison_at(self.model.hidden.weight, poison, self.counter)
+        self.generator = torch.Generator().manual_seed(1)
+
+    def iteration(self, index: int, accumulation: int = 3) -> torch.Tensor:
+        """One iteration; returns what the loop's ``clip_grad_norm_`` returned."""
+        self.counter[0] = index
+        for _ in range(accumulation):
+            x = torch.randn(6, 8, generator=self.generator)
+            loss = self.model(x).pow(2).mean() / accumulation
+            self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.opt)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        return norm
 
 
 def test_a_nanogpt_loop_halts_naming_the_poisoned_parameter_with_no_options():
     """Accumulation, unscale_, clip_grad_norm_ over every parameter, scaler.step: the halt names hidden.weight."""
-    torch.manual_seed(0)
-    model = SmallMLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)  # nanoGPT's bfloat16 default: a disabled scaler
-    counter = [0]
-    poison_at(model.hidden.weight, {7}, counter)
-    generator = torch.Generator().manual_seed(1)
+    loop = NanoGPTLoop({7}, scaler=torch.amp.GradScaler("cpu", enabled=False))  # nanoGPT's bfloat16: disabled
+    model, opt = loop.model, loop.opt
     with GradGuard(model, make_policy(HALT_ALL), logger=None) as guard:
         for iteration in range(7):
-            counter[0] = iteration
-            nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
+            loop.iteration(iteration)
         before = model_state(model)
         state_before = copy.deepcopy(opt.state_dict())
-        counter[0] = 7
         with pytest.raises(GradientHalt) as caught:
-            nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
+            loop.iteration(7)
     assert caught.value.step == 7
     assert caught.value.params == ("hidden.weight",)
     assert "clip" not in str(caught.value)
@@ -86,21 +81,13 @@ def test_a_nanogpt_loop_halts_naming_the_poisoned_parameter_with_no_options():
 
 def test_an_enabled_gradscaler_skips_a_nan_step_itself_and_the_guard_does_not_halt():
     """A NaN under an enabled GradScaler is in unscale_'s found_inf: the scaler's skip, counted, no halt."""
-    torch.manual_seed(0)
-    model = SmallMLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
-    counter = [0]
-    poison_at(model.hidden.weight, {3}, counter)
-    generator = torch.Generator().manual_seed(1)
-    with GradGuard(model, make_policy(HALT_ALL), logger=None) as guard:
+    loop = NanoGPTLoop({3}, scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    with GradGuard(loop.model, make_policy(HALT_ALL), logger=None) as guard:
         for iteration in range(6):
-            counter[0] = iteration
+            before = model_state(loop.model)
+            loop.iteration(iteration)
             if iteration == 3:
-                before = model_state(model)
-            nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
-            if iteration == 3:
-                assert_same(model_state(model), before, "parameters after the scaler's skip")
+                assert_same(model_state(loop.model), before, "parameters after the scaler's skip")
     assert guard.counters.snapshot() == {"grad_scaler": {"skip": 1}}
     assert guard.step_count == 6
 
@@ -147,8 +134,9 @@ def test_get_total_norm_and_clip_grads_with_norm_run_the_guards_step_first():
         torch.nn.utils.clip_grads_with_norm_(guarded.parameters(), 1.0, total)
         clip_each(reference, 0.3)
         torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-        grads = {n: p.grad for n, p in guarded.named_parameters()}
-        assert_same(grads, {n: p.grad for n, p in reference.named_parameters()})
+        assert_same(
+            {n: p.grad for n, p in guarded.named_parameters()}, {n: p.grad for n, p in reference.named_parameters()}
+        )
 
 
 @pytest.mark.parametrize(
@@ -176,24 +164,16 @@ def test_every_public_spelling_of_the_clips_runs_the_guards_step_first(module, n
 
 def test_a_skip_decided_at_the_clip_leaves_parameters_and_optimizer_state_bitwise_untouched():
     """skip_step_on_nonfinite at the clip: the clip and step() that follow change nothing."""
-    torch.manual_seed(0)
-    model = SmallMLP()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
-    counter = [0]
-    poison_at(model.inp.weight, {2}, counter)
-    generator = torch.Generator().manual_seed(3)
-    with GradGuard(model, make_policy(SKIP_ALL), logger=None) as guard:
+    loop = NanoGPTLoop({2}, scaler=torch.amp.GradScaler("cpu", enabled=False), weight_decay=0.1)
+    with GradGuard(loop.model, make_policy(SKIP_ALL), logger=None) as guard:
         for iteration in range(5):
-            counter[0] = iteration
-            before, state_before = model_state(model), copy.deepcopy(opt.state_dict())
-            norm = nanogpt_iteration(model, opt, scaler, generator, torch.nn.utils.clip_grad_norm_)
+            before, state_before = model_state(loop.model), copy.deepcopy(loop.opt.state_dict())
+            norm = loop.iteration(iteration)
             if iteration == 2:
                 assert guard.last_step_skipped
-                assert norm is not None
-                assert norm.item() == 0.0
-                assert_same(model_state(model), before, "parameters after the skip")
-                assert_same(opt.state_dict(), state_before, "optimizer state after the skip")
+                assert norm.item() == 0.0  # every gradient was dropped before the clip
+                assert_same(model_state(loop.model), before, "parameters after the skip")
+                assert_same(loop.opt.state_dict(), state_before, "optimizer state after the skip")
     assert guard.counters.snapshot()["r0"] == {"nan": 1, "skip_step_on_nonfinite": 1}
 
 
@@ -247,28 +227,21 @@ def test_a_clip_the_guard_saw_run_before_its_step_is_named_plainly_in_the_halt()
     assert "torch.nn.utils.clip_grad_norm_ ran over these gradients before the guard's step" in str(caught.value)
 
 
-def test_the_clips_are_wrapped_once_at_the_first_attach_and_stay_wrapped_after_the_last_guard_goes():
-    """Swapping back could race a thread that looked a clip up: wrapped once, for good; with no guard, as torch's."""
-    GradGuard(SmallMLP(), make_policy(HALT_ALL), logger=None).remove()
-    wrapped = torch.nn.utils.clip_grad_norm_
-    original = wrapped.__gradguard_original__
+def test_the_clips_are_wrapped_while_a_guard_is_attached_and_restored_when_the_last_goes():
+    """Two guards: the originals come back only after both are removed; an early-bound name is not wrapped."""
+    original = torch.nn.utils.clip_grad_norm_
     assert not hasattr(original, "__gradguard_original__")
-    assert torch.nn.utils.clip_grad.clip_grad_norm_ is wrapped
-    scale, unscale = torch.amp.GradScaler.scale, torch.amp.GradScaler.unscale_
     models = SmallMLP(), SmallMLP()  # held: a guard holds its model weakly
     first = GradGuard(models[0], make_policy(HALT_ALL), logger=None)
     second = GradGuard(models[1], make_policy(HALT_ALL), logger=None)
+    assert torch.nn.utils.clip_grad_norm_.__gradguard_original__ is original
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is torch.nn.utils.clip_grad_norm_
     first.remove()
+    assert torch.nn.utils.clip_grad_norm_ is not original
     second.remove()
-    assert torch.nn.utils.clip_grad_norm_ is wrapped
-    assert (torch.amp.GradScaler.scale, torch.amp.GradScaler.unscale_) == (scale, unscale)
-    assert unscale.__wrapped__.__qualname__ == "GradScaler.unscale_"  # wrapped once, not once per attach
-    model, x = SmallMLP(), torch.randn(4, 8)
-    twin = copy.deepcopy(model)
-    for each in (model, twin):
-        each(x).sum().backward()
-    assert torch.equal(wrapped(model.parameters(), 0.1), original(twin.parameters(), 0.1))
-    assert_same({n: p.grad for n, p in model.named_parameters()}, {n: p.grad for n, p in twin.named_parameters()})
+    assert torch.nn.utils.clip_grad_norm_ is original
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is original
+    assert not hasattr(torch.amp.GradScaler.unscale_, "__wrapped__")
 
 
 def test_a_guard_on_another_model_leaves_a_clip_of_this_one_alone():
@@ -303,3 +276,46 @@ def test_an_optimizer_step_in_another_thread_never_sees_torchs_hook_table_change
     assert not errors
     assert (dict(_global_optimizer_pre_hooks), dict(_global_optimizer_post_hooks)) == tables
     assert torch_hooks._guards == ()
+
+
+def test_another_models_gradscaler_in_flight_does_not_hold_back_a_model_without_one():
+    """A scaler that has scaled a loss and only ever unscaled another optimizer: this model's clip is its boundary."""
+    torch.manual_seed(0)
+    scaled_model, plain = SmallMLP(), SmallMLP()
+    scaled_opt = torch.optim.SGD(scaled_model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    with GradGuard(plain, make_policy(HALT_ALL), logger=None):
+        for iteration in range(2):
+            scaler.scale(scaled_model(torch.randn(4, 8)).sum()).backward()  # in flight: scaled, not yet updated
+            plain(torch.randn(4, 8)).sum().backward()
+            if iteration == 1:
+                plain.inp.weight.grad[0, 0] = math.nan
+                with pytest.raises(GradientHalt) as caught:
+                    torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+                assert caught.value.params == ("inp.weight",)
+            scaler.unscale_(scaled_opt)
+            scaler.step(scaled_opt)
+            scaler.update()
+            scaled_opt.zero_grad()
+            plain.zero_grad()
+
+
+def test_a_clip_inside_a_compiled_function_still_runs_the_guards_step_first():
+    """torch.compile (eager backend) around the clip: the guard runs eagerly at a graph break and names the NaN."""
+    torch.manual_seed(0)
+    model = SmallMLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    clip = torch.compile(lambda params: torch.nn.utils.clip_grad_norm_(params, 1.0), backend="eager")
+    with GradGuard(model, make_policy(HALT_ALL), logger=None) as guard:
+        for step in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+            if step == 2:
+                model.out.weight.grad[0, 0] = math.nan
+                with pytest.raises(GradientHalt) as caught:
+                    clip(list(model.parameters()))
+                break
+            clip(list(model.parameters()))
+            opt.step()
+            opt.zero_grad()
+    assert caught.value.params == ("out.weight",)
+    assert guard.step_count == 3

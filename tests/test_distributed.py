@@ -198,7 +198,7 @@ def agreement(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 # DDP options and comm hooks whose reduction carries a NaN/Inf injected on one rank (before the
-# all-reduce) to every rank, in the same parameter, with the same NaN/Inf flags (README, Distributed).
+# all-reduce) to every rank, in the same parameter, with the same NaN/Inf flags (docs/distributed.md).
 AGREEING = [
     "default",
     "gradient_as_bucket_view",

@@ -29,7 +29,7 @@ def test_retrying_after_a_halt_does_not_apply_actions_twice(make_workload, make_
 
 
 def test_a_step_whose_norm_overflows_costs_exactly_one_more_host_sync(make_workload, make_policy):
-    """README: one more sync on a step where a norm comes out infinite, to tell an Inf element from an overflow."""
+    """One more sync on a step where a norm comes out infinite, to tell an Inf element from an overflow (documented)."""
     policy = make_policy(
         {"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
         {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]},

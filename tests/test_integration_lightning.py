@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.docs import documented_example
 
 pytest.importorskip("lightning")
 
@@ -32,7 +33,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Be aware that when using `ckpt_path`.*",
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
 
 
@@ -211,6 +211,31 @@ def test_manual_optimization_is_treated_at_the_lightning_optimizer_step(make_pol
     counts = callback.guard.counters.snapshot()
     assert counts["r1"] == {"scale": run.global_step * 3}  # three biases, every step
     assert 0 < counts["r0"]["clip_norm"] <= run.global_step * 3
+
+
+def test_manual_optimization_with_self_clip_gradients_is_one_step_and_halts_naming_the_parameter(make_policy):
+    """self.clip_gradients(...) then opt.step(): the guard acts at the clip, counts one step, names the NaN."""
+
+    def clip_then_poison_at_2(module: Net, step: int) -> None:
+        if step == 2:
+            module.net[2].weight.grad[0, 0] = float("nan")
+        module.clip_gradients(module.optimizers(), gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+    def clip(module: Net, step: int) -> None:
+        module.clip_gradients(module.optimizers(), gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+
+    policy = make_policy({"match": "*", "actions": [{"action": "halt_on_nonfinite"}]})
+    callback = GradGuardCallback(policy, logger=None)
+    run = trainer(callback)
+    run.fit(Net("adamw", manual=True, tamper=clip), loader())
+    assert callback.guard is not None
+    assert callback.guard.step_count == run.global_step == 4
+
+    callback = GradGuardCallback(policy, logger=None)
+    with pytest.raises(GradientHalt) as excinfo:
+        trainer(callback).fit(Net("adamw", manual=True, tamper=clip_then_poison_at_2), loader())
+    assert excinfo.value.step == 2
+    assert excinfo.value.params == ("net.2.weight",)
 
 
 def test_accumulate_grad_batches_clips_the_summed_gradient_once_per_optimizer_step(
@@ -666,9 +691,9 @@ def test_policy_file_path_is_accepted(tmp_path):
     assert callback.guard.step_count == 2
 
 
-# --- the README example ---------------------------------------------------------------------------
+# --- the documented example (docs/frameworks.md) -------------------------------------------------
 
-README_EXAMPLE = """\
+DOCUMENTED_EXAMPLE = """\
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -715,14 +740,11 @@ print(guard_callback.guard.step_count, guard_callback.guard.counters.snapshot())
 """
 
 
-def test_readme_lightning_example_runs(tmp_path, monkeypatch, capsys):
-    """The README's Lightning example is this code, and it runs: 16 steps, clips counted, an audit log written."""
-    readme = (ROOT / "README.md").read_text("utf-8")
-    match = re.search(r"<!-- example: lightning -->\n```python\n(.*?)```", readme, re.S)
-    assert match is not None, "README.md has no example marked 'lightning'"
-    assert match.group(1) == README_EXAMPLE
+def test_the_documented_lightning_example_runs(tmp_path, monkeypatch, capsys):
+    """docs/frameworks.md's Lightning example is this code, and it runs: 16 steps, clips counted, a log written."""
+    assert documented_example("docs/frameworks.md", "lightning") == DOCUMENTED_EXAMPLE
     monkeypatch.chdir(tmp_path)
-    exec(compile(README_EXAMPLE, "readme-lightning-example", "exec"), {"__name__": "__readme__"})
+    exec(compile(DOCUMENTED_EXAMPLE, "documented-lightning-example", "exec"), {"__name__": "__example__"})
     printed = capsys.readouterr().out.strip().splitlines()[-1]
     assert printed.startswith("16 {")
     assert "'clip': {'clip_norm':" in printed

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.docs import documented_example
 from support.training import make_policy, model_state
 from torch import nn
 
@@ -25,7 +26,6 @@ pytest.importorskip("accelerate")
 from gradguard.integrations.transformers import STATE_FILE, GradGuardCallback, guard_trainer  # noqa: E402
 
 NAN_PARAM = "transformer.h.1.mlp.c_fc.weight"
-ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- tiny models, data and arguments ----------------------------------------------------------------
@@ -506,13 +506,14 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 
+from gradguard import Policy
 from gradguard.integrations.accelerate import guard_accelerator
 
 torch.manual_seed(0)
 accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)  # drop cpu=True on a GPU
 model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1))
 model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
-with guard_accelerator(accelerator, model, "policies/default.yaml", audit_log="accelerate-run.jsonl") as guard:
+with guard_accelerator(accelerator, model, Policy.shipped("default"), audit_log="accelerate-run.jsonl") as guard:
     for step in range(20):
         x = torch.randn(32, 16)
         with accelerator.accumulate(model):
@@ -527,21 +528,18 @@ print(guard.step_count, guard.counters.snapshot())  # 10 optimizer steps
 EXAMPLES = {"hf-trainer": HF_TRAINER_EXAMPLE, "accelerate": ACCELERATE_EXAMPLE}
 
 
-def documented_examples(path: Path) -> dict[str, str]:
-    text = path.read_text(encoding="utf-8")
-    return dict(re.findall(r"<!-- example: ([\w-]+) -->\n```python\n(.*?)```", text, re.S))
-
-
 def test_the_documented_examples_are_the_ones_tested():
-    """README.md holds exactly the code the next test runs, for each example."""
-    readme = documented_examples(ROOT / "README.md")
-    assert {name: readme.get(name) for name in EXAMPLES} == EXAMPLES
+    """docs/frameworks.md holds exactly the code the next test runs, for each example."""
+    documented = {
+        "hf-trainer": documented_example("docs/frameworks.md", "hf-trainer"),
+        "accelerate": documented_example("docs/frameworks.md", "accelerate"),
+    }
+    assert documented == EXAMPLES
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_the_documented_example_runs_as_written(name, tmp_path, monkeypatch, read_audit):
-    """Each example runs from the repository root's layout, guards, logs, and leaves no guard attached."""
-    (tmp_path / "policies").symlink_to(ROOT / "policies")
+    """Each example runs in an empty directory, guards, logs, and leaves no guard attached."""
     monkeypatch.chdir(tmp_path)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

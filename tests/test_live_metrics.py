@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import math
-import re
 import socket
 import sys
 import threading
@@ -13,12 +12,12 @@ import urllib.error
 import urllib.request
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import torch
+from support.docs import documented_example
 from torch import nn
 
 from gradguard import GradGuard, GuardStateError, GuardWarning, Policy
@@ -286,16 +285,10 @@ def test_without_the_metrics_extra_metrics_port_says_what_to_install(monkeypatch
         assert guard.metrics_url is None
 
 
-def test_the_readme_metrics_example_runs_as_written(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-):
-    """The README's live-metrics example trains, scrapes its own endpoint and prints 20 steps in Prometheus text."""
-    root = Path(__file__).resolve().parent.parent
-    text = (root / "README.md").read_text(encoding="utf-8")
-    match = re.search(r"<!-- example: metrics -->\n```python\n(.*?)```", text, re.S)
-    assert match is not None, "README has no example marked 'metrics'"
-    monkeypatch.chdir(root)  # it names policies/default.yaml, as run from the repository root
-    exec(compile(match.group(1), "readme-metrics-example", "exec"), {"__name__": "__readme__"})
+def test_the_documented_metrics_example_runs_as_written(capsys: pytest.CaptureFixture[str]):
+    """The live-metrics page's example trains, scrapes its own endpoint and prints 20 steps in Prometheus text."""
+    example = documented_example("docs/live-metrics-and-hot-reload.md", "metrics")
+    exec(compile(example, "documented-metrics-example", "exec"), {"__name__": "__example__"})
     families = {
         family.name: family for family in prometheus_parser.text_string_to_metric_families(capsys.readouterr().out)
     }

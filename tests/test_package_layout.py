@@ -15,7 +15,8 @@ ALLOWED = {
     "audit": {"policy"},  # the pattern language only (policy.patterns); no torch
     "lifecycle": {"policy", "events", "enforce"},
     "guard": {"policy", "events", "enforce", "lifecycle"},
-    "cli": {"policy", "events", "enforce", "audit", "guard", "lifecycle"},
+    "tuning": {"policy", "enforce", "audit"},  # learns and replays policies on recorded norms, with enforce's maths
+    "cli": {"policy", "events", "enforce", "audit", "guard", "lifecycle", "tuning"},
     "integrations": {"guard", "enforce"},
 }
 

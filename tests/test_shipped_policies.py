@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
+import urllib.parse
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
-from gradguard import GradGuard, Policy
+from gradguard import GradGuard, Policy, PolicyError
+from gradguard.cli import main
+from gradguard.policy.shipped import SHIPPED_PURPOSES
 
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
 
@@ -146,3 +151,62 @@ def test_adaptive_llm_policy_skips_an_injected_spike_and_keeps_its_statistics(ma
     spike = next(e for e in read_audit(log) if e["event"] == "spike_skip")
     assert spike["step"] == 75
     assert spike["z"] > 6.0
+
+
+# --- by name: Policy.shipped and `gradguard policies` ----------------------------------------------
+
+
+def test_every_shipped_policy_loads_by_name_as_from_its_file():
+    """Policy.shipped(stem) and Policy.shipped(file name) equal Policy.from_file of the file in policies/."""
+    for name in TARGETS:
+        assert Policy.shipped(Path(name).stem) == Policy.from_file(POLICIES / name)
+        assert Policy.shipped(name) == Policy.from_file(POLICIES / name)
+
+
+def test_every_shipped_policy_says_what_it_is_for():
+    """Each shipped file has a one-line purpose, and no purpose names a file that is not shipped."""
+    assert sorted(SHIPPED_PURPOSES) == sorted(Path(name).stem for name in TARGETS)
+    assert all(purpose and "\n" not in purpose for purpose in SHIPPED_PURPOSES.values())
+
+
+def test_an_unknown_shipped_name_is_a_policy_error_listing_the_names():
+    """The message repeats the name, suggests the closest one and lists every shipped policy."""
+    with pytest.raises(PolicyError) as caught:
+        Policy.shipped("defualt")
+    message = str(caught.value)
+    assert "no shipped policy is called 'defualt' (did you mean 'default'?)" in message
+    for name in TARGETS:
+        assert Path(name).stem in message
+
+
+def test_gradguard_policies_lists_each_policy_with_its_file_and_purpose():
+    """One line per shipped policy: name, file name, purpose; then how to print or load one."""
+    result = CliRunner().invoke(main, ["policies"])
+    assert result.exit_code == 0, result.output
+    for name in TARGETS:
+        stem = Path(name).stem
+        line = rf"^{re.escape(stem)} +{re.escape(name)} +{re.escape(SHIPPED_PURPOSES[stem])}$"
+        assert re.search(line, result.output, re.M), result.output
+    assert "gradguard policies NAME > my-policy.yaml" in result.output
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_a_printed_policy_validates_where_it_is_saved_and_its_schema_resolves(name, tmp_path):
+    """`gradguard policies NAME > copy` validates elsewhere; its $schema is the installed schema's file URI."""
+    result = CliRunner().invoke(main, ["policies", Path(name).stem])
+    assert result.exit_code == 0, result.output
+    copy = tmp_path / f"my-policy{Path(name).suffix}"
+    copy.write_text(result.output, encoding="utf-8")
+    assert Policy.from_file(copy) == Policy.from_file(POLICIES / name)
+    assert "./gradguard-policy.schema.json" not in result.output
+    (uri,) = re.findall(r"file://\S+?\.schema\.json", result.output)
+    assert Path(urllib.parse.urlparse(uri).path).read_text(encoding="utf-8").startswith("{")
+    assert CliRunner().invoke(main, ["validate", str(copy)]).exit_code == 0
+
+
+def test_gradguard_policies_with_an_unknown_name_exits_2_and_lists_the_names():
+    """A typo is an input error (exit 2) that names the closest policy and all of them."""
+    result = CliRunner().invoke(main, ["policies", "vison"])
+    assert result.exit_code == 2
+    assert "no shipped policy is called 'vison' (did you mean 'vision'?)" in result.output
+    assert "default, finetune-frozen-backbone, llm-adaptive, llm-pretraining, vision" in result.output

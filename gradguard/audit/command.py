@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -20,6 +21,9 @@ from gradguard.audit.reader import FollowReader, ReadStats, read_merged, total_b
 from gradguard.audit.render import audit_header, audit_sections, audit_title, render, render_json
 from gradguard.audit.summarizer import Summarizer
 from gradguard.audit.summary import AuditSummary
+
+if TYPE_CHECKING:
+    from gradguard.policy.schema import PolicyFields
 
 __all__ = ["PROGRESS_MIN_BYTES", "follow_files", "plot_files", "render_summary", "summarize_files"]
 
@@ -54,12 +58,25 @@ def render_summary(summary: AuditSummary, fmt: str, top: int) -> str:
     return render(fmt, audit_title(summary), audit_header(summary), audit_sections(summary, top), summary.as_json())
 
 
-def plot_files(paths: Sequence[Path], filters: Filters, summary: AuditSummary, out: Path, series: int) -> None:
-    """Read the files again, gathering the most-affected series the summary found, and draw them to ``out``."""
-    from gradguard.audit.plot import PlotCollector, pick_health, pick_series, write_plot
+def plot_files(
+    paths: Sequence[Path],
+    filters: Filters,
+    summary: AuditSummary,
+    out: Path,
+    series: int,
+    thresholds: PolicyFields | None = None,
+) -> None:
+    """Read the files again, gathering the most-affected series the summary found, and draw them to ``out``.
+
+    With ``thresholds`` (a policy), each plotted parameter's norm gets the ``max_norm`` that policy clips it at.
+    """
+    from gradguard.audit.plot import PlotCollector, pick_health, pick_series, policy_thresholds, write_plot
 
     keys, action = pick_series(summary, series)
-    collector = PlotCollector(filters, keys, action, health=pick_health(summary, series))
+    health = pick_health(summary, series)
+    collector = PlotCollector(filters, keys, action, health=health)
+    if thresholds is not None:
+        collector.policy_thresholds = policy_thresholds(thresholds, [name for _, name in health])
     collector.add_all(read_merged(paths, ReadStats()))
     write_plot(out, collector, summary, audit_title(summary))
 

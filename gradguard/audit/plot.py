@@ -21,8 +21,17 @@ from gradguard.audit.fields import Malformed, number_or_none, per_parameter
 from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.reader import Record
 from gradguard.audit.summary import AuditSummary
+from gradguard.policy.patterns import rule_matches
+from gradguard.policy.schema import ClipNorm, PolicyFields
 
-__all__ = ["PLOT_SUFFIXES", "PlotCollector", "PlotUnavailable", "require_matplotlib", "write_plot"]
+__all__ = [
+    "PLOT_SUFFIXES",
+    "PlotCollector",
+    "PlotUnavailable",
+    "policy_thresholds",
+    "require_matplotlib",
+    "write_plot",
+]
 
 MAX_BINS: Final = 1200
 PLOT_SUFFIXES: Final = (".png", ".svg", ".pdf")
@@ -93,6 +102,8 @@ class PlotCollector:
         """(rule, name) -> the recorded norm of a monitored series (``name`` is the rule for a group)."""
         self.clip_thresholds: dict[str, float] = {}
         """Rule -> the largest ``max_norm`` its norm clips showed."""
+        self.policy_thresholds: dict[str, tuple[str, float]] = {}
+        """Parameter name -> (rule, ``max_norm``) a policy given with ``--threshold-policy`` clips it at."""
         self.action = action
         self.series = list(series)
         self._wanted = set(self.series)
@@ -168,6 +179,23 @@ class PlotCollector:
             number = number_or_none(value)
             if bins is not None and number is not None and number > 0 and math.isfinite(number):
                 bins.add(step, number)
+
+
+def policy_thresholds(policy: PolicyFields, names: Iterable[str]) -> dict[str, tuple[str, float]]:
+    """Per name, ``(rule, max_norm)`` of the first rule of ``policy`` that clips it alone (2-norm, tensor scope)."""
+    out: dict[str, tuple[str, float]] = {}
+    for name in names:
+        for rule in policy.rules:
+            if not rule_matches(rule, (name,)):
+                continue
+            clip = next(
+                (a for a in rule.actions if isinstance(a, ClipNorm) and a.scope == "tensor" and a.norm_type == 2.0),
+                None,
+            )
+            if clip is not None:
+                out[name] = (rule.name, clip.max_norm)
+                break
+    return out
 
 
 def pick_health(summary: AuditSummary, count: int) -> list[tuple[str, str]]:
@@ -295,11 +323,23 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
 
 def _draw_health(axis: Any, collector: PlotCollector, summary: AuditSummary) -> None:
     """The recorded norms (log scale), clip and vanishing/exploding thresholds, intervention ticks."""
+    drawn: set[tuple[str, float]] = set()
     for index, ((rule, name), bins) in enumerate(collector.health.items()):
         xs, norms, _, _ = bins.points()
         if xs:
             label = f"{rule} (group)" if name == rule else f"{rule}: {name}"
             axis.plot(xs, norms, "-", color=f"C{index % 10}", linewidth=1.2, label=label)
+        threshold = collector.policy_thresholds.get(name)
+        if threshold is not None and threshold not in drawn:  # one line per rule, in its first series' colour
+            drawn.add(threshold)
+            clip_rule, max_norm = threshold
+            axis.axhline(
+                max_norm,
+                color=f"C{index % 10}",
+                linestyle="-.",
+                linewidth=1.2,
+                label=f"max_norm {max_norm:g} ({clip_rule})",
+            )
     axis.set_yscale("log")
     for rule, max_norm in sorted(collector.clip_thresholds.items()):
         axis.axhline(max_norm, color="black", linestyle=":", linewidth=1, alpha=0.6)

@@ -17,7 +17,7 @@ from gradguard.errors import GradientHalt
 from gradguard.guard import GradGuard
 from gradguard.policy.document import Policy
 
-__all__ = ["DemoResult", "TinyDecoder", "bundled_policy_path", "run_demo"]
+__all__ = ["DEMO_POLICY", "DemoResult", "TinyDecoder", "run_demo"]
 
 
 class _Block(nn.Module):
@@ -98,9 +98,8 @@ def _batch(generator: torch.Generator, vocab: int, batch: int, length: int) -> t
     return (start + torch.arange(length + 1)) % vocab
 
 
-def bundled_policy_path() -> Path:
-    """The demo's default policy, ``policies/llm-pretraining.yaml`` of the source checkout."""
-    return Path(__file__).resolve().parents[2] / "policies" / "llm-pretraining.yaml"
+DEMO_POLICY = "llm-pretraining"
+"""The shipped policy the demo runs under unless given another (``Policy.shipped(DEMO_POLICY)``)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +127,7 @@ def run_demo(
     vocab, length = 32, 24
     model = TinyDecoder(vocab=vocab, context=length, crushed_adapter=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    policy = policy if policy is not None else Policy.from_file(bundled_policy_path())
+    policy = policy if policy is not None else Policy.shipped(DEMO_POLICY)
     log_path.unlink(missing_ok=True)
 
     def poison(_: nn.Module, __: object, output: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""The ``gradguard`` command line: ``validate``, ``explain``, ``audit``, ``schema`` and ``demo``.
+"""The ``gradguard`` command line: ``validate``, ``explain``, ``audit``, ``suggest``, ``replay``, ``schema``,
+``policies`` and ``demo``.
 
 Exit codes: 0 all good; 1 findings (an invalid policy, a rule that matches nothing, a halt, a
 non-finite gradient, a skipped step, an unreadable log line, a counter mismatch); 2 a usage or input
 error (a missing file, a bad ``MODULE:CALLABLE``, a log with no gradguard event).
 
-Only ``explain`` and ``demo`` import torch, inside the command: ``validate``, ``audit`` and
-``schema`` answer without it.
+Only ``explain`` and ``demo`` import torch, inside the command: ``validate``, ``audit``,
+``schema`` and ``policies`` answer without it.
 """
 
 from __future__ import annotations
@@ -14,18 +15,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 import click
+
+from gradguard.cli.common import fail, load_policy, unreadable
+from gradguard.cli.tuning import replay, suggest
 
 __all__ = ["main"]
 
 _FORMATS = click.Choice(["table", "json", "markdown"])
-
-
-def _fail(message: str, code: int = 2) -> NoReturn:
-    click.echo(f"error: {message}", err=True)
-    sys.exit(code)
 
 
 class _Group(click.Group):
@@ -119,13 +117,7 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     GradGuard would raise when attaching. Exit 1 if there are such problems (e.g. a rule that matches
     nothing without allow_no_match).
     """
-    from gradguard.errors import PolicyError
-    from gradguard.policy.document import Policy
-
-    try:
-        policy = Policy.from_file(policy_path)
-    except PolicyError as exc:
-        _fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(policy_path))}` after fixing it)")
+    policy = load_policy(policy_path)
 
     from gradguard.audit.render import render
     from gradguard.cli.explain import ModelSpecError, explain, explain_header, explain_sections, load_model
@@ -133,7 +125,7 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     try:
         model = load_model(model_spec)
     except ModelSpecError as exc:
-        _fail(str(exc))
+        fail(str(exc))
     result = explain(policy, model, model_spec)
     title = "gradguard explain"
     click.echo(render(fmt, title, explain_header(result), explain_sections(result), result.as_json()), nl=False)
@@ -185,6 +177,13 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
     help="Stop following after this many seconds.",
 )
 @click.option("--plot-series", type=click.IntRange(min=1, max=10), default=5, hidden=True, help="Series to plot.")
+@click.option(
+    "--threshold-policy",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    metavar="POLICY",
+    help="With --plot: draw, over each plotted parameter's recorded norm, the max_norm of the clip_norm POLICY "
+    "gives it (e.g. the output of `gradguard suggest`).",
+)
 def audit(
     logs: tuple[Path, ...],
     fmt: str,
@@ -199,6 +198,7 @@ def audit(
     progress: bool | None,
     follow_timeout: float | None,
     plot_series: int,
+    threshold_policy: Path | None,
 ) -> None:
     """Summarize gradguard audit logs: what the guard did, where and when.
 
@@ -231,6 +231,11 @@ def audit(
             click.echo(f"note: {path} is given twice; reading it once", err=True)
             continue
         paths.append(path)
+    thresholds = None
+    if threshold_policy is not None:
+        if plot_path is None:
+            raise click.BadParameter("draws on the plot: give --plot FILE.png too", param_hint="'--threshold-policy'")
+        thresholds = load_policy(threshold_policy)
     if plot_path is not None:
         from gradguard.audit.plot import PLOT_SUFFIXES, PlotUnavailable, require_matplotlib
 
@@ -241,7 +246,7 @@ def audit(
         try:
             require_matplotlib()
         except PlotUnavailable as exc:
-            _fail(str(exc))
+            fail(str(exc))
 
     try:
         if follow:
@@ -259,11 +264,11 @@ def audit(
         else:
             summary = _audit.summarize_files(paths, filters, progress=progress)
     except OSError as exc:
-        _fail(f"cannot read {getattr(exc, 'filename', None) or 'the log'}: {exc.strerror or exc}")
+        unreadable(exc)
 
     if summary.events == 0 and not follow:
         shown = "".join(f"\n  {bad}" for bad in summary.bad_lines[:3])
-        _fail(
+        fail(
             f"no gradguard event in {', '.join(map(str, paths))}: is it an audit log written with "
             f"GradGuard(..., audit_log=PATH)?{shown}"
         )
@@ -271,9 +276,9 @@ def audit(
         click.echo(_audit.render_summary(summary, fmt, top), nl=False)
     if plot_path is not None:
         try:
-            _audit.plot_files(paths, filters, summary, plot_path, plot_series)
+            _audit.plot_files(paths, filters, summary, plot_path, plot_series, thresholds)
         except OSError as exc:
-            _fail(f"cannot write the plot {plot_path}: {exc.strerror or exc}")
+            fail(f"cannot write the plot {plot_path}: {exc.strerror or exc}")
         click.echo(f"plot written to {plot_path}", err=True)
     sys.exit(summary.exit_code)
 
@@ -311,8 +316,41 @@ def schema(output: Path | None) -> None:
     try:
         output.write_text(text, encoding="utf-8")
     except OSError as exc:
-        _fail(f"cannot write {output}: {exc.strerror or exc}")
+        fail(f"cannot write {output}: {exc.strerror or exc}")
     click.echo(f"policy JSON Schema written to {output}", err=True)
+
+
+# --- policies --------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("name", required=False)
+def policies(name: str | None) -> None:
+    """List the policies gradguard ships, or print the one called NAME.
+
+    \b
+    Without NAME: one line each, its name, file and what it is for.
+    With NAME (e.g. default, or default.yaml): the file, to start a policy of your own:
+      gradguard policies default > my-policy.yaml
+    The printed copy's $schema reference points at the installed JSON Schema, so an editor still
+    finds it. In Python, Policy.shipped(NAME) loads one. Does not import torch.
+    """
+    from gradguard.errors import PolicyError
+    from gradguard.policy.shipped import shipped_policies, shipped_policy
+
+    if name is not None:
+        try:
+            found = shipped_policy(name)
+        except PolicyError as exc:
+            fail(str(exc.issues[0].message))
+        click.echo(found.text_for_a_copy(), nl=False)
+        return
+    every = shipped_policies()
+    width = max(len(policy.name) for policy in every)
+    file_width = max(len(policy.file_name) for policy in every)
+    for policy in every:
+        click.echo(f"{policy.name:<{width}}  {policy.file_name:<{file_width}}  {policy.purpose}")
+    click.echo("\nprint one: gradguard policies NAME > my-policy.yaml; load one: Policy.shipped(NAME)")
 
 
 # --- demo ------------------------------------------------------------------------------------------
@@ -332,18 +370,17 @@ def schema(output: Path | None) -> None:
     "policy_path",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help="Policy file to use instead of the shipped policies/llm-pretraining.yaml.",
+    help="Policy file to use instead of the shipped llm-pretraining policy (gradguard policies llm-pretraining).",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=120, show_default=True, help="Training steps.")
 def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     """Train a small decoder on the CPU with a spike and a NaN injected, guarded by a shipped policy."""
-    from gradguard.cli.demo import bundled_policy_path, run_demo
+    from gradguard.cli.demo import DEMO_POLICY, run_demo
     from gradguard.errors import PolicyError
     from gradguard.policy.document import Policy
 
-    path = policy_path or bundled_policy_path()
     try:
-        policy = Policy.from_file(path)
+        policy = Policy.from_file(policy_path) if policy_path is not None else Policy.shipped(DEMO_POLICY)
     except PolicyError as exc:
         click.echo(str(exc), err=True)
         sys.exit(2)
@@ -351,3 +388,7 @@ def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     click.echo(f"  next: gradguard audit {shlex.quote(str(log_path))}")
     if result.halt is not None and not result.params_untouched:
         sys.exit(1)
+
+
+main.add_command(suggest)
+main.add_command(replay)

@@ -244,10 +244,10 @@ class Enforcer:
         Their versions are taken again, so a second clip of the step (``clip_grad_value_`` after
         ``clip_grad_norm_``) finds them treated, while the next backward, which changes them again, does not.
         """
-        for index, (ref, _, held) in list(self.applied_versions.items()):
-            grad = ref()
-            if held and grad is not None:
-                self.applied_versions[index] = (ref, local_tensor(grad)._version, True)
+        applied, plain = self.applied_versions, torch.Tensor  # locals: a loop per tensor, once per clip
+        for index, (ref, _, held) in list(applied.items()):
+            if held and (grad := ref()) is not None:
+                applied[index] = (ref, (grad if type(grad) is plain else local_tensor(grad))._version, True)
 
     def rebind(self, binding: Binding, keep: dict[int, int] | None = None) -> None:
         """Switch to a new binding; tensor indices start afresh, or follow ``keep`` (old index -> new)."""

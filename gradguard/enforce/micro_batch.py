@@ -8,7 +8,7 @@ place would corrupt other parameters' gradients). Group clips, ``drop``, halts a
 step boundary, on the accumulated gradient. The hooks never sync: the figures they produce are read
 in the step's one sync.
 
-Caveats, documented in the README: under DDP a tensor hook sees this rank's local contribution,
+Caveats, documented in docs/where-the-guard-acts.md: under DDP a tensor hook sees this rank's local contribution,
 before the all-reduce; ``torch.autograd.grad`` calls are recognised and left untouched.
 """
 

@@ -39,6 +39,7 @@ class PlanBook:
         )
         self._warned_split: set[int] = set()
         self._by_clip: tuple[tuple[int, ...], Plan | None] | None = None
+        self._among: tuple[tuple[int, ...], bool, list[torch.Tensor]] | None = None
 
     def with_policy(self, policy: Policy) -> PlanBook:
         """A new book for ``policy`` on the same model; raises :class:`PolicyError` if it does not bind."""
@@ -78,17 +79,30 @@ class PlanBook:
         return cached[0] == tuple(id(p) for group in optimizer.param_groups for p in group["params"])
 
     def guarded_among(self, tensors: list[torch.Tensor], *, of_grads: bool) -> list[torch.Tensor]:
-        """The guarded parameters among ``tensors``, or among the owners of ``tensors`` if they are gradients."""
+        """The guarded parameters among ``tensors``, or among the owners of ``tensors`` if they are gradients.
+
+        The last answer is kept with the ids it was asked for: while ``tensors`` are alive, tensors with the
+        same ids are the same tensors (the loop's clip asks the same every step).
+        """
+        key = tuple(map(id, tensors))
+        cached = self._among
+        if cached is not None and cached[0] == key and cached[1] == of_grads:
+            return cached[2]
         if of_grads:
-            grads = {id(t) for t in tensors}
+            grads = set(key)
             owners = (entry.ref() for entry in self.binding.params)
-            return [p for p in owners if p is not None and p.grad is not None and id(p.grad) in grads]
-        by_id = self.binding.by_id
-        return [t for t in tensors if (entry := by_id.get(id(t))) is not None and entry.ref() is t]
+            found: list[torch.Tensor] = [
+                p for p in owners if p is not None and p.grad is not None and id(p.grad) in grads
+            ]
+        else:
+            by_id = self.binding.by_id
+            found = [t for t in tensors if (entry := by_id.get(id(t))) is not None and entry.ref() is t]
+        self._among = (key, of_grads, found)
+        return found
 
     def for_params(self, params: list[torch.Tensor]) -> Plan | None:
         """The guarded tensors among ``params`` (a clip's), in model order; the last answer is cached."""
-        fingerprint = tuple(id(p) for p in params)
+        fingerprint = tuple(map(id, params))
         cached = self._by_clip
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
@@ -120,6 +134,7 @@ class PlanBook:
         self.whole = Plan.build(new, new.params)
         self._by_optimizer = weakref.WeakKeyDictionary()
         self._by_clip = None
+        self._among = None
         self._on_rebind(new, replaced)
 
     def _warn_split_groups(self, plan: Plan) -> None:

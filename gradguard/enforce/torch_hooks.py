@@ -7,7 +7,7 @@ pre-hook and one post-hook into them, once, the first time a guard attaches, and
 they dispatch to the guards that are attached at that moment (an immutable tuple, replaced under a
 lock when a guard comes or goes: a step in flight keeps iterating the tuple it read).
 
-The same registry wraps torch's gradient clips, from the first attach on, so a loop's own
+The same registry wraps torch's gradient clips while any guard is attached, so a loop's own
 ``clip_grad_norm_`` (nanoGPT, timm, Lightning, accelerate, HF Trainer) runs the guard's step first,
 on the raw gradients, before the clip spreads one NaN to every gradient:
 
@@ -15,12 +15,10 @@ on the raw gradients, before the clip spreads one NaN to every gradient:
   ``clip_grads_with_norm_`` and ``get_total_norm`` (which takes gradients, not parameters);
 - ``torch.nn.utils.clip_grad``: ``clip_grad_norm_``, ``clip_grad_norm`` and ``clip_grad_value_``.
 
-A wrapper is a module attribute swapped in once, at the first attach, and never swapped back: a thread
-that looked a clip up before a swap back would run the original under a guard attached meanwhile, and a
-``scale()`` that ran unwrapped would leave a guard blind to gradients still scaled. With no guard
-attached a wrapper calls the original at once. A name bound before the swap (``from torch.nn.utils
-import clip_grad_norm_`` before gradguard first attached) keeps the original function and is not
-intercepted.
+A wrapper is a module attribute swapped in one assignment (atomic for every thread); the originals are
+put back when the last guard goes, unless someone else wrapped them on top of ours since. A name bound
+before the swap (``from torch.nn.utils import clip_grad_norm_`` before gradguard attached) keeps the
+original function and is not intercepted.
 
 And it wraps ``torch.amp.GradScaler.scale`` and ``unscale_`` (class attributes, the same way), so a
 guard acting at a clip knows whether the gradients are still scaled (a scaler has scaled a loss and not
@@ -43,7 +41,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-__all__ = ["CLIPS", "ClipCall", "GuardHooks", "Scaled", "enlist", "optimizer_steps", "scaler_view"]
+__all__ = ["CLIPS", "ClipCall", "Enlisted", "GuardHooks", "Scaled", "enlist", "optimizer_steps", "scaler_view"]
 
 
 class GuardHooks(Protocol):
@@ -88,8 +86,9 @@ CLIPS: tuple[str, ...] = tuple(f"{module}.{name}" for module, name, _, _ in _CLI
 
 _lock = threading.Lock()
 _guards: tuple[weakref.ReferenceType[GuardHooks], ...] = ()
-_installed = False
-"""The optimizer hooks are registered and the clips and GradScaler wrapped (once, for the process's life)."""
+_optimizer_hooks_registered = False
+_wrapped: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
+"""(owner, attribute, original, wrapper) of every swap in force."""
 _steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 _steps_lock = threading.Lock()
 _scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[int, int]] = weakref.WeakKeyDictionary()
@@ -102,8 +101,8 @@ _unscaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, dict[int, weakref.Ref
 _scaler_lock = threading.Lock()
 
 
-class _Enlisted:
-    """A guard's place in the registry; :meth:`remove` takes it out (the hooks and wrappers stay)."""
+class Enlisted:
+    """A guard's place in the registry; :meth:`remove` takes it out (the last one unwraps the clips)."""
 
     def __init__(self, ref: weakref.ReferenceType[GuardHooks]) -> None:
         self.ref = ref
@@ -112,21 +111,24 @@ class _Enlisted:
         global _guards
         with _lock:
             _guards = tuple(ref for ref in _guards if ref is not self.ref and ref() is not None)
+            if not _guards:
+                _unwrap_all()
 
 
-def enlist(guard: GuardHooks) -> _Enlisted:
+def enlist(guard: GuardHooks) -> Enlisted:
     """Dispatch torch's optimizer steps and clips to ``guard`` from now on (held weakly)."""
-    global _guards, _installed
+    global _guards, _optimizer_hooks_registered
     ref: weakref.ReferenceType[GuardHooks] = weakref.ref(guard)
     with _lock:
-        if not _installed:
+        if not _optimizer_hooks_registered:
             # Never removed: removing mutates torch's table while another thread may iterate it.
             register_optimizer_step_pre_hook(_before_step)
             register_optimizer_step_post_hook(_after_step)
-            _wrap_all()
-            _installed = True
+            _optimizer_hooks_registered = True
         _guards = (*(r for r in _guards if r() is not None), ref)
-    return _Enlisted(ref)
+        if not _wrapped:
+            _wrap_all()
+    return Enlisted(ref)
 
 
 def _live() -> Iterator[GuardHooks]:
@@ -136,6 +138,7 @@ def _live() -> Iterator[GuardHooks]:
             yield guard
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _before_step(
     optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -149,6 +152,7 @@ def _before_step(
     return changed
 
 
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _after_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     for guard in _live():
         guard._after_optimizer_step(optimizer)
@@ -177,8 +181,19 @@ def _wrap_all() -> None:
         if wrapper is None:
             wrapper = made[id(original)] = _clip_wrapper(original, f"{module_name}.{attribute}", of_grads, first)
         setattr(owner, attribute, wrapper)
+        _wrapped.append((owner, attribute, original, wrapper))
     for attribute, make in (("scale", _scale_wrapper), ("unscale_", _unscale_wrapper)):
-        setattr(torch.amp.GradScaler, attribute, make(getattr(torch.amp.GradScaler, attribute)))
+        original = getattr(torch.amp.GradScaler, attribute)
+        wrapper = make(original)
+        setattr(torch.amp.GradScaler, attribute, wrapper)
+        _wrapped.append((torch.amp.GradScaler, attribute, original, wrapper))
+
+
+def _unwrap_all() -> None:
+    for owner, attribute, original, wrapper in reversed(_wrapped):
+        if owner.__dict__.get(attribute) is wrapper:  # not if another library wrapped ours since
+            setattr(owner, attribute, original)
+    _wrapped.clear()
 
 
 def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first: str) -> Callable[..., Any]:
@@ -192,16 +207,27 @@ def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first
                 tensors = kwargs[first] = _as_list(kwargs[first])
             else:
                 return original(*args, **kwargs)  # let torch say what is missing
-            call = ClipCall(name, tensors, of_grads)
-            acted = [guard for guard in _live() if guard._before_clip(call)]
+            acted = _before_clip(ClipCall(name, tensors, of_grads))
             result = original(*args, **kwargs)
-            for guard in acted:
-                guard._after_clip()
+            _after_clip(acted)
             return result
         return original(*args, **kwargs)
 
     intercepted.__gradguard_original__ = original  # type: ignore[attr-defined]
     return intercepted
+
+
+# The guards run eagerly, also inside a torch.compile'd function (their step reads the host once and keeps
+# Python state that dynamo must not trace): dynamo breaks the graph around these calls.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _before_clip(call: ClipCall) -> list[GuardHooks]:
+    return [guard for guard in _live() if guard._before_clip(call)]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _after_clip(acted: list[GuardHooks]) -> None:
+    for guard in acted:
+        guard._after_clip()
 
 
 def _as_list(value: Any) -> Any:
@@ -253,8 +279,9 @@ class Scaled:
 def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight).
 
-    A scaler counts if it scaled a loss on this thread, or unscaled an optimizer that holds ``params``:
-    another thread's scaler in flight is another training's (several trainings, one per thread).
+    A scaler counts if it unscaled an optimizer that holds ``params``, or if it scaled a loss on this thread
+    and has never unscaled any optimizer still alive (it may be this model's, not unscaled yet). A scaler
+    another thread is using, or one that has only ever unscaled other optimizers, is another training's.
     """
     here = threading.get_ident()
     with _scaler_lock:
@@ -270,18 +297,22 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     covered: set[int] = set()
     ours = False
     for scaler, on_this_thread, states in in_flight:
-        ours |= on_this_thread
-        for key, state in states.items():
-            ref = unscaled.get(scaler, {}).get(key)
-            optimizer = ref() if ref is not None else None
-            if optimizer is None or state["stage"] is not OptState.UNSCALED:
+        known = {key: opt for key, ref in unscaled.get(scaler, {}).items() if (opt := ref()) is not None}
+        ours |= on_this_thread and not known
+        for key, optimizer in known.items():
+            held = _param_ids(optimizer) & ids
+            if not held:
                 continue
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]} & ids
-            if held:
-                ours = True
+            ours = True
+            state = states.get(key)
+            if state is not None and state["stage"] is OptState.UNSCALED:
                 covered |= held
                 optimizers.append(optimizer)
                 flags.extend(state["found_inf_per_device"].values())
     if not ours:
         return Scaled(still_scaled=False)
     return Scaled(still_scaled=covered != ids, found_inf=tuple(flags), optimizers=tuple(optimizers))
+
+
+def _param_ids(optimizer: Optimizer) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -177,7 +177,7 @@ _Item = tuple[str, str, dict[str, Any], float] | str
 RENDER_ON_WRITER = True
 """Render audit lines on the writer thread (True) or on the emitting thread (False).
 
-Both keep file I/O off the emitting thread; the benchmark suite measures the two (see README)."""
+Both keep file I/O off the emitting thread; the benchmark suite measures the two (docs/performance.md)."""
 
 
 class _BackgroundWriter:

@@ -7,7 +7,7 @@ fitting ends or fails::
     from lightning.pytorch import Trainer
     from gradguard.integrations.lightning import GradGuardCallback
 
-    trainer = Trainer(callbacks=[GradGuardCallback("policies/default.yaml")], gradient_clip_val=1.0)
+    trainer = Trainer(callbacks=[GradGuardCallback("my-policy.yaml")], gradient_clip_val=1.0)  # or a Policy
     trainer.fit(model)
 
 Where it acts: in ``on_before_optimizer_step``, after the step's backward passes (all micro-batches

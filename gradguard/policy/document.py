@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from gradguard.policy.loading import load_policy_file, validate_policy_data
+from gradguard.policy.loading import load_policy_file, load_policy_text, validate_policy_data
 from gradguard.policy.schema import PolicyFields
 
 __all__ = ["Policy"]
@@ -16,7 +16,8 @@ class Policy(PolicyFields):
     """A validated, immutable gradient policy.
 
     Build one with :meth:`from_file` or :meth:`from_dict`; both raise :class:`~gradguard.PolicyError`
-    with the file, line and field of every problem.
+    with the file, line and field of every problem. :meth:`shipped` loads one of the policies that
+    come with gradguard, by name.
     """
 
     def __eq__(self, other: object) -> bool:
@@ -42,6 +43,19 @@ class Policy(PolicyFields):
     def from_file(cls, path: str | os.PathLike[str]) -> Policy:
         """Load and validate a policy from a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file."""
         return load_policy_file(cls, path)
+
+    @classmethod
+    def shipped(cls, name: str) -> Policy:
+        """Load a policy shipped with gradguard by its name: ``default``, ``llm-pretraining``, ...
+
+        ``gradguard policies`` lists them with what each is for; ``gradguard policies NAME`` prints one
+        to start a policy of your own. An unknown name is a :class:`~gradguard.PolicyError` listing the
+        names there are.
+        """
+        from gradguard.policy.shipped import shipped_policy
+
+        found = shipped_policy(name)
+        return load_policy_text(cls, found.text(), found.format, found.source)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "<dict>") -> Policy:

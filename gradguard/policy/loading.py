@@ -46,7 +46,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["load_policy_file", "load_policy_text", "validate_policy_data"]
+__all__ = ["did_you_mean", "load_policy_file", "load_policy_text", "validate_policy_data"]
 
 P = TypeVar("P", bound=PolicyFields)
 """The policy class to validate into (:class:`gradguard.Policy`)."""
@@ -414,13 +414,13 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
     field = str(loc[-1]) if loc else ""
     if kind == "extra_forbidden":
         allowed = _allowed_fields(loc, data)
-        hint = _did_you_mean(field, allowed)
+        hint = did_you_mean(field, allowed)
         return f"unknown field {_shown(field)}{hint}; allowed here: {', '.join(allowed)}"
     if kind == "missing":
         return f"missing required field {_shown(field)}; add it"
     if kind == "union_tag_invalid":
         tag = ctx.get("tag", given)
-        hint = _did_you_mean(str(tag), ACTION_NAMES)
+        hint = did_you_mean(str(tag), ACTION_NAMES)
         return f"unknown action {_shown(tag)}{hint}; expected one of: {', '.join(ACTION_NAMES)}"
     if kind == "union_tag_not_found":
         return (
@@ -482,7 +482,8 @@ def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[
     return ()
 
 
-def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+def did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the choice closest to ``word``, or nothing if none is close."""
     # A word that begins a choice is a short form of it ('clip' -> 'clip_norm', not 'zclip').
     close = sorted(c for c in choices if word and c.startswith(word)) or difflib.get_close_matches(
         word, list(choices), n=1, cutoff=0.6

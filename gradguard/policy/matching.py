@@ -15,10 +15,10 @@ from torch import nn
 
 from gradguard.errors import GuardStateError, PolicyError, PolicyIssue
 from gradguard.policy.document import Policy
-from gradguard.policy.patterns import pattern_matcher
+from gradguard.policy.patterns import pattern_matcher, rule_matches
 from gradguard.policy.schema import GRADIENT_CHANGING_ACTIONS, Action, Rule
 
-__all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher"]
+__all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher", "rule_matches"]
 
 _TRANSPARENT_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 _DATA_PARALLEL_TYPES: tuple[type[nn.Module], ...] = (
@@ -34,15 +34,6 @@ def canonical_name(name: str, *, strip_module_prefix: bool) -> str:
         while parts and parts[0] == "module":
             parts.pop(0)
     return ".".join(parts)
-
-
-def _matches_any(patterns: tuple[str, ...], name: str) -> bool:
-    return any(pattern_matcher(pattern)(name) for pattern in patterns)
-
-
-def rule_matches(rule: Rule, names: tuple[str, ...]) -> bool:
-    """A tensor is covered by a rule if any of its names is matched and not excluded."""
-    return any(_matches_any(rule.match, name) and not _matches_any(rule.exclude, name) for name in names)
 
 
 @dataclass(eq=False)

@@ -21,7 +21,10 @@ import fnmatch
 import functools
 import re
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from gradguard.policy.schema import Rule
 
 __all__ = [
     "MAX_PATTERN_LENGTH",
@@ -29,6 +32,7 @@ __all__ = [
     "REGEX_PREFIX",
     "check_pattern",
     "pattern_matcher",
+    "rule_matches",
 ]
 
 REGEX_PREFIX = "re:"
@@ -115,6 +119,15 @@ def pattern_matcher(pattern: str) -> Callable[[str], bool]:
         return lambda name: regex.fullmatch(name) is not None
     glob = re.compile(fnmatch.translate(pattern))
     return lambda name: glob.match(name) is not None
+
+
+def _matches_any(patterns: tuple[str, ...], name: str) -> bool:
+    return any(pattern_matcher(pattern)(name) for pattern in patterns)
+
+
+def rule_matches(rule: Rule, names: tuple[str, ...]) -> bool:
+    """A tensor is covered by a rule if any of its names is matched and not excluded."""
+    return any(_matches_any(rule.match, name) and not _matches_any(rule.exclude, name) for name in names)
 
 
 def _compile_regex(pattern: str) -> Any:

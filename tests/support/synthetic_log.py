@@ -16,7 +16,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["LogBuilder", "write_synthetic_run"]
+__all__ = ["LogBuilder", "decoder_names", "write_norm_run", "write_synthetic_run"]
 
 
 class LogBuilder:
@@ -164,6 +164,10 @@ class LogBuilder:
         self.count("grad_scaler", "skip")
         self.event("scaler_skip", step=step, fused=False)
 
+    def stats(self, step: int, rule: str, figures: dict[str, Any], scope: str = "tensor") -> None:
+        """A monitor's figures of one step, as ``Health.report`` writes them."""
+        self.event("stats", step=step, rule=rule, scope=scope, figures=figures)
+
     def counters(self, step: int) -> None:
         self.event("counters", step=step, steps=step + 1, counters=self.snapshot())
 
@@ -190,13 +194,7 @@ def write_synthetic_run(
     the end, and ``detach``. Deterministic for a given seed.
     """
     rng = random.Random(seed)
-    names = ["embed.weight", "pos_embed"]
-    layer = 0
-    while len(names) < params:
-        for part in ("attn.in_proj_weight", "attn.out_proj.weight", "mlp.0.weight", "mlp.2.weight", "router.weight"):
-            names.append(f"blocks.{layer}.{part}")
-        layer += 1
-    names = names[:params]
+    names = decoder_names(params)
     attention = [name for name in names if ".attn." in name]
     routers = [name for name in names if "router" in name]
     everything = names
@@ -249,3 +247,48 @@ def write_synthetic_run(
         log.counters(step)
         log.detach(step + 1)
     return log.snapshot()
+
+
+_PARTS = ("attn.in_proj_weight", "attn.out_proj.weight", "mlp.0.weight", "mlp.2.weight", "router.weight")
+
+
+def decoder_names(params: int) -> list[str]:
+    """``params`` parameter names of a decoder-like model: embeddings, then five tensors per block."""
+    names = ["embed.weight", "pos_embed"]
+    layer = 0
+    while len(names) < params:
+        names.extend(f"blocks.{layer}.{part}" for part in _PARTS)
+        layer += 1
+    return names[:params]
+
+
+def write_norm_run(path: Path, *, params: int, steps: int, seed: int = 0, rule: str = "norms") -> list[int]:
+    """A run recorded by a ``monitor`` (``stats: [norm]``, tensor scope, every step): one ``stats`` line per step.
+
+    Norms are log-normal around a median per kind of tensor (1e-4 to 1, spread 0.2 in ``ln``), float32
+    values as the guard writes them; every 1,000 steps (from step 500) one kind's norms spike 100x, and
+    at step 777 one tensor's norm is NaN. Returns the spike steps.
+    """
+    import numpy as np
+
+    names = decoder_names(params)
+    medians = {"embed.weight": 1.0, "pos_embed": 0.3, "attn.in_proj_weight": 0.05, "attn.out_proj.weight": 0.02}
+    medians |= {"mlp.0.weight": 0.01, "mlp.2.weight": 0.004, "router.weight": 1e-4}
+    kinds = sorted(medians)
+    kind_names = [next(k for k in kinds if name.endswith(k)) for name in names]  # "embed.weight" is not pos_embed
+    centre = np.log([medians[kind] for kind in kind_names])
+    kind_of = np.array([kinds.index(kind) for kind in kind_names])
+    rng = np.random.default_rng(seed)
+    spikes = []
+    with LogBuilder(path) as log:
+        log.attach({rule: len(names)}, model="SyntheticDecoder")
+        for step in range(steps):
+            logs = centre + rng.normal(0.0, 0.2, len(names))
+            if step % 1000 == 500:
+                logs = logs + np.where(kind_of == (step // 1000) % len(kinds), np.log(100.0), 0.0)
+                spikes.append(step)
+            values = np.exp(logs).astype(np.float32).astype(np.float64).tolist()
+            if step == 777:
+                values[len(values) // 2] = "NaN"
+            log.stats(step, rule, {"norm": dict(zip(names, values, strict=True))})
+    return spikes

@@ -12,17 +12,29 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.statistics import STATS_DTYPE, pushed
+from gradguard.enforce.statistics import STATS_DTYPE, Init, pushed
 from gradguard.enforce.step import StepWork
 from gradguard.enforce.tensors import EPS, by_device, in_torch_order, stack_on
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, AutoClip, ZClip
 
-__all__ = ["AutoClipKernel", "ZClipKernel", "followed_norms", "norms_for_statistics"]
+__all__ = [
+    "AutoClipDecision",
+    "AutoClipKernel",
+    "ZClipDecision",
+    "ZClipKernel",
+    "autoclip_decide",
+    "autoclip_empty",
+    "followed_norms",
+    "norms_for_statistics",
+    "zclip_decide",
+    "zclip_empty",
+]
 
 ZCLIP_EPS = 1e-6
 """ZClip's epsilon in ``z = (norm - mean) / (std + eps)`` (the reference implementation's)."""
@@ -112,6 +124,112 @@ def _report(
     return read
 
 
+class ZClipDecision(NamedTuple):
+    """One step of ``zclip`` on a vector of norms (one per column), before anything is committed."""
+
+    coef: torch.Tensor
+    """What each column's gradients are multiplied by (1 where nothing is clipped)."""
+    limit: torch.Tensor
+    """The norm each column may keep (+inf before warm-up ends, without ``max_norm``)."""
+    z: torch.Tensor
+    """Each norm's z-score against the statistics it was judged by."""
+    proposal: dict[str, torch.Tensor]
+    """The statistics the step leaves behind, if it is applied."""
+    all_ready: torch.Tensor | None
+    """During warm-up: 1 when every column's statistics are ready after this step (else ``None``)."""
+
+
+def zclip_empty(warmup: int) -> Init:
+    """``zclip``'s empty statistics: a warm-up buffer, and the mean and variance once it is full."""
+
+    def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
+        buffer = torch.zeros(columns, warmup, dtype=STATS_DTYPE, device=device)
+        fresh = {key: torch.zeros(columns, dtype=STATS_DTYPE, device=device) for key in ("ready", "count", "mean")}
+        return fresh | {"var": torch.zeros(columns, dtype=STATS_DTYPE, device=device), "buffer": buffer}
+
+    return empty
+
+
+def zclip_decide(action: ZClip, g: torch.Tensor, state: dict[str, torch.Tensor], *, warming: bool) -> ZClipDecision:
+    """``zclip`` on the float64 norms ``g`` against ``state`` (:func:`zclip_empty`): the guard's maths, and replay's.
+
+    ``warming``: some column may still be in warm-up (once every column is ready, its work is skipped).
+    """
+    warmup = action.warmup_steps
+    finite = torch.isfinite(g)
+    ready = state["ready"] > 0
+    mean, var = state["mean"], state["var"]
+    std = var.sqrt()
+    z = (g - mean) / (std + ZCLIP_EPS)
+    spike = ready & finite & (z > action.z_thresh)
+    threshold = mean + (action.z_thresh * action.z_thresh) / z * std
+    adaptive = torch.where(spike, threshold, g)
+    # Before the statistics are ready only the fixed ceiling applies (if any).
+    limit = torch.where(ready, adaptive, torch.full_like(g, math.inf))
+    if action.max_norm is not None:
+        limit = limit.clamp(max=action.max_norm)
+    coef = torch.where(finite & (g > limit), limit / (g + EPS), torch.ones_like(g))
+
+    updated = ready & finite
+    alpha = action.alpha
+    new_mean = alpha * mean + (1 - alpha) * adaptive
+    new_var = alpha * var + (1 - alpha) * (adaptive - new_mean) ** 2
+    proposal = {
+        "mean": torch.where(updated, new_mean, mean),
+        "var": torch.where(updated, new_var, var),
+    }
+    all_ready = None
+    if warming:
+        # Warm-up: the first ``warmup_steps`` finite norms of a column set its mean and variance.
+        warm = ~ready & finite
+        slot = state["count"].long().clamp(max=warmup - 1).unsqueeze(1)
+        kept = state["buffer"].gather(1, slot).squeeze(1)
+        buffer = state["buffer"].scatter(1, slot, torch.where(warm, g, kept).unsqueeze(1))
+        count = state["count"] + warm.to(STATS_DTYPE)
+        becomes_ready = warm & (count >= warmup)
+        first_mean = buffer.mean(dim=1)
+        first_var = ((buffer - first_mean.unsqueeze(1)) ** 2).mean(dim=1)
+        proposal["mean"] = torch.where(becomes_ready, first_mean, proposal["mean"])
+        proposal["var"] = torch.where(becomes_ready, first_var, proposal["var"])
+        now_ready = ready | becomes_ready
+        proposal |= {"ready": now_ready.to(STATS_DTYPE), "count": count, "buffer": buffer}
+        all_ready = now_ready.all().reshape(1).to(STATS_DTYPE)
+    return ZClipDecision(coef, limit, z, proposal, all_ready)
+
+
+class AutoClipDecision(NamedTuple):
+    """One step of ``autoclip`` on a vector of norms (one per column), before anything is committed."""
+
+    coef: torch.Tensor
+    threshold: torch.Tensor
+    """The percentile of the recent norms and the current one (NaN with no finite norm yet)."""
+    proposal: dict[str, torch.Tensor]
+    """The ring and its count of finite norms after the step, if it is applied."""
+
+
+def autoclip_empty(history: int) -> Init:
+    """``autoclip``'s empty statistics: a ring of ``history`` norms per column, and how many are finite."""
+
+    def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
+        # +inf marks an empty slot: it sorts after every norm, so the smallest values are the real ones.
+        ring = torch.full((columns, history), math.inf, dtype=STATS_DTYPE, device=device)
+        return {"ring": ring, "count": torch.zeros(columns, dtype=STATS_DTYPE, device=device)}
+
+    return empty
+
+
+def autoclip_decide(action: AutoClip, g: torch.Tensor, state: dict[str, torch.Tensor], slot: int) -> AutoClipDecision:
+    """``autoclip`` on the float64 norms ``g``, the ring's next slot ``slot``: the guard's maths, and replay's."""
+    finite = torch.isfinite(g)
+    ring, evicted = pushed(state["ring"], slot, g, math.inf)
+    count = state["count"] - (evicted < math.inf).to(STATS_DTYPE) + finite.to(STATS_DTYPE)
+    threshold = _percentile(ring, count, action.percentile)
+    usable = finite & torch.isfinite(threshold)
+    # As clip_grad_norm_(params, threshold): the coefficient is applied whenever it is below 1.
+    coef = torch.where(usable, torch.clamp(threshold / (g + EPS), max=1.0), torch.ones_like(g))
+    return AutoClipDecision(coef, threshold, {"ring": ring, "count": count})
+
+
 class ZClipKernel(ActionKernel):
     """``zclip``: clip a norm whose z-score against its EMA exceeds ``z_thresh`` (arXiv 2504.02507)."""
 
@@ -124,63 +242,23 @@ class ZClipKernel(ActionKernel):
         assert isinstance(action, ZClip)
         assert work.statistics is not None
         group, gs, g = followed_norms(work, ids, action.scope)
-        warmup = action.warmup_steps
-
-        def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
-            buffer = torch.zeros(columns, warmup, dtype=STATS_DTYPE, device=device)
-            fresh = {key: torch.zeros(columns, dtype=STATS_DTYPE, device=device) for key in ("ready", "count", "mean")}
-            return fresh | {"var": torch.zeros(columns, dtype=STATS_DTYPE, device=device), "buffer": buffer}
-
-        series = work.statistics.series_for(bound, action, group, (warmup,), g.device, empty)
+        series = work.statistics.series_for(
+            bound, action, group, (action.warmup_steps,), g.device, zclip_empty(action.warmup_steps)
+        )
         cols = None if group else series.select(ids)
         state = series.at(cols)
-        finite = torch.isfinite(g)
-        ready = state["ready"] > 0
-        mean, var = state["mean"], state["var"]
-        std = var.sqrt()
-        z = (g - mean) / (std + ZCLIP_EPS)
-        spike = ready & finite & (z > action.z_thresh)
-        threshold = mean + (action.z_thresh * action.z_thresh) / z * std
-        adaptive = torch.where(spike, threshold, g)
-        # Before the statistics are ready only the fixed ceiling applies (if any).
-        limit = torch.where(ready, adaptive, torch.full_like(g, math.inf))
-        if action.max_norm is not None:
-            limit = limit.clamp(max=action.max_norm)
-        coef = torch.where(finite & (g > limit), limit / (g + EPS), torch.ones_like(g))
-        _rescale(gs, coef, group)
-
-        updated = ready & finite
-        alpha = action.alpha
-        new_mean = alpha * mean + (1 - alpha) * adaptive
-        new_var = alpha * var + (1 - alpha) * (adaptive - new_mean) ** 2
-        proposal = {
-            "mean": torch.where(updated, new_mean, mean),
-            "var": torch.where(updated, new_var, var),
-        }
+        decision = zclip_decide(action, g, state, warming=not series.counters.get("ready"))
+        _rescale(gs, decision.coef, group)
         counters: dict[str, int] = {}
-        if not series.counters.get("ready"):
-            # Warm-up: the first ``warmup_steps`` finite norms of a column set its mean and variance.
-            warming = ~ready & finite
-            slot = state["count"].long().clamp(max=warmup - 1).unsqueeze(1)
-            kept = state["buffer"].gather(1, slot).squeeze(1)
-            buffer = state["buffer"].scatter(1, slot, torch.where(warming, g, kept).unsqueeze(1))
-            count = state["count"] + warming.to(STATS_DTYPE)
-            becomes_ready = warming & (count >= warmup)
-            first_mean = buffer.mean(dim=1)
-            first_var = ((buffer - first_mean.unsqueeze(1)) ** 2).mean(dim=1)
-            proposal["mean"] = torch.where(becomes_ready, first_mean, proposal["mean"])
-            proposal["var"] = torch.where(becomes_ready, first_var, proposal["var"])
-            now_ready = ready | becomes_ready
-            proposal |= {"ready": now_ready.to(STATS_DTYPE), "count": count, "buffer": buffer}
+        if decision.all_ready is not None:
             counters["ready"] = 0
-            all_ready = now_ready.all().reshape(1).to(STATS_DTYPE)
 
             def note_ready(values: list[float]) -> None:
                 counters["ready"] = int(values[0] > 0 and cols is None)  # every column ready: skip warm-up work
 
-            work.pending.add(all_ready, note_ready)
-        work.statistics_step.propose(series, cols, proposal, counters)
-        figures = torch.stack([coef, g, limit, mean, std, z])
+            work.pending.add(decision.all_ready, note_ready)
+        work.statistics_step.propose(series, cols, decision.proposal, counters)
+        figures = torch.stack([decision.coef, g, decision.limit, state["mean"], state["var"].sqrt(), decision.z])
         work.pending.add(figures, _report(work, bound, action, ids, group, ["mean", "std", "z"]))
         return True
 
@@ -198,26 +276,13 @@ class AutoClipKernel(ActionKernel):
         assert work.statistics is not None
         group, gs, g = followed_norms(work, ids, action.scope)
         history = action.history
-
-        def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
-            # +inf marks an empty slot: it sorts after every norm, so the smallest values are the real ones.
-            ring = torch.full((columns, history), math.inf, dtype=STATS_DTYPE, device=device)
-            return {"ring": ring, "count": torch.zeros(columns, dtype=STATS_DTYPE, device=device)}
-
-        series = work.statistics.series_for(bound, action, group, (history,), g.device, empty)
+        series = work.statistics.series_for(bound, action, group, (history,), g.device, autoclip_empty(history))
         cols = None if group else series.select(ids)
-        state = series.at(cols)
         slot = series.ring_slot(history)
-        finite = torch.isfinite(g)
-        ring, evicted = pushed(state["ring"], slot, g, math.inf)
-        count = state["count"] - (evicted < math.inf).to(STATS_DTYPE) + finite.to(STATS_DTYPE)
-        threshold = _percentile(ring, count, action.percentile)
-        usable = finite & torch.isfinite(threshold)
-        # As clip_grad_norm_(params, threshold): the coefficient is applied whenever it is below 1.
-        coef = torch.where(usable, torch.clamp(threshold / (g + EPS), max=1.0), torch.ones_like(g))
-        _rescale(gs, coef, group)
-        work.statistics_step.propose(series, cols, {"ring": ring, "count": count}, {"slot": slot + 1})
-        figures = torch.stack([coef, g, threshold, count])
+        decision = autoclip_decide(action, g, series.at(cols), slot)
+        _rescale(gs, decision.coef, group)
+        work.statistics_step.propose(series, cols, decision.proposal, {"slot": slot + 1})
+        figures = torch.stack([decision.coef, g, decision.threshold, decision.proposal["count"]])
         work.pending.add(figures, _report(work, bound, action, ids, group, ["samples"]))
         return True
 

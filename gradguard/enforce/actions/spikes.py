@@ -17,12 +17,41 @@ import torch
 
 from gradguard.enforce.actions.adaptive import followed_norms
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.statistics import STATS_DTYPE, pushed
+from gradguard.enforce.statistics import STATS_DTYPE, Init, pushed
 from gradguard.enforce.step import Spike, StepWork
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, SkipStepOnSpike
 
-__all__ = ["SpikeSkipKernel"]
+__all__ = ["SpikeSkipKernel", "spike_decide", "spike_empty"]
+
+
+def spike_empty(window: int) -> Init:
+    """``skip_step_on_spike``'s empty statistics: a ring of ``window`` norms per column (NaN: empty)."""
+
+    def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {"ring": torch.full((columns, window), math.nan, dtype=STATS_DTYPE, device=device)}
+
+    return empty
+
+
+def spike_decide(
+    action: SkipStepOnSpike, g: torch.Tensor, ring: torch.Tensor, slot: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The spike verdict on the float64 norms ``g`` against ``ring``: the guard's maths, and replay's.
+
+    Returns ``(spike, mean, std, count, ring after the step)``: the ring takes ``g`` in column ``slot``
+    (a non-finite norm enters as empty); it is kept only if the step is applied.
+    """
+    known = ~torch.isnan(ring)
+    count = known.sum(dim=1).to(STATS_DTYPE)
+    values = torch.where(known, ring, torch.zeros_like(ring))
+    mean = values.sum(dim=1) / count
+    deviation = torch.where(known, ring - mean.unsqueeze(1), torch.zeros_like(ring))
+    std = (deviation.square().sum(dim=1) / (count - 1)).sqrt()
+    finite = torch.isfinite(g)
+    spike = finite & (count >= action.min_samples) & (g - mean > action.z_thresh * std)
+    proposed, _ = pushed(ring, slot, g, math.nan)
+    return spike, mean, std, count, proposed
 
 
 class SpikeSkipKernel(ActionKernel):
@@ -42,25 +71,10 @@ class SpikeSkipKernel(ActionKernel):
         assert work.statistics is not None
         group, _, g = followed_norms(work, ids, action.scope)
         window = action.window
-
-        def empty(columns: int, device: torch.device) -> dict[str, torch.Tensor]:
-            ring = torch.full((columns, window), math.nan, dtype=STATS_DTYPE, device=device)
-            return {"ring": ring}
-
-        series = work.statistics.series_for(bound, action, group, (window,), g.device, empty)
+        series = work.statistics.series_for(bound, action, group, (window,), g.device, spike_empty(window))
         cols = None if group else series.select(ids)
-        ring = series.at(cols)["ring"]
-        known = ~torch.isnan(ring)
-        count = known.sum(dim=1).to(STATS_DTYPE)
-        values = torch.where(known, ring, torch.zeros_like(ring))
-        mean = values.sum(dim=1) / count
-        deviation = torch.where(known, ring - mean.unsqueeze(1), torch.zeros_like(ring))
-        std = (deviation.square().sum(dim=1) / (count - 1)).sqrt()
-        finite = torch.isfinite(g)
-        spike = finite & (count >= action.min_samples) & (g - mean > action.z_thresh * std)
-
         slot = series.ring_slot(window)
-        proposed, _ = pushed(ring, slot, g, math.nan)
+        spike, mean, std, count, proposed = spike_decide(action, g, series.at(cols)["ring"], slot)
         work.statistics_step.propose(series, cols, {"ring": proposed}, {"slot": slot + 1})
 
         figures = torch.stack([spike.to(STATS_DTYPE), g, mean, std, count])

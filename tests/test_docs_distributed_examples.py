@@ -1,4 +1,4 @@
-"""The README's DDP and FSDP2 examples run as written, under torchrun, with real gloo process groups."""
+"""The DDP and FSDP2 examples of docs/distributed.md run as written, under torchrun, with real gloo process groups."""
 
 from __future__ import annotations
 
@@ -10,15 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.docs import ROOT, documented_example
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def readme_example(name: str) -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    match = re.search(rf"<!-- example: {name} -->\n```python\n(.*?)```", text, re.S)
-    assert match is not None, f"README has no example marked {name!r}"
-    return match.group(1)
+EXAMPLES = {
+    "ddp": documented_example("docs/distributed.md", "ddp"),
+    "fsdp2": documented_example("docs/distributed.md", "fsdp2"),
+}
 
 
 def free_port() -> int:
@@ -28,11 +25,10 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2"])
-def test_the_readme_distributed_example_runs_as_written_on_two_ranks(name: str, tmp_path: Path) -> None:
-    """torchrun --nproc_per_node 2 on the README's code: both ranks finish with the same counters and a log each."""
+def test_the_documented_distributed_example_runs_as_written_on_two_ranks(name: str, tmp_path: Path) -> None:
+    """torchrun --nproc_per_node 2 on the page's code: both ranks finish with the same counters and a log each."""
     script = tmp_path / f"{name}_example.py"
-    script.write_text(readme_example(name), encoding="utf-8")
-    (tmp_path / "policies").symlink_to(ROOT / "policies")  # the example runs from the repository root
+    script.write_text(EXAMPLES[name], encoding="utf-8")
     command = [
         *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"),
         str(script),

@@ -1,0 +1,134 @@
+"""The gradient norms a run recorded, step by step: the ``stats`` events of its ``monitor`` rules.
+
+A ``monitor`` with ``stats: [norm]`` and ``scope: tensor`` writes, on every step it samples, one
+``stats`` event holding the 2-norm of each parameter's gradient as it arrived (before any action of
+any rule). :func:`recorded_steps` streams those events out of one or more audit logs (merged in step
+order by :mod:`gradguard.audit.reader`) and hands them back one step at a time: memory holds one step's
+figures, whatever the log's length. ``max_abs`` and ``grad_to_weight`` figures at tensor scope are
+kept too (``gradguard replay`` uses them for ``clip_value`` and ``agc``); group and module scopes, and
+the other figures, are counted and left out.
+
+Standard library only: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from gradguard.audit.fields import number_or_none
+from gradguard.audit.reader import ReadStats, read_merged
+
+__all__ = ["MONITOR_HINT", "RecordedStep", "Recording", "no_norms_message", "recorded_steps"]
+
+MONITOR_HINT: Final = (
+    "{name: record-norms, match: '*', actions: [{action: monitor, stats: [norm], scope: tensor, every: 1}]}"
+)
+"""The rule that records what ``suggest`` and ``replay`` read, in the policy's own YAML."""
+
+_KEPT: Final = ("norm", "max_abs", "grad_to_weight")
+
+
+@dataclass
+class RecordedStep:
+    """One step's recorded figures, per parameter name (``NaN``/``inf`` kept as floats)."""
+
+    step: int
+    norm: dict[str, float] = field(default_factory=dict)
+    max_abs: dict[str, float] = field(default_factory=dict)
+    grad_to_weight: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Recording:
+    """What reading the logs found besides the norms: counts for the report, and the unreadable lines."""
+
+    read: ReadStats = field(default_factory=ReadStats)
+    stats_events: int = 0
+    """``stats`` events seen, whatever their scope."""
+    tensor_events: int = 0
+    """``stats`` events at tensor scope with a ``norm`` figure: the ones used."""
+    other_scopes: dict[str, int] = field(default_factory=dict)
+    """Scope -> ``stats`` events left out (group and module figures are not per parameter)."""
+    malformed: int = 0
+    """``stats`` events whose figures could not be read (reported, and skipped)."""
+    steps: int = 0
+    """Steps with at least one recorded norm."""
+    first_step: int | None = None
+    last_step: int | None = None
+    guarded_params: int | None = None
+    """The ``params`` of the log's last ``attach`` event: how many tensors the guard watched."""
+    step_back: tuple[int, int] | None = None
+    """The first place the steps went back, ``(from, to)``: the log holds several runs (read as one)."""
+
+
+def no_norms_message(paths: Sequence[Path], recording: Recording) -> str:
+    """One line: the logs hold no per-tensor norm, why, and the ``monitor`` rule to add."""
+    logs = ", ".join(str(path) for path in paths)
+    if recording.stats_events == 0:
+        found = "no 'stats' events"
+    else:
+        scopes = ", ".join(f"{scope} ({count})" for scope, count in sorted(recording.other_scopes.items()))
+        found = f"'stats' events only at other scopes or without a norm figure: {scopes or 'none usable'}"
+    return f"no gradient norms per tensor in {logs} ({found}); add this rule to the run's policy: {MONITOR_HINT}"
+
+
+def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[RecordedStep]:
+    """The recorded figures of every step, in step order (several files merged; a name's first value wins)."""
+    current: RecordedStep | None = None
+    for record in read_merged(paths, recording.read):
+        event = record.event
+        kind = event["event"]
+        if kind == "attach":
+            params = event.get("params")
+            if type(params) is int:
+                recording.guarded_params = params
+            continue
+        if kind != "stats":
+            continue
+        recording.stats_events += 1
+        step = event.get("step")
+        figures = event.get("figures")
+        scope = event.get("scope")
+        if type(step) is not int or not isinstance(figures, dict):
+            recording.malformed += 1
+            continue
+        if scope != "tensor" or "norm" not in figures:
+            key = str(scope) if scope != "tensor" else "tensor, without norm"
+            recording.other_scopes[key] = recording.other_scopes.get(key, 0) + 1
+            continue
+        if current is not None and step != current.step:
+            if step < current.step and recording.step_back is None:
+                recording.step_back = (current.step, step)
+            yield current
+            current = None
+        if current is None:
+            current = RecordedStep(step)
+            recording.steps += 1
+            recording.first_step = step if recording.first_step is None else min(recording.first_step, step)
+            recording.last_step = step if recording.last_step is None else max(recording.last_step, step)
+        if _take(figures, current):
+            recording.tensor_events += 1
+        else:
+            recording.malformed += 1
+    if current is not None:
+        yield current
+
+
+def _take(figures: dict[str, Any], into: RecordedStep) -> bool:
+    """Copy a tensor-scope event's figures into ``into``; False if they are not name -> number maps."""
+    for stat in _KEPT:
+        values = figures.get(stat)
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            return False
+        target: dict[str, float] = getattr(into, stat)
+        for name, value in values.items():
+            number = number_or_none(value)
+            if number is None:
+                return False
+            target.setdefault(name, number)
+    return True

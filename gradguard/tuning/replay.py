@@ -1,0 +1,415 @@
+"""``gradguard replay``: what a policy would have done on a recorded run, step by step.
+
+The run's ``monitor`` recorded each gradient's 2-norm as it arrived, before any action
+(:mod:`gradguard.tuning.records`): exactly what the guard's actions decide from. :class:`Replayer`
+takes those norms one step at a time and runs the policy's rules over them as the step engine does
+(:mod:`gradguard.enforce.engine`): the non-finite watch on the raw norms, the spike watch before any
+action, then every rule's actions in policy order, each acting on what the earlier ones left (a clip
+multiplies a tensor's norm by its coefficient; later actions see the scaled norm). The adaptive
+actions decide with the guard's own functions (:func:`~gradguard.enforce.actions.adaptive.zclip_decide`,
+:func:`~gradguard.enforce.actions.adaptive.autoclip_decide`,
+:func:`~gradguard.enforce.actions.spikes.spike_decide`) on float64 tensors of the recorded norms, and
+their statistics change only on steps the replay applies, as the guard's do: a skipped step, a spike,
+a non-finite norm never enters them. The clips decide with :func:`~gradguard.enforce.tensors.clip_coefficients`
+on float32 norms, as the guard does. So replaying the policy a run used, on that run's log, gives the
+steps of that run's ``intervention``, ``adaptive_clip``, ``spike_skip`` and ``skip`` events.
+
+What a log cannot decide is said, not guessed (:class:`Undecidable`): ``clip_value`` without recorded
+``max_abs``, ``agc`` per output unit (the log has norms per tensor) or without ``grad_to_weight``, a
+``clip_norm`` of a p-norm other than 2 and inf, a rule that matches no recorded parameter. After a
+``clip_value`` the replay keeps the tensor's 2-norm as it was (an upper bound: the clamp's effect on
+the norm is not in the log). A halt ends the replay, as it ends the run.
+
+Memory holds one step's norms, the adaptive statistics (bounded by their windows) and the steps each
+action acted on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradguard.enforce.actions.nonfinite import SkipLimits, has_active
+from gradguard.enforce.actions.spikes import spike_decide
+from gradguard.policy.document import Policy
+from gradguard.policy.patterns import rule_matches
+from gradguard.policy.schema import (
+    Action,
+    AdaptiveGradClip,
+    ClipNorm,
+    ClipValue,
+    Drop,
+    HaltOnNonfinite,
+    Monitor,
+    Rule,
+    SkipStepOnNonfinite,
+    SkipStepOnSpike,
+)
+from gradguard.tuning.acting import (
+    F32,
+    NO_MAX_ABS,
+    NO_WEIGHTS,
+    Proposal,
+    Stats,
+    act,
+    followed,
+    init_for,
+    never_decidable,
+    scope_of,
+)
+from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
+
+__all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]
+
+
+@dataclass
+class ActionSteps:
+    """One action of the policy and the steps on which it changed a gradient, or skipped or halted the step."""
+
+    rule: str
+    action: str
+    position: int
+    """The action's place in its rule (0-based)."""
+    steps: list[int] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "action": self.action, "steps": list(self.steps)}
+
+
+@dataclass(frozen=True)
+class Undecidable:
+    """An action the log cannot decide, and why."""
+
+    rule: str
+    action: str
+    reason: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"rule": self.rule, "action": self.action, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class Halt:
+    """Where the replayed run would have halted (the replay ends there, as the run would)."""
+
+    step: int
+    rule: str
+    action: str
+    reason: str
+
+
+@dataclass
+class ReplayResult:
+    """What a policy would have done on a recorded run."""
+
+    policy: str
+    actions: list[ActionSteps]
+    undecidable: list[Undecidable]
+    halt: Halt | None
+    recording: Recording
+    params: list[str]
+    """The parameter names the log recorded norms of, in the order first seen."""
+    steps_replayed: int
+
+    @property
+    def exit_code(self) -> int:
+        """1 if an action would have halted, else 0."""
+        return 1 if self.halt is not None else 0
+
+    def as_json(self) -> dict[str, Any]:
+        halt = None
+        if self.halt is not None:
+            halt = {"step": self.halt.step, "rule": self.halt.rule, "action": self.halt.action}
+            halt["reason"] = self.halt.reason
+        return {
+            "policy": self.policy,
+            "steps": self.steps_replayed,
+            "first_step": self.recording.first_step,
+            "last_step": self.recording.last_step,
+            "params": len(self.params),
+            "actions": [entry.as_json() for entry in self.actions],
+            "undecidable": [entry.as_json() for entry in self.undecidable],
+            "halt": halt,
+            "unreadable_lines": self.recording.read.bad_total,
+        }
+
+
+@dataclass
+class _Bound:
+    """A rule bound to the recorded names: its members, in the order the names were first seen."""
+
+    index: int
+    rule: Rule
+    members: list[int] = field(default_factory=list)
+
+
+class Replayer:
+    """Runs a policy over recorded steps (:meth:`feed`), as the guard's step engine would have."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.rules = list(policy.rules)
+        self.names: list[str] = []
+        self._index: dict[str, int] = {}
+        self.bound = [_Bound(index, rule) for index, rule in enumerate(self.rules)]
+        self.watchers: dict[int, list[int]] = {}
+        """Name index -> the rules with a halt or skip action covering it, in policy order."""
+        self.entries: dict[tuple[int, int], ActionSteps] = {}
+        for index, rule in enumerate(self.rules):
+            for position, action in enumerate(rule.actions):
+                if not isinstance(action, Monitor):
+                    self.entries[(index, position)] = ActionSteps(rule.name, action.action, position)
+        self.undecidable: dict[tuple[int, int], str] = {}
+        self.stats: dict[tuple[int, int], Stats] = {}
+        self.skip_limits = SkipLimits()
+        self.halt: Halt | None = None
+        self.steps = 0
+        for index, rule in enumerate(self.rules):
+            for position, action in enumerate(rule.actions):
+                reason = never_decidable(action)
+                if reason is not None:
+                    self.undecidable[(index, position)] = reason
+
+    # --- binding ------------------------------------------------------------------------------------
+
+    def _learn(self, names: Iterable[str]) -> None:
+        new = [name for name in names if name not in self._index]
+        if not new:
+            return
+        for name in new:
+            index = len(self.names)
+            self._index[name] = index
+            self.names.append(name)
+            for bound in self.bound:
+                if rule_matches(bound.rule, (name,)):
+                    bound.members.append(index)
+                    if any(isinstance(a, HaltOnNonfinite | SkipStepOnNonfinite) for a in bound.rule.actions):
+                        self.watchers.setdefault(index, []).append(bound.index)
+        for (rule_index, position), stats in self.stats.items():
+            action = self.rules[rule_index].actions[position]
+            if scope_of(action) == "tensor":
+                grown = len(self.bound[rule_index].members) - next(iter(stats.tensors.values())).shape[0]
+                if grown > 0:
+                    extra = init_for(action)(grown, torch.device("cpu"))
+                    stats.tensors = {k: torch.cat([v, extra[k]]) for k, v in stats.tensors.items()}
+
+    # --- one step -----------------------------------------------------------------------------------
+
+    def feed(self, recorded: RecordedStep) -> bool:
+        """Replay one recorded step; False once the run has halted (later steps would not have happened)."""
+        if self.halt is not None:
+            return False
+        self._learn(recorded.norm)
+        step = recorded.step
+        self.steps += 1
+        raw = torch.tensor([recorded.norm.get(name, math.nan) for name in self.names], dtype=F32)
+        present = [name in recorded.norm for name in self.names]
+        everyone = all(present)
+        peaks: torch.Tensor | None = None
+        if recorded.max_abs and all(name in recorded.max_abs for name in recorded.norm):
+            peaks = torch.tensor([recorded.max_abs.get(name, math.nan) for name in self.names], dtype=F32)
+        halted_by, skipped_by = self._watch(raw, present, step)
+        proposals: list[Proposal] = []
+        spikes = self._spikes(raw, present, everyone, step, proposals)
+        acted: list[tuple[int, int]] = []
+        self._actions(raw, peaks, present, everyone, step, recorded, proposals, acted)
+
+        if halted_by:
+            offender = min(halted_by)
+            rule_indices = sorted(set(halted_by.values()))
+            for rule_index in rule_indices:
+                self._record(rule_index, HaltOnNonfinite, step)
+            rule = self.rules[halted_by[offender]]
+            reason = f"non-finite gradient norm of {self.names[offender]!r}"
+            self.halt = Halt(step, rule.name, "halt_on_nonfinite", reason)
+            return False
+        if skipped_by or spikes:
+            causes: list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]
+            causes = [(r, SkipStepOnNonfinite) for r in sorted(set(skipped_by.values()))]
+            causes += [(r, SkipStepOnSpike) for r in sorted(set(spikes))]
+            for rule_index, cause in causes:
+                rule = self.rules[rule_index]
+                self._record(rule_index, cause, step)
+                why = self.skip_limits.record(rule_index, rule, step, cause)
+                if why is not None:
+                    kind = "skip_step_on_nonfinite" if cause is SkipStepOnNonfinite else "skip_step_on_spike"
+                    self.halt = Halt(step, rule.name, kind, f"skip limit exceeded: {why}")
+                    return False
+            return True
+        self.skip_limits.step_applied()
+        for key, cols, tensors, slot in proposals:
+            stats = self.stats[key]
+            for name, value in tensors.items():
+                stats.tensors[name] = value if cols is None else stats.tensors[name].index_copy(0, cols, value)
+            stats.slot = slot
+        for key in acted:
+            self.entries[key].steps.append(step)
+        return True
+
+    def _record(self, rule_index: int, kind: type[Action], step: int) -> None:
+        """Note ``step`` under the rule's first active action of type ``kind``."""
+        for position, action in enumerate(self.rules[rule_index].actions):
+            if isinstance(action, kind) and action.active_at(step):
+                steps = self.entries[(rule_index, position)].steps
+                if not steps or steps[-1] != step:
+                    steps.append(step)
+                return
+
+    def _watch(self, raw: torch.Tensor, present: list[bool], step: int) -> tuple[dict[int, int], dict[int, int]]:
+        """The non-finite verdicts: name index -> the halt (or else skip) rule that covers it."""
+        halted_by: dict[int, int] = {}
+        skipped_by: dict[int, int] = {}
+        if bool(torch.isfinite(raw).all()):
+            return halted_by, skipped_by
+        for index in torch.nonzero(~torch.isfinite(raw)).flatten().tolist():
+            if not present[index]:
+                continue
+            watchers = [r for r in self.watchers.get(index, ()) if self.rules[r].active_at(step)]
+            halts = [r for r in watchers if has_active(self.rules[r].actions, HaltOnNonfinite, step)]
+            skips = [r for r in watchers if has_active(self.rules[r].actions, SkipStepOnNonfinite, step)]
+            if halts:
+                halted_by[index] = halts[0]
+            elif skips:
+                skipped_by[index] = skips[0]
+        return halted_by, skipped_by
+
+    def _members(self, bound: _Bound, present: list[bool], everyone: bool) -> tuple[list[int], torch.Tensor | None]:
+        """The members with a norm this step, and their columns (``None``: all of them, in order)."""
+        if everyone:
+            return bound.members, None
+        columns = [column for column, index in enumerate(bound.members) if present[index]]
+        return [bound.members[c] for c in columns], torch.tensor(columns, dtype=torch.long)
+
+    def _state(self, key: tuple[int, int], action: Action, columns: int) -> Stats:
+        stats = self.stats.get(key)
+        if stats is None:
+            stats = self.stats[key] = Stats(init_for(action)(columns, torch.device("cpu")))
+        return stats
+
+    def _spikes(
+        self,
+        raw: torch.Tensor,
+        present: list[bool],
+        everyone: bool,
+        step: int,
+        proposals: list[Proposal],
+    ) -> list[int]:
+        """The spike watch, on the norms as they arrived (before any action): the rules whose norm spiked."""
+        spiked: list[int] = []
+        for bound in self.bound:
+            rule = bound.rule
+            if not bound.members or not rule.active_at(step):
+                continue
+            for position, action in enumerate(rule.actions):
+                if not isinstance(action, SkipStepOnSpike) or not action.active_at(step):
+                    continue
+                ids, cols = self._members(bound, present, everyone)
+                if not ids:
+                    continue
+                group = action.scope == "group"
+                g = followed(raw, ids, group)
+                key = (bound.index, position)
+                stats = self._state(key, action, 1 if group else len(bound.members))
+                ring = stats.tensors["ring"] if group or cols is None else stats.tensors["ring"].index_select(0, cols)
+                slot = stats.slot % action.window
+                spike, _, _, _, proposed = spike_decide(action, g, ring, slot)
+                proposals.append((key, None if group else cols, {"ring": proposed}, slot + 1))
+                if bool(spike.any()):
+                    spiked.append(bound.index)
+        return spiked
+
+    def _actions(
+        self,
+        raw: torch.Tensor,
+        peaks: torch.Tensor | None,
+        present: list[bool],
+        everyone: bool,
+        step: int,
+        recorded: RecordedStep,
+        proposals: list[Proposal],
+        acted: list[tuple[int, int]],
+    ) -> None:
+        """Every rule's gradient-changing actions in policy order, on the norms the earlier ones left."""
+        current = raw.clone()
+        present = list(present)
+        for bound in self.bound:
+            rule = bound.rule
+            if not bound.members or not rule.active_at(step):
+                continue
+            ids, cols = self._members(bound, present, everyone and all(present))
+            if not ids:
+                continue
+            index = torch.tensor(ids, dtype=torch.long)
+            for position, action in enumerate(rule.actions):
+                key = (bound.index, position)
+                if not action.active_at(step) or key in self.undecidable:
+                    continue
+                if isinstance(action, Monitor | HaltOnNonfinite | SkipStepOnNonfinite | SkipStepOnSpike):
+                    continue
+                inf_norm = isinstance(action, ClipNorm) and action.norm_type != 2.0
+                if (isinstance(action, ClipValue) or inf_norm) and peaks is None:
+                    self.undecidable[key] = NO_MAX_ABS
+                    continue
+                if isinstance(action, AdaptiveGradClip) and not all(
+                    recorded.grad_to_weight.get(self.names[i]) is not None for i in ids
+                ):
+                    self.undecidable[key] = NO_WEIGHTS
+                    continue
+                columns = len(bound.members)
+                coef, did = act(
+                    key,
+                    action,
+                    current,
+                    peaks,
+                    recorded,
+                    self.names,
+                    index,
+                    ids,
+                    cols,
+                    proposals,
+                    lambda width, key=key, action=action: self._state(key, action, width),  # type: ignore[misc]
+                    columns,
+                )
+                if did:
+                    acted.append(key)
+                if coef is not None:
+                    current[index] = current[index] * coef
+                    if peaks is not None:
+                        peaks[index] = peaks[index] * coef
+                if isinstance(action, Drop):
+                    for i in ids:
+                        present[i] = False
+                    break  # the rule's later actions have no gradient left
+
+    def result(self, recording: Recording) -> ReplayResult:
+        """What the policy did, per action (the undecidable ones listed apart)."""
+        undecidable = dict(self.undecidable)
+        for bound in self.bound:
+            if not bound.members:
+                for position, action in enumerate(bound.rule.actions):
+                    if not isinstance(action, Monitor):
+                        undecidable[(bound.index, position)] = (
+                            f"rule {bound.rule.name!r} matches no parameter the log recorded norms of "
+                            f"(patterns {list(bound.rule.match)}); record them with a monitor that matches them"
+                        )
+        actions = [entry for key, entry in self.entries.items() if key not in undecidable]
+        listed = [
+            Undecidable(self.rules[r].name, self.rules[r].actions[p].action, reason)
+            for (r, p), reason in sorted(undecidable.items())
+        ]
+        return ReplayResult(self.policy.source, actions, listed, self.halt, recording, list(self.names), self.steps)
+
+
+def replay_files(policy: Policy, paths: Sequence[Path], recording: Recording | None = None) -> ReplayResult:
+    """Replay ``policy`` on the norms recorded in ``paths`` (streamed: one step in memory at a time)."""
+    recording = recording if recording is not None else Recording()
+    replayer = Replayer(policy)
+    for recorded in recorded_steps(paths, recording):
+        if not replayer.feed(recorded):
+            break
+    return replayer.result(recording)

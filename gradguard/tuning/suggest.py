@@ -1,0 +1,324 @@
+"""``gradguard suggest``: a policy whose thresholds come from a recorded run's gradient norms.
+
+Two streaming passes over the logs. The first (:class:`NormSummary`) folds each recorded norm into
+its family's :class:`~gradguard.tuning.histogram.LogHistogram` (bounded: memory does not grow with the
+log's length). Families (:mod:`gradguard.tuning.families`) with alike medians are merged, and each gets
+a ``clip_norm`` per tensor whose ``max_norm`` is the largest of
+
+- ``median x e^(z x spread)``: ``z`` (default 6) robust spreads above the median, where the spread is
+  ``1.4826 x MAD`` of ``ln(norm)`` (the standard deviation of a normal with that MAD) and never below
+  :data:`MIN_SPREAD`: anomalies move neither the median nor the MAD;
+- ``2 x median`` (:data:`MIN_FACTOR`): a family with a tiny spread is not clipped for ordinary noise;
+- the ``1 - budget / (families x members)`` quantile of the family's ordinary norms (those below
+  ``median x e^(2 z x spread)``; larger ones are anomalies and do not count): at most that fraction of
+  ordinary norms lies above it, so, summed over every norm of a step, at most ``budget`` (1%) of the
+  ordinary steps of the recorded run are acted on.
+
+Every parameter gets a ``skip_step_on_nonfinite`` rule, and a ``monitor`` keeps recording norms for the
+next run. The second pass replays the suggested policy on the same logs
+(:mod:`gradguard.tuning.replay`), so each rule's comment says on which recorded steps it would have acted.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+from gradguard.policy.document import Policy
+from gradguard.policy.loading import load_policy_text
+from gradguard.tuning.families import Family, family_key, family_pattern, merge_alike
+from gradguard.tuning.records import Recording, no_norms_message, recorded_steps
+from gradguard.tuning.replay import ReplayResult, replay_files
+
+__all__ = [
+    "MIN_FACTOR",
+    "MIN_SAMPLES",
+    "MIN_SPREAD",
+    "NoNorms",
+    "NormSummary",
+    "Suggestion",
+    "Threshold",
+    "suggest_files",
+]
+
+MIN_SPREAD: Final = 0.05
+"""The smallest robust spread of ``ln(norm)`` used (5%): a constant norm still gets a sane threshold."""
+MIN_FACTOR: Final = 2.0
+"""A threshold is at least this many times the family's median norm."""
+MIN_SAMPLES: Final = 20
+"""A family with fewer finite, positive norms gets no clip (too little evidence); it keeps the non-finite rule."""
+ANOMALY_FACTOR: Final = 2.0
+"""Norms more than ``ANOMALY_FACTOR x z`` spreads above the median are anomalies: left out of the quantile."""
+NONFINITE_RULE: Final = "nonfinite"
+MONITOR_RULE: Final = "record-norms"
+MAX_CONSECUTIVE_SKIPS: Final = 3
+_SHOWN_STEPS: Final = 12
+
+
+class NoNorms(Exception):
+    """The logs hold no per-tensor norm to learn from; the message names the ``monitor`` to add."""
+
+
+@dataclass
+class NormSummary:
+    """The first pass: every family's histogram of ``ln(norm)``, built one recorded step at a time."""
+
+    families: dict[str, Family] = field(default_factory=dict)
+    names: dict[str, Family] = field(default_factory=dict)
+    """Parameter name -> its family, in the order first seen."""
+
+    def add(self, norms: dict[str, float]) -> None:
+        names = self.names
+        for name, norm in norms.items():
+            family = names.get(name)
+            if family is None:
+                key = family_key(name)
+                family = self.families.get(key)
+                if family is None:
+                    family = self.families[key] = Family([key])
+                family.members.add(name)
+                names[name] = family
+            if norm > 0.0 and norm < math.inf:
+                family.histogram.add(norm)
+            elif norm == 0.0:
+                family.zeros += 1
+            else:
+                family.nonfinite += 1
+
+
+@dataclass
+class Threshold:
+    """One family's ``clip_norm`` and the figures behind it (``ln`` of norms)."""
+
+    family: Family
+    rule: str
+    patterns: list[str]
+    median: float
+    spread: float
+    level: float
+    """The quantile level of the ordinary norms used."""
+    quantile: float
+    max_norm: float
+    bound_by: str
+    """Which of the three bounds set ``max_norm``: ``spread``, ``factor`` or ``quantile``."""
+    steps: list[int] = field(default_factory=list)
+    """The recorded steps the replay would have clipped."""
+
+
+@dataclass
+class Suggestion:
+    """The suggested policy (:attr:`text`, YAML with comments) and what it was learned from."""
+
+    text: str
+    thresholds: list[Threshold]
+    sparse: list[Family]
+    """Families with too few finite, positive norms for a threshold."""
+    replay: ReplayResult
+    recording: Recording
+    params: int
+    budget: float
+    z: float
+
+    @property
+    def policy(self) -> Policy:
+        return load_policy_text(Policy, self.text, "yaml", "<suggested>")
+
+
+def suggest_files(
+    paths: Sequence[Path], *, budget: float = 0.01, z: float = 6.0, merge_within: float = 1.5
+) -> Suggestion:
+    """Learn a policy from the norms recorded in ``paths``; :class:`NoNorms` if there are none."""
+    recording = Recording()
+    summary = NormSummary()
+    for recorded in recorded_steps(paths, recording):
+        summary.add(recorded.norm)
+    if not summary.names:
+        raise NoNorms(no_norms_message(paths, recording))
+    usable = [family for family in summary.families.values() if family.samples >= MIN_SAMPLES]
+    sparse = [family for family in summary.families.values() if family.samples < MIN_SAMPLES]
+    merged = merge_alike(usable, merge_within, lambda family: family.histogram.median())
+    names = list(summary.names)
+    thresholds = [_threshold(family, names, len(merged), budget, z) for family in merged]
+    thresholds.sort(key=lambda t: -t.median)
+    _unique_rule_names(thresholds)
+    draft = _render(paths, thresholds, sparse, recording, len(names), budget, z, None)
+    replay = replay_files(load_policy_text(Policy, draft, "yaml", "<suggested>"), paths)
+    by_rule = {entry.rule: entry.steps for entry in replay.actions}
+    for threshold in thresholds:
+        threshold.steps = by_rule.get(threshold.rule, [])
+    text = _render(paths, thresholds, sparse, recording, len(names), budget, z, replay)
+    load_policy_text(Policy, text, "yaml", "<suggested>")  # what is printed loads: a failure here is a bug
+    return Suggestion(text, thresholds, sparse, replay, recording, len(names), budget, z)
+
+
+def _threshold(family: Family, names: list[str], families: int, budget: float, z: float) -> Threshold:
+    histogram = family.histogram
+    median = histogram.median()
+    spread = max(1.4826 * histogram.mad(median), MIN_SPREAD)
+    level = 1.0 - budget / (families * len(family.members))
+    quantile = histogram.quantile(level, upper=True, at_most=median + ANOMALY_FACTOR * z * spread)
+    bounds = {"spread": median + z * spread, "factor": median + math.log(MIN_FACTOR), "quantile": quantile}
+    bound_by = max(bounds, key=lambda key: bounds[key])
+    max_norm = _round_up(math.exp(bounds[bound_by]))
+    members = family.members
+    patterns = [family_pattern(key, {m for m in members if family_key(m) == key}, names) for key in family.keys]
+    rule = family.keys[0] + (f"+{len(family.keys) - 1}" if len(family.keys) > 1 else "")
+    return Threshold(family, rule, patterns, median, spread, level, quantile, max_norm, bound_by)
+
+
+def _unique_rule_names(thresholds: list[Threshold]) -> None:
+    taken = {NONFINITE_RULE, MONITOR_RULE}
+    for threshold in thresholds:
+        name, count = threshold.rule, 1
+        while name in taken:
+            count += 1
+            name = f"{threshold.rule}#{count}"
+        threshold.rule = name
+        taken.add(name)
+
+
+def _round_up(value: float) -> float:
+    """``value`` rounded up to three significant digits (a threshold is never lowered by rounding)."""
+    text = f"{value:.3g}"
+    rounded = float(text)
+    if rounded < value:
+        exponent = math.floor(math.log10(value)) - 2
+        rounded = float(f"{rounded + 10.0**exponent:.3g}")
+    return rounded
+
+
+def _yaml_float(value: float) -> str:
+    """A float as YAML reads it back as a float (PyYAML wants a dot and a signed exponent)."""
+    text = f"{value:.3g}"
+    mantissa, _, exponent = text.partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return f"{mantissa}e{exponent}" if exponent else mantissa
+
+
+def _g(ln_value: float) -> str:
+    return f"{math.exp(ln_value):.3g}"
+
+
+def _steps(steps: list[int], of: int) -> str:
+    if not steps:
+        return f"acts on none of the {of:,} recorded steps"
+    shown = ", ".join(str(step) for step in steps[:_SHOWN_STEPS])
+    more = f", ... ({len(steps) - _SHOWN_STEPS} more)" if len(steps) > _SHOWN_STEPS else ""
+    percent = 100.0 * len(steps) / of if of else 0.0
+    return f"acts on {len(steps):,} of {of:,} recorded steps ({percent:.2g}%): {shown}{more}"
+
+
+def _natural(name: str) -> list[tuple[int, int | str]]:
+    """A sort key that puts ``blocks.2`` before ``blocks.10``."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in name.split(".")]
+
+
+def _percent(level: float) -> str:
+    """A quantile level as a percentage with the digits that tell it from 100% (99.9983%)."""
+    tail = 100.0 * (1.0 - level)
+    decimals = max(1, math.ceil(-math.log10(tail)) + 1) if tail > 0 else 1
+    return f"{100.0 * level:.{decimals}f}%"
+
+
+def _members(family: Family) -> str:
+    members = sorted(family.members, key=_natural)
+    shown = ", ".join(members[:3]) + (f", ... ({len(members) - 3} more)" if len(members) > 3 else "")
+    return f"{len(members)} tensor{'s' if len(members) != 1 else ''}: {shown}"
+
+
+def _render(
+    paths: Sequence[Path],
+    thresholds: list[Threshold],
+    sparse: list[Family],
+    recording: Recording,
+    params: int,
+    budget: float,
+    z: float,
+    replay: ReplayResult | None,
+) -> str:
+    steps = recording.steps
+    acted: list[int] = []
+    lines = [
+        f"# Suggested by `gradguard suggest` from {', '.join(path.name for path in paths)}:",
+        f"# {steps:,} recorded steps ({recording.first_step}-{recording.last_step}), {params} parameters, "
+        f"{len(thresholds)} families with a clip.",
+        f"# Each max_norm is the largest of: median x e^({z:g} x spread), {MIN_FACTOR:g} x median, and the quantile",
+        f"# of the family's ordinary norms that keeps the clips on at most {100 * budget:g}% of ordinary steps",
+        f"# (spread: 1.4826 x MAD of ln(norm); ordinary: below median x e^({ANOMALY_FACTOR * z:g} x spread)).",
+        "version: 1",
+        "rules:",
+    ]
+    nonfinite_steps: list[int] = []
+    if replay is not None:
+        nonfinite_steps = next((e.steps for e in replay.actions if e.rule == NONFINITE_RULE), [])
+    lines += [
+        "  # Every parameter: a NaN or Inf gradient skips the step (no parameter or optimizer state moves);",
+        f"  # more than {MAX_CONSECUTIVE_SKIPS} skipped steps in a row halt the run.",
+    ]
+    if replay is not None:
+        lines.append(f"  # On the recorded run it {_steps(nonfinite_steps, steps)}.")
+    lines += [
+        f"  - name: {NONFINITE_RULE}",
+        '    match: "*"',
+        "    actions:",
+        "      - action: skip_step_on_nonfinite",
+        f"        max_consecutive_skips: {MAX_CONSECUTIVE_SKIPS}",
+    ]
+    for threshold in thresholds:
+        family = threshold.family
+        acted += threshold.steps
+        left_out = (
+            f"; {family.zeros:,} zero and {family.nonfinite:,} non-finite left out"
+            if (family.zeros or family.nonfinite)
+            else ""
+        )
+        lines += [
+            f"  # {' + '.join(family.keys)}: {_members(family)}",
+            f"  # {family.samples:,} norms{left_out}; median {_g(threshold.median)}, spread {threshold.spread:.3g} "
+            f"(x{math.exp(threshold.spread):.3g}), {_percent(threshold.level)} quantile {_g(threshold.quantile)}",
+            f"  # max_norm: {_bound_text(threshold, z)}",
+        ]
+        if replay is not None:
+            lines.append(f"  # On the recorded run it {_steps(threshold.steps, steps)}.")
+        lines += [
+            f"  - name: {json.dumps(threshold.rule)}",
+            f"    match: [{', '.join(json.dumps(pattern) for pattern in threshold.patterns)}]",
+            "    actions:",
+            "      - action: clip_norm",
+            f"        max_norm: {_yaml_float(threshold.max_norm)}",
+        ]
+    for family in sparse:
+        lines.append(
+            f"  # {' + '.join(family.keys)} ({_members(family)}): only {family.samples} finite, positive norms "
+            f"(fewer than {MIN_SAMPLES}): no clip, the non-finite rule covers it."
+        )
+    lines += [
+        "  # Keeps recording each gradient's norm, so the next run can be replayed and suggested from.",
+        f"  - name: {MONITOR_RULE}",
+        '    match: "*"',
+        "    actions:",
+        "      - action: monitor",
+        "        stats: [norm]",
+    ]
+    if replay is not None:
+        union = len(set(acted))
+        share = 100.0 * union / steps if steps else 0.0
+        lines.append(f"# In all, the clips act on {union:,} of the {steps:,} recorded steps ({share:.2g}%).")
+    return "\n".join(lines) + "\n"
+
+
+def _bound_text(threshold: Threshold, z: float) -> str:
+    value = f"{threshold.max_norm:.3g}"
+    ratio = math.exp(math.log(threshold.max_norm) - threshold.median)
+    if threshold.bound_by == "spread":
+        why = f"median x e^({z:g} x {threshold.spread:.3g})"
+    elif threshold.bound_by == "factor":
+        why = f"{MIN_FACTOR:g} x median (the spread is small)"
+    else:
+        why = f"the {_percent(threshold.level)} quantile of ordinary norms"
+    return f"{value} = {why}, {ratio:.3g} x the median"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import os
+import threading
 import uuid
 import warnings
 import weakref
@@ -35,8 +35,10 @@ from gradguard.events.prometheus import ServesMetrics, check_metrics_port
 from gradguard.lifecycle import (
     Attachment,
     check_arguments,
+    claim_model,
     distributed_rank,
     emit_attach,
+    forget,
     load_guard_state,
     optimizers_given,
     warn_unexpected_optimizer,
@@ -46,7 +48,6 @@ from gradguard.policy.matching import Binding
 
 __all__ = ["GradGuard"]
 
-_LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
 
 
 class GradGuard(ServesMetrics):
@@ -120,57 +121,67 @@ class GradGuard(ServesMetrics):
         check_metrics_port(metrics_port)
         check_mode(provenance)
         optimizers = optimizers_given(optimizer)
+        self._lock = threading.RLock()
+        """Held while the guard treats a step, or is removed, reloaded, saved or restored (from any thread)."""
+        self._model_ref = weakref.ref(model)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
         self._plans = PlanBook(self.policy, model, _weak_call(self._rebound))
         binding = self._plans.binding
         for opt in optimizers or ():
             if any(id(p) in binding.by_id for group in opt.param_groups for p in group["params"]):
                 refuse_reevaluating(opt)
-        _claim_parameters(self, model, replace)
-        collective = Collective(process_group)
-        mine = fingerprint(self.policy, binding, per_micro_batch, start_step, reload)
-        agree_at_attach(collective, mine, attach_timeout)
+        claim_model(self, model, replace)
+        try:
+            collective = Collective(process_group)
+            mine = fingerprint(self.policy, binding, per_micro_batch, start_step, reload)
+            agree_at_attach(collective, mine, attach_timeout)
 
-        self.counters = Counters()
-        """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
-        self.run_id = uuid.uuid4().hex[:12]
-        """Identifies this guard's events in a log that several runs append to."""
-        self.rank = distributed_rank()
-        events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
-        self._enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
-        self._enforcer.step = start_step
-        self._events = events
-        self._model_ref = weakref.ref(model)
-        self._expected: list[Optimizer] | None = optimizers
-        self._warned_unexpected = False
+            self.counters = Counters()
+            """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
+            self.run_id = uuid.uuid4().hex[:12]
+            """Identifies this guard's events in a log that several runs append to."""
+            self.rank = distributed_rank()
+            events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
+            self._enforcer = Enforcer(
+                binding, self.counters, events, summary_every=summary_every, collective=collective
+            )
+            self._enforcer.step = start_step
+            self._events = events
+            self._expected: list[Optimizer] | None = optimizers
+            self._warned_unexpected = False
 
-        self._attachment = Attachment(self._enforcer, events)
-        path = None if isinstance(policy, Policy) else os.fspath(policy)
-        self._reloader = Reloader(path, watch=reload, interval=reload_interval, collective=collective, events=events)
-        self._attachment.handles.append(self._reloader)
-        self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, on_failure=events.close)
-        if per_micro_batch:
-            self._attach_micro_batch_hooks()
-        self._enforcer.provenance = attach_provenance(model, binding, provenance, self._attachment.handles.append)
-        self._clips = ClipWatch(before_clip)
-        self._scaler = scaler
-        if scaler is not None:
-            self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
-        self._last_step_skipped = False
-        # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
-        self._attachment.handles.append(enlist(self))
-        self._finalizer = weakref.finalize(self, self._attachment.collected)
-        self._finalizer.atexit = False
-        _LIVE_GUARDS.add(self)
+            self._attachment = Attachment(self._enforcer, events)
+            path = None if isinstance(policy, Policy) else os.fspath(policy)
+            self._reloader = Reloader(
+                path, watch=reload, interval=reload_interval, collective=collective, events=events
+            )
+            self._attachment.handles.append(self._reloader)
+            self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, on_failure=events.close)
+            if per_micro_batch:
+                self._attach_micro_batch_hooks()
+            self._enforcer.provenance = attach_provenance(model, binding, provenance, self._attachment.handles.append)
+            self._clips = ClipWatch(before_clip)
+            self._scaler = scaler
+            if scaler is not None:
+                self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
+            self._last_step_skipped = False
+            # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
+            self._attachment.handles.append(enlist(self))
+            self._finalizer = weakref.finalize(self, self._attachment.collected)
+            self._finalizer.atexit = False
 
-        emit_attach(events, self.policy, model, binding, optimizers, start_step)
+            emit_attach(events, self.policy, model, binding, optimizers, start_step)
+        except BaseException:
+            forget(self)  # the model is free again
+            raise
 
     # --- public ------------------------------------------------------------------------------------
 
     @property
     def attached(self) -> bool:
         """Whether the guard still enforces its policy."""
-        return self._attachment.open
+        attachment: Attachment | None = self.__dict__.get("_attachment")  # None: still attaching
+        return attachment is not None and attachment.open
 
     @property
     def step_count(self) -> int:
@@ -214,29 +225,15 @@ class GradGuard(ServesMetrics):
         update), else ``True``. Raises :class:`GradientHalt` where a halt rule sees NaN or Inf, and
         :class:`GuardStateError` when the guard's ``scaler`` has not unscaled the gradients yet.
         """
-        self._require_attached()
-        self._at_boundary()
-        if optimizer is None:
-            plan = self._plans.current()
-        else:
-            found = self._plans.for_optimizer(optimizer)
-            if found is None:
-                return True
-            plan = found
-        context = StepContext(
-            optimizer=optimizer,
-            stepped_params=_stepped_by(optimizer, self._model_ref),
-            explicit=True,
-            found_inf=unscaled_found_inf(self._scaler, optimizer),
-        )
-        proceed = self._enforcer.run(plan, context)
-        return self._record(proceed and not self._enforcer.scaler_skip_at_boundary)
+        with self._lock:
+            return _explicit_boundary(self, optimizer)
 
     def reload(self, path: str | os.PathLike[str] | None = None) -> bool:
         """Load ``path`` (default: the same file) now, to take over at the next step boundary; False (with a
         ``policy_reload_failed`` event and a warning) if it is invalid or does not bind: the old policy stays."""
-        self._require_attached()
-        error = self._reloader.request(None if path is None else os.fspath(path), self._plans, self._enforcer.step)
+        with self._lock:
+            self._require_attached()
+            error = self._reloader.request(None if path is None else os.fspath(path), self._plans, self._enforcer.step)
         if error is not None:
             warnings.warn(f"policy not reloaded, the old one stays in force: {error}", GuardWarning, stacklevel=2)
         return error is None
@@ -247,11 +244,13 @@ class GradGuard(ServesMetrics):
         Save it with the model and the optimizer; :meth:`load_state_dict` on a new guard (same policy)
         carries the run on: step windows, skip limits and the log's step numbers continue.
         """
-        return {"format": 1, **self._enforcer.state_dict()}
+        with self._lock:  # not in the middle of a step
+            return {"format": 1, **self._enforcer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take over a guard's :meth:`state_dict` (a run resumed from a checkpoint)."""
-        load_guard_state(self._enforcer, self._events, state)
+        with self._lock:
+            load_guard_state(self._enforcer, self._events, state)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event so far is in the audit log (it is written by a background thread).
@@ -262,10 +261,12 @@ class GradGuard(ServesMetrics):
         return self._events.flush(timeout)
 
     def remove(self) -> None:
-        """Remove every hook and close the audit log; safe to call more than once."""
-        if self._finalizer.detach() is not None:
-            self._attachment.close("removed")
-        _LIVE_GUARDS.discard(self)
+        """Remove every hook and close the audit log; safe to call more than once, from any thread (a step
+        in flight on another thread finishes first; later steps of the model are not treated)."""
+        with self._lock:
+            if self._finalizer.detach() is not None:
+                self._attachment.close("removed")
+        forget(self)
 
     def __enter__(self) -> GradGuard:
         return self
@@ -279,25 +280,42 @@ class GradGuard(ServesMetrics):
         self.remove()
 
     def __repr__(self) -> str:
-        state = "attached" if self.attached else "removed"
-        return (
-            f"<GradGuard {state} policy={self.policy.source!r} params={len(self._plans.binding.params)} "
-            f"steps={self.step_count}>"
-        )
+        attaching = "_attachment" not in self.__dict__  # another thread may show a guard still being made
+        state = "attaching" if attaching else "attached" if self.attached else "removed"
+        steps = 0 if attaching else self.step_count
+        params = len(self._plans.binding.params)
+        return f"<GradGuard {state} policy={self.policy.source!r} params={params} steps={steps}>"
 
     # --- the process-wide hooks (gradguard.enforce.torch_hooks) dispatch here ------------------------
 
-    def _on_optimizer_step(self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:  # noqa: E501
-        return _optimizer_step_begins(self, optimizer, args, kwargs) if self.attached else None
+    # Called for every step and clip of the process, on its thread; another training's returns at once,
+    # without the lock (an optimizer known to step none of the model, a clip of none of its tensors).
+
+    def _on_optimizer_step(
+        self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> StepArgs | None:
+        if not self.attached or self._plans.steps_none(optimizer):
+            return None
+        return _optimizer_step_begins(self, optimizer, args, kwargs)
 
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
-        self._enforcer.seal_explicit()
+        # Only after a step of this model: another thread's optimizer may step between this guard's clip
+        # boundary and its own optimizer's step, and must not turn the gradients it treated into new ones.
+        if not self.attached or self._plans.steps_none(optimizer):
+            return
+        with self._lock:
+            if self.attached and self._plans.for_optimizer(optimizer) is not None:
+                self._enforcer.seal_explicit()
 
     def _before_clip(self, call: ClipCall) -> bool:
-        return _clip_begins(self, call) if self.attached else False
+        if not self.attached or not self._plans.guarded_among(call.tensors, of_grads=call.of_grads):
+            return False
+        with self._lock:
+            return _clip_begins(self, call) if self.attached else False
 
     def _after_clip(self) -> None:  # the clip's own change to the gradients is not a new gradient
-        self._enforcer.clipped()
+        with self._lock:
+            self._enforcer.clipped()
 
     # --- internals ----------------------------------------------------------------------------------
 
@@ -315,28 +333,8 @@ class GradGuard(ServesMetrics):
         Only this optimizer's: with several optimizers under one GradScaler, the others' gradients
         are still scaled until their own ``scaler.step()``.
         """
-        if not self._attachment.open:
-            return
-        plan = self._plans.for_optimizer(optimizer)
-        if plan is not None and self._at_boundary():  # not for an optimizer of another model: it may be on one rank
-            plan = self._plans.for_optimizer(optimizer)
-        if plan is None:
-            return
-        # A skipped step must be skipped by every optimizer of the model, not only this one.
-        context = StepContext(
-            optimizer=optimizer,
-            stepped_params=_stepped_by(optimizer, self._model_ref),
-            clipped_before=self._clips.take_seen(),
-        )
-        proceed = self._enforcer.run(plan, context)
-        if self._enforcer.last_run_treated:
-            # A pass that found every gradient already treated (after guard.step(), or a second
-            # optimizer's step) says nothing about the step: it must not undo a skip's verdict.
-            self._record(proceed)
-        unexpected = self._expected is not None and all(optimizer is not opt for opt in self._expected)
-        if unexpected and self._enforcer.last_run_treated and not self._warned_unexpected:
-            self._warned_unexpected = True
-            warn_unexpected_optimizer(self._events, optimizer, self._enforcer.step - 1)
+        with self._lock:
+            _optimizer_boundary(self, optimizer)
 
     def _at_boundary(self) -> bool:
         """A step boundary: a new policy the reloader holds (agreed on by every rank) takes over now, or not."""
@@ -380,8 +378,9 @@ def _optimizer_step_begins(
     if closure is None:
         guard._enforce_for(optimizer)
         return None
-    if guard._plans.for_optimizer(optimizer) is None:
-        return None  # it steps nothing of the model
+    with guard._lock:
+        if guard._plans.for_optimizer(optimizer) is None:
+            return None  # it steps nothing of the model
     refuse_reevaluating(optimizer)
     guard_ref = weakref.ref(guard)
 
@@ -391,6 +390,53 @@ def _optimizer_step_begins(
             alive._enforce_for(optimizer)
 
     return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
+
+
+def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
+    """:meth:`GradGuard._enforce_for`, under the guard's lock."""
+    if not guard._attachment.open:
+        return
+    plan = guard._plans.for_optimizer(optimizer)
+    if plan is not None and guard._at_boundary():  # not for an optimizer of another model: it may be on one rank
+        plan = guard._plans.for_optimizer(optimizer)
+    if plan is None:
+        return
+    # A skipped step must be skipped by every optimizer of the model, not only this one.
+    context = StepContext(
+        optimizer=optimizer,
+        stepped_params=_stepped_by(optimizer, guard._model_ref),
+        clipped_before=guard._clips.take_seen(),
+    )
+    proceed = guard._enforcer.run(plan, context)
+    if guard._enforcer.last_run_treated:
+        # A pass that found every gradient already treated (after guard.step(), or a second
+        # optimizer's step) says nothing about the step: it must not undo a skip's verdict.
+        guard._record(proceed)
+    unexpected = guard._expected is not None and all(optimizer is not opt for opt in guard._expected)
+    if unexpected and guard._enforcer.last_run_treated and not guard._warned_unexpected:
+        guard._warned_unexpected = True
+        warn_unexpected_optimizer(guard._events, optimizer, guard._enforcer.step - 1)
+
+
+def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
+    """:meth:`GradGuard.step`, under the guard's lock."""
+    guard._require_attached()
+    guard._at_boundary()
+    if optimizer is None:
+        plan = guard._plans.current()
+    else:
+        found = guard._plans.for_optimizer(optimizer)
+        if found is None:
+            return True
+        plan = found
+    context = StepContext(
+        optimizer=optimizer,
+        stepped_params=_stepped_by(optimizer, guard._model_ref),
+        explicit=True,
+        found_inf=unscaled_found_inf(guard._scaler, optimizer),
+    )
+    proceed = guard._enforcer.run(plan, context)
+    return guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
 
 
 def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
@@ -415,23 +461,6 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     if guard._enforcer.last_run_treated:
         guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
     return True
-
-
-def _claim_parameters(guard: GradGuard, model: nn.Module, replace: bool) -> None:
-    """Refuse (or, with ``replace``, remove) another live guard on the same model or tensors."""
-    mine = set(guard._plans.binding.by_id)
-    for other in list(_LIVE_GUARDS):
-        if other is guard or not other.attached:
-            continue
-        if other._model_ref() is not model and not mine & set(other._plans.binding.by_id):
-            continue
-        if not replace:
-            raise GuardStateError(
-                f"this model already has a GradGuard attached ({other!r}); a second guard would apply "
-                "every action twice. Call .remove() on the first guard, or pass replace=True to "
-                "remove it and attach this one."
-            )
-        other.remove()
 
 
 def _weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding, list[str]], None]:
@@ -463,16 +492,11 @@ def _stepped_by(
 def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> ScalerWatch:
     def on_skip(optimizer: Optimizer) -> None:
         guard = guard_ref()
-        if guard is not None and guard.attached:
-            plans = guard._plans  # the guard's GradScaler skipped this optimizer's step (its step() never ran)
-            guard._enforcer.scaler_skipped(lambda: plans.for_optimizer(optimizer))
+        if guard is None:
+            return
+        with guard._lock:
+            if guard.attached:
+                plans = guard._plans  # the guard's GradScaler skipped this optimizer's step (its step() never ran)
+                guard._enforcer.scaler_skipped(lambda: plans.for_optimizer(optimizer))
 
     return ScalerWatch(scaler, optimizer_steps, on_skip)
-
-
-@atexit.register
-def _remove_all_at_exit() -> None:
-    for guard in list(_LIVE_GUARDS):
-        if guard.attached:
-            guard._finalizer.detach()
-            guard._attachment.close("interpreter-exit")

@@ -1,4 +1,5 @@
-"""What attaching a guard sets up and detaching undoes: argument checks, the attach event, the handles.
+"""What attaching a guard sets up and detaching undoes: argument checks, the attach event, the handles, and
+the process's register of guards (one per model, claimed at attach from any thread).
 
 Kept apart from :class:`gradguard.GradGuard` so that the class reads as what a guard does at each
 step; this module holds what happens once, at its start and at its end.
@@ -6,10 +7,13 @@ step; this module holds what happens once, at its start and at its end.
 
 from __future__ import annotations
 
+import atexit
 import os
+import threading
 import warnings
+import weakref
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -21,12 +25,18 @@ from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
 
+if TYPE_CHECKING:
+    from gradguard.guard import GradGuard
+
 __all__ = [
     "Attachment",
     "Removable",
     "check_arguments",
+    "claim_model",
     "distributed_rank",
     "emit_attach",
+    "forget",
+    "live_guards",
     "load_guard_state",
     "optimizers_given",
     "warn_unexpected_optimizer",
@@ -163,3 +173,77 @@ def warn_unexpected_optimizer(events: EventLog, optimizer: Optimizer, step: int)
         GuardWarning,
         stacklevel=5,
     )
+
+
+# --- the process's guards: one per model, claimed at attach, let go at remove and at interpreter exit ---
+
+_LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
+"""Every guard attached or attaching; read and changed only under ``_LIVE_LOCK``."""
+_LIVE_LOCK = threading.Lock()
+"""Attaching checks that no other guard holds the model and claims it in one step (two threads attaching
+to one model: one of them is refused)."""
+_EXIT_LOCK_TIMEOUT_S = 5.0
+"""How long interpreter exit waits for a guard's step in flight on another thread before closing it anyway."""
+
+
+def live_guards() -> list[GradGuard]:
+    """Every guard attached or attaching, now."""
+    with _LIVE_LOCK:
+        return list(_LIVE_GUARDS)
+
+
+def claim_model(guard: GradGuard, model: nn.Module, replace: bool) -> None:
+    """Refuse (or, with ``replace``, remove) another live guard on the same model or tensors, and claim them.
+
+    Checked and claimed under one lock: of two threads attaching to one model at once, one is refused.
+    """
+    with _LIVE_LOCK:
+        others = [other for other in _LIVE_GUARDS if other is not guard and _holds(other, model, guard)]
+        if others and not replace:
+            raise GuardStateError(
+                f"this model already has a GradGuard attached ({others[0]!r}); a second guard would apply "
+                "every action twice. Call .remove() on the first guard, or pass replace=True to "
+                "remove it and attach this one."
+            )
+        for other in others:
+            _LIVE_GUARDS.discard(other)
+        _LIVE_GUARDS.add(guard)
+    for other in others:
+        other.remove()
+
+
+def _holds(other: GradGuard, model: nn.Module, guard: GradGuard) -> bool:
+    """Whether ``other`` (attached, or still attaching) guards ``model`` or one of the tensors ``guard`` binds."""
+    attachment: Attachment | None = other.__dict__.get("_attachment")
+    if attachment is not None and not attachment.open:
+        return False
+    theirs = other._model_ref()
+    if theirs is None:
+        return False  # its model is gone, and with it the tensors whose ids it holds
+    if theirs is model:
+        return True
+    by_id = other._plans.binding.by_id
+    return any(
+        (entry := by_id.get(key)) is not None and (tensor := entry.ref()) is not None and tensor is mine.ref()
+        for key, mine in guard._plans.binding.by_id.items()
+    )
+
+
+def forget(guard: GradGuard) -> None:
+    """The guard was removed (or failed to attach): its model may be claimed again."""
+    with _LIVE_LOCK:
+        _LIVE_GUARDS.discard(guard)
+
+
+@atexit.register
+def _remove_all_at_exit() -> None:
+    for guard in live_guards():
+        # A daemon thread may have been stopped in a step, holding the lock for good: exit must not hang.
+        locked = guard._lock.acquire(timeout=_EXIT_LOCK_TIMEOUT_S)
+        try:
+            if guard.attached:
+                guard._finalizer.detach()
+                guard._attachment.close("interpreter-exit")
+        finally:
+            if locked:
+                guard._lock.release()

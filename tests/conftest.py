@@ -350,10 +350,10 @@ def _one_intra_op_thread() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _no_guard_outlives_its_test() -> Iterator[None]:
     """A guard left attached would act on every later test's optimizers: remove it and fail."""
-    from gradguard.guard import _LIVE_GUARDS
+    from gradguard.lifecycle import live_guards
 
     yield
-    leftovers = [guard for guard in list(_LIVE_GUARDS) if guard.attached]
+    leftovers = [guard for guard in live_guards() if guard.attached]
     for guard in leftovers:
         guard.remove()
     assert not leftovers, f"test left guards attached: {leftovers}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import tracemalloc
 from pathlib import Path
 
@@ -159,3 +160,92 @@ def test_a_large_log_is_summarized_in_bounded_memory(tmp_path: Path) -> None:
     assert summary.mismatches_total == 0
     assert size > 4_000_000
     assert peak < 3_500_000, f"peak {peak / 1e6:.1f} MB for a {size / 1e6:.0f} MB log"
+
+
+_HOSTILE = (
+    "9" * 5000,  # more digits than Python's int parser allows: ValueError from the JSON decoder
+    "9" * 400,  # an int too large for a float: OverflowError where a number field becomes a float
+    "-" + "9" * 400,
+    "1e999",
+    "-0",
+    "null",
+    "true",
+    "[]",
+    "{}",
+    '"NaN"',
+    '"-Infinity"',
+    '{"a": [1, {"b": null}]}',
+    "[" * 50 + "]" * 50,
+    '"' + "x" * 2000 + '"',
+)
+
+
+def _fuzzed_lines(lines: list[str], seed: int) -> tuple[list[str], set[int]]:
+    """Every line of ``lines`` with one value (top level or one level down) replaced by a hostile one, seeded;
+    returns them with the line numbers that hold one of the two kinds that used to end in a traceback."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    digits: set[int] = set()
+    for number, line in enumerate(lines, 1):
+        event = json.loads(line)
+        holder = event
+        nested = [key for key, value in event.items() if isinstance(value, dict) and value]
+        if nested and rng.random() < 0.4:
+            holder = event[rng.choice(nested)]
+        key = rng.choice(sorted(holder))
+        value = _HOSTILE[number % 3] if number % 4 == 0 else rng.choice(_HOSTILE)
+        holder[key] = "__HOSTILE__"
+        out.append(json.dumps(event).replace('"__HOSTILE__"', value))
+        if value == "9" * 5000:
+            digits.add(number)
+    return out, digits
+
+
+def test_fuzzed_event_lines_are_listed_as_unreadable_and_never_end_the_audit(tmp_path: Path) -> None:
+    """Hostile values in any field (5000-digit and float-overflowing integers too) cost a line, not the report."""
+    clean = tmp_path / "clean.jsonl"
+    write_synthetic_run(clean, events=400, params=12, seed=3)
+    lines = clean.read_text().splitlines()
+    for seed in range(4):
+        fuzzed, digits = _fuzzed_lines(lines, seed)
+        path = tmp_path / f"fuzzed{seed}.jsonl"
+        path.write_text("\n".join(fuzzed) + "\n")
+        for fmt in ("json", "table"):
+            result = CliRunner().invoke(main, ["audit", "--format", fmt, str(path)])
+            assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+            assert result.exit_code in (0, 1, 2), result.output[-2000:]
+        data = json.loads(CliRunner().invoke(main, ["audit", "--format", "json", str(path)]).stdout)
+        listed = {bad["line"] for bad in data["bad_lines"]}
+        assert digits
+        assert digits <= listed
+        assert data["bad_lines_total"] >= len(digits)
+
+
+def test_an_integer_too_long_for_python_and_one_too_large_for_a_float_are_unreadable_lines(tmp_path: Path) -> None:
+    """The two lines the log fuzz found are listed with their numbers and the audit exits 1."""
+    path = tmp_path / "run.jsonl"
+    with LogBuilder(path) as log:
+        log.attach({"embed": 1})  # 1
+        log.clip(0, "embed", "embed.weight", 2.0)  # 2
+        head = '{"ts": "2026-01-01T00:00:01Z", "level": "info", "event": "intervention", "run": "run0", "rank": 0'
+        log.raw(
+            head
+            + ', "step": 1, "rule": "embed", "action": "clip_norm", "param": "embed.weight", "before": '
+            + "7" * 5000
+            + "}\n"
+        )  # 3
+        log.raw(
+            head
+            + ', "step": 1, "rule": "embed", "action": "clip_norm", "param": "embed.weight", "before": '
+            + "7" * 400
+            + "}\n"
+        )  # 4
+        log.clip(2, "embed", "embed.weight", 3.0)  # 5
+    result = CliRunner().invoke(main, ["audit", "--format", "json", str(path)])
+    assert result.exit_code == 1
+    data = json.loads(result.stdout)
+    reasons = {bad["line"]: bad["reason"] for bad in data["bad_lines"]}
+    assert sorted(reasons) == [3, 4]
+    assert "4300 digits" in reasons[3]
+    assert reasons[4] == "a number too large for a float (400 digits)"
+    assert data["totals"] == {"embed": {"clip_norm": 2}}

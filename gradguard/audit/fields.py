@@ -19,9 +19,17 @@ class Malformed(Exception):
 
 
 def number_or_none(value: Any) -> float | None:
-    """A JSON number, or the strings the guard writes for non-finite ones, as a float; anything else is None."""
-    if type(value) is float or type(value) is int:
-        return float(value)
+    """A JSON number, or the strings the guard writes for non-finite ones, as a float; anything else is None.
+
+    Raises :class:`Malformed` for an integer too large for a float: the guard never writes one.
+    """
+    if type(value) is float:
+        return value
+    if type(value) is int:
+        try:
+            return float(value)
+        except OverflowError:
+            raise Malformed(f"a number too large for a float ({len(str(abs(value)))} digits)") from None
     if value in ("NaN", "Infinity", "-Infinity"):
         return float(value)
     return None

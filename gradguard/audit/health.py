@@ -139,11 +139,12 @@ class HealthCollector:
             raise Malformed(f"gradguard {kind!r} event without a 'rule' and a 'name' string")
         step = event.get("step")
         step = step if type(step) is int else None
+        norm = number_or_none(event.get("norm"))  # before counting: an unreadable number makes the line unreadable
+        threshold = number_or_none(event.get("threshold"))
         if kind != "recovered":
             run.count(rule, kind)
         if not self._filter.shown(step, rule) or (self._filter.params is not None and not self._filter.params(name)):
             return
-        norm = number_or_none(event.get("norm"))
         if kind == "recovered":
             was = event.get("was")
             row = self.flags.get((rule, name, str(was)))
@@ -154,7 +155,7 @@ class HealthCollector:
         if row is None:
             row = self.flags[(rule, name, kind)] = FlagRow(rule, name, kind, 0, [], None, None)
         row.times += 1
-        row.threshold = number_or_none(event.get("threshold"))
+        row.threshold = threshold
         if len(row.episodes) < KEPT_EPISODES:
             row.episodes.append([step, None])
         if norm is not None:

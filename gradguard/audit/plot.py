@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from gradguard.audit.fields import number_or_none, per_parameter
+from gradguard.audit.fields import Malformed, number_or_none, per_parameter
 from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.reader import Record
 from gradguard.audit.summary import AuditSummary
@@ -118,7 +118,7 @@ class PlotCollector:
         for record in records:
             try:
                 self._add(record.event)
-            except (TypeError, ValueError, KeyError):
+            except (Malformed, ArithmeticError, LookupError, TypeError, ValueError):
                 continue  # malformed: already reported by the summary pass
 
     def _add(self, event: dict[str, Any]) -> None:

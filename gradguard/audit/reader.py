@@ -111,6 +111,8 @@ def parse_line(raw: bytes) -> dict[str, Any] | str | None:
         return f"not JSON ({exc.msg} at column {exc.colno}): a corrupt line, or a line from another program"
     except RecursionError:
         return "JSON nested too deeply: not a gradguard event"
+    except ValueError as exc:  # e.g. an integer longer than Python's limit on digits (sys.get_int_max_str_digits)
+        return f"JSON Python cannot read ({_first_words(exc)}): not a gradguard event"
     if not isinstance(obj, dict):
         return f"a JSON {_json_type(obj)}, not an event object: a line from another program?"
     event = obj.get("event")
@@ -121,6 +123,12 @@ def parse_line(raw: bytes) -> dict[str, Any] | str | None:
     if step is not None and (type(step) is not int or step < 0):
         return f"gradguard {event!r} event with an invalid 'step' ({step!r}; expected an integer >= 0)"
     return obj
+
+
+def _first_words(exc: Exception) -> str:
+    """The start of an exception's message, for a bad line's reason (a message can repeat the whole line)."""
+    text = str(exc).split(";")[0]
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _json_type(value: Any) -> str:

@@ -113,9 +113,15 @@ class Summarizer:
             else:
                 handler(event, run, record)
         except Malformed as exc:
-            path = self.paths[record.file]
-            self.stats.events[path] = self.stats.events.get(path, 1) - 1
-            self.stats.bad_line(path, record.line, str(exc))
+            self._bad(record, str(exc))
+        except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
+            # A value no check above foresaw (a fuzzed or hand-edited line): that line is lost, not the report.
+            self._bad(record, f"gradguard {event.get('event')!r} event the audit cannot read ({type(exc).__name__})")
+
+    def _bad(self, record: Record, reason: str) -> None:
+        path = self.paths[record.file]
+        self.stats.events[path] = self.stats.events.get(path, 1) - 1
+        self.stats.bad_line(path, record.line, reason)
 
     def add_all(self, records: Iterable[Record]) -> None:
         for record in records:

@@ -69,6 +69,15 @@ class PlanBook:
         self._by_optimizer[optimizer] = (fingerprint, plan)
         return plan
 
+    def steps_none(self, optimizer: Optimizer) -> bool:
+        """The answer :meth:`for_optimizer` gave last: this optimizer steps none of the guarded tensors (and holds
+        the same tensors since). A read only, safe on any thread without the guard's lock: every guard is asked
+        this about every optimizer step of the process, and the other trainings' must not wait for this one."""
+        cached = self._by_optimizer.get(optimizer)
+        if cached is None or cached[1] is not None:
+            return False
+        return cached[0] == tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+
     def guarded_among(self, tensors: list[torch.Tensor], *, of_grads: bool) -> list[torch.Tensor]:
         """The guarded parameters among ``tensors``, or among the owners of ``tensors`` if they are gradients.
 

@@ -91,9 +91,10 @@ _wrapped: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
 """(owner, attribute, original, wrapper) of every swap in force."""
 _steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 _steps_lock = threading.Lock()
-_scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, int] = weakref.WeakKeyDictionary()
+_scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[int, int]] = weakref.WeakKeyDictionary()
 """Scalers that scaled a loss, with the identity of their per-optimizer state table at that moment
-(``update()`` replaces the table: a different identity means the scaler has finished that step)."""
+(``update()`` replaces the table: a different identity means the scaler has finished that step) and the
+thread that scaled it (a loss scaled on another thread is another training's)."""
 _unscaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, dict[int, weakref.ReferenceType[Optimizer]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -246,7 +247,7 @@ def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def scale(self: torch.amp.GradScaler, outputs: Any) -> Any:
         if self.is_enabled():
             with _scaler_lock:
-                _scaled[self] = id(self._per_optimizer_states)
+                _scaled[self] = (id(self._per_optimizer_states), threading.get_ident())
         return original(self, outputs)
 
     return scale
@@ -278,31 +279,39 @@ class Scaled:
 def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight).
 
-    A scaler in flight whose ``unscale_`` has only ever named optimizers that hold none of ``params`` is
-    another model's (another thread's, say); one that never unscaled anything yet may be this one's.
+    A scaler counts if it unscaled an optimizer that holds ``params``, or if it scaled a loss on this thread
+    and has never unscaled any optimizer still alive (it may be this model's, not unscaled yet). A scaler
+    another thread is using, or one that has only ever unscaled other optimizers, is another training's.
     """
+    here = threading.get_ident()
     with _scaler_lock:
-        in_flight = [s for s, table in _scaled.items() if table == id(s._per_optimizer_states) and s.is_enabled()]
+        in_flight = []
+        for scaler, (table, thread) in list(_scaled.items()):
+            states = scaler._per_optimizer_states  # read once: update() replaces it (on its own thread)
+            if id(states) == table and scaler.is_enabled():
+                in_flight.append((scaler, thread == here, dict(states)))  # a copy: its thread may add to it
         unscaled = {s: dict(records) for s, records in _unscaled.items()}
-    if not in_flight:
-        return Scaled(still_scaled=False)
     ids = {id(p) for p in params}
     flags: list[torch.Tensor] = []
     optimizers: list[Optimizer] = []
     covered: set[int] = set()
-    relevant = False
-    for scaler in in_flight:
-        records = unscaled.get(scaler, {})
-        known = [(key, opt) for key, ref in records.items() if (opt := ref()) is not None]
-        held_by = {key: held for key, opt in known if (held := _param_ids(opt) & ids)}
-        relevant |= not known or bool(held_by)
-        for key, held in held_by.items():
-            state = scaler._per_optimizer_states.get(key)
+    ours = False
+    for scaler, on_this_thread, states in in_flight:
+        known = {key: opt for key, ref in unscaled.get(scaler, {}).items() if (opt := ref()) is not None}
+        ours |= on_this_thread and not known
+        for key, optimizer in known.items():
+            held = _param_ids(optimizer) & ids
+            if not held:
+                continue
+            ours = True
+            state = states.get(key)
             if state is not None and state["stage"] is OptState.UNSCALED:
                 covered |= held
-                optimizers.extend(opt for k, opt in known if k == key)
+                optimizers.append(optimizer)
                 flags.extend(state["found_inf_per_device"].values())
-    return Scaled(still_scaled=relevant and covered != ids, found_inf=tuple(flags), optimizers=tuple(optimizers))
+    if not ours:
+        return Scaled(still_scaled=False)
+    return Scaled(still_scaled=covered != ids, found_inf=tuple(flags), optimizers=tuple(optimizers))
 
 
 def _param_ids(optimizer: Optimizer) -> set[int]:

@@ -60,18 +60,41 @@ DEFAULT_LOGGER: Final = _DefaultLogger()
 """Sentinel: use ``structlog.get_logger("gradguard")``."""
 
 
+class _FileLock:
+    """The lock of one file (device and inode), shared by every :class:`JsonLinesFile` of the process on it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+_FILE_LOCKS: weakref.WeakValueDictionary[tuple[int, int], _FileLock] = weakref.WeakValueDictionary()
+_FILE_LOCKS_LOCK = threading.Lock()
+
+
+def _lock_of(fd: int) -> _FileLock:
+    status = os.fstat(fd)
+    with _FILE_LOCKS_LOCK:
+        found = _FILE_LOCKS.get((status.st_dev, status.st_ino))
+        if found is None:
+            found = _FILE_LOCKS[(status.st_dev, status.st_ino)] = _FileLock()
+        return found
+
+
 class JsonLinesFile:
     """A structlog 'logger' that appends each rendered event as one line, in one ``write`` call.
 
     The file is opened with ``O_APPEND``, so a line is never torn or interleaved with another
-    writer's, and it is on disk (in the OS's hands) as soon as ``msg`` returns.
+    writer's, and it is on disk (in the OS's hands) as soon as ``msg`` returns. Guards of one process
+    that share a file (each with its own descriptor and writer thread) also share one lock for it, so
+    whole batches of lines go in one after another even where the OS accepts a write only in part.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self._lock = threading.Lock()
+        self._shared = _lock_of(self._fd)
+        self._lock = self._shared.lock
 
     def msg(self, message: str) -> None:
         self.write_lines((message,))

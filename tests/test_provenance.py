@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from gradguard import GradGuard, GradientHalt, Policy
 from gradguard.cli import main
 from tests.support.host_syncs import count_host_syncs
+from tests.support.training import SmallMLP
 
 HALT = {"version": 1, "rules": [{"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
 SKIP = {"version": 1, "rules": [{"name": "skip", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]}]}
@@ -447,6 +449,22 @@ def test_first_fault_places_a_fault_made_in_backward_between_the_last_bad_and_th
     assert origin["consumers"] == ["blocks.1.act", "blocks.1.boom"]  # the culprit, boom, is among them
     assert "It started in the backward pass, in blocks.1.fc1 or after it" in str(halt)
     assert "(between them: blocks.1.act, blocks.1.boom)" in str(halt)
+
+
+def test_first_fault_traces_a_modules_output_whose_python_object_reuses_a_freed_tensors_id():
+    """tanh between Linear layers frees each Linear's output object at once, and CPython hands its address (its
+    id) to the next module's output: that output is still traced, every time, and the fault placed by it."""
+    for seed in range(10):
+        torch.manual_seed(seed)
+        model = SmallMLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="first_fault"):
+            nn.functional.mse_loss(model(torch.randn(4, 8)), torch.randn(4, 4)).backward()
+            model.hidden.weight.grad[0, 0] = math.nan  # type: ignore[union-attr,index]
+            with pytest.raises(GradientHalt) as caught:
+                opt.step()
+        assert caught.value.origin is not None
+        assert (caught.value.origin["module"], caught.value.origin["before"]) == ("hidden", "out"), seed
 
 
 def test_first_fault_reads_no_host_data_in_forward_or_backward_and_one_read_at_the_step():

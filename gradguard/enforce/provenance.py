@@ -322,8 +322,10 @@ class Provenance:
         self._acc_meta: list[int] = []
         """Guarded tensor index, per accumulated-gradient figure."""
         self._seen: dict[int, _Seen] = {}
-        self._last: tuple[int, int] = (0, -1)
-        """The light trace's last recorded tensor (id, version): a container passing it on is not read again."""
+        self._last: tuple[weakref.ReferenceType[torch.Tensor] | None, int] = (None, -1)
+        """The light trace's last recorded tensor and its version: a container passing it on is not read again.
+        Held weakly and compared by identity: an id alone is reused as soon as Python frees a tensor, and
+        the next module's output would then be taken for it (and left out of the trace)."""
 
     # --- hooks (no host sync in any of them) -------------------------------------------------------
 
@@ -388,10 +390,10 @@ class Provenance:
 
     def _light_record(self, tensor: torch.Tensor, index: int) -> None:
         if not torch.compiler.is_compiling():  # dynamo cannot compare ids: there a container's output is read twice
-            key = (id(tensor), tensor._version)
-            if key == self._last:
+            last, version = self._last
+            if last is not None and last() is tensor and version == tensor._version:
                 return  # a container passing its last child's output on
-            self._last = key
+            self._last = (weakref.ref(tensor), tensor._version)
         position = len(self._fwd)
         self._fwd.append(self._tracing.reduce(tensor))
         self._fwd_meta.append((index, _OUTPUT))

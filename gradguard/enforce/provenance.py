@@ -43,9 +43,24 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.origins import (
+    DATA,
+    INPUT,
+    OUTPUT,
+    ROOT,
+    BackwardMeta,
+    ForwardMeta,
+    ModuleTree,
+    backward_origin,
+    boundary_origin,
+    finite_note,
+    first_params,
+    forward_origin,
+    kind_of,
+)
 from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.enforce.tensors import stack_on
-from gradguard.policy.matching import Binding, canonical_name
+from gradguard.policy.matching import Binding
 
 __all__ = [
     "ARMED_STEPS",
@@ -71,9 +86,6 @@ MAX_ENTRIES: Final = 4096
 cannot grow them without bound)."""
 FIRST_PARAMS_SHOWN: Final = 16
 UNTRACED_HINT: Final = "To trace a first fault: GradGuard(..., provenance='first_fault')."
-ROOT: Final = "(model)"
-
-_DATA, _INPUT, _OUTPUT = 0, 1, 2
 _HALF = (torch.float16, torch.bfloat16)
 _STRIDED = torch.strided  # sparse tensors (Embedding(sparse=True) gradients) are left out: no norm kernel
 
@@ -141,28 +153,6 @@ LIGHT: Final = Tracing(backward=False, budget=32)
 module's outputs are not)."""
 
 
-def _finite_note(flags: bool, gradients: bool, distributed: bool) -> str:
-    """Why nothing the hooks recorded was non-finite: with the gradient flags, every gradient as backward
-    accumulated it was finite; without, only the forward (and the outputs' gradients) were looked at."""
-    if flags and distributed:
-        return (
-            "not on this rank: its forward, backward and gradients were finite (another rank's arrived through "
-            "the all-reduce)"
-        )
-    if flags:
-        return "every gradient was finite as backward accumulated it: it went non-finite after backward"
-    if gradients:
-        return (
-            "its forward and the gradients of the modules' outputs were finite: it went non-finite in a "
-            "parameter's own gradient, or after backward"
-        )
-    return "its forward was finite and every gradient is non-finite: the loss, or code after backward, made it"
-
-
-def _kind(value: float) -> str:
-    return "nan" if math.isnan(value) else "inf"
-
-
 class Provenance:
     """Arms and disarms the hooks, queues their figures into the step's one read, and names the origin."""
 
@@ -183,17 +173,8 @@ class Provenance:
         if gradients is not None:
             self.gradients = gradients
         self._model = weakref.ref(model)
-        strip = isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel)
-        modules = list(model.named_modules())  # tied (shared) modules once, under their first name
-        self._modules = [weakref.ref(module) for _, module in modules]
-        self.names = [canonical_name(name, strip_module_prefix=strip) or ROOT for name, _ in modules]
-        self.names[0] = ROOT
-        position = {name: i for i, name in enumerate(self.names)}
-        self._position = position
-        self._parent = [position.get(name.rpartition(".")[0], 0) for name in self.names]
-        self._level = [0] * len(self.names)
-        for index in range(1, len(self.names)):
-            self._level[index] = self._level[self._parent[index]] + 1  # named_modules lists parents first
+        self._modules = [weakref.ref(module) for module in model.modules()]  # the tree's order: tied ones once
+        self.tree = ModuleTree(model)
         self._param_names: dict[int, str] = {}
         self._param_refs: list[tuple[int, Callable[[], torch.Tensor | None]]] = []
         self._module_handles: list[RemovableHandle] = []
@@ -219,17 +200,17 @@ class Provenance:
         """``first_fault``'s light trace: a forward hook per module that reduces its output (and a tensor hook
         on that output for its gradient), and the pre-hook on the model for the batch."""
         tracing = self._tracing
-        deepest = self._deepest_level(tracing.budget)
-        hooked = sum(1 for level in self._level if level <= deepest) if deepest is not None else 0
-        self._light_levels = (deepest, hooked) if deepest is not None and deepest < max(self._level) else None
+        deepest = self.tree.deepest_level(tracing.budget)
+        hooked = sum(1 for level in self.tree.level if level <= deepest) if deepest is not None else 0
+        self._light_levels = (deepest, hooked) if deepest is not None and deepest < max(self.tree.level) else None
         """When the budget stopped the trace short of the leaves: (the deepest level hooked, modules hooked)."""
         for index, ref in enumerate(self._modules):
             module = ref()
             if module is None or (index == 0 and (tracing.depth is not None or tracing.leaves)):
                 continue
-            if deepest is not None and self._level[index] > deepest:
+            if deepest is not None and self.tree.level[index] > deepest:
                 continue
-            if tracing.depth is not None and self.names[index].count(".") > tracing.depth:
+            if tracing.depth is not None and self.tree.names[index].count(".") > tracing.depth:
                 continue
             if tracing.leaves and next(module.children(), None) is not None:
                 continue
@@ -238,19 +219,6 @@ class Provenance:
         root = self._modules[0]()
         if root is not None:
             self._light_handles.append(root.register_forward_pre_hook(self._light_data))
-
-    def _deepest_level(self, budget: int | None) -> int | None:
-        """The deepest level of modules (the model is level 0) such that the levels down to it hold at most
-        ``budget`` modules together (None: no budget)."""
-        if budget is None:
-            return None
-        deepest, total = 0, 0
-        for level in range(max(self._level) + 1):
-            total += self._level.count(level)
-            if total > budget:
-                break
-            deepest = level
-        return deepest
 
     def _disarm_light(self) -> None:
         for handle in self._light_handles:
@@ -312,12 +280,9 @@ class Provenance:
 
     def _reset(self) -> None:
         self._fwd: list[torch.Tensor] = []
-        self._fwd_meta: list[tuple[int, int]] = []
-        """(module index, role: data, input or output), per forward figure."""
+        self._fwd_meta: ForwardMeta = []
         self._bwd: list[torch.Tensor] = []
-        self._bwd_meta: list[tuple[int, list[int], int]] = []
-        """(producing module or -1, the modules that took the tensor as input, and for the light trace, which
-        does not follow inputs, the position of the tensor's own forward figure, else -1), per gradient figure."""
+        self._bwd_meta: BackwardMeta = []
         self._acc: list[torch.Tensor] = []
         self._acc_meta: list[int] = []
         """Guarded tensor index, per accumulated-gradient figure."""
@@ -341,7 +306,7 @@ class Provenance:
     def _data(self, module: nn.Module, args: Any) -> None:
         if self._recording():
             for tensor in _tensors(args):
-                self._record(tensor, 0, _DATA)
+                self._record(tensor, 0, DATA)
 
     def _forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._recording():
@@ -352,19 +317,19 @@ class Provenance:
             if known is not None and known.ref() is tensor and known.version == tensor._version:
                 known.consumers.append(index)
             else:
-                self._record(tensor, index, _INPUT)
+                self._record(tensor, index, INPUT)
         for tensor in _tensors(output):
             known = seen.get(id(tensor))
             if known is None or known.ref() is not tensor or known.version != tensor._version:
-                self._record(tensor, index, _OUTPUT)  # not a container passing its last child's output on
+                self._record(tensor, index, OUTPUT)  # not a container passing its last child's output on
 
     def _record(self, tensor: torch.Tensor, index: int, role: int) -> None:
         self._fwd.append(_peak(tensor))
         self._fwd_meta.append((index, role))
-        consumers = [] if role == _OUTPUT else [index]
+        consumers = [] if role == OUTPUT else [index]
         self._seen[id(tensor)] = _Seen(tensor, consumers)
         if tensor.requires_grad:
-            producer = index if role == _OUTPUT else -1
+            producer = index if role == OUTPUT else -1
             tensor.register_hook(functools.partial(self._backward, producer, consumers))  # type: ignore[no-untyped-call]
 
     def _backward(self, producer: int, consumers: list[int], grad: torch.Tensor) -> None:
@@ -376,7 +341,7 @@ class Provenance:
         if self._recording():
             for tensor in _tensors(args):
                 self._fwd.append(self._tracing.reduce(tensor))
-                self._fwd_meta.append((0, _DATA))
+                self._fwd_meta.append((0, DATA))
 
     def _light_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._recording():
@@ -396,7 +361,7 @@ class Provenance:
             self._last = (weakref.ref(tensor), tensor._version)
         position = len(self._fwd)
         self._fwd.append(self._tracing.reduce(tensor))
-        self._fwd_meta.append((index, _OUTPUT))
+        self._fwd_meta.append((index, OUTPUT))
         if tensor.requires_grad and self._tracing.backward:
             tensor.register_hook(functools.partial(self._light_backward, index, position))  # type: ignore[no-untyped-call]
 
@@ -439,7 +404,7 @@ class Provenance:
         self,
         step: tuple[StepOutcome, int, tuple[int, ...]],
         sizes: tuple[int, int],
-        metas: tuple[list[tuple[int, int]], list[tuple[int, list[int], int]], list[int]],
+        metas: tuple[ForwardMeta, BackwardMeta, list[int]],
         armed: bool,
         distributed: bool,
         values: list[float],
@@ -450,13 +415,13 @@ class Provenance:
             return  # nothing to explain (a GradScaler's inf is its loss-scale search, not a fault)
         self._fault(index)
         fwd, bwd, acc = values[: sizes[0]], values[sizes[0] : sum(sizes)], values[sum(sizes) :]
-        first = self._first_params(acc, metas[2])
-        origin = self._forward_origin(fwd, metas[0]) or self._backward_origin(bwd, metas[1], metas[0])
+        first = first_params(self._param_names, acc, metas[2])
+        origin = forward_origin(self.tree, fwd, metas[0]) or backward_origin(self.tree, bwd, metas[1], metas[0])
         if origin is None and fwd and not bwd and not acc:
-            origin = self._boundary_origin(metas[0], grads, outcome.nonfinite)
+            origin = boundary_origin(self.tree, self._param_names, metas[0], grads, outcome.nonfinite)
         singled_out = 0 < len(first) < len(outcome.nonfinite)  # some went non-finite before the others
         if origin is None and first:
-            kind = _kind(next(v for v in acc if not math.isfinite(v)))
+            kind = kind_of(next(v for v in acc if not math.isfinite(v)))
             module = (first[0].rpartition(".")[0] or ROOT) if singled_out else None
             origin = {"phase": "gradient", "module": module, "kind": kind, "input_nonfinite": False}
             if not singled_out:
@@ -464,16 +429,20 @@ class Provenance:
                 origin["note"] += "forward or backward pass" + ("" if armed else self._retrace)
         everyone = len(outcome.nonfinite) == treated > 1
         if origin is None and (acc or fwd):
-            note = _finite_note(bool(acc), bool(bwd), distributed)
+            note = finite_note(bool(acc), bool(bwd), distributed)
             origin = {"phase": "after_backward", "module": None, "kind": None, "input_nonfinite": False, "note": note}
         if origin is None:
             # Nothing was recorded: after_fault's first fault (its hooks are armed from now on).
             note = "not traced: no hook was armed" + (self._retrace if self.mode == "after_fault" else "")
             origin = {"phase": "untraced", "module": None, "kind": None, "input_nonfinite": False, "note": note}
             origin["hint"] = UNTRACED_HINT
-        elif not armed and self._light_levels is not None and self._inside_unhooked(origin.get("module")):
+        elif (
+            not armed
+            and (levels := self._light_levels)
+            and self.tree.has_unhooked_children(origin["module"], levels[0])
+        ):
             origin["hint"] = (
-                f"The first fault's trace covers the model's {self._light_levels[1]} outermost modules: for the "
+                f"The first fault's trace covers the model's {levels[1]} outermost modules: for the "
                 f"module inside {origin['module']}, GradGuard(..., provenance='always') (a debugging run)."
             )
         # Said only when the guard saw a clip run over these gradients before its step: a NaN that reached
@@ -488,120 +457,10 @@ class Provenance:
     def _retrace(self) -> str:
         return f" (provenance={self.mode!r} has armed its module hooks: a recurrence is traced)" if self.mode else ""
 
-    def _inside_unhooked(self, module: str | None) -> bool:
-        """Whether ``module`` has submodules the light trace (bounded to its outer levels) did not hook."""
-        if module is None or self._light_levels is None or module not in self._position:
-            return False
-        index = self._position[module]
-        return self._level[index] == self._light_levels[0] and index in self._parent[1:]
-
     def _fault(self, step: int) -> None:
         if self.mode in ("after_fault", "first_fault"):
             self._arm_modules()
             self._armed_until = step + ARMED_STEPS
-
-    def _first_params(self, values: list[float], meta: list[int]) -> list[str]:
-        """The guarded tensors whose gradients were non-finite first, as backward accumulated them."""
-        names: dict[str, None] = {}
-        for value, index in zip(values, meta, strict=True):
-            if not math.isfinite(value) and (name := self._param_names.get(index)):
-                names[name] = None
-        return list(names)
-
-    def _forward_origin(self, values: list[float], meta: list[tuple[int, int]]) -> dict[str, Any] | None:
-        names = self.names
-        for position, value in enumerate(values):
-            if math.isfinite(value):
-                continue
-            index, role = meta[position]
-            origin = {"phase": "forward", "kind": _kind(value), "input_nonfinite": role == _DATA}
-            if role == _DATA:
-                # The batch itself: name the first module whose output it made non-finite.
-                later = range(position, len(values))
-                bad = (meta[k][0] for k in later if meta[k][1] == _OUTPUT and not math.isfinite(values[k]))
-                seen_in = next((names[i] for i in bad), None)
-                return origin | {"module": seen_in, "seen_in": seen_in}
-            if role == _INPUT:
-                # Non-finite on entry, yet no module before produced it: the code around this module made it.
-                return origin | {"module": names[self._parent[index]], "seen_in": names[index]}
-            return origin | {"module": names[index], "seen_in": names[index]}
-        return None
-
-    def _backward_origin(
-        self, values: list[float], meta: list[tuple[int, list[int], int]], forward: list[tuple[int, int]]
-    ) -> dict[str, Any] | None:
-        names = self.names
-        for position, value in enumerate(values):
-            if math.isfinite(value):
-                continue
-            producer, consumers, recorded = meta[position]
-            if recorded >= 0:
-                consumers = self._next_module(producer, forward[recorded + 1 :])
-            # The tensor's gradient comes from the modules that took it as input: the innermost of them.
-            inner = [c for c in consumers if not any(d != c and self._within(d, c) for d in consumers)]
-            if inner:
-                module: str | None = names[inner[0]]
-            elif producer > 0:
-                module = names[self._parent[producer]]  # the code around the module that consumed its output
-            else:
-                module = None  # the gradient of the model's output: the loss, or code after the model
-            seen_in = names[producer] if producer >= 0 else module
-            origin: dict[str, Any] = {"phase": "backward", "module": module, "kind": _kind(value)}
-            origin |= {"input_nonfinite": False, "seen_in": seen_in}
-            if len(inner) > 1:
-                origin["consumers"] = [names[c] for c in inner]
-            if module is None:
-                origin["note"] = "the gradient of the model's output was already non-finite: the loss made it"
-            return origin
-        return None
-
-    def _boundary_origin(
-        self, forward: list[tuple[int, int]], grads: tuple[int, ...], nonfinite: Mapping[int, tuple[str, int]]
-    ) -> dict[str, Any] | None:
-        """The light trace without tensor hooks, its forward finite: the fault started in backward, after
-        (in forward order) the last traced module with a non-finite parameter gradient, and before the first
-        one after it whose parameter gradients are all finite (backward runs from the loss: everything it
-        reaches after a fault goes non-finite, nothing it reached before does)."""
-        order: dict[int, int] = {}
-        for module, role in forward:
-            if role == _OUTPUT:
-                order.setdefault(module, len(order))
-        bad: set[int] = set()
-        good: set[int] = set()
-        for index in grads:
-            name = self._param_names.get(index)
-            module = self._position.get(name.rpartition(".")[0], 0) if name else 0
-            while module not in order and module != 0:
-                module = self._parent[module]
-            (bad if index in nonfinite else good).add(order.get(module, -1))
-        if not bad or not good:
-            return None  # every gradient non-finite: the loss, or code after backward (a global clip spreads one)
-        last = max(bad)
-        kinds = {kind for kind, _ in nonfinite.values()}
-        origin: dict[str, Any] = {"phase": "backward", "kind": kinds.pop() if len(kinds) == 1 else None}
-        origin["input_nonfinite"] = False
-        after = [p for p in good if p > last]
-        if not after:
-            note = "the gradient of the model's output was already non-finite: the loss made it"
-            return origin | {"module": None, "seen_in": None, "note": note}
-        modules = list(order)
-        between = [self.names[m] for m in modules[last + 1 : min(after)]]
-        where = self.names[modules[last]] if last >= 0 else ROOT
-        origin |= {"module": where, "seen_in": where, "before": self.names[modules[min(after)]]}
-        if between:
-            origin["consumers"] = between[:4]
-        return origin
-
-    def _next_module(self, producer: int, later: list[tuple[int, int]]) -> list[int]:
-        """The light trace's guess at who consumed ``producer``'s output: the next module to record an output
-        that is not around ``producer`` (the trace does not follow inputs)."""
-        return next(([index] for index, role in later if role == _OUTPUT and not self._within(producer, index)), [])
-
-    def _within(self, inner: int, outer: int) -> bool:
-        """Whether module ``inner`` is ``outer`` or lies inside it (by name)."""
-        while inner != outer and inner != 0:
-            inner = self._parent[inner]
-        return inner == outer
 
 
 def attach_provenance(

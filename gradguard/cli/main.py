@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from gradguard.cli.common import fail, load_policy, unreadable
+from gradguard.cli.common import fail, load_policy, output_option, unreadable
 from gradguard.cli.tuning import replay, suggest
 
 __all__ = ["main"]
@@ -287,14 +287,7 @@ def audit(
 
 
 @main.command()
-@click.option(
-    "--output",
-    "-o",
-    "output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    metavar="FILE",
-    help="Write the schema to FILE instead of printing it.",
-)
+@output_option("the schema")
 def schema(output: Path | None) -> None:
     """Print the JSON Schema of policy files, for editors: completion, hover docs and checks as you type.
 

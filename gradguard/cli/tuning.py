@@ -11,21 +11,14 @@ from pathlib import Path
 
 import click
 
-from gradguard.cli.common import LOGS, fail, load_policy, unreadable
+from gradguard.cli.common import LOGS, fail, load_policy, output_option, unreadable
 
 __all__ = ["replay", "suggest"]
 
 
 @click.command()
 @LOGS
-@click.option(
-    "--output",
-    "-o",
-    "output",
-    type=click.Path(dir_okay=False, path_type=Path),
-    metavar="FILE",
-    help="Write the policy to FILE instead of printing it.",
-)
+@output_option("the policy")
 @click.option(
     "--budget",
     type=click.FloatRange(min=0.0001, max=0.5),

@@ -97,9 +97,11 @@ class GradientHalt(GradGuardError, RuntimeError):
         self.origin: dict[str, Any] | None = dict(origin) if origin is not None else None
         """Where it started (``GradGuard(provenance=...)``): ``phase`` (``forward``, ``backward``, ``gradient``
         or ``after_backward``), ``module``, ``kind``, ``input_nonfinite`` (the input batch was already
-        non-finite), ``first_params``, ``spread`` (a clip the guard saw run before its step spread it to
-        every gradient), ``clip`` (that clip's name) and ``hint`` (one sentence: how to trace it, or to trace it
-        further); ``None`` if not traced."""
+        non-finite), ``first_params``, ``own`` (phase ``gradient``: one module's parameters went non-finite
+        while the modules before it kept finite gradients, so it was made in those gradients themselves),
+        ``before`` and ``consumers`` (a backward fault placed between modules), ``spread`` (a clip the guard saw
+        run before its step spread it to every gradient), ``clip`` (that clip's name) and ``hint`` (one
+        sentence: how to trace it, or to trace it further); ``None`` if not traced."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
         what = "gradient norm spike" if kind == "spike" else f"non-finite gradient ({kind})"
         traced = f" {origin_sentence(origin)}" if origin else ""
@@ -130,6 +132,10 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     elif phase == "backward" and module:
         text = f"It started in the backward pass: {module}'s backward produced the first {kind} gradient"
         text += f" (the gradient of {seen_in}'s output)." if seen_in and seen_in != module else "."
+    elif phase == "gradient" and origin.get("own"):
+        text = f"It started in the gradients of {module}'s own parameters: the modules that ran before it kept "
+        text += "finite gradients, so backward did not carry it through the activations (the weight-gradient "
+        text += "computation, a hook on a parameter, or code that touched only these gradients made it)."
     elif phase == "gradient" and first:
         text = f"First gradients to go {kind} as backward accumulated them: {', '.join(first[:8])} (in {module})."
     else:

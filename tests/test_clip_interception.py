@@ -73,6 +73,8 @@ def test_a_nanogpt_loop_halts_naming_the_poisoned_parameter_with_no_options():
             loop.iteration(7)
     assert caught.value.step == 7
     assert caught.value.params == ("hidden.weight",)
+    assert caught.value.origin is not None
+    assert (caught.value.origin["phase"], caught.value.origin["module"]) == ("gradient", "hidden")
     assert "clip" not in str(caught.value)
     assert_same(model_state(model), before, "parameters after the halt")
     assert_same(opt.state_dict()["state"], state_before["state"], "optimizer state after the halt")

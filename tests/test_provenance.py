@@ -453,7 +453,8 @@ def test_first_fault_places_a_fault_made_in_backward_between_the_last_bad_and_th
 
 def test_first_fault_traces_a_modules_output_whose_python_object_reuses_a_freed_tensors_id():
     """tanh between Linear layers frees each Linear's output object at once, and CPython hands its address (its
-    id) to the next module's output: that output is still traced, every time, and the fault placed by it."""
+    id) to the next module's output: that output is still traced, every time, and the fault placed by it (one
+    module's own gradient, made NaN after backward: the module before it kept finite gradients)."""
     for seed in range(10):
         torch.manual_seed(seed)
         model = SmallMLP()
@@ -464,7 +465,9 @@ def test_first_fault_traces_a_modules_output_whose_python_object_reuses_a_freed_
             with pytest.raises(GradientHalt) as caught:
                 opt.step()
         assert caught.value.origin is not None
-        assert (caught.value.origin["module"], caught.value.origin["before"]) == ("hidden", "out"), seed
+        origin = caught.value.origin
+        assert (origin["phase"], origin["module"], origin["own"]) == ("gradient", "hidden", True), seed
+        assert "It started in the gradients of hidden's own parameters" in str(caught.value)
 
 
 def test_first_fault_reads_no_host_data_in_forward_or_backward_and_one_read_at_the_step():
@@ -500,6 +503,24 @@ class Stack(nn.Module):
             h = h + block(h)
         out: torch.Tensor = self.head(h)
         return out
+
+
+def test_first_fault_names_the_module_inside_an_untraced_block_whose_own_gradient_went_nan():
+    """Beyond the budget, blocks.7[2]'s weight gradient poisoned by a hook: the modules before it kept finite
+    gradients, so the halt names that module's own gradients, not the block, and needs no hint."""
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.blocks[7][2].weight.register_hook(lambda grad: grad * math.nan)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None):
+        x, y = batch(0)
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    assert info.value.params == ("blocks.7.2.weight",)
+    origin = info.value.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["own"]) == ("gradient", "blocks.7.2", True)
+    assert "hint" not in origin
 
 
 def test_first_fault_on_a_model_beyond_its_budget_names_the_block_and_how_to_see_inside_it():

@@ -178,7 +178,9 @@ def boundary_origin(
     """The light trace without tensor hooks, its forward finite: the fault started in backward, after (in
     forward order) the last traced module with a non-finite parameter gradient, and before the first one
     after it whose parameter gradients are all finite (backward runs from the loss: everything it reaches
-    after a fault goes non-finite, nothing it reached before does)."""
+    after a fault goes non-finite, nothing it reached before does). When the non-finite gradients are one
+    module's parameters and modules before it stayed finite, the fault did not travel through backward at
+    all: it is named in those parameters' own gradients (phase ``gradient``, ``own``)."""
     order: dict[int, int] = {}
     for module, role in forward:
         if role == OUTPUT:
@@ -197,6 +199,12 @@ def boundary_origin(
     kinds = {kind for kind, _ in nonfinite.values()}
     origin: dict[str, Any] = {"phase": "backward", "kind": kinds.pop() if len(kinds) == 1 else None}
     origin["input_nonfinite"] = False
+    owners = {(param_names.get(index) or "").rpartition(".")[0] or ROOT for index in nonfinite}
+    if len(owners) == 1 and any(p < min(bad) for p in good):
+        # One module's parameters, while the modules that ran before it kept finite gradients: backward did
+        # not carry it on through the activations, so it was made in these gradients themselves.
+        owner = owners.pop()
+        return origin | {"phase": "gradient", "module": owner, "seen_in": owner, "own": True}
     after = [p for p in good if p > last]
     if not after:
         note = "the gradient of the model's output was already non-finite: the loss made it"

@@ -12,9 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
-from gradguard import ClipNorm, Policy, PolicyError, PolicyIssue
+from gradguard import ClipNorm, GradGuard, Policy, PolicyError, PolicyIssue
 
 POLICY = {
     "version": 1,
@@ -504,6 +505,14 @@ def test_unsupported_suffix_is_a_policy_error(tmp_path, name):
     exc = _load_error(_write(tmp_path, name, "version: 1\n"))
     assert "unsupported file type" in exc.issues[0].message
     assert ".yaml, .yml, .toml or .json" in exc.issues[0].message
+    assert "Policy.shipped" not in exc.issues[0].message  # a file that is there is not a shipped name
+
+
+def test_a_shipped_policys_name_given_as_a_path_says_how_to_load_it_by_name():
+    """GradGuard(model, "default"): no such file and no suffix, so the error points at Policy.shipped."""
+    with pytest.raises(PolicyError) as caught:
+        GradGuard(torch.nn.Linear(2, 2), "default", logger=None)
+    assert "Policy.shipped('default')" in caught.value.issues[0].message
 
 
 @pytest.mark.parametrize(

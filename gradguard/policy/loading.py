@@ -88,16 +88,11 @@ def read_policy_file(path: str | os.PathLike[str]) -> tuple[str, str]:
     suffix = Path(source).suffix.lower()
     fmt = _SUFFIXES.get(suffix)
     if fmt is None:
-        raise PolicyError(
-            [
-                PolicyIssue(
-                    source,
-                    None,
-                    "",
-                    f"unsupported file type {suffix or '(none)'!r}; a policy file ends in .yaml, .yml, .toml or .json",
-                )
-            ]
-        )
+        message = f"unsupported file type {suffix or '(none)'!r}; a policy file ends in .yaml, .yml, .toml or .json"
+        if not suffix and not Path(source).exists():
+            # GradGuard(model, "default") means a shipped policy more often than a file without a suffix.
+            message += f"; a shipped policy by name: Policy.shipped({source!r}) (`gradguard policies` lists them)"
+        raise PolicyError([PolicyIssue(source, None, "", message)])
     return _read(source), fmt
 
 

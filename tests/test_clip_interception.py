@@ -179,6 +179,37 @@ def test_a_skip_decided_at_the_clip_leaves_parameters_and_optimizer_state_bitwis
     assert guard.counters.snapshot()["r0"] == {"nan": 1, "skip_step_on_nonfinite": 1}
 
 
+def test_a_skip_at_the_clip_also_holds_the_optimizers_parameters_outside_the_model():
+    """An optimizer of the model and a learnable temperature outside it, the loop clipping the model's
+    parameters only: a skip decided at the clip holds the temperature and its AdamW state too, and the run
+    equals the same run without the clip's interception (the skip taken at step()) at every iteration."""
+
+    def train(clip: bool) -> list[list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = SmallMLP()
+        temperature = torch.nn.Parameter(torch.ones(()))
+        opt = torch.optim.AdamW([*model.parameters(), temperature], lr=1e-2)
+        states = []
+        with GradGuard(model, make_policy(SKIP_ALL), logger=None):
+            for iteration in range(5):
+                opt.zero_grad()
+                (model(torch.randn(6, 8)) * temperature).pow(2).mean().backward()
+                if iteration == 2:
+                    model.hidden.weight.grad[0, 0] = math.nan  # type: ignore[index]
+                if clip:  # far above the gradients' norm: it changes nothing but where the guard acts
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+                before = temperature.detach().clone()
+                opt.step()
+                if iteration == 2:
+                    assert torch.equal(temperature.detach(), before), "the temperature moved in a skipped step"
+                states.append([temperature.detach().clone(), *(p.detach().clone() for p in model.parameters())])
+        return states
+
+    with_clip, without = train(clip=True), train(clip=False)
+    for iteration, (a, b) in enumerate(zip(with_clip, without, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), iteration
+
+
 def test_a_nan_batch_without_any_clip_in_the_loop_halts_without_a_word_about_clips():
     """Every gradient is NaN by itself (bad data): the halt never blames a clip."""
     torch.manual_seed(0)

@@ -165,8 +165,6 @@ class GradGuard(ServesMetrics):
             if scaler is not None:
                 self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
             self._last_step_skipped = False
-            self._skipped_at_clip = False
-            """A skip decided at the loop's clip: the optimizers' coming steps must not move their other params."""
             # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
             self._attachment.handles.append(enlist(self))
             self._finalizer = weakref.finalize(self, self._attachment.collected)
@@ -414,10 +412,9 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
         # A pass that found every gradient already treated (after guard.step(), or a second
         # optimizer's step) says nothing about the step: it must not undo a skip's verdict.
         guard._record(proceed)
-        guard._skipped_at_clip = False
-    elif guard._skipped_at_clip:
-        # The clip did not know this optimizer (no GradScaler named it): its parameters outside the model
-        # (a temperature, another model's) would move in a step the policy skipped.
+    elif guard._last_step_skipped:
+        # The step was skipped where this optimizer was not known (at the loop's clip, or at another optimizer's
+        # step, which cleared the model's gradients): its parameters outside the model must not move either.
         for param in _stepped_by(optimizer, guard._model_ref)():
             param.grad = None
     unexpected = guard._expected is not None and all(optimizer is not opt for opt in guard._expected)
@@ -468,7 +465,6 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     proceed = guard._enforcer.run(plan, context)
     if guard._enforcer.last_run_treated:
         guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
-        guard._skipped_at_clip = not proceed and not guard._enforcer.scaler_skip_at_boundary
     return True
 
 

@@ -210,6 +210,26 @@ def test_a_skip_at_the_clip_also_holds_the_optimizers_parameters_outside_the_mod
         assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), iteration
 
 
+def test_a_skip_at_one_optimizers_step_also_holds_the_next_optimizers_parameters_outside_the_model():
+    """Two optimizers, the second also stepping a temperature outside the model: the first one's step skips
+    (NaN in its part of the model) and clears the model's gradients; the second's step finds none of the
+    model's left to treat and must still leave the temperature alone."""
+    torch.manual_seed(0)
+    model = SmallMLP()
+    temperature = torch.nn.Parameter(torch.ones(()))
+    first = torch.optim.SGD(model.inp.parameters(), lr=0.1)
+    second = torch.optim.SGD([*model.hidden.parameters(), *model.out.parameters(), temperature], lr=0.1)
+    with GradGuard(model, make_policy(SKIP_ALL), logger=None) as guard:
+        (model(torch.randn(6, 8)) * temperature).pow(2).mean().backward()
+        model.inp.weight.grad[0, 0] = math.nan  # type: ignore[index]
+        before, held = model_state(model), temperature.detach().clone()
+        first.step()
+        second.step()
+        assert guard.last_step_skipped
+        assert_same(model_state(model), before, "parameters after the skip")
+        assert torch.equal(temperature.detach(), held), "the temperature moved in a skipped step"
+
+
 def test_a_nan_batch_without_any_clip_in_the_loop_halts_without_a_word_about_clips():
     """Every gradient is NaN by itself (bad data): the halt never blames a clip."""
     torch.manual_seed(0)

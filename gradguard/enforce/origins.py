@@ -28,6 +28,7 @@ __all__ = [
     "first_params",
     "forward_origin",
     "kind_of",
+    "owner_of",
 ]
 
 ROOT: Final = "(model)"
@@ -86,6 +87,11 @@ class ModuleTree:
         """The light trace's guess at who consumed ``producer``'s output: the next module to record an output
         that is not around ``producer`` (the trace does not follow inputs)."""
         return next(([index] for index, role in later if role == OUTPUT and not self.within(producer, index)), [])
+
+
+def owner_of(param_name: str) -> str:
+    """The name of the module that holds a parameter (``blocks.1.fc.weight`` -> ``blocks.1.fc``)."""
+    return param_name.rpartition(".")[0] or ROOT
 
 
 def kind_of(value: float) -> str:
@@ -189,7 +195,7 @@ def boundary_origin(
     good: set[int] = set()
     for index in grads:
         name = param_names.get(index)
-        module = tree.position.get(name.rpartition(".")[0], 0) if name else 0
+        module = tree.position.get(owner_of(name), 0) if name else 0
         while module not in order and module != 0:
             module = tree.parent[module]
         (bad if index in nonfinite else good).add(order.get(module, -1))
@@ -199,7 +205,7 @@ def boundary_origin(
     kinds = {kind for kind, _ in nonfinite.values()}
     origin: dict[str, Any] = {"phase": "backward", "kind": kinds.pop() if len(kinds) == 1 else None}
     origin["input_nonfinite"] = False
-    owners = {(param_names.get(index) or "").rpartition(".")[0] or ROOT for index in nonfinite}
+    owners = {owner_of(param_names.get(index, "")) for index in nonfinite}
     if len(owners) == 1 and any(p < min(bad) for p in good):
         # One module's parameters, while the modules that ran before it kept finite gradients: backward did
         # not carry it on through the activations, so it was made in these gradients themselves.

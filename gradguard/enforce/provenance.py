@@ -47,7 +47,6 @@ from gradguard.enforce.origins import (
     DATA,
     INPUT,
     OUTPUT,
-    ROOT,
     BackwardMeta,
     ForwardMeta,
     ModuleTree,
@@ -57,6 +56,7 @@ from gradguard.enforce.origins import (
     first_params,
     forward_origin,
     kind_of,
+    owner_of,
 )
 from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.enforce.tensors import stack_on
@@ -422,7 +422,7 @@ class Provenance:
         singled_out = 0 < len(first) < len(outcome.nonfinite)  # some went non-finite before the others
         if origin is None and first:
             kind = kind_of(next(v for v in acc if not math.isfinite(v)))
-            module = (first[0].rpartition(".")[0] or ROOT) if singled_out else None
+            module = owner_of(first[0]) if singled_out else None
             origin = {"phase": "gradient", "module": module, "kind": kind, "input_nonfinite": False}
             if not singled_out:
                 origin["note"] = "every non-finite gradient was so as backward accumulated it: it started in the "

@@ -82,6 +82,7 @@ class GradientHalt(GradGuardError, RuntimeError):
         rule: str,
         reason: str | None = None,
         origin: Mapping[str, Any] | None = None,
+        restored_to: int | None = None,
     ) -> None:
         self.step = step
         """The guard's 0-based step index at which the halt happened."""
@@ -89,7 +90,8 @@ class GradientHalt(GradGuardError, RuntimeError):
         """Names of every parameter whose gradient was non-finite: those that went non-finite first as
         backward accumulated them (``origin["first_params"]``) first, then the others in model order."""
         self.kind = kind
-        """``"nan"``, ``"inf"`` or ``"nan+inf"``; ``"spike"`` when ``skip_step_on_spike`` escalated."""
+        """``"nan"``, ``"inf"`` or ``"nan+inf"``; ``"spike"`` when ``skip_step_on_spike`` escalated;
+        ``"overflow"`` when GradScaler skipped more steps in a row than ``max_scaler_skips``."""
         self.rule = rule
         """The name of the (first) halt or skip rule that covered the offending parameters."""
         self.reason = reason
@@ -102,13 +104,21 @@ class GradientHalt(GradGuardError, RuntimeError):
         ``before`` and ``consumers`` (a backward fault placed between modules), ``spread`` (a clip the guard saw
         run before its step spread it to every gradient), ``clip`` (that clip's name) and ``hint`` (one
         sentence: how to trace it, or to trace it further); ``None`` if not traced."""
+        self.restored_to = restored_to
+        """The step of the recovery snapshot restored before this halt (``max_rewinds`` reached), or ``None``."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
-        what = "gradient norm spike" if kind == "spike" else f"non-finite gradient ({kind})"
+        what = {"spike": "gradient norm spike", "overflow": "GradScaler overflow (inf/NaN) on every step"}.get(
+            kind, f"non-finite gradient ({kind})"
+        )
+        where = f" in {len(self.params)} parameter(s): {shown}" if self.params else ""
         traced = f" {origin_sentence(origin)}" if origin else ""
+        state = "as they were after the last good step"
+        if restored_to is not None:
+            state = f"restored to the recovery snapshot of step {restored_to}"
         super().__init__(
-            f"{what} at step {step} in {len(self.params)} parameter(s): {shown} "
+            f"{what} at step {step}{where} "
             f"(rule {rule!r}){'; ' + reason if reason else ''}.{traced} The optimizer step was not taken: "
-            "parameters and optimizer state are as they were after the last good step."
+            f"parameters and optimizer state are {state}."
         )
 
 

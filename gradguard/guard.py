@@ -7,7 +7,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -41,13 +41,15 @@ from gradguard.lifecycle import (
     forget,
     load_guard_state,
     optimizers_given,
+    schedulers_given,
+    stepped_by,
     warn_unexpected_optimizer,
+    weak_call,
 )
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
 
 __all__ = ["GradGuard"]
-
 
 
 class GradGuard(ServesMetrics):
@@ -93,6 +95,8 @@ class GradGuard(ServesMetrics):
         before_clip: a call of torch's ``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm`` or
             ``clip_grads_with_norm_`` on guarded gradients runs the guard's step first, as ``guard.step()``
             there would (docs/clip-interception.md); ``False`` leaves the step at the optimizer's ``step()``.
+        lr_scheduler: the loop's LR scheduler(s), for a policy's ``recovery``: a rewind takes them back to the
+            snapshot with the weights, and ``lr_factor`` holds through their later steps (docs/recovery.md).
     """
 
     def __init__(
@@ -116,6 +120,7 @@ class GradGuard(ServesMetrics):
         reload_interval: float = 2.0,
         provenance: str | None = "first_fault",
         before_clip: bool = True,
+        lr_scheduler: Any = None,
     ) -> None:
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
@@ -125,7 +130,7 @@ class GradGuard(ServesMetrics):
         """Held while the guard treats a step, or is removed, reloaded, saved or restored (from any thread)."""
         self._model_ref = weakref.ref(model)
         self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
-        self._plans = PlanBook(self.policy, model, _weak_call(self._rebound))
+        self._plans = PlanBook(self.policy, model, weak_call(self._rebound))
         binding = self._plans.binding
         for opt in optimizers or ():
             if any(id(p) in binding.by_id for group in opt.param_groups for p in group["params"]):
@@ -164,13 +169,14 @@ class GradGuard(ServesMetrics):
             self._scaler = scaler
             if scaler is not None:
                 self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
+            self._enforcer.recovery.track(model, optimizers, scaler, schedulers_given(lr_scheduler))
             self._last_step_skipped = False
             # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
             self._attachment.handles.append(enlist(self))
             self._finalizer = weakref.finalize(self, self._attachment.collected)
             self._finalizer.atexit = False
 
-            emit_attach(events, self.policy, model, binding, optimizers, start_step)
+            emit_attach(events, self.policy, model, binding, optimizers, start_step, self._enforcer.recovery)
         except BaseException:
             forget(self)  # the model is free again
             raise
@@ -200,8 +206,16 @@ class GradGuard(ServesMetrics):
         return {entry.name: tuple(rules[i].name for i in entry.rules) for entry in self._plans.binding.params}
 
     def metrics(self) -> dict[str, float]:
-        """Monitors' last figures, counters and steps, flat (``gradguard/<rule>/<stat>[/<name>]``)."""
-        return self._enforcer.health.metrics(self.counters.snapshot(), self._enforcer.step)
+        """Monitors' last figures, counters, steps and recovery's snapshots, flat (``gradguard/<rule>/<stat>``)."""
+        out = self._enforcer.health.metrics(self.counters.snapshot(), self._enforcer.step)
+        return out | self._enforcer.recovery.metrics()
+
+    def pass_step(self) -> bool:
+        """Inside a rewind's window of skipped steps: count the coming step as skipped and return True,
+        so the loop can skip its forward, backward and update (``if guard.pass_step(): continue``).
+        Outside one: False, and nothing happens. A loop that never asks loses only the compute."""
+        with self._lock:
+            return self._enforcer.pass_step()
 
     @property
     def last_step_skipped(self) -> bool:
@@ -346,28 +360,33 @@ class GradGuard(ServesMetrics):
 
     def _rebound(self, new: Binding, replaced: list[str] | None) -> None:
         """The policy was bound again (``replaced``: the model's parameters were replaced; None: a reload)."""
-        if replaced is not None:
-            self._enforcer.rebind(new)
-        if self._enforcer.provenance is not None:
-            self._enforcer.provenance.rebind(new)
-        if self._enforcer.micro_batch is not None:
-            self._enforcer.micro_batch.remove()
-            self._attach_micro_batch_hooks()
-        if replaced is not None:
-            self._events.emit(
-                "warning",
-                "rebind",
-                step=self._enforcer.step,
-                replaced=replaced,
-                params=len(new.params),
-                rules={bound.name: len(bound.params) for bound in new.rules},
-            )
+        _rebound(self, new, replaced)
 
     def _attach_micro_batch_hooks(self) -> None:
         enforcer = self._enforcer
         hooks = MicroBatchHooks(self._plans.binding, lambda: enforcer.step)
         enforcer.micro_batch = hooks
         self._attachment.handles.append(hooks)
+
+
+def _rebound(guard: GradGuard, new: Binding, replaced: list[str] | None) -> None:
+    """GradGuard._rebound, under the guard's lock."""
+    if replaced is not None:
+        guard._enforcer.rebind(new)
+    if guard._enforcer.provenance is not None:
+        guard._enforcer.provenance.rebind(new)
+    if guard._enforcer.micro_batch is not None:
+        guard._enforcer.micro_batch.remove()
+        guard._attach_micro_batch_hooks()
+    if replaced is not None:
+        guard._events.emit(
+            "warning",
+            "rebind",
+            step=guard._enforcer.step,
+            replaced=replaced,
+            params=len(new.params),
+            rules={bound.name: len(bound.params) for bound in new.rules},
+        )
 
 
 def _optimizer_step_begins(
@@ -402,9 +421,10 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
     if plan is None:
         return
     # A skipped step must be skipped by every optimizer of the model, not only this one.
+    guard._enforcer.recovery.saw_optimizer(optimizer)
     context = StepContext(
         optimizer=optimizer,
-        stepped_params=_stepped_by(optimizer, guard._model_ref),
+        stepped_params=stepped_by(optimizer, guard._model_ref),
         clipped_before=guard._clips.take_seen(),
     )
     proceed = guard._enforcer.run(plan, context)
@@ -415,7 +435,7 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
     elif guard._last_step_skipped:
         # The step was skipped where this optimizer was not known (at the loop's clip, or at another optimizer's
         # step, which cleared the model's gradients): its parameters outside the model must not move either.
-        for param in _stepped_by(optimizer, guard._model_ref)():
+        for param in stepped_by(optimizer, guard._model_ref)():
             param.grad = None
     unexpected = guard._expected is not None and all(optimizer is not opt for opt in guard._expected)
     if unexpected and guard._enforcer.last_run_treated and not guard._warned_unexpected:
@@ -436,7 +456,7 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
         plan = found
     context = StepContext(
         optimizer=optimizer,
-        stepped_params=_stepped_by(optimizer, guard._model_ref),
+        stepped_params=stepped_by(optimizer, guard._model_ref),
         explicit=True,
         found_inf=unscaled_found_inf(guard._scaler, optimizer),
     )
@@ -455,9 +475,11 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     plan = guard._plans.for_params(boundary.params)
     if plan is None:
         return False
+    if boundary.optimizer is not None:
+        guard._enforcer.recovery.saw_optimizer(boundary.optimizer)
     context = StepContext(
         optimizer=None,
-        stepped_params=_stepped_by(boundary.optimizer, guard._model_ref),
+        stepped_params=stepped_by(boundary.optimizer, guard._model_ref),
         explicit=True,
         found_inf=boundary.found_inf,
         clipped_before=guard._clips.take_seen(),
@@ -468,32 +490,6 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     return True
 
 
-def _weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding, list[str]], None]:
-    """Calls ``method`` while its object lives, without keeping it alive (a guard must stay collectable)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(binding: Binding, replaced: list[str]) -> None:
-        bound = ref()
-        if bound is not None:
-            bound(binding, replaced)
-
-    return call
-
-
-def _stepped_by(
-    optimizer: Optimizer | None, model_ref: weakref.ReferenceType[nn.Module]
-) -> Callable[[], Iterable[torch.Tensor]]:
-    """Every parameter a skipped step must clear: the optimizer's and the whole model's."""
-
-    def stepped() -> Iterable[torch.Tensor]:
-        if optimizer is not None:
-            yield from (p for group in optimizer.param_groups for p in group["params"])
-        model = model_ref()
-        yield from model.parameters() if model is not None else ()
-
-    return stepped
-
-
 def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType[GradGuard]) -> ScalerWatch:
     def on_skip(optimizer: Optimizer) -> None:
         guard = guard_ref()
@@ -502,6 +498,7 @@ def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType
         with guard._lock:
             if guard.attached:
                 plans = guard._plans  # the guard's GradScaler skipped this optimizer's step (its step() never ran)
-                guard._enforcer.scaler_skipped(lambda: plans.for_optimizer(optimizer))
+                context = StepContext(optimizer=optimizer, stepped_params=stepped_by(optimizer, guard._model_ref))
+                guard._enforcer.scaler_skipped(lambda: plans.for_optimizer(optimizer), context)
 
     return ScalerWatch(scaler, optimizer_steps, on_skip)

@@ -12,7 +12,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -20,6 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradguard.enforce.engine import Enforcer
+from gradguard.enforce.recovery import Recovery
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
 from gradguard.policy.document import Policy
@@ -122,6 +123,7 @@ def emit_attach(
     binding: Binding,
     optimizers: list[Optimizer] | None,
     start_step: int,
+    recovery: Recovery,
 ) -> None:
     boundary = "any torch.optim optimizer"
     if optimizers is not None:
@@ -137,7 +139,34 @@ def emit_attach(
         params=len(binding.params),
         rules={bound.name: len(bound.params) for bound in binding.rules},
         pid=os.getpid(),
+        **_recovery_fields(policy, recovery),
     )
+
+
+def _recovery_fields(policy: Policy, recovery: Recovery) -> dict[str, Any]:
+    """The attach event's ``recovery``: the section, and the host bytes its snapshots will hold."""
+    if policy.recovery is None:
+        return {}
+    recovery.config = policy.recovery
+    fields: dict[str, Any] = policy.recovery.model_dump()
+    # Optimizer state made at the first step (Adam's moments) is not known yet: metrics() has the held bytes.
+    fields["snapshot_bytes"] = recovery.estimated_bytes()
+    fields["schedulers"] = len(recovery.live.schedulers)
+    return {"recovery": fields}
+
+
+def schedulers_given(given: Any) -> list[Any]:
+    """``GradGuard(lr_scheduler=...)``: one scheduler, several, or None."""
+    if given is None:
+        return []
+    schedulers = list(given) if isinstance(given, list | tuple) else [given]
+    for scheduler in schedulers:
+        if not all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
+            raise TypeError(
+                "lr_scheduler must be an LR scheduler (with state_dict and load_state_dict), "
+                f"got {type(scheduler).__name__}"
+            )
+    return schedulers
 
 
 def distributed_rank() -> int:
@@ -247,3 +276,29 @@ def _remove_all_at_exit() -> None:
         finally:
             if locked:
                 guard._lock.release()
+
+
+def weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding, list[str]], None]:
+    """Calls ``method`` while its object lives, without keeping it alive (a guard must stay collectable)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(binding: Binding, replaced: list[str]) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(binding, replaced)
+
+    return call
+
+
+def stepped_by(
+    optimizer: Optimizer | None, model_ref: weakref.ReferenceType[nn.Module]
+) -> Callable[[], Iterable[torch.Tensor]]:
+    """Every parameter a skipped step must clear: the optimizer's and the whole model's."""
+
+    def stepped() -> Iterable[torch.Tensor]:
+        if optimizer is not None:
+            yield from (p for group in optimizer.param_groups for p in group["params"])
+        model = model_ref()
+        yield from model.parameters() if model is not None else ()
+
+    return stepped

@@ -28,6 +28,7 @@ from gradguard.enforce.health import Health
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
 from gradguard.enforce.provenance import Provenance
+from gradguard.enforce.recovery import Recovery, RewindRequested
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf
 from gradguard.enforce.statistics import Statistics
 from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
@@ -71,11 +72,13 @@ class Enforcer:
         self.last_run_treated = False
         """Whether the last :meth:`run` found new gradients to treat."""
         self.skip_limits = SkipLimits()
-        self.verdicts = Verdicts(counters, events, self.skip_limits)
         self.health = Health(counters, events)
         """The monitors' figures, warnings and metrics across steps."""
         self.statistics = Statistics()
         """The adaptive actions' statistics across steps (changed only by applied steps)."""
+        self.recovery = Recovery(self.statistics, self.skip_limits)
+        """Snapshots and rewinds (the policy's ``recovery`` section)."""
+        self.verdicts = Verdicts(counters, events, self.skip_limits, self.recovery)
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
         """``(weakref to grad, version, held)`` after the last pass, per tensor: a gradient already
         treated, and unchanged since, is not treated again (a second ``step()`` on the same gradient).
@@ -99,6 +102,10 @@ class Enforcer:
             return True
 
         step = self._begin_step(grads)
+        self.recovery.config = self.binding.policy.recovery  # a reload may have changed it
+        if self.recovery.active and self.recovery.begin_step(step):
+            self.verdicts.clear(context)  # a rewind's window: this update is skipped, its gradients unread
+            return False
         collective = self.collective if self.collective.active() else None
         sharded = collective is not None and bool(wrapped)  # wrapped holds the DTensor (FSDP2) gradients
         work = StepWork(self.binding, plan.names, grads, step, Pending(), StepOutcome(), collective, sharded)
@@ -127,15 +134,22 @@ class Enforcer:
         outcome = work.outcome
         if outcome.observed and not outcome.scaler_found_inf:
             self.health.report(outcome.observed, step)  # figures of the gradient as it arrived, before a verdict
-        if outcome.scaler_found_inf:
-            self.record_scaler_skip((), step=step, fused=context.optimizer is not None and not context.explicit)
-            self.scaler_skip_at_boundary = context.explicit
-            # Seen, so a second boundary of this step (accelerate's unscale, then the clip) does not count a
-            # new step; not held: no optimizer step will seal it, and the next backward must be treated.
-            self._mark_treated(grads, wrapped, held=False)
-            return True  # the scaler (or the fused kernel it drives) skips the update itself
+        rules = self.binding.policy.rules
         try:
-            self.verdicts.report(self.binding.policy.rules, outcome, plan.names, step)
+            if outcome.scaler_found_inf:
+                # Seen, so a second boundary of this step (accelerate's unscale, then the clip) does not count a
+                # new step; not held: no optimizer step will seal it, and the next backward must be treated.
+                self._mark_treated(grads, wrapped, held=False)
+                self.scaler_skip_at_boundary = context.explicit
+                self.record_scaler_skip((), step=step, fused=context.optimizer is not None and not context.explicit)
+                return True  # the scaler (or the fused kernel it drives) skips the update itself
+            self.verdicts.report(rules, outcome, plan.names, step)
+            if outcome.skipped_by or outcome.spikes:
+                self.verdicts.skip(rules, outcome, plan.names, step, context)
+                return False
+        except RewindRequested as request:
+            self.verdicts.rewound(request, context)
+            return False
         except GradientHalt:
             # The other gradients were treated: a retry after the user dropped the bad ones must not
             # treat them again. The offending ones stay untreated, so a retry checks them again.
@@ -143,9 +157,6 @@ class Enforcer:
                 if index not in outcome.halted_by and index not in outcome.skipped_by:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
-        if outcome.skipped_by or outcome.spikes:
-            self.verdicts.skip(self.binding.policy.rules, outcome, plan.names, step, context)
-            return False
         self.skip_limits.step_applied()
         work.statistics_step.commit()  # only an applied step's norms enter the adaptive statistics
         if self.summary_every and (step + 1) % self.summary_every == 0:
@@ -285,8 +296,10 @@ class Enforcer:
         self._scaler_skip_noted = True
         self.counters.add(SCALER_RULE, "skip")
         self.events.emit("info", "scaler_skip", step=step, fused=fused)
+        if not self.recovery.skipping(step):  # a skipped step changes no count of the guard
+            self.verdicts.scaler_skip(self.binding.policy.rules, step)
 
-    def scaler_skipped(self, plan_of_optimizer: Callable[[], Plan | None]) -> None:
+    def scaler_skipped(self, plan_of_optimizer: Callable[[], Plan | None], context: StepContext) -> None:
         """The guard's GradScaler skipped an optimizer's step (the optimizer's ``step()`` never ran)."""
         self.seal_explicit()  # no optimizer step ran, so its post-hook did not
         if self.scaler_skip_at_boundary:
@@ -294,7 +307,18 @@ class Enforcer:
             return
         plan = plan_of_optimizer()
         if plan is not None:
-            self.record_scaler_skip(entry.index for entry in plan.params)
+            try:
+                self.record_scaler_skip(entry.index for entry in plan.params)
+            except RewindRequested as request:
+                self.verdicts.rewound(request, context)
+
+    def pass_step(self) -> bool:
+        """``guard.pass_step()``: the coming step lies in a rewind's window; count it without its gradients."""
+        if not self.recovery.skipping(self.step):
+            return False
+        self.step += 1
+        self._in_step = set()
+        return True
 
     def state_dict(self) -> dict[str, Any]:
         """What decides future steps: the step number, every rule's skip history, every adaptive statistic (and the
@@ -303,8 +327,10 @@ class Enforcer:
         return {
             "step": self.step,
             "skips": self.skip_limits.state_dict(rules),
+            "scaler_skips": self.skip_limits.scaler_skips,
             "statistics": self.statistics.state_dict(),
             "health": self.health.state_dict(),
+            "recovery": self.recovery.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
@@ -313,6 +339,8 @@ class Enforcer:
         self._in_step = set()
         rules = self.binding.policy.rules
         unknown = self.skip_limits.load_state_dict(dict(state.get("skips", {})), rules)
+        self.skip_limits.scaler_skips = int(state.get("scaler_skips", 0))
+        self.recovery.load_state_dict(dict(state.get("recovery", {})))
         names = [rule.name for rule in rules]
         unknown += self.statistics.load_state_dict(dict(state.get("statistics", {})), names)
         self.health.load_state_dict(list(state.get("health", [])), set(names))

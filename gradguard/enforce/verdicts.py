@@ -12,11 +12,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
+from gradguard.enforce.recovery import HaltReport, Recovery, RewindRequested
 from gradguard.enforce.step import StepContext, StepOutcome
 from gradguard.errors import GradientHalt, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import EventLog
-from gradguard.policy.schema import Rule, SkipStepOnNonfinite, SkipStepOnSpike
+from gradguard.policy.schema import HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
 __all__ = ["Verdicts"]
 
@@ -26,10 +27,11 @@ _SKIP_ACTION = {SkipStepOnNonfinite: "skip_step_on_nonfinite", SkipStepOnSpike: 
 class Verdicts:
     """Turns a step's outcome into counters and events, and halts or skips."""
 
-    def __init__(self, counters: Counters, events: EventLog, skip_limits: SkipLimits) -> None:
+    def __init__(self, counters: Counters, events: EventLog, skip_limits: SkipLimits, recovery: Recovery) -> None:
         self.counters = counters
         self.events = events
         self.skip_limits = skip_limits
+        self.recovery = recovery
         self._warned_scheduler = False
 
     def report(self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int) -> None:
@@ -61,11 +63,10 @@ class Verdicts:
             offenders = sorted(outcome.halted_by)
             kind = joined_kind(outcome.nonfinite[i][0] for i in offenders)
             rule = rules[outcome.halted_by[offenders[0]]].name
-            for rule_index in sorted(set(outcome.halted_by.values())):
-                self.counters.add(rules[rule_index].name, "halt_on_nonfinite")
+            counts = [rules[r].name for r in sorted(set(outcome.halted_by.values()))]
             params = first_first([names[i] for i in offenders], outcome.origin)
             kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
-            self.halt(step, rule, params, kinds, kind, None, outcome.origin)
+            self.halt(HaltReport(step, rule, params, kinds, kind, None, outcome.origin), counts, "halt_on_nonfinite")
         if outcome.skipped_by or outcome.spikes:
             return  # the step will not happen: its interventions did not either
         self.counters.add_many(outcome.counts)
@@ -73,30 +74,91 @@ class Verdicts:
             level = "warning" if event.startswith("nonfinite") or event == "norm_overflow" else "debug"
             self.events.emit(level, event, **fields)
 
-    def halt(
-        self,
-        step: int,
-        rule: str,
-        params: list[str],
-        kinds: dict[str, str],
-        kind: str,
-        reason: str | None,
-        origin: Mapping[str, Any] | None = None,
-    ) -> None:
+    def halt(self, halt: HaltReport, rules: Sequence[str], action: str) -> None:
+        """Halt (``action`` counted under each of ``rules``), or, with recovery, rewind instead.
+
+        Raises :class:`GradientHalt`, or :class:`RewindRequested` for the engine (counted as ``rewind``
+        under the halt's rule). Past ``max_rewinds`` the halt restores the snapshot first and says so.
+        """
+        decision = self.recovery.decide(halt.step) if self.recovery.active else None
+        if decision is not None and decision.rewind and decision.snapshot is not None:
+            self.counters.add(halt.rule, "rewind")
+            raise RewindRequested(halt, decision.snapshot)
+        for rule in rules:
+            self.counters.add(rule, action)
+        restored = None
+        if decision is not None and decision.snapshot is not None:
+            restored = decision.snapshot.step
+            self.recovery.restore(decision.snapshot, self.recovery.lr_scale)
+        reason = "; ".join(part for part in (halt.reason, decision.why if decision else None) if part) or None
+        step, rule, params, kind, origin = halt.step, halt.rule, halt.params, halt.kind, halt.origin
+        extra = {} if restored is None else {"restored_to": restored}
         self.events.emit(
             "error",
             "halt",
             step=step,
             rule=rule,
             params=params,
-            kinds=kinds,
+            kinds=halt.kinds,
             kind=kind,
             reason=reason,
             origin=origin,
+            **extra,
             counters=self.counters.snapshot(),
         )
         self.events.flush()
-        raise GradientHalt(step=step, params=params, kind=kind, rule=rule, reason=reason, origin=origin)
+        raise GradientHalt(
+            step=step, params=params, kind=kind, rule=rule, reason=reason, origin=origin, restored_to=restored
+        )
+
+    def scaler_skip(self, rules: Sequence[Rule], step: int) -> None:
+        """GradScaler skipped ``step``: past a ``halt_on_nonfinite``'s ``max_scaler_skips`` in a row, halt.
+
+        An overflow is the scaler's business until it is not passing: a NaN that persists makes the scaler
+        skip every step and cut the scale forever, and the run learns nothing without a word.
+        """
+        self.skip_limits.scaler_skips += 1
+        limits = [
+            (action.max_scaler_skips, rule.name)
+            for rule in rules
+            if rule.active_at(step)
+            for action in rule.actions
+            if isinstance(action, HaltOnNonfinite) and action.active_at(step) and action.max_scaler_skips is not None
+        ]
+        if not limits:
+            return
+        limit, rule = min(limits)
+        skips = self.skip_limits.scaler_skips
+        if skips > limit:
+            why = f"GradScaler skipped {skips} steps in a row (max_scaler_skips: {limit}): the inf/NaN persists"
+            self.halt(HaltReport(step, rule, [], {}, "overflow", why, None), [rule], "halt_on_nonfinite")
+
+    def rewound(self, request: RewindRequested, context: StepContext) -> None:
+        """Recovery turned a halt into a rewind: restore, skip this update, say so as loudly as a halt."""
+        halt, snapshot = request.halt, request.snapshot
+        self.recovery.rewind(halt.step, snapshot)
+        self.clear(context)
+        self.events.emit(
+            "warning",
+            "rewind",
+            step=halt.step,
+            to_step=snapshot.step,
+            rule=halt.rule,
+            params=halt.params,
+            kinds=halt.kinds,
+            kind=halt.kind,
+            reason=halt.reason,
+            origin=halt.origin,
+            rewinds=self.recovery.rewinds,
+            skip_until=self.recovery.skip_until,
+            lr_scale=self.recovery.lr_scale,
+        )
+
+    @staticmethod
+    def clear(context: StepContext) -> None:
+        """No gradient is left for the optimizer, so nothing it owns can change."""
+        for param in context.stepped_params():
+            param.grad = None
 
     def skip(
         self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int, context: StepContext
@@ -113,14 +175,14 @@ class Verdicts:
             rule = rules[rule_index]
             reason = self.skip_limits.record(rule_index, rule, step, cause)
             if reason is not None:
-                self.counters.add(rule.name, "halt_on_nonfinite" if cause is SkipStepOnNonfinite else "halt_on_spike")
+                why = f"skip limit exceeded: {reason}"
                 if cause is SkipStepOnNonfinite:
-                    self.halt(step, rule.name, params, kinds, kind, f"skip limit exceeded: {reason}", outcome.origin)
+                    report = HaltReport(step, rule.name, params, kinds, kind, why, outcome.origin)
+                    self.halt(report, [rule.name], "halt_on_nonfinite")
                 spiked = [p for spike in outcome.spikes if spike.rule_index == rule_index for p in spike.params]
-                self.halt(step, rule.name, spiked, {}, "spike", f"skip limit exceeded: {reason}", None)
+                self.halt(HaltReport(step, rule.name, spiked, {}, "spike", why, None), [rule.name], "halt_on_spike")
             self.counters.add(rule.name, _SKIP_ACTION[cause])
-        for param in context.stepped_params():
-            param.grad = None
+        self.clear(context)
         if offenders:
             self.events.emit(
                 "warning",

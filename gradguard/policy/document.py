@@ -21,13 +21,13 @@ class Policy(PolicyFields):
     """
 
     def __eq__(self, other: object) -> bool:
-        """Policies are equal when their rules are: a file and the dict it holds give equal policies."""
+        """Policies are equal when their rules and recovery are: a file and the dict it holds give equal policies."""
         if not isinstance(other, Policy):
             return NotImplemented
-        return self.version == other.version and self.rules == other.rules
+        return self.version == other.version and self.rules == other.rules and self.recovery == other.recovery
 
     def __hash__(self) -> int:
-        return hash((self.version, self.rules))
+        return hash((self.version, self.rules, self.recovery))
 
     @property
     def source(self) -> str:

@@ -33,6 +33,7 @@ from gradguard.policy.schema import (
     HaltOnNonfinite,
     Monitor,
     PolicyFields,
+    Recovery,
     Rule,
     Scale,
     SkipStepOnNonfinite,
@@ -74,6 +75,7 @@ _FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
 }
 _RULE_FIELDS = tuple(Rule.model_fields)
 _POLICY_FIELDS = tuple(PolicyFields.model_fields)
+_RECOVERY_FIELDS = tuple(Recovery.model_fields)
 
 
 def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
@@ -468,6 +470,8 @@ def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[
         return _POLICY_FIELDS
     if len(parent) == 2 and parent[0] == "rules":
         return _RULE_FIELDS
+    if tuple(parent) == ("recovery",):
+        return _RECOVERY_FIELDS
     if len(parent) == 4 and parent[2] == "actions":
         try:
             action = data["rules"][parent[1]]["actions"][parent[3]]["action"]

@@ -35,6 +35,7 @@ __all__ = [
     "HaltOnNonfinite",
     "Monitor",
     "PolicyFields",
+    "Recovery",
     "Rule",
     "Scale",
     "SkipStepOnNonfinite",
@@ -147,9 +148,18 @@ class Zero(_StepWindow):
 
 
 class HaltOnNonfinite(_StepWindow):
-    """Raise :class:`~gradguard.GradientHalt` before the optimizer step if a gradient holds NaN or Inf."""
+    """Raise :class:`~gradguard.GradientHalt` before the optimizer step if a gradient holds NaN or Inf.
+
+    Under a GradScaler an inf/NaN is the scaler's business (it skips the step and lowers the scale),
+    until ``max_scaler_skips`` steps in a row were skipped: then the NaN is not a passing overflow but a
+    persistent one, and the guard halts (or, with ``recovery``, rewinds).
+    """
 
     action: Literal["halt_on_nonfinite"]
+    max_scaler_skips: int | None = Field(default=16, ge=1, strict=True)
+    """Halt after more than this many GradScaler skips in a row (``None``: never). 16 halvings take the
+    default initial scale (65536) to 1, DeepSpeed's and Megatron's scale floor; an ordinary fp16 run skips
+    a few steps at its start and single ones later, each followed by applied steps that reset the count."""
 
 
 class Drop(_StepWindow):
@@ -377,6 +387,45 @@ class Rule(_StepWindow):
         return tuple(check_pattern(pattern) for pattern in value)
 
 
+class Recovery(_Strict):
+    """Turn a halt into a rewind to an in-memory snapshot, and go on training (docs/recovery.md).
+
+    Every ``snapshot_every`` steps the guard copies the parameters, buffers, optimizer state (and the
+    scaler, LR schedulers and its own statistics); a step whose verdict is a halt restores the newest
+    snapshot at least ``min_age`` steps old, in place, and skips the updates of the next ``skip_steps``.
+    """
+
+    snapshot_every: int = Field(ge=1, strict=True)
+    """Steps between snapshots: one is taken at every step that is a multiple of it, before its update."""
+    keep: int = Field(default=2, ge=1, strict=True)
+    """Snapshots held (the newest). Two: the newest may be younger than ``min_age``; the one before it is
+    then at least ``snapshot_every`` steps old. Each costs the parameters' and optimizer state's bytes."""
+    min_age: int = Field(default=10, ge=0, strict=True)
+    """A rewind goes to the newest snapshot at least this many steps older than the fault. The state just
+    before a spike is often already on its way to it; 10 is the low end of the usual 10 to 100 steps."""
+    skip_steps: int = Field(default=10, ge=0, strict=True)
+    """Steps after the fault whose updates are skipped (their batches are not learned from): a bad stretch
+    of data seldom ends at the step it broke the run. PaLM skipped 200 to 500 batches; 10 is cheap."""
+    max_rewinds: int = Field(default=3, ge=0, strict=True)
+    """Rewinds in a run; the next halt goes through (after restoring the snapshot). A fault that comes back
+    three times is not a passing one: a person should look."""
+    lr_factor: Finite = Field(default=1.0, gt=0, le=1, strict=True)
+    """Each param group's LR (and a known scheduler's base LRs) is multiplied by it at every rewind. 1.0:
+    the rewind and new data alone (PaLM's recipe); lowering the LR changes the rest of the run for good."""
+
+
+def can_halt(rule: Rule) -> bool:
+    """Whether ``rule`` can halt a step: a ``halt_on_nonfinite``, or a skip action with a limit."""
+    return any(
+        isinstance(action, HaltOnNonfinite)
+        or (
+            isinstance(action, SkipStepOnNonfinite | SkipStepOnSpike)
+            and (action.max_consecutive_skips is not None or action.max_skips is not None)
+        )
+        for action in rule.actions
+    )
+
+
 class PolicyFields(_Strict):
     """The fields of a policy document and their checks; :class:`gradguard.Policy` adds loading."""
 
@@ -384,6 +433,20 @@ class PolicyFields(_Strict):
     """The policy format's version: 1."""
     rules: tuple[Rule, ...] = Field(min_length=1)
     """The rules, applied in this order; a parameter matched by several gets all their actions."""
+    recovery: Recovery | None = None
+    """Rewind to an in-memory snapshot instead of halting (``None``: a halt ends the run)."""
+
+    @field_validator("recovery")
+    @classmethod
+    def _recovery_can_fire(cls, value: Recovery | None, info: ValidationInfo) -> Recovery | None:
+        rules = info.data.get("rules")
+        if value is not None and rules is not None and not any(can_halt(rule) for rule in rules):
+            raise ValueError(
+                "no rule can halt, so recovery would never rewind: add a rule with "
+                "{action: halt_on_nonfinite}, or give a skip action max_consecutive_skips or max_skips, "
+                "or remove the recovery section"
+            )
+        return value
 
     _source: str = PrivateAttr(default="<dict>")
     _rule_lines: tuple[int | None, ...] = PrivateAttr(default=())

@@ -104,6 +104,8 @@ class SkipLimits:
     def __init__(self) -> None:
         self.history: dict[int, _SkipHistory] = {}
         """Rule index -> its skips: how many in a row, and at which recent steps."""
+        self.scaler_skips = 0
+        """GradScaler skips in a row (``halt_on_nonfinite``'s ``max_scaler_skips``)."""
 
     def record(
         self, rule_index: int, rule: Rule, step: int, cause: type[SkipStepOnNonfinite | SkipStepOnSpike]
@@ -136,6 +138,7 @@ class SkipLimits:
         """A step went through: no rule's skips are consecutive any more."""
         for history in self.history.values():
             history.consecutive = 0
+        self.scaler_skips = 0
 
     def state_dict(self, rules: Sequence[Rule]) -> dict[str, Any]:
         return {

@@ -1,0 +1,260 @@
+"""Recovery: a halt becomes a rewind to an in-memory snapshot, and the run goes on (docs/recovery.md).
+
+With a policy's ``recovery`` section, the guard takes a :class:`~gradguard.enforce.snapshots.Snapshot`
+at the first boundary of every step that is a multiple of ``snapshot_every`` (before the policy treats
+that step's gradients, so before its update) and keeps the newest ``keep``. A step whose verdict is a
+halt restores, in place, the newest snapshot at least ``min_age`` steps older than the fault, drops the
+newer ones, takes no update at the fault step and skips the updates of the next ``skip_steps`` steps:
+the batches from the snapshot's step to the end of that window are never learned from, and the run
+ends exactly as one that never trained on them.
+
+Skipped steps change nothing the guard restored. The GradScaler's scale and the LR schedulers the guard
+knows are held: the loop's ``scaler.update()`` and ``scheduler.step()`` on a skipped step are undone at
+the next boundary, up to and including the first step applied again, so the schedule goes on from the
+snapshot's step, as a restart from a checkpoint taken there would (PaLM's recipe, in the run).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from gradguard.enforce.actions.nonfinite import SkipLimits
+from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.snapshots import LR_KEYS, LiveState, Snapshot, scale_lrs, scheduler_optimizer
+from gradguard.enforce.statistics import Statistics
+from gradguard.policy.schema import Recovery as RecoveryConfig
+
+__all__ = ["HaltReport", "Recovery", "RewindRequested"]
+
+
+@dataclass(frozen=True)
+class HaltReport:
+    """What a halt would have said: the rewind event repeats it."""
+
+    step: int
+    rule: str
+    params: list[str]
+    kinds: dict[str, str]
+    kind: str
+    reason: str | None
+    origin: Mapping[str, Any] | None
+
+
+class RewindRequested(Exception):
+    """Raised by the verdicts instead of :class:`~gradguard.GradientHalt` when recovery rewinds (the engine's)."""
+
+    def __init__(self, halt: HaltReport, snapshot: Snapshot) -> None:
+        super().__init__(f"rewind at step {halt.step} to step {snapshot.step}")
+        self.halt = halt
+        self.snapshot = snapshot
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a halt at a step comes to under recovery."""
+
+    rewind: bool
+    snapshot: Snapshot | None
+    """The snapshot to rewind to, or to restore before halting (``max_rewinds`` reached)."""
+    why: str | None
+    """Why the halt goes through (no snapshot old enough, ``max_rewinds`` reached)."""
+
+
+class _Held:
+    """The scaler's and the known schedulers' state right after a rewind, put back at each boundary of the window."""
+
+    def __init__(self, live: LiveState) -> None:
+        self.snapshot = Snapshot()
+        self.snapshot.scaler = {key: _deep(value) for key, value in live.scaler_tensors().items()}
+        self.snapshot.schedulers = [_deep(scheduler.state_dict()) for scheduler in live.schedulers]
+        self.groups: list[tuple[Optimizer, list[dict[str, Any]]]] = []
+        for scheduler in live.schedulers:
+            optimizer = scheduler_optimizer(scheduler)
+            if optimizer is not None:
+                lrs = [{k: _deep(g[k]) for k in LR_KEYS if k in g} for g in optimizer.param_groups]
+                self.groups.append((optimizer, lrs))
+
+    def put_back(self, live: LiveState) -> None:
+        self.snapshot.restore_scaler(live)
+        self.snapshot.restore_schedulers(live)
+        for optimizer, lrs in self.groups:
+            for group, saved in zip(optimizer.param_groups, lrs, strict=False):
+                for key, value in saved.items():
+                    if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                        group[key].copy_(value)
+                    else:
+                        group[key] = _deep(value)
+
+
+class Recovery:
+    """Snapshots, rewinds and skip windows for one guard; inactive while the policy has no ``recovery``."""
+
+    def __init__(self, statistics: Statistics, skip_limits: SkipLimits) -> None:
+        self.config: RecoveryConfig | None = None
+        """The policy's ``recovery`` section (set by the engine at every step: a reload may change it)."""
+        self.live = LiveState(weakref.ref(nn.Module()), statistics, skip_limits)
+        self.snapshots: list[Snapshot] = []
+        """Held snapshots, oldest first."""
+        self._spare: list[Snapshot] = []
+        """Snapshots no longer held, whose buffers the next ones reuse."""
+        self.rewinds = 0
+        self.skip_until: int | None = None
+        """The first step applied again after a rewind; steps before it (and after the fault) are skipped."""
+        self.lr_scale = 1.0
+        """The product of every rewind's ``lr_factor`` so far."""
+        self._held: _Held | None = None
+
+    # --- what the guard tells it ------------------------------------------------------------------
+
+    def track(
+        self,
+        model: nn.Module,
+        optimizers: list[Optimizer] | None,
+        scaler: torch.amp.GradScaler | None,
+        schedulers: list[Any],
+    ) -> None:
+        self.live.model = weakref.ref(model)
+        self.live.known_optimizers = [weakref.ref(opt) for opt in optimizers or ()]
+        self.live.scaler = scaler
+        self.live.schedulers = list(schedulers)
+        for scheduler in schedulers:
+            optimizer = scheduler_optimizer(scheduler)
+            if optimizer is not None:
+                self.saw_optimizer(optimizer)
+
+    def saw_optimizer(self, optimizer: Optimizer) -> None:
+        """An optimizer steps the model, before its update: the snapshots hold its state from now on.
+
+        Every step of an optimizer holding the model's parameters reaches the guard, so one seen for the
+        first time has not stepped them since the guard attached: its state now is its state at every
+        snapshot held, which it joins.
+        """
+        live = self.live
+        if any(ref() is optimizer for ref in live.known_optimizers):
+            return
+        live.known_optimizers.append(weakref.ref(optimizer))
+        for snapshot in self.snapshots:
+            if not snapshot.holds(optimizer):
+                snapshot.add_optimizer(optimizer)
+
+    # --- at each step -----------------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.config is not None
+
+    def skipping(self, step: int) -> bool:
+        """Whether ``step``'s update is skipped: it lies in a rewind's window."""
+        return self.skip_until is not None and step < self.skip_until
+
+    def begin_step(self, step: int) -> bool:
+        """The first boundary of ``step``: hold what the window must not move, snapshot if due.
+
+        Returns True when the step's update is skipped (the caller clears its gradients).
+        """
+        if self._held is not None and self.skip_until is not None:
+            self._held.put_back(self.live)  # undo the loop's scaler.update() and scheduler.step() of skipped steps
+            if step >= self.skip_until:
+                self._held = None
+        if self.skipping(step):
+            return True
+        config = self.config
+        if config is not None and step % config.snapshot_every == 0 and not self._holds_step(step):
+            self._take(step, config.keep)
+        return False
+
+    def _holds_step(self, step: int) -> bool:
+        return bool(self.snapshots) and self.snapshots[-1].step == step
+
+    def _take(self, step: int, keep: int) -> None:
+        while len(self.snapshots) >= keep:
+            self._spare.append(self.snapshots.pop(0))
+        snapshot = self._spare.pop() if self._spare else Snapshot()
+        snapshot.take(step, self.lr_scale, self.live)
+        self.snapshots.append(snapshot)
+
+    # --- a halt -----------------------------------------------------------------------------------
+
+    def decide(self, step: int) -> Decision:
+        """Whether a halt at ``step`` becomes a rewind, and to which snapshot."""
+        config = self.config
+        assert config is not None, "decide() is asked only with a recovery section"
+        old_enough = [s for s in self.snapshots if step - s.step >= config.min_age]
+        if not old_enough:
+            held = [s.step for s in self.snapshots]
+            why = f"recovery: no snapshot at least {config.min_age} steps older than step {step} (held: {held})"
+            return Decision(False, None, why)
+        target = old_enough[-1]
+        if self.rewinds >= config.max_rewinds:
+            why = f"recovery: max_rewinds ({config.max_rewinds}) reached; restored to step {target.step}'s snapshot"
+            return Decision(False, target, why)
+        return Decision(True, target, None)
+
+    def rewind(self, fault_step: int, snapshot: Snapshot) -> None:
+        """Restore ``snapshot`` in place, lower the LRs by ``lr_factor``, skip the next ``skip_steps`` updates."""
+        config = self.config
+        assert config is not None
+        self.rewinds += 1
+        self.restore(snapshot, self.lr_scale * config.lr_factor)
+        self.skip_until = fault_step + config.skip_steps + 1
+        self._held = _Held(self.live)
+
+    def restore(self, snapshot: Snapshot, lr_scale: float) -> None:
+        """Put ``snapshot`` back, drop the newer ones, and leave every LR at ``lr_scale`` times its own."""
+        snapshot.restore(self.live)
+        factor = lr_scale / snapshot.lr_scale
+        if factor != 1.0:
+            scale_lrs(self.live.optimizers(), self.live.schedulers, factor)
+        self.lr_scale = lr_scale
+        newer = [s for s in self.snapshots if s.step > snapshot.step]
+        self.snapshots = [s for s in self.snapshots if s.step <= snapshot.step]
+        self._spare.extend(newer)
+
+    # --- reading and saving -----------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the held snapshots hold."""
+        return sum(snapshot.nbytes for snapshot in self.snapshots)
+
+    def metrics(self) -> dict[str, float]:
+        """``guard.metrics()``'s part: the snapshots' bytes and count, the rewinds so far."""
+        if not self.active:
+            return {}
+        return {
+            "gradguard/recovery/snapshot_bytes": float(self.nbytes),
+            "gradguard/recovery/snapshots": float(len(self.snapshots)),
+            "gradguard/recovery/rewinds": float(self.rewinds),
+        }
+
+    def estimated_bytes(self) -> int:
+        """What ``keep`` snapshots will hold, from the model and the optimizers' state known now."""
+        if self.config is None:
+            return 0
+        live = self.live
+        state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
+        tensors = [local_tensor(v) for v in state if isinstance(v, torch.Tensor)] + live.tensors()
+        return sum(t.numel() * t.element_size() for t in tensors) * self.config.keep
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rewinds so far and any skip window in progress (not the snapshots: a checkpoint holds its own state)."""
+        return {"rewinds": self.rewinds, "skip_until": self.skip_until, "lr_scale": self.lr_scale}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rewinds = int(state.get("rewinds", 0))
+        skip_until = state.get("skip_until")
+        self.skip_until = None if skip_until is None else int(skip_until)
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self._held = None
+
+
+def _deep(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)

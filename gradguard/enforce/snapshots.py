@@ -1,0 +1,313 @@
+"""What a rewind restores: copies of a training's state, taken between steps and put back in place.
+
+A :class:`Snapshot` holds the model's parameters and buffers, every known optimizer's per-parameter
+state and param groups' hyper-parameters, the GradScaler's scale, the LR schedulers' state and the
+guard's own statistics (adaptive series, skip histories). Tensors go into buffers the snapshot owns:
+pinned host memory for CUDA tensors, copied with ``non_blocking=True`` on the current stream, so
+taking one adds no host sync (stream order puts the copy before the optimizer's later writes, and a
+restore's copies back after it); plain copies on the CPU. A slot's buffers are reused by the next
+snapshot that takes its place, so a run allocates them once.
+
+Restoring copies *into* the live tensors (``torch._foreach_copy_``): parameters, optimizer state and
+the scaler's tensors keep their identity, so fused optimizers, ``torch.compile`` and references the
+loop holds stay valid, and the snapshot itself is never handed out (a second rewind to the same
+snapshot finds it as it was taken). State an optimizer made after the snapshot (its first step) is
+removed, as a snapshot of a fresh optimizer holds none.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from gradguard.enforce.actions.nonfinite import SkipLimits
+from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.statistics import Series, Statistics
+
+__all__ = ["LR_KEYS", "Snapshot", "scale_lrs", "scheduler_optimizer"]
+
+LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+"""A param group's learning rates: the LR itself and what schedulers compute it from (``OneCycleLR``)."""
+_SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
+"""A scheduler's learning rates (``LambdaLR`` and HF's schedules recompute the LR from ``base_lrs``)."""
+
+
+class _Buffers:
+    """Copies of a list of tensors, in buffers reused while shapes and dtypes stay the same."""
+
+    def __init__(self) -> None:
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, sources: Sequence[torch.Tensor]) -> None:
+        old = self.buffers
+        fresh = []
+        for position, source in enumerate(sources):
+            reuse = old[position] if position < len(old) else None
+            if reuse is not None and reuse.shape == source.shape and reuse.dtype == source.dtype:
+                fresh.append(reuse)
+            else:
+                fresh.append(torch.empty_like(source, device="cpu", pin_memory=source.is_cuda))
+        self.buffers = fresh
+        _copy(fresh, list(sources))
+
+    def restore(self, targets: Sequence[torch.Tensor]) -> None:
+        _copy(list(targets), self.buffers[: len(targets)])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    if targets:
+        # Non-blocking only matters across devices (device to pinned host, pinned host to device).
+        torch._foreach_copy_(targets, sources, non_blocking=True)
+
+
+@dataclass
+class _OptimizerCopy:
+    """One optimizer: each parameter's state (by position in its groups) and each group's hyper-parameters."""
+
+    ref: weakref.ReferenceType[Optimizer]
+    state: list[dict[str, Any] | None] = field(default_factory=list)
+    """Per parameter, in group order: its state with tensors replaced by their position in :attr:`tensors`."""
+    groups: list[dict[str, Any]] = field(default_factory=list)
+    tensors: _Buffers = field(default_factory=_Buffers)
+
+    def take(self, optimizer: Optimizer) -> None:
+        sources: list[torch.Tensor] = []
+        self.state = []
+        for param in _params_of(optimizer):
+            entry = optimizer.state.get(param)
+            if entry is None:
+                self.state.append(None)
+                continue
+            saved: dict[str, Any] = {}
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    saved[key] = _Slot(len(sources))
+                    sources.append(local_tensor(value))
+                else:
+                    saved[key] = copy.deepcopy(value)
+            self.state.append(saved)
+        self.groups = [
+            {key: _detached(value) for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups
+        ]
+        self.tensors.take(sources)
+
+    def restore(self, optimizer: Optimizer) -> None:
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        buffers = self.tensors.buffers
+        for position, param in enumerate(_params_of(optimizer)):
+            saved = self.state[position] if position < len(self.state) else None
+            if saved is None:
+                optimizer.state.pop(param, None)  # made after the snapshot: a fresh optimizer holds none
+                continue
+            live = optimizer.state[param]
+            for key in [key for key in live if key not in saved]:
+                del live[key]
+            for key, value in saved.items():
+                current = live.get(key)
+                if not isinstance(value, _Slot):
+                    live[key] = copy.deepcopy(value)
+                elif isinstance(current, torch.Tensor) and _fits(local_tensor(current), buffers[value.index]):
+                    targets.append(local_tensor(current))
+                    sources.append(buffers[value.index])
+                else:  # gone or reshaped since: a copy of ours, never the snapshot's own buffer
+                    device = _device_of(param)
+                    live[key] = buffers[value.index].to(device, copy=True)
+        _copy(targets, sources)
+        for group, saved_group in zip(optimizer.param_groups, self.groups, strict=False):
+            for key, value in saved_group.items():
+                current = group.get(key)
+                if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                    current.copy_(value)
+                else:
+                    group[key] = _detached(value)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensors.nbytes
+
+
+@dataclass(frozen=True)
+class _Slot:
+    index: int
+
+
+@dataclass
+class Snapshot:
+    """The state of a training at the start of step :attr:`step`, before that step's update."""
+
+    step: int = -1
+    lr_scale: float = 1.0
+    """The product of the ``lr_factor`` of every rewind before this snapshot was taken (its LRs include it)."""
+    model: _Buffers = field(default_factory=_Buffers)
+    """The model's parameters, then its buffers, then the parameters of known optimizers outside the model."""
+    optimizers: list[_OptimizerCopy] = field(default_factory=list)
+    scaler: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    schedulers: list[dict[str, Any]] = field(default_factory=list)
+    statistics: dict[tuple[str, int], Series] = field(default_factory=dict)
+    saved_statistics: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    skips: SkipLimits = field(default_factory=SkipLimits)
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes of the tensors it holds (the guard's statistics, on the device, are not counted)."""
+        return self.model.nbytes + sum(opt.nbytes for opt in self.optimizers)
+
+    def take(self, step: int, lr_scale: float, live: LiveState) -> None:
+        self.step, self.lr_scale = step, lr_scale
+        self.model.take(live.tensors())
+        kept = {id(opt.ref()): opt for opt in self.optimizers}
+        self.optimizers = []
+        for optimizer in live.optimizers():
+            self.add_optimizer(optimizer, kept.get(id(optimizer)))
+        self.scaler = {key: _detached(value) for key, value in live.scaler_tensors().items()}
+        self.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in live.schedulers]
+        self.statistics = {key: _series_copy(series) for key, series in live.statistics.series.items()}
+        self.saved_statistics = copy.deepcopy(live.statistics._saved)
+        self.skips = copy.deepcopy(live.skip_limits)
+
+    def add_optimizer(self, optimizer: Optimizer, reuse: _OptimizerCopy | None = None) -> None:
+        entry = reuse if reuse is not None else _OptimizerCopy(weakref.ref(optimizer))
+        entry.ref = weakref.ref(optimizer)
+        entry.take(optimizer)
+        self.optimizers.append(entry)
+
+    def holds(self, optimizer: Optimizer) -> bool:
+        return any(entry.ref() is optimizer for entry in self.optimizers)
+
+    def restore(self, live: LiveState) -> None:
+        """Put every copy back into the live objects, in place."""
+        self.model.restore(live.tensors())
+        for entry in self.optimizers:
+            optimizer = entry.ref()
+            if optimizer is not None:
+                entry.restore(optimizer)
+        self.restore_scaler(live)
+        self.restore_schedulers(live)
+        live.statistics.series = {key: _series_copy(series) for key, series in self.statistics.items()}
+        live.statistics._saved = copy.deepcopy(self.saved_statistics)
+        live.skip_limits.history = copy.deepcopy(self.skips.history)
+        live.skip_limits.scaler_skips = self.skips.scaler_skips
+
+    def restore_scaler(self, live: LiveState) -> None:
+        scaler = live.scaler
+        for key, value in self.scaler.items():
+            current = getattr(scaler, key, None)
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                current.copy_(value)
+            elif scaler is not None:
+                setattr(scaler, key, _detached(value))
+
+    def restore_schedulers(self, live: LiveState) -> None:
+        for scheduler, saved in zip(live.schedulers, self.schedulers, strict=False):
+            scheduler.load_state_dict(copy.deepcopy(saved))
+
+
+@dataclass
+class LiveState:
+    """The live objects a snapshot copies and a rewind restores."""
+
+    model: weakref.ReferenceType[nn.Module]
+    statistics: Statistics
+    skip_limits: SkipLimits
+    known_optimizers: list[weakref.ReferenceType[Optimizer]] = field(default_factory=list)
+    scaler: torch.amp.GradScaler | None = None
+    schedulers: list[Any] = field(default_factory=list)
+    """``torch.optim.lr_scheduler.LRScheduler`` (or anything with ``state_dict``/``load_state_dict``)."""
+
+    def optimizers(self) -> list[Optimizer]:
+        return [opt for ref in self.known_optimizers if (opt := ref()) is not None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The model's parameters and buffers, then the known optimizers' parameters outside the model."""
+        model = self.model()
+        if model is None:
+            return []
+        params: list[torch.Tensor] = list(model.parameters())
+        seen = {id(param) for param in params}
+        for optimizer in self.optimizers():  # a temperature, another module: the optimizer moves them too
+            for param in _params_of(optimizer):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    params.append(param)
+        buffers = [buffer for buffer in model.buffers() if buffer is not None]
+        return [local_tensor(t.detach()) for t in [*params, *buffers]]
+
+    def scaler_tensors(self) -> dict[str, torch.Tensor | None]:
+        scaler = self.scaler
+        if scaler is None or not scaler.is_enabled():
+            return {}
+        return {key: getattr(scaler, key, None) for key in ("_scale", "_growth_tracker")}
+
+
+def scheduler_optimizer(scheduler: Any) -> Optimizer | None:
+    optimizer = getattr(scheduler, "optimizer", None)
+    return optimizer if isinstance(optimizer, Optimizer) else None
+
+
+def scale_lrs(optimizers: Iterable[Optimizer], schedulers: Iterable[Any], factor: float) -> None:
+    """Multiply every learning rate the optimizers and schedulers hold by ``factor``.
+
+    The groups' LRs, and what schedulers recompute them from (``base_lrs`` for ``LambdaLR`` and HF's
+    schedules, ``max_lr``/``initial_lr``/``min_lr`` in the groups for ``OneCycleLR``, ``eta_min`` for the
+    cosine ones), so the factor holds through every later ``scheduler.step()``.
+    """
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for key in LR_KEYS:
+                value = group.get(key)
+                if isinstance(value, torch.Tensor):
+                    value.mul_(factor)
+                elif isinstance(value, int | float) and not isinstance(value, bool):
+                    group[key] = value * factor
+    for scheduler in schedulers:
+        for key in _SCHEDULER_LRS:
+            value = getattr(scheduler, key, None)
+            if isinstance(value, list):
+                setattr(scheduler, key, [v * factor if isinstance(v, int | float) else v for v in value])
+            elif isinstance(value, int | float) and not isinstance(value, bool):
+                setattr(scheduler, key, value * factor)
+        scale_lrs((), getattr(scheduler, "_schedulers", ()), factor)  # SequentialLR, ChainedScheduler
+
+
+def _params_of(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def _device_of(param: torch.Tensor) -> torch.device:
+    return local_tensor(param).device
+
+
+def _fits(live: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return live.shape == buffer.shape and live.dtype == buffer.dtype
+
+
+def _detached(value: Any) -> Any:
+    """A copy of ``value`` that shares no tensor with it."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return copy.deepcopy(value)
+
+
+def _series_copy(series: Series) -> Series:
+    """A copy of ``series`` whose tensors and counters are its own (a commit replaces them, never edits)."""
+    return dataclasses.replace(
+        series,
+        tensors={key: value.clone() for key, value in series.tensors.items()},
+        counters=dict(series.counters),
+        columns=dict(series.columns),
+        in_order=list(series.in_order),
+    )

@@ -124,11 +124,24 @@ class Recovery:
         self.live.model = weakref.ref(model)
         self.live.known_optimizers = [weakref.ref(opt) for opt in optimizers or ()]
         self.live.scaler = scaler
-        self.live.schedulers = list(schedulers)
         for scheduler in schedulers:
-            optimizer = scheduler_optimizer(scheduler)
-            if optimizer is not None:
-                self.saw_optimizer(optimizer)
+            self.add_scheduler(scheduler)
+
+    def add_scheduler(self, scheduler: Any) -> None:
+        """A scheduler of the loop (an integration finds it after attach): rewound with the snapshots from now on.
+
+        Snapshots taken before it was known hold none of its state; a rewind to one leaves it as it is.
+        """
+        if any(known is scheduler for known in self.live.schedulers):
+            return
+        self.live.schedulers.append(scheduler)
+        optimizer = scheduler_optimizer(scheduler)
+        if optimizer is not None:
+            self.saw_optimizer(optimizer)
+
+    def set_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """The loop's GradScaler (an integration finds it after attach): its scale is rewound and held."""
+        self.live.scaler = scaler
 
     def saw_optimizer(self, optimizer: Optimizer) -> None:
         """An optimizer steps the model, before its update: the snapshots hold its state from now on.

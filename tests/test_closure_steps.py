@@ -254,8 +254,10 @@ def test_state_dict_carries_the_step_and_skip_history_into_a_new_guard(make_work
         "format": 1,
         "step": 1,
         "skips": {"r0": {"consecutive": 1, "recent": [0]}},
+        "scaler_skips": 0,
         "statistics": {},
         "health": [],
+        "recovery": {"rewinds": 0, "skip_until": None, "lr_scale": 1.0},
     }
     with GradGuard(work.model, policy, logger=None) as second:
         second.load_state_dict(state)

@@ -25,7 +25,7 @@ from gradguard.enforce.micro_batch import MicroBatchHooks
 from gradguard.enforce.plans import PlanBook
 from gradguard.enforce.provenance import attach_provenance, check_mode
 from gradguard.enforce.reload import Reloader
-from gradguard.enforce.scaler import ScalerWatch, unscaled_found_inf
+from gradguard.enforce.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf
 from gradguard.enforce.step import StepContext
 from gradguard.enforce.torch_hooks import ClipCall, enlist, optimizer_steps
 from gradguard.errors import GuardStateError, GuardWarning
@@ -459,6 +459,7 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
         stepped_params=stepped_by(optimizer, guard._model_ref),
         explicit=True,
         found_inf=unscaled_found_inf(guard._scaler, optimizer),
+        loss_scales=loss_scale_of(guard._scaler),
     )
     proceed = guard._enforcer.run(plan, context)
     return guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
@@ -482,6 +483,7 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
         stepped_params=stepped_by(boundary.optimizer, guard._model_ref),
         explicit=True,
         found_inf=boundary.found_inf,
+        loss_scales=boundary.loss_scales,
         clipped_before=guard._clips.take_seen(),
     )
     proceed = guard._enforcer.run(plan, context)
@@ -498,7 +500,8 @@ def _scaler_watch(scaler: torch.amp.GradScaler, guard_ref: weakref.ReferenceType
         with guard._lock:
             if guard.attached:
                 plans = guard._plans  # the guard's GradScaler skipped this optimizer's step (its step() never ran)
-                context = StepContext(optimizer=optimizer, stepped_params=stepped_by(optimizer, guard._model_ref))
+                stepped = stepped_by(optimizer, guard._model_ref)
+                context = StepContext(optimizer=optimizer, stepped_params=stepped, loss_scales=loss_scale_of(scaler))
                 guard._enforcer.scaler_skipped(lambda: plans.for_optimizer(optimizer), context)
 
     return ScalerWatch(scaler, optimizer_steps, on_skip)

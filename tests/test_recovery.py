@@ -112,11 +112,12 @@ def train(
     recovery: dict[str, Any] | None = RECOVERY,
     jump: tuple[int, int] | None = None,
     log: Path | None = None,
+    init_scale: float = 2.0**10,
 ) -> tuple[Net, torch.optim.Optimizer, GradGuard, torch.amp.GradScaler | None]:
     """Train ``steps`` (batch indices) in ``style``; ``jump=(i, step)`` sets the guard's step before batch ``i``."""
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if style == "scaler" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if style == "scaler" else None
     loop = Loop(style, model, opt, scaler)
     with GradGuard(model, policy(rules, recovery), logger=None, scaler=scaler, audit_log=log) as guard:
         for i in steps:
@@ -185,15 +186,25 @@ def test_under_a_grad_scaler_a_persisting_nan_rewinds_at_max_scaler_skips_and_en
     assert_same_training(got, reference("scaler", rules=rules))
     (rewind,) = events(log, "rewind")
     assert (rewind["step"], rewind["to_step"], rewind["kind"]) == (23, 20, "overflow")
-    assert "3 steps in a row" in rewind["reason"]
+    assert "3 steps in a row (max_scaler_skips: 2)" in rewind["reason"]
     assert len(events(log, "scaler_skip")) == 3
 
 
-def test_a_nan_that_persists_under_a_grad_scaler_halts_at_the_default_limit_instead_of_stalling() -> None:
-    """The default max_scaler_skips (16): NaN from step 6 on; the scaler skips 6..21, the 17th skip halts."""
-    rules = [HALT]
-    with pytest.raises(GradientHalt, match="GradScaler skipped 17 steps in a row") as caught:
-        train("scaler", list(range(STEPS)), poison=lambda i: i >= 6, rules=rules, recovery=None)
+@pytest.mark.parametrize("recovery", [None, RECOVERY], ids=["halts", "rewinds"])
+def test_a_nan_that_persists_under_a_grad_scaler_stops_at_the_default_scale_floor_instead_of_stalling(
+    recovery: dict[str, Any] | None, tmp_path: Path
+) -> None:
+    """timm's case: the default scale (65536), a NaN from step 6 on. The scaler skips 6, 7, ... halving the scale;
+    the skip at scale 1 (min_loss_scale's default), the 17th, halts, or with recovery rewinds."""
+    log = tmp_path / "run.jsonl"
+    if recovery is not None:
+        got = train("scaler", list(range(STEPS)), poison=lambda i: 6 <= i <= 22, log=log, init_scale=2.0**16)
+        (rewind,) = events(log, "rewind")
+        assert (rewind["step"], rewind["to_step"], rewind["kind"]) == (22, 15, "overflow")
+        assert got[2].state_dict()["recovery"]["rewinds"] == 1
+        return
+    with pytest.raises(GradientHalt, match=r"skipped 17 steps in a row, the last at loss scale 1 ") as caught:
+        train("scaler", list(range(STEPS)), poison=lambda i: i >= 6, rules=[HALT], recovery=None, init_scale=2.0**16)
     assert caught.value.step == 22
     assert caught.value.kind == "overflow"
 

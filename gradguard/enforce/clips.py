@@ -28,6 +28,8 @@ class ClipBoundary:
     """The inf/NaN flags of the GradScaler(s) that unscaled their gradients."""
     optimizer: Optimizer | None
     """The optimizer that steps them, where a GradScaler's unscale_ named exactly one."""
+    loss_scales: tuple[torch.Tensor, ...] = ()
+    """Those GradScalers' loss scales."""
 
 
 class ClipWatch:
@@ -51,7 +53,7 @@ class ClipWatch:
             self._seen_before_step = call.name
             return None
         optimizer = scaled.optimizers[0] if len(scaled.optimizers) == 1 else None
-        return ClipBoundary(params, scaled.found_inf, optimizer)
+        return ClipBoundary(params, scaled.found_inf, optimizer, scaled.scales)
 
     def take_seen(self) -> str | None:
         """The clip that ran over the gradients before this step, once (the step consumes it)."""

@@ -141,7 +141,8 @@ class Enforcer:
                 # new step; not held: no optimizer step will seal it, and the next backward must be treated.
                 self._mark_treated(grads, wrapped, held=False)
                 self.scaler_skip_at_boundary = context.explicit
-                self.record_scaler_skip((), step=step, fused=context.optimizer is not None and not context.explicit)
+                fused = context.optimizer is not None and not context.explicit
+                self.record_scaler_skip((), step=step, fused=fused, loss_scale=outcome.loss_scale)
                 return True  # the scaler (or the fused kernel it drives) skips the update itself
             self.verdicts.report(rules, outcome, plan.names, step)
             if outcome.skipped_by or outcome.spikes:
@@ -284,7 +285,9 @@ class Enforcer:
         self._in_step |= ids
         return self.step - 1
 
-    def record_scaler_skip(self, indices: Iterable[int], *, step: int | None = None, fused: bool = False) -> None:
+    def record_scaler_skip(
+        self, indices: Iterable[int], *, step: int | None = None, fused: bool = False, loss_scale: float | None = None
+    ) -> None:
         """GradScaler found inf/NaN and skipped the step: its business, so no halt and no clip; say so.
 
         Counted once per training step, however many optimizers the scaler skipped in it.
@@ -297,7 +300,7 @@ class Enforcer:
         self.counters.add(SCALER_RULE, "skip")
         self.events.emit("info", "scaler_skip", step=step, fused=fused)
         if not self.recovery.skipping(step):  # a skipped step changes no count of the guard
-            self.verdicts.scaler_skip(self.binding.policy.rules, step)
+            self.verdicts.scaler_skip(self.binding.policy.rules, step, loss_scale)
 
     def scaler_skipped(self, plan_of_optimizer: Callable[[], Plan | None], context: StepContext) -> None:
         """The guard's GradScaler skipped an optimizer's step (the optimizer's ``step()`` never ran)."""
@@ -307,8 +310,10 @@ class Enforcer:
             return
         plan = plan_of_optimizer()
         if plan is not None:
+            # A skipped step has no other sync: the optimizer's step never ran.
+            scale = float(context.loss_scales[0]) if context.loss_scales else None
             try:
-                self.record_scaler_skip(entry.index for entry in plan.params)
+                self.record_scaler_skip((entry.index for entry in plan.params), loss_scale=scale)
             except RewindRequested as request:
                 self.verdicts.rewound(request, context)
 

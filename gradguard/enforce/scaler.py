@@ -8,7 +8,7 @@ no clip, only a ``scaler_skip`` event, counted once per training step.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +18,15 @@ from torch.optim import Optimizer
 from gradguard.enforce.step import Pending, StepContext, StepOutcome
 from gradguard.errors import GuardStateError
 
-__all__ = ["ScalerWatch", "adopt_fused_scaler", "has_unscaled", "read_found_inf", "unscaled_found_inf"]
+__all__ = [
+    "ScalerWatch",
+    "adopt_fused_scaler",
+    "has_unscaled",
+    "loss_scale_of",
+    "read_found_inf",
+    "read_loss_scales",
+    "unscaled_found_inf",
+]
 
 
 def adopt_fused_scaler(context: StepContext, pending: Pending, outcome: StepOutcome) -> None:
@@ -49,6 +57,8 @@ def adopt_fused_scaler(context: StepContext, pending: Pending, outcome: StepOutc
             outcome.scaler_found_inf = values[0] > 0
 
         pending.add(found_inf.reshape(-1)[:1].float(), read)
+        if isinstance(grad_scale, torch.Tensor):
+            read_loss_scales([grad_scale], pending, outcome)
 
 
 def read_found_inf(context: StepContext, pending: Pending, outcome: StepOutcome) -> None:
@@ -62,6 +72,20 @@ def read_found_inf(context: StepContext, pending: Pending, outcome: StepOutcome)
         outcome.scaler_found_inf = outcome.scaler_found_inf or values[0] > 0
 
     pending.add(total, read)
+    read_loss_scales(context.loss_scales, pending, outcome)
+
+
+def read_loss_scales(scales: Sequence[torch.Tensor], pending: Pending, outcome: StepOutcome) -> None:
+    """The GradScalers' loss scales, with the step's one sync (the smallest goes to ``outcome.loss_scale``)."""
+    if not scales:
+        return
+    device = scales[0].device
+    smallest = torch.stack([scale.reshape(-1)[:1].to(device, torch.float32) for scale in scales]).min()
+
+    def read(values: list[float]) -> None:
+        outcome.loss_scale = values[0]
+
+    pending.add(smallest, read)
 
 
 def has_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
@@ -92,6 +116,12 @@ def unscaled_found_inf(scaler: torch.amp.GradScaler | None, optimizer: Optimizer
             "guard.step(optimizer), then scaler.step(optimizer)."
         )
     return tuple(flag for state in chosen for flag in state["found_inf_per_device"].values())
+
+
+def loss_scale_of(scaler: torch.amp.GradScaler | None) -> tuple[torch.Tensor, ...]:
+    """The scaler's loss scale as a device tensor, once it has scaled a loss."""
+    scale = getattr(scaler, "_scale", None) if scaler is not None and scaler.is_enabled() else None
+    return (scale,) if isinstance(scale, torch.Tensor) else ()
 
 
 class ScalerWatch:

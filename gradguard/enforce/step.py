@@ -39,6 +39,8 @@ class StepContext:
     clipped_before: str | None = None
     """A clip the guard saw run over these gradients before this step (e.g. ``clip_grad_norm_`` while a
     GradScaler still held them scaled): it may have spread a NaN to every gradient it clipped."""
+    loss_scales: Sequence[torch.Tensor] = ()
+    """The GradScaler's loss scale(s) with ``found_inf``: a skip at or below a floor halts."""
 
 
 @dataclass
@@ -120,6 +122,8 @@ class StepOutcome:
     """Tensor index -> skip rule index, for non-finite tensors an active skip rule (and no halt rule) covers."""
     scaler_found_inf: bool = False
     """GradScaler (fused optimizer path) found inf/NaN: the optimizer skips this step itself."""
+    loss_scale: float | None = None
+    """The smallest loss scale of the GradScaler(s) whose flags were read, where known."""
     counts: list[tuple[str, str, int]] = field(default_factory=list)
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     observed: list[Observation] = field(default_factory=list)

@@ -274,6 +274,8 @@ class Scaled:
     """The inf/NaN flags of the scalers that unscaled them (the scaler skips the step if any is set)."""
     optimizers: tuple[Optimizer, ...] = ()
     """The optimizers whose gradients the scalers unscaled (those holding the given parameters)."""
+    scales: tuple[torch.Tensor, ...] = ()
+    """Those scalers' loss scales (``halt_on_nonfinite``'s ``min_loss_scale``), read with the step's one sync."""
 
 
 def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
@@ -293,6 +295,7 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
         unscaled = {s: dict(records) for s, records in _unscaled.items()}
     ids = {id(p) for p in params}
     flags: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
     optimizers: list[Optimizer] = []
     covered: set[int] = set()
     ours = False
@@ -309,9 +312,11 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
                 covered |= held
                 optimizers.append(optimizer)
                 flags.extend(state["found_inf_per_device"].values())
+                if isinstance(scaler._scale, torch.Tensor):
+                    scales.append(scaler._scale)
     if not ours:
         return Scaled(still_scaled=False)
-    return Scaled(still_scaled=covered != ids, found_inf=tuple(flags), optimizers=tuple(optimizers))
+    return Scaled(covered != ids, tuple(flags), tuple(optimizers), tuple(scales))
 
 
 def _param_ids(optimizer: Optimizer) -> set[int]:

@@ -111,27 +111,30 @@ class Verdicts:
             step=step, params=params, kind=kind, rule=rule, reason=reason, origin=origin, restored_to=restored
         )
 
-    def scaler_skip(self, rules: Sequence[Rule], step: int) -> None:
-        """GradScaler skipped ``step``: past a ``halt_on_nonfinite``'s ``max_scaler_skips`` in a row, halt.
+    def scaler_skip(self, rules: Sequence[Rule], step: int, loss_scale: float | None) -> None:
+        """GradScaler skipped ``step``: at a ``halt_on_nonfinite``'s scale floor, or past its skips in a row, halt.
 
         An overflow is the scaler's business until it is not passing: a NaN that persists makes the scaler
         skip every step and cut the scale forever, and the run learns nothing without a word.
         """
         self.skip_limits.scaler_skips += 1
-        limits = [
-            (action.max_scaler_skips, rule.name)
-            for rule in rules
-            if rule.active_at(step)
-            for action in rule.actions
-            if isinstance(action, HaltOnNonfinite) and action.active_at(step) and action.max_scaler_skips is not None
-        ]
-        if not limits:
-            return
-        limit, rule = min(limits)
         skips = self.skip_limits.scaler_skips
-        if skips > limit:
-            why = f"GradScaler skipped {skips} steps in a row (max_scaler_skips: {limit}): the inf/NaN persists"
-            self.halt(HaltReport(step, rule, [], {}, "overflow", why, None), [rule], "halt_on_nonfinite")
+        for rule in rules:
+            if not rule.active_at(step):
+                continue
+            for action in rule.actions:
+                if not isinstance(action, HaltOnNonfinite) or not action.active_at(step):
+                    continue
+                why = None
+                floor, limit = action.min_loss_scale, action.max_scaler_skips
+                if floor is not None and loss_scale is not None and loss_scale <= floor:
+                    why = f"GradScaler skipped {skips} steps in a row, the last at loss scale {loss_scale:g} "
+                    why += f"(min_loss_scale: {floor:g}): the inf/NaN persists"
+                elif limit is not None and skips > limit:
+                    why = f"GradScaler skipped {skips} steps in a row (max_scaler_skips: {limit}): the inf/NaN persists"
+                if why is not None:
+                    report = HaltReport(step, rule.name, [], {}, "overflow", why, None)
+                    self.halt(report, [rule.name], "halt_on_nonfinite")
 
     def rewound(self, request: RewindRequested, context: StepContext) -> None:
         """Recovery turned a halt into a rewind: restore, skip this update, say so as loudly as a halt."""

@@ -151,15 +151,18 @@ class HaltOnNonfinite(_StepWindow):
     """Raise :class:`~gradguard.GradientHalt` before the optimizer step if a gradient holds NaN or Inf.
 
     Under a GradScaler an inf/NaN is the scaler's business (it skips the step and lowers the scale),
-    until ``max_scaler_skips`` steps in a row were skipped: then the NaN is not a passing overflow but a
-    persistent one, and the guard halts (or, with ``recovery``, rewinds).
+    until the scale has fallen to ``min_loss_scale`` or ``max_scaler_skips`` steps in a row were skipped:
+    then the NaN is not a passing overflow but a persistent one, and the guard halts (or, with
+    ``recovery``, rewinds).
     """
 
     action: Literal["halt_on_nonfinite"]
-    max_scaler_skips: int | None = Field(default=16, ge=1, strict=True)
-    """Halt after more than this many GradScaler skips in a row (``None``: never). 16 halvings take the
-    default initial scale (65536) to 1, DeepSpeed's and Megatron's scale floor; an ordinary fp16 run skips
-    a few steps at its start and single ones later, each followed by applied steps that reset the count."""
+    min_loss_scale: PositiveFinite | None = 1.0
+    """Halt when GradScaler skips a step at a loss scale at or below this (``None``: never). 1.0 is DeepSpeed's
+    and Megatron's floor: from the default 65536, a NaN that persists halts at its 17th step. A search from a
+    large initial scale and the single skips of a healthy run stay far above it."""
+    max_scaler_skips: int | None = Field(default=None, ge=1, strict=True)
+    """Halt after more than this many GradScaler skips in a row (``None``: no limit but the scale floor)."""
 
 
 class Drop(_StepWindow):

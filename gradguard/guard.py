@@ -155,7 +155,7 @@ class GradGuard(ServesMetrics):
             self._expected: list[Optimizer] | None = optimizers
             self._warned_unexpected = False
 
-            self._attachment = Attachment(self._enforcer, events)
+            self._attachment = Attachment(self._enforcer, events, self._model_ref)
             path = None if isinstance(policy, Policy) else os.fspath(policy)
             self._reloader = Reloader(
                 path, watch=reload, interval=reload_interval, collective=collective, events=events

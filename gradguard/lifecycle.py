@@ -51,9 +51,10 @@ class Removable(Protocol):
 class Attachment:
     """Everything that must be undone when a guard goes away; deliberately holds no reference to it."""
 
-    def __init__(self, enforcer: Enforcer, events: EventLog) -> None:
+    def __init__(self, enforcer: Enforcer, events: EventLog, model: weakref.ReferenceType[nn.Module]) -> None:
         self.enforcer = enforcer
         self.events = events
+        self.model = model
         self.handles: list[Removable] = []
         self.open = True
 
@@ -75,17 +76,42 @@ class Attachment:
         self.events.close()
 
     def collected(self) -> None:
-        """The guard was garbage-collected while still attached: unhook, and say so."""
+        """The guard was garbage-collected while still attached: unhook, and say so if the model trains on.
+
+        A guard and its model that go together (the function that built both returns at the end of the
+        run, the interpreter exits) are a clean end, not a mistake: the warning waits for the model's next
+        backward, which only a model that goes on training without its guard makes.
+        """
         if not self.open:
             return
         self.close("garbage-collected")
+        model = self.model()
+        if model is not None:
+            _warn_at_next_backward(model)
+
+
+def _warn_at_next_backward(model: nn.Module) -> None:
+    """One warning, the first time backward reaches a parameter of ``model``; then the hooks go."""
+    handles: list[Any] = []
+
+    def warn(_: torch.Tensor) -> None:
+        if not handles:
+            return  # another parameter's hook of the same backward warned already
+        for handle in handles:
+            handle.remove()
+        handles.clear()
         warnings.warn(
-            "a GradGuard was garbage-collected while still attached, so its hooks were removed and the "
-            "model is no longer guarded. Keep a reference to the guard (guard = GradGuard(...)) or use "
-            "it as a context manager (with GradGuard(...) as guard:).",
+            f"the GradGuard of this {type(model).__name__} was garbage-collected while still attached, so its "
+            "hooks were removed and the model now trains unguarded. Keep a reference to the guard "
+            "(guard = GradGuard(...)) for as long as the model trains, or use it as a context manager "
+            "(with GradGuard(...) as guard:).",
             GuardWarning,
             stacklevel=2,
         )
+
+    for param in model.parameters():
+        if param.requires_grad:
+            handles.append(param.register_post_accumulate_grad_hook(warn))  # type: ignore[no-untyped-call]
 
 
 def optimizers_given(optimizer: Optimizer | Iterable[Optimizer] | None) -> list[Optimizer] | None:

@@ -4,6 +4,8 @@ collection, weak hold on the model, one guard per model."""
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -92,21 +94,24 @@ def test_guard_does_not_keep_the_model_alive(make_workload, make_policy):
     guard.remove()
 
 
-def test_guard_garbage_collected_while_attached_removes_its_hook_and_warns(
+def test_guard_garbage_collected_while_its_model_trains_on_unhooks_itself_and_warns_at_the_next_backward(
     make_workload, make_policy, same, read_audit, tmp_path
 ):
-    """A guard dropped while attached emits GuardWarning, unhooks itself and logs a garbage-collected detach."""
+    """A guard dropped while attached unhooks itself and logs a garbage-collected detach; the model's next
+    backward (it trains on, unguarded) emits one GuardWarning."""
     workload = make_workload("mlp")
     opt = torch.optim.SGD(workload.model.parameters(), lr=1e-6)
     log = tmp_path / "audit.jsonl"
     guard = GradGuard(workload.model, make_policy({"match": "*", "actions": TINY_CLIP}), audit_log=log, logger=None)
     guard_ref = weakref.ref(guard)
-    with pytest.warns(GuardWarning, match="garbage-collected while still attached"):
-        del guard  # the last reference: freed at once, no gc.collect() needed
+    del guard  # the last reference: freed at once, no gc.collect() needed; no warning yet
     assert guard_ref() is None
     assert _guard_hooks() == []
-    before, after = _huge_step(workload, opt)
+    with pytest.warns(GuardWarning, match="MLP was garbage-collected while still attached") as caught:
+        before, after = _huge_step(workload, opt)
+    assert len(caught) == 1
     same(after, before)
+    _huge_step(workload, opt)  # once only: a second backward is quiet (filterwarnings turns a warning into an error)
     assert read_audit(log)[-1]["reason"] == "garbage-collected"
     # A new guard on the same model is welcome: the collected one no longer claims it.
     with GradGuard(workload.model, make_policy({"match": "*", "actions": TINY_CLIP}), logger=None) as again:
@@ -152,3 +157,44 @@ def test_guards_on_different_models_coexist(make_workload, make_policy):
         torch.optim.SGD(a.model.parameters(), lr=0.1).step()
         assert guard_a.counters.snapshot() == {"half": {"scale": 6}}
         assert guard_b.counters.snapshot() == {}
+
+
+def test_a_guard_and_its_model_dropped_together_at_the_end_of_a_run_are_quiet(make_workload, make_policy):
+    """The three-line attach in the function that builds the model and trains it (timm's train.py, nanoGPT's):
+    when that function returns, guard and model go together, and nothing warns."""
+
+    def main() -> weakref.ReferenceType[torch.nn.Module]:
+        workload = make_workload("mlp")
+        opt = torch.optim.SGD(workload.model.parameters(), lr=1e-3)
+        guard = GradGuard(workload.model, make_policy({"match": "*", "actions": TINY_CLIP}), logger=None)  # noqa: F841
+        _huge_step(workload, opt)
+        return weakref.ref(workload.model)
+
+    model_ref = main()  # filterwarnings turns a GuardWarning into an error
+    gc.collect()
+    assert model_ref() is None
+
+
+def test_a_guard_still_attached_at_interpreter_exit_is_quiet(tmp_path):
+    """A script that never removes its guard ends without a warning (the guard covered the whole run)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "from gradguard import GradGuard, Policy\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "guard = GradGuard(model, Policy.shipped('default'), logger=None)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    opt.zero_grad(); model(torch.randn(2, 4)).sum().backward(); opt.step()\n"
+        "print('done', guard.step_count)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-W", "error::gradguard.GuardWarning", str(script)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "done 3"
+    assert "GuardWarning" not in run.stderr

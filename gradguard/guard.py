@@ -129,7 +129,7 @@ class GradGuard(ServesMetrics):
         self._lock = threading.RLock()
         """Held while the guard treats a step, or is removed, reloaded, saved or restored (from any thread)."""
         self._model_ref = weakref.ref(model)
-        self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
+        self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         self._plans = PlanBook(self.policy, model, weak_call(self._rebound))
         binding = self._plans.binding
         for opt in optimizers or ():
@@ -156,7 +156,7 @@ class GradGuard(ServesMetrics):
             self._warned_unexpected = False
 
             self._attachment = Attachment(self._enforcer, events, self._model_ref)
-            path = None if isinstance(policy, Policy) else os.fspath(policy)
+            path = None if isinstance(policy, Policy) else self.policy.file_path
             self._reloader = Reloader(
                 path, watch=reload, interval=reload_interval, collective=collective, events=events
             )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +44,30 @@ class Policy(PolicyFields):
     def from_file(cls, path: str | os.PathLike[str]) -> Policy:
         """Load and validate a policy from a ``.yaml``/``.yml``, ``.toml`` or ``.json`` file."""
         return load_policy_file(cls, path)
+
+    @classmethod
+    def load(cls, where: str | os.PathLike[str]) -> Policy:
+        """A policy file's path, or the name of a shipped policy (``"default"``, ``"llm-pretraining"``).
+
+        A path that exists wins: a file called ``default`` in the working directory is that file, not the
+        shipped policy. Everything that takes a policy path (``GradGuard``, the integrations' callbacks,
+        ``gradguard validate`` and ``explain``) takes a shipped name the same way.
+        """
+        source = os.fspath(where)
+        if not Path(source).exists() and not Path(source).suffix:
+            return cls.shipped(source)  # an unknown name: its error lists the names there are
+        if not Path(source).exists():
+            from gradguard.policy.shipped import shipped_policies
+
+            if any(source == found.file_name for found in shipped_policies()):
+                return cls.shipped(source)
+        return cls.from_file(source)
+
+    @property
+    def file_path(self) -> str | None:
+        """The file this policy was read from, or ``None`` (a dict, a shipped policy)."""
+        source = self._source
+        return None if source.startswith("<") or not Path(source).is_file() else source
 
     @classmethod
     def shipped(cls, name: str) -> Policy:

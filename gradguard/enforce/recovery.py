@@ -151,8 +151,11 @@ class Recovery:
         snapshot held, which it joins.
         """
         live = self.live
-        if any(ref() is optimizer for ref in live.known_optimizers):
-            return
+        while isinstance(inner := getattr(optimizer, "optimizer", None), Optimizer):
+            optimizer = inner  # accelerate's AcceleratedOptimizer wraps the one that holds the state
+        known = [opt for ref in live.known_optimizers if (opt := ref()) is not None]
+        if any(opt is optimizer or opt.param_groups is optimizer.param_groups for opt in known):
+            return  # a wrapper sharing its groups and state would be copied, and its LRs scaled, twice
         live.known_optimizers.append(weakref.ref(optimizer))
         for snapshot in self.snapshots:
             if not snapshot.holds(optimizer):

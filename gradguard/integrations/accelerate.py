@@ -21,6 +21,7 @@ from typing import Any
 try:
     import accelerate
     from accelerate.optimizer import AcceleratedOptimizer
+    from accelerate.scheduler import AcceleratedScheduler
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides accelerate
     raise ImportError(
         "gradguard.integrations.accelerate needs accelerate: pip install 'gradguard[transformers]'"
@@ -33,7 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gradguard import GradGuard, Policy
 
-__all__ = ["AcceleratorBoundary", "InstancePatch", "guard_accelerator"]
+__all__ = ["AcceleratorBoundary", "InstancePatch", "guard_accelerator", "hand_schedulers", "unwrap_scheduler"]
 
 _MISSING = object()
 
@@ -64,6 +65,27 @@ def _unwrap(optimizer: Any) -> Optimizer | None:
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer if isinstance(optimizer, Optimizer) else None
+
+
+def unwrap_scheduler(scheduler: Any) -> Any:
+    """The LR scheduler inside an ``AcceleratedScheduler`` (any depth): the one whose ``base_lrs`` set the LR."""
+    while isinstance(scheduler, AcceleratedScheduler):
+        scheduler = scheduler.scheduler
+    return scheduler
+
+
+def hand_schedulers(guard: GradGuard, schedulers: Sequence[Any]) -> None:
+    """Tell ``guard``'s recovery the loop's LR schedulers (unwrapped; those it knows already are left alone).
+
+    A rewind then takes them back to the snapshot's step with the weights, holds them through the skip
+    window, and ``lr_factor`` lowers what they recompute the LR from, so it holds through their later steps.
+    Anything without ``state_dict``/``load_state_dict`` (DeepSpeed's ``DummyScheduler``) is passed over.
+    """
+    recovery = guard._enforcer.recovery
+    for given in schedulers:
+        scheduler = unwrap_scheduler(given)
+        if all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
+            recovery.add_scheduler(scheduler)
 
 
 class AcceleratorBoundary:
@@ -138,6 +160,9 @@ class AcceleratorBoundary:
 
     def _backward(self, loss: torch.Tensor, **kwargs: Any) -> Any:
         self._treated.clear()  # new gradients: the next boundary treats them
+        guard = self.guard_of()
+        if guard is not None and guard.attached and self.accelerator._schedulers:
+            hand_schedulers(guard, self.accelerator._schedulers)  # prepared since the guard attached
         return self._backward_patch.original(loss, **kwargs)
 
     def _stepped(self, optimizer: Optimizer) -> None:
@@ -181,15 +206,27 @@ def guard_accelerator(
     step the scaler skips is logged and never halts. Use the result as a context manager or call
     ``guard.remove()``: that also puts the accelerator's methods back.
 
+    With a policy's ``recovery`` section, the LR schedulers given to ``accelerator.prepare`` (before or
+    after this call; found at the next ``accelerator.backward``) and the accelerator's GradScaler are
+    rewound with the weights and held through the skip window, and ``lr_factor`` holds through the
+    schedulers' later steps. A loop may save the compute of skipped steps with ``if guard.pass_step():
+    continue`` at the top of a step.
+
     Args:
         accelerator: the ``accelerate.Accelerator`` of the loop.
         model: the module whose parameters are guarded.
         policy: a :class:`~gradguard.Policy` or the path of a policy file.
         **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
-            ``start_step``, ``optimizer``, ``summary_every``, ...).
+            ``start_step``, ``optimizer``, ``lr_scheduler``, ``summary_every``, ...); an
+            ``AcceleratedScheduler`` given as ``lr_scheduler`` is unwrapped.
     """
     guard_options.setdefault("scaler", accelerator.scaler)
+    given = guard_options.get("lr_scheduler")
+    if given is not None:
+        given = list(given) if isinstance(given, list | tuple) else [given]
+        guard_options["lr_scheduler"] = [unwrap_scheduler(scheduler) for scheduler in given]
     guard = _AcceleratorGuard(model, policy, **guard_options)
+    hand_schedulers(guard, accelerator._schedulers)
     guard_ref = weakref.ref(guard)
     guard._boundary = AcceleratorBoundary(accelerator, guard_ref)
     return guard

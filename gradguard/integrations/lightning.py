@@ -15,6 +15,12 @@ of ``accumulate_grad_batches``) and after GradScaler's ``unscale_`` (``precision
 before the module's own ``on_before_optimizer_step`` and Lightning's ``gradient_clip_val``: the policy
 acts first, then Lightning's clip, exactly once per optimizer step. A halt ends ``trainer.fit`` with
 :class:`~gradguard.GradientHalt` before the optimizer step.
+
+With a policy's ``recovery`` section a halt becomes a rewind instead: the trainer's LR schedulers
+(``configure_optimizers``' ``lr_scheduler``) and the precision plugin's GradScaler are handed to the guard,
+so they go back to the snapshot's step with the weights, Lightning's ``scheduler.step()`` on a skipped
+batch is undone, and ``lr_factor`` holds through the schedulers' later steps. Skipped batches still run
+their forward and backward (the update is what is skipped); Lightning's ``global_step`` counts them.
 """
 
 from __future__ import annotations
@@ -43,6 +49,20 @@ __all__ = ["GradGuardCallback"]
 _GUARD_STATE = "guard"
 
 
+def _hand_recovery(guard: GradGuard, trainer: pl.Trainer) -> None:
+    """Tell the guard's recovery the trainer's LR schedulers (the precision plugin's GradScaler is its ``scaler``).
+
+    A rewind takes them back to the snapshot's step with the weights and holds them through the skip
+    window (Lightning's ``scheduler.step()`` at the end of a skipped batch is undone), and ``lr_factor``
+    lowers what they recompute the LR from, so it holds through their later steps. Known ones are left alone.
+    """
+    recovery = guard._enforcer.recovery
+    for config in trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        if all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
+            recovery.add_scheduler(scheduler)
+
+
 class GradGuardCallback(Callback):
     """Enforce a gradguard policy on a ``LightningModule`` during ``trainer.fit``.
 
@@ -55,8 +75,9 @@ class GradGuardCallback(Callback):
         **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
             ``per_micro_batch``, ``summary_every``, ``process_group``, ``replace``, ...). By default
             ``optimizer`` is the trainer's optimizers, ``scaler`` the precision plugin's GradScaler
-            (``precision="16-mixed"``), and ``start_step`` the step saved in the checkpoint being
-            resumed (else the resumed ``global_step``, else 0).
+            (``precision="16-mixed"``), ``lr_scheduler`` the trainer's schedulers (for ``recovery``;
+            added to any given), and ``start_step`` the step saved in the checkpoint being resumed (else
+            the resumed ``global_step``, else 0).
 
     After ``trainer.fit``, :attr:`guard` is the (detached) guard of that fit, so its counters, step
     count and audit log stay readable.
@@ -105,6 +126,7 @@ class GradGuardCallback(Callback):
         self._checkpoint_step = None
         guard = GradGuard(pl_module, self.policy, **options)
         self.guard = guard
+        _hand_recovery(guard, trainer)
         if state is not None:
             guard.load_state_dict(state)  # skip histories; logged as a state_loaded event
 

@@ -28,12 +28,13 @@ try:
     import transformers
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-    from gradguard.integrations.accelerate import AcceleratorBoundary, InstancePatch
+    from gradguard.integrations.accelerate import AcceleratorBoundary, InstancePatch, hand_schedulers
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
         "gradguard.integrations.transformers needs transformers and accelerate: pip install 'gradguard[transformers]'"
     ) from exc
 
+import torch
 from torch import nn
 
 from gradguard import GradGuard, GuardWarning, Policy
@@ -58,10 +59,13 @@ class GradGuardCallback(transformers.TrainerCallback):
     callback alone ``on_train_end`` does not run then: call :meth:`remove`).
 
     The guard is created at ``on_train_begin`` with ``start_step=state.global_step`` (a resumed run
-    carries the step numbers on) and removed at ``on_train_end``; :attr:`guard` keeps the last run's
-    guard, detached, so its counters can be read. At every checkpoint, ``guard.state_dict()`` (step
-    number, skip histories) is written to ``<checkpoint>/gradguard_state.json`` and read back when a
-    run resumes from that checkpoint.
+    carries the step numbers on); for a policy's ``recovery`` it is told the Trainer's ``lr_scheduler`` and
+    GradScaler (fp16): a rewind takes them back to the snapshot's step with the weights, and ``lr_factor``
+    holds through the scheduler's later steps. It is removed at ``on_train_end``;
+    :attr:`guard` keeps the last run's guard, detached, so its counters can be read. At every
+    checkpoint, ``guard.state_dict()`` (step number, skip histories, recovery's rewind count) is
+    written to ``<checkpoint>/gradguard_state.json`` and read back when a run resumes from that
+    checkpoint.
 
     Args:
         policy: a :class:`~gradguard.Policy` or the path of a policy file (loaded, and checked, now).
@@ -105,6 +109,14 @@ class GradGuardCallback(transformers.TrainerCallback):
             options.setdefault("scaler", trainer.accelerator.scaler)
         guard = GradGuard(model, self.policy, start_step=state.global_step, **options)
         self.guard = guard
+        # For recovery: the scheduler and the scale go back to the snapshot's step with the weights, held through
+        # the skip window, and lr_factor holds through the scheduler's later steps.
+        scheduler = kwargs.get("lr_scheduler")
+        if scheduler is not None:
+            hand_schedulers(guard, [scheduler])
+        scaler = getattr(kwargs.get("optimizer"), "scaler", None)  # the prepared AcceleratedOptimizer's (fp16)
+        if guard._enforcer.recovery.live.scaler is None and isinstance(scaler, torch.amp.GradScaler):
+            guard._enforcer.recovery.set_scaler(scaler)
         self._load_saved_state(guard, args, state)
         if trainer is not None:
             self._boundary = AcceleratorBoundary(trainer.accelerator, self._current_guard, remove_with_guard=False)

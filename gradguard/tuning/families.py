@@ -52,6 +52,8 @@ class Family:
     members: set[str] = field(default_factory=set)
     histogram: LogHistogram = field(default_factory=LogHistogram)
     """``ln(norm)`` of every finite, positive recorded norm of every member."""
+    by_member: dict[str, LogHistogram] = field(default_factory=dict)
+    """The same, member by member: each tensor's norms are measured against its own median."""
     zeros: int = 0
     nonfinite: int = 0
 
@@ -63,6 +65,7 @@ class Family:
         out = Family([*self.keys, *(key for other in others for key in other.keys)])
         out.members = self.members.union(*(other.members for other in others))
         out.histogram = self.histogram.merged(other.histogram for other in others)
+        out.by_member = {name: h for family in (self, *others) for name, h in family.by_member.items()}
         out.zeros = self.zeros + sum(other.zeros for other in others)
         out.nonfinite = self.nonfinite + sum(other.nonfinite for other in others)
         return out

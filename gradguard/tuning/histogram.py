@@ -42,6 +42,10 @@ class LogHistogram:
             out.total += other.total
         return out
 
+    def shifted(self, bins: int) -> LogHistogram:
+        """A copy with every value divided by ``e^(bins x BIN_WIDTH)`` (its bins moved down by ``bins``)."""
+        return LogHistogram({key - bins: count for key, count in self.counts.items()}, self.total)
+
     def quantile(self, level: float, *, upper: bool = False, at_most: float | None = None) -> float:
         """The ``level`` quantile of ``ln(x)``: the centre of the bin holding it, or its upper edge with ``upper``.
 

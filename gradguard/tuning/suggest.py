@@ -2,17 +2,24 @@
 
 Two streaming passes over the logs. The first (:class:`NormSummary`) folds each recorded norm into
 its family's :class:`~gradguard.tuning.histogram.LogHistogram` (bounded: memory does not grow with the
-log's length). Families (:mod:`gradguard.tuning.families`) with alike medians are merged, and each gets
-a ``clip_norm`` per tensor whose ``max_norm`` is the largest of
+log's length), and each member's into its own. Families (:mod:`gradguard.tuning.families`) with alike
+medians are merged. Each member's norms are measured against that member's own median (so a weight and
+its bias, whose medians differ, do not widen the family's spread), and each family gets a ``clip_norm``
+per tensor whose ``max_norm`` is ``M`` (the median of its largest member, so no member's ordinary norms
+are clipped for being that member's) times the largest of
 
-- ``median x e^(z x spread)``: ``z`` (default 6) robust spreads above the median, where the spread is
-  ``1.4826 x MAD`` of ``ln(norm)`` (the standard deviation of a normal with that MAD) and never below
-  :data:`MIN_SPREAD`: anomalies move neither the median nor the MAD;
-- ``2 x median`` (:data:`MIN_FACTOR`): a family with a tiny spread is not clipped for ordinary noise;
-- the ``1 - budget / (families x members)`` quantile of the family's ordinary norms (those below
-  ``median x e^(2 z x spread)``; larger ones are anomalies and do not count): at most that fraction of
-  ordinary norms lies above it, so, summed over every norm of a step, at most ``budget`` (1%) of the
-  ordinary steps of the recorded run are acted on.
+- ``e^(z x spread)``: ``z`` (default 6) robust spreads, where the spread is ``1.4826 x MAD`` of
+  ``ln(norm / member's median)`` (the standard deviation of a normal with that MAD) and never below
+  :data:`MIN_SPREAD`: anomalies move neither the medians nor the MAD;
+- ``2`` (:data:`MIN_FACTOR`): a family with a tiny spread is not clipped for ordinary noise;
+- the ``1 - budget / (families x members)`` quantile of the family's ordinary ratios (below
+  ``e^(2 z x spread)`` and below :data:`SPIKE_FACTOR`; larger ones are anomalies and do not count): at
+  most that fraction of ordinary norms lies above it, so, summed over every norm of a step, at most
+  ``budget`` (1%) of the ordinary steps of the recorded run are acted on;
+
+and never above :data:`SPIKE_FACTOR` (10) times ``M`` but where ``2`` sets it: a norm ten times its
+median is a spike however wide the spread, so a step whose family's norms are 20x their medians is
+always acted on.
 
 Every parameter gets a ``skip_step_on_nonfinite`` rule, and a ``monitor`` keeps recording norms for the
 next run. The second pass replays the suggested policy on the same logs
@@ -31,6 +38,7 @@ from typing import Final
 from gradguard.policy.document import Policy
 from gradguard.policy.loading import load_policy_text
 from gradguard.tuning.families import Family, family_key, family_pattern, merge_alike
+from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram
 from gradguard.tuning.records import Recording, no_norms_message, recorded_steps
 from gradguard.tuning.replay import ReplayResult, replay_files
 
@@ -53,6 +61,9 @@ MIN_SAMPLES: Final = 20
 """A family with fewer finite, positive norms gets no clip (too little evidence); it keeps the non-finite rule."""
 ANOMALY_FACTOR: Final = 2.0
 """Norms more than ``ANOMALY_FACTOR x z`` spreads above the median are anomalies: left out of the quantile."""
+SPIKE_FACTOR: Final = 10.0
+"""A norm this many times its tensor's median is a spike, whatever the spread: never ordinary, and no threshold
+lies above it (the spread and quantile bounds are capped there), so a 20x spike is always acted on."""
 NONFINITE_RULE: Final = "nonfinite"
 MONITOR_RULE: Final = "record-norms"
 MAX_CONSECUTIVE_SKIPS: Final = 3
@@ -84,6 +95,10 @@ class NormSummary:
                 names[name] = family
             if norm > 0.0 and norm < math.inf:
                 family.histogram.add(norm)
+                own = family.by_member.get(name)
+                if own is None:
+                    own = family.by_member[name] = LogHistogram()
+                own.add(norm)
             elif norm == 0.0:
                 family.zeros += 1
             else:
@@ -156,12 +171,21 @@ def suggest_files(
 
 
 def _threshold(family: Family, names: list[str], families: int, budget: float, z: float) -> Threshold:
-    histogram = family.histogram
-    median = histogram.median()
-    spread = max(1.4826 * histogram.mad(median), MIN_SPREAD)
+    # Each member's norms against its own median, pooled: members whose medians differ (a weight and its
+    # bias) do not widen the spread, and a family of one tensor is read as one of many.
+    own = {name: h.median() for name, h in family.by_member.items() if h.total}
+    relative = LogHistogram().merged(
+        h.shifted(round(own[name] / BIN_WIDTH)) for name, h in family.by_member.items() if h.total
+    )
+    median = max(own.values())  # the threshold must not clip the ordinary norms of the largest member
+    centre = relative.median()
+    spread = max(1.4826 * relative.mad(centre), MIN_SPREAD)
+    ceiling = math.log(SPIKE_FACTOR)
     level = 1.0 - budget / (families * len(family.members))
-    quantile = histogram.quantile(level, upper=True, at_most=median + ANOMALY_FACTOR * z * spread)
-    bounds = {"spread": median + z * spread, "factor": median + math.log(MIN_FACTOR), "quantile": quantile}
+    ordinary = min(ANOMALY_FACTOR * z * spread, ceiling)
+    quantile = median + relative.quantile(level, upper=True, at_most=ordinary)
+    spread_bound = median + min(z * spread, ceiling)
+    bounds = {"spread": spread_bound, "factor": median + math.log(MIN_FACTOR), "quantile": quantile}
     bound_by = max(bounds, key=lambda key: bounds[key])
     max_norm = _round_up(math.exp(bounds[bound_by]))
     members = family.members
@@ -247,9 +271,11 @@ def _render(
         f"# Suggested by `gradguard suggest` from {', '.join(path.name for path in paths)}:",
         f"# {steps:,} recorded steps ({recording.first_step}-{recording.last_step}), {params} parameters, "
         f"{len(thresholds)} families with a clip.",
-        f"# Each max_norm is the largest of: median x e^({z:g} x spread), {MIN_FACTOR:g} x median, and the quantile",
-        f"# of the family's ordinary norms that keeps the clips on at most {100 * budget:g}% of ordinary steps",
-        f"# (spread: 1.4826 x MAD of ln(norm); ordinary: below median x e^({ANOMALY_FACTOR * z:g} x spread)).",
+        f"# Each max_norm is median x the largest of: e^({z:g} x spread), {MIN_FACTOR:g}, and the quantile of the",
+        f"# family's ordinary norms that keeps the clips on at most {100 * budget:g}% of ordinary steps; median: its",
+        "# largest tensor's. Each tensor's norms count against its own median (spread: 1.4826 x MAD of",
+        f"# ln(norm / median); ordinary: below e^({ANOMALY_FACTOR * z:g} x spread) and {SPIKE_FACTOR:g} x the median,"
+        f" no bound above {SPIKE_FACTOR:g}).",
         "version: 1",
         "rules:",
     ]

@@ -30,12 +30,14 @@ MONITOR_RULE = {"name": "norms", "match": "*", "actions": [{"action": "monitor",
 class FourFamilies(nn.Module):
     """``blocks.<i>.<family>.weight`` for each family of :data:`SCALES`."""
 
-    def __init__(self, blocks: int = 3, width: int = 8, scales: Mapping[str, float] = SCALES) -> None:
+    def __init__(
+        self, blocks: int = 3, width: int = 8, scales: Mapping[str, float] = SCALES, bias: bool = False
+    ) -> None:
         super().__init__()
         self.width = width
         self.scales = dict(scales)
         self.blocks = nn.ModuleList(
-            nn.ModuleDict({name: nn.Linear(width, width, bias=False) for name in scales}) for _ in range(blocks)
+            nn.ModuleDict({name: nn.Linear(width, width, bias=bias) for name in scales}) for _ in range(blocks)
         )
 
     def loss(self, x: torch.Tensor, targets: Sequence[Mapping[str, torch.Tensor]]) -> torch.Tensor:
@@ -53,6 +55,8 @@ class Schedule:
     steps: int = 400
     spikes: dict[int, str] = field(default_factory=dict)
     nans: dict[int, str] = field(default_factory=dict)
+    spike: float = SPIKE
+    """How many times its usual noise a spiking family gets."""
 
 
 @dataclass
@@ -72,10 +76,11 @@ def record_run(
     seed: int = 0,
     batch: int = 16,
     scales: Mapping[str, float] = SCALES,
+    bias: bool = False,
 ) -> Run:
     """Train :class:`FourFamilies` under ``policy`` for ``schedule.steps`` steps, writing the audit log to ``log``."""
     torch.manual_seed(seed)
-    model = FourFamilies(scales=scales)
+    model = FourFamilies(scales=scales, bias=bias)
     teacher = copy.deepcopy(model).requires_grad_(False)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     if not isinstance(policy, Policy):
@@ -92,7 +97,7 @@ def record_run(
                 for name in scales:
                     noise = torch.randn(batch, model.width, generator=generator)
                     if schedule.spikes.get(step) in (name, "all"):
-                        noise = noise * SPIKE
+                        noise = noise * schedule.spike
                     value = block[name](x) + noise  # type: ignore[operator]
                     if schedule.nans.get(step) == name:
                         value = torch.full_like(value, float("nan"))

@@ -22,7 +22,7 @@ from gradguard.enforce.closures import StepArgs, TreatAfterClosure, closure_of, 
 from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
 from gradguard.enforce.micro_batch import MicroBatchHooks
-from gradguard.enforce.plans import PlanBook
+from gradguard.enforce.plan_book import PlanBook
 from gradguard.enforce.provenance import attach_provenance, check_mode
 from gradguard.enforce.reload import Reloader
 from gradguard.enforce.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf

@@ -13,24 +13,23 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
 from gradguard.enforce.engine import Enforcer
+from gradguard.enforce.plan_book import PlanBook
 from gradguard.enforce.recovery import Recovery
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
 
-if TYPE_CHECKING:
-    from gradguard.guard import GradGuard
-
 __all__ = [
     "Attachment",
+    "LiveGuard",
     "Removable",
     "check_arguments",
     "claim_model",
@@ -45,6 +44,21 @@ __all__ = [
 
 
 class Removable(Protocol):
+    def remove(self) -> None: ...
+
+
+class LiveGuard(Protocol):
+    """What the process's register of guards reads of a guard (``GradGuard``, a room above, is one)."""
+
+    _lock: threading.RLock
+    _attachment: Attachment
+    _finalizer: weakref.finalize[Any, Any]
+    _model_ref: weakref.ReferenceType[nn.Module]
+    _plans: PlanBook
+
+    @property
+    def attached(self) -> bool: ...
+
     def remove(self) -> None: ...
 
 
@@ -232,7 +246,7 @@ def warn_unexpected_optimizer(events: EventLog, optimizer: Optimizer, step: int)
 
 # --- the process's guards: one per model, claimed at attach, let go at remove and at interpreter exit ---
 
-_LIVE_GUARDS: weakref.WeakSet[GradGuard] = weakref.WeakSet()
+_LIVE_GUARDS: weakref.WeakSet[LiveGuard] = weakref.WeakSet()
 """Every guard attached or attaching; read and changed only under ``_LIVE_LOCK``."""
 _LIVE_LOCK = threading.Lock()
 """Attaching checks that no other guard holds the model and claims it in one step (two threads attaching
@@ -241,13 +255,13 @@ _EXIT_LOCK_TIMEOUT_S = 5.0
 """How long interpreter exit waits for a guard's step in flight on another thread before closing it anyway."""
 
 
-def live_guards() -> list[GradGuard]:
+def live_guards() -> list[LiveGuard]:
     """Every guard attached or attaching, now."""
     with _LIVE_LOCK:
         return list(_LIVE_GUARDS)
 
 
-def claim_model(guard: GradGuard, model: nn.Module, replace: bool) -> None:
+def claim_model(guard: LiveGuard, model: nn.Module, replace: bool) -> None:
     """Refuse (or, with ``replace``, remove) another live guard on the same model or tensors, and claim them.
 
     Checked and claimed under one lock: of two threads attaching to one model at once, one is refused.
@@ -267,7 +281,7 @@ def claim_model(guard: GradGuard, model: nn.Module, replace: bool) -> None:
         other.remove()
 
 
-def _holds(other: GradGuard, model: nn.Module, guard: GradGuard) -> bool:
+def _holds(other: LiveGuard, model: nn.Module, guard: LiveGuard) -> bool:
     """Whether ``other`` (attached, or still attaching) guards ``model`` or one of the tensors ``guard`` binds."""
     attachment: Attachment | None = other.__dict__.get("_attachment")
     if attachment is not None and not attachment.open:
@@ -284,7 +298,7 @@ def _holds(other: GradGuard, model: nn.Module, guard: GradGuard) -> bool:
     )
 
 
-def forget(guard: GradGuard) -> None:
+def forget(guard: LiveGuard) -> None:
     """The guard was removed (or failed to attach): its model may be claimed again."""
     with _LIVE_LOCK:
         _LIVE_GUARDS.discard(guard)

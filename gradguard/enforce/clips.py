@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
-from gradguard.enforce.plans import PlanBook
+from gradguard.enforce.plan_book import PlanBook
 from gradguard.enforce.torch_hooks import ClipCall, scaler_view
 
 __all__ = ["ClipBoundary", "ClipWatch"]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
-from gradguard.enforce.plans import PlanBook
+from gradguard.enforce.plan_book import PlanBook
 from gradguard.errors import PolicyError
 from gradguard.events.log import EventLog
 from gradguard.policy.document import Policy

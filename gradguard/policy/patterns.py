@@ -21,10 +21,7 @@ import fnmatch
 import functools
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
-
-if TYPE_CHECKING:
-    from gradguard.policy.schema import Rule
+from typing import Any, NoReturn, Protocol
 
 __all__ = [
     "MAX_PATTERN_LENGTH",
@@ -125,7 +122,17 @@ def _matches_any(patterns: tuple[str, ...], name: str) -> bool:
     return any(pattern_matcher(pattern)(name) for pattern in patterns)
 
 
-def rule_matches(rule: Rule, names: tuple[str, ...]) -> bool:
+class Patterned(Protocol):
+    """What matching needs of a rule: its patterns (the schema's ``Rule`` has them; this room knows no rule)."""
+
+    @property
+    def match(self) -> tuple[str, ...]: ...
+
+    @property
+    def exclude(self) -> tuple[str, ...]: ...
+
+
+def rule_matches(rule: Patterned, names: tuple[str, ...]) -> bool:
     """A tensor is covered by a rule if any of its names is matched and not excluded."""
     return any(_matches_any(rule.match, name) and not _matches_any(rule.exclude, name) for name in names)
 

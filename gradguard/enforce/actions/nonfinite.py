@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,8 +20,16 @@ from gradguard.enforce.step import StepWork
 from gradguard.enforce.tensors import norms, stack_on
 from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
-if TYPE_CHECKING:
-    from gradguard.enforce.plan import Plan
+
+class Watched(Protocol):
+    """What the non-finite watch needs of a plan (the plan, a room above, builds on the actions)."""
+
+    @property
+    def fragile(self) -> frozenset[int]: ...
+
+    @property
+    def watchers_by_param(self) -> dict[int, tuple[int, ...]]: ...
+
 
 __all__ = ["HaltKernel", "SkipKernel", "SkipLimits", "has_active", "joined_kind", "watch_raw_norms"]
 
@@ -40,7 +48,7 @@ class SkipKernel(ActionKernel):
     watches = True
 
 
-def watch_raw_norms(work: StepWork, plan: Plan, raw_ids: list[int]) -> dict[int, torch.Tensor]:
+def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[int, torch.Tensor]:
     """2-norms of the untouched gradients, and the non-finite verdict every rank agrees on."""
     grads, pending, outcome, step, collective = work.grads, work.pending, work.outcome, work.step, work.collective
     local = norms([grads[i] for i in raw_ids], 2.0)

@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from gradguard import GradGuard, Policy
@@ -234,3 +235,103 @@ def test_explain_as_a_subprocess_imports_the_model_from_the_working_directory(pr
     assert done.returncode == 0, done.stderr
     assert "model: explain_models:build -> Sequential: 3 parameter tensors (4 names)" in done.stdout
     assert done.stderr == ""
+
+
+RECOVERY_POLICY = textwrap.dedent(
+    """\
+    version: 1
+    rules:
+      - name: nonfinite
+        match: ["*"]
+        actions:
+          - {action: halt_on_nonfinite, max_scaler_skips: 8}
+      - name: spikes
+        match: ["1.*"]
+        actions:
+          - {action: skip_step_on_spike, max_consecutive_skips: 3}
+      - name: dense
+        match: ["1.*"]
+        actions:
+          - {action: clip_norm, max_norm: 1.0}
+    recovery:
+      snapshot_every: 100
+      keep: 3
+      lr_factor: 0.5
+    """
+)
+
+
+def test_the_recovery_section_is_told_in_words_with_the_bytes_a_snapshot_holds(project: Path) -> None:
+    """With `recovery`, explain says what it will do (every, keep, min_age, skip, max rewinds, lr factor), which
+    rules rewind and how, and the bytes a snapshot holds for this model; a real guard's attach event agrees."""
+    (project / "recovery.yaml").write_text(RECOVERY_POLICY)
+    args = (str(project / "recovery.yaml"), "--model", f"{project / 'explain_models.py'}:build")
+    code, out = invoke(*args)
+    assert code == 0, out
+    section = out.split("Recovery (a halt becomes a rewind to an in-memory snapshot; the run goes on)\n", 1)[1]
+    section = section.split("\n\n", 1)[0]
+    assert (
+        "one every 100 steps (at each step that is a multiple of 100, before its update), the newest 3 kept" in section
+    )
+    assert "back to the newest snapshot at least 10 steps older than the fault" in section
+    assert "the next 10 steps are skipped" in section
+    assert "at most 3 rewinds in a run; the next halt restores the snapshot, then halts" in section
+    assert "lr_factor 0.5: every param group's LR" in section
+    assert (
+        "rule 'nonfinite' (3 params) rewinds on halt_on_nonfinite: a NaN/Inf gradient, or a GradScaler skip at a "
+        "loss scale of 1 or less, or more than 8 GradScaler skips in a row"
+    ) in section
+    assert (
+        "rule 'spikes' (2 params) rewinds on skip_step_on_spike past its limits (more than 3 skips in a row)" in section
+    )
+    assert "dense" not in section  # a clip cannot halt
+    # Embedding(10, 4) tied with the last Linear's weight (once), Linear(4, 6): (40 + 24 + 6) float32 elements.
+    assert "each snapshot holds the parameters and buffers: 280 bytes; 3 of them: 840 bytes" in section
+    # AdamW: two moments and a float32 step per trainable tensor (the frozen bias has none).
+    assert "with Adam or AdamW 520 bytes more per snapshot, 2.34 KiB (2,400 bytes) in all" in section
+
+    _code, out = invoke(*args, "--format", "json")
+    recovery = json.loads(out)["recovery"]
+    assert {key: recovery[key] for key in ("snapshot_every", "keep", "min_age", "skip_steps", "max_rewinds")} == {
+        "snapshot_every": 100,
+        "keep": 3,
+        "min_age": 10,
+        "skip_steps": 10,
+        "max_rewinds": 3,
+    }
+    assert recovery["lr_factor"] == 0.5
+    assert [entry["rule"] for entry in recovery["rules_that_rewind"]] == ["nonfinite", "spikes"]
+    assert recovery["snapshot_bytes"]["per_snapshot"] == 280
+    assert recovery["snapshot_bytes"]["all_snapshots"] == 840
+
+    # What the guard itself says: the attach event's estimate, and the bytes its snapshots hold after a step.
+    sys.path.insert(0, str(project))
+    try:
+        from explain_models import build  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(project))
+        sys.modules.pop("explain_models", None)
+    model = build()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    every_step = project / "every-step.yaml"
+    every_step.write_text(RECOVERY_POLICY.replace("snapshot_every: 100", "snapshot_every: 1"))
+    policy = Policy.from_file(every_step)
+    log = project / "guard.jsonl"
+    with GradGuard(model, policy, logger=None, audit_log=log) as guard:
+        for _ in range(2):
+            for param in model.parameters():  # the tied shapes make no forward: gradients by hand
+                param.grad = torch.ones_like(param) if param.requires_grad else None
+            optimizer.step()
+        held = guard.metrics()["gradguard/recovery/snapshot_bytes"]
+    attach = json.loads(log.read_text().splitlines()[0])
+    assert attach["recovery"]["snapshot_bytes"] == recovery["snapshot_bytes"]["all_snapshots"]
+    assert held == 280 + (280 + 520)  # step 0's snapshot (no optimizer state yet) and step 1's (AdamW's)
+
+
+def test_a_policy_without_recovery_has_no_recovery_section(project: Path) -> None:
+    """No `recovery`: no section, and null in the JSON."""
+    args = (str(project / "allowed.yaml"), "--model", f"{project / 'explain_models.py'}:build")
+    _code, out = invoke(*args)
+    assert "Recovery" not in out
+    _code, out = invoke(*args, "--format", "json")
+    assert json.loads(out)["recovery"] is None

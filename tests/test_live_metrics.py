@@ -20,7 +20,7 @@ import torch
 from support.docs import documented_example
 from torch import nn
 
-from gradguard import GradGuard, GuardStateError, GuardWarning, Policy
+from gradguard import GradGuard, GuardStateError, Policy
 from gradguard.events.prometheus import parse_stat_key
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser")

@@ -57,7 +57,7 @@ def test_the_schema_is_draft_2020_12_with_a_title_and_the_policy_fields():
     assert schema["type"] == "object"
     assert schema["required"] == ["version", "rules"]
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == {"$schema", "version", "rules"}
+    assert set(schema["properties"]) == {"$schema", "version", "rules", "recovery"}
     assert schema["properties"]["version"]["const"] == 1
     assert schema["properties"]["rules"]["minItems"] == 1
 
@@ -94,6 +94,49 @@ def test_rules_take_one_pattern_or_a_list_and_carry_field_descriptions():
     assert "``" not in json.dumps(schema)  # reStructuredText markup turned into plain backticks
     assert rule["properties"]["allow_no_match"]["description"]
     assert _action_schemas(schema)["clip_norm"]["properties"]["max_norm"]["description"]
+
+
+def test_the_recovery_section_and_max_scaler_skips_are_in_the_schema_with_their_bounds_and_defaults():
+    """`recovery` is an optional object (or null) requiring snapshot_every; its keys carry the loader's bounds,
+    defaults and documentation; halt_on_nonfinite has min_loss_scale (1.0, or null) and max_scaler_skips
+    (null, or at least 1)."""
+    schema = json.loads(schema_output())
+    assert schema["properties"]["recovery"]["anyOf"] == [{"$ref": "#/$defs/Recovery"}, {"type": "null"}]
+    assert schema["properties"]["recovery"]["default"] is None
+    assert "recovery" not in schema["required"]
+    recovery = schema["$defs"]["Recovery"]
+    assert recovery["required"] == ["snapshot_every"]
+    assert recovery["additionalProperties"] is False
+    fields = recovery["properties"]
+    assert list(fields) == ["snapshot_every", "keep", "min_age", "skip_steps", "max_rewinds", "lr_factor"]
+    assert {key: field.get("default") for key, field in fields.items()} == {
+        "snapshot_every": None,
+        "keep": 2,
+        "min_age": 10,
+        "skip_steps": 10,
+        "max_rewinds": 3,
+        "lr_factor": 1.0,
+    }
+    assert fields["snapshot_every"]["minimum"] == 1
+    assert fields["keep"]["minimum"] == 1
+    assert fields["min_age"]["minimum"] == fields["skip_steps"]["minimum"] == fields["max_rewinds"]["minimum"] == 0
+    assert fields["lr_factor"]["exclusiveMinimum"] == 0
+    assert fields["lr_factor"]["maximum"] == 1
+    assert all(field["description"] for field in fields.values())
+    halt = _action_schemas(schema)["halt_on_nonfinite"]["properties"]
+    assert halt["max_scaler_skips"]["default"] is None
+    assert halt["max_scaler_skips"]["anyOf"] == [{"minimum": 1, "type": "integer"}, {"type": "null"}]
+    assert halt["min_loss_scale"]["default"] == 1.0
+    assert halt["min_loss_scale"]["anyOf"][0]["exclusiveMinimum"] == 0
+    assert halt["min_loss_scale"]["anyOf"][1] == {"type": "null"}
+    assert "DeepSpeed" in halt["min_loss_scale"]["description"]
+    good = {
+        "version": 1,
+        "rules": HALT,
+        "recovery": {"snapshot_every": 100, "keep": 1, "min_age": 0, "skip_steps": 0, "max_rewinds": 0, "lr_factor": 1},
+    }
+    assert subset_errors(schema, good, schema) == []
+    assert Policy.from_dict(good).recovery is not None
 
 
 def test_shipped_yaml_policies_start_with_the_schema_modeline_and_still_load():
@@ -217,6 +260,8 @@ def subset_errors(node: dict[str, Any], value: Any, root: dict[str, Any], where:
     return errors
 
 
+HALT = [{"name": "n", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]
+
 BROKEN = [
     {"version": 2, "rules": [{"name": "a", "match": "*", "actions": [{"action": "zero"}]}]},
     {"version": 1, "rules": []},
@@ -226,6 +271,17 @@ BROKEN = [
     {"version": 1, "rules": [{"name": "a", "mtch": "*", "actions": [{"action": "zero"}]}]},
     {"version": 1, "rules": [{"name": "a", "match": [], "actions": [{"action": "zero"}]}]},
     {"version": 1, "rules": [{"name": "a", "match": "*", "actions": [{"action": "zero"}]}], "extra": 1},
+    {"version": 1, "rules": HALT, "recovery": {"keep": 2}},
+    {"version": 1, "rules": HALT, "recovery": {"snapshot_every": 0}},
+    {"version": 1, "rules": HALT, "recovery": {"snapshot_every": 10, "skip_step": 4}},
+    {"version": 1, "rules": HALT, "recovery": {"snapshot_every": 10, "lr_factor": 1.5}},
+    {"version": 1, "rules": HALT, "recovery": {"snapshot_every": 10, "lr_factor": 0}},
+    {"version": 1, "rules": HALT, "recovery": {"snapshot_every": 10, "min_age": -1}},
+    {"version": 1, "rules": HALT, "recovery": 100},
+    {
+        "version": 1,
+        "rules": [{"name": "n", "match": "*", "actions": [{"action": "halt_on_nonfinite", "max_scaler_skips": 0}]}],
+    },
 ]
 
 

@@ -12,10 +12,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 from pydantic import ValidationError
 
-from gradguard import ClipNorm, GradGuard, Policy, PolicyError, PolicyIssue
+from gradguard import ClipNorm, Policy, PolicyError, PolicyIssue
 
 POLICY = {
     "version": 1,
@@ -171,6 +170,49 @@ def test_yaml_yml_toml_json_and_dict_give_equal_policies(tmp_path):
     assert len({from_dict, other, *loaded.values()}) == 2
 
 
+def test_a_recovery_section_loads_from_every_format_with_its_defaults(tmp_path):
+    """`recovery` with only snapshot_every gets the documented defaults, equal from YAML, TOML, JSON and a dict;
+    a skip action with a limit is a rule that can halt; halt_on_nonfinite's GradScaler floor is 1.0 unless set."""
+    skip = {
+        "name": "skips",
+        "match": "*",
+        "actions": [{"action": "skip_step_on_nonfinite", "max_consecutive_skips": 3}],
+    }
+    data = {"version": 1, "rules": [skip], "recovery": {"snapshot_every": 50}}
+    yaml_text = (
+        "version: 1\nrules:\n  - name: skips\n    match: '*'\n"
+        "    actions: [{action: skip_step_on_nonfinite, max_consecutive_skips: 3}]\nrecovery:\n  snapshot_every: 50\n"
+    )
+    toml_text = (
+        'version = 1\n[[rules]]\nname = "skips"\nmatch = "*"\n'
+        'actions = [{ action = "skip_step_on_nonfinite", max_consecutive_skips = 3 }]\n'
+        "[recovery]\nsnapshot_every = 50\n"
+    )
+    from_dict = Policy.from_dict(data)
+    for name, text in {"r.yaml": yaml_text, "r.toml": toml_text, "r.json": json.dumps(data)}.items():
+        assert Policy.from_file(_write(tmp_path, name, text)) == from_dict, name
+    assert from_dict.recovery is not None
+    assert from_dict.recovery.model_dump() == {
+        "snapshot_every": 50,
+        "keep": 2,
+        "min_age": 10,
+        "skip_steps": 10,
+        "max_rewinds": 3,
+        "lr_factor": 1.0,
+    }
+    assert from_dict != Policy.from_dict({"version": 1, "rules": [skip]})  # recovery is part of the policy
+    halt = Policy.from_dict(
+        {"version": 1, "rules": [{"name": "n", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
+    )
+    assert halt.recovery is None
+    assert halt.rules[0].actions[0].min_loss_scale == 1.0  # type: ignore[union-attr]
+    assert halt.rules[0].actions[0].max_scaler_skips is None  # type: ignore[union-attr]
+    never = {"action": "halt_on_nonfinite", "min_loss_scale": None, "max_scaler_skips": 8}
+    rule = Policy.from_dict({"version": 1, "rules": [{"name": "n", "match": "*", "actions": [never]}]}).rules[0]
+    assert rule.actions[0].min_loss_scale is None  # type: ignore[union-attr]
+    assert rule.actions[0].max_scaler_skips == 8  # type: ignore[union-attr]
+
+
 def test_policy_is_frozen():
     """A loaded policy cannot be changed: assigning to the policy, a rule or an action raises."""
     policy = Policy.from_dict(POLICY)
@@ -199,6 +241,7 @@ rules:
 """
 
 SECOND = "  - name: second\n    match: '*'\n"
+HALTS = HEAD + "  - {name: nonfinite, match: '*', actions: [{action: halt_on_nonfinite}]}\n"
 ACTION = "    actions:\n      - "
 
 CASES = {
@@ -376,6 +419,72 @@ CASES = {
         "rules",
         ["got []", "at least 1"],
     ),
+    "unknown recovery key, did you mean": (
+        HALTS + "recovery:\n  snapshot_every: 100\n  skip_step: 4  # <-\n",
+        "recovery.skip_step",
+        [
+            "unknown field 'skip_step'",
+            "did you mean 'skip_steps'?",
+            "allowed here: snapshot_every, keep, min_age, skip_steps, max_rewinds, lr_factor",
+        ],
+    ),
+    "recovery without snapshot_every": (
+        HALTS + "recovery:\n  keep: 3  # <-\n",
+        "recovery.snapshot_every",
+        ["missing required field 'snapshot_every'"],
+    ),
+    "recovery lr_factor above 1": (
+        HALTS + "recovery:\n  snapshot_every: 100\n  lr_factor: 1.5  # <-\n",
+        "recovery.lr_factor",
+        ["got 1.5", "at most 1"],
+    ),
+    "recovery lr_factor of 0": (
+        HALTS + "recovery:\n  snapshot_every: 100\n  lr_factor: 0  # <-\n",
+        "recovery.lr_factor",
+        ["got 0", "greater than 0"],
+    ),
+    "recovery keep of 0": (
+        HALTS + "recovery:\n  snapshot_every: 100\n  keep: 0  # <-\n",
+        "recovery.keep",
+        ["got 0", "at least 1"],
+    ),
+    "recovery snapshot_every of 0": (
+        HALTS + "recovery:\n  snapshot_every: 0  # <-\n",
+        "recovery.snapshot_every",
+        ["got 0", "at least 1"],
+    ),
+    "negative recovery min_age": (
+        HALTS + "recovery:\n  snapshot_every: 100\n  min_age: -1  # <-\n",
+        "recovery.min_age",
+        ["got -1", "at least 0"],
+    ),
+    "float max_rewinds": (
+        HALTS + "recovery:\n  snapshot_every: 100\n  max_rewinds: 2.5  # <-\n",
+        "recovery.max_rewinds",
+        ["got 2.5", "expected an integer"],
+    ),
+    "recovery that is not a mapping": (
+        HALTS + "recovery: 100  # <-\n",
+        "recovery",
+        ["got 100", "expected a mapping"],
+    ),
+    "recovery with no rule that can halt": (
+        # Issues about a whole mapping are placed on its first line (here the line after `recovery:`).
+        HEAD + "  - {name: skips, match: '*', actions: [{action: skip_step_on_nonfinite}]}\n"
+        "recovery:\n  snapshot_every: 100  # <-\n",
+        "recovery",
+        ["no rule can halt", "recovery would never rewind", "halt_on_nonfinite", "max_consecutive_skips"],
+    ),
+    "min_loss_scale of 0": (
+        HEAD + SECOND + ACTION + "{action: halt_on_nonfinite, min_loss_scale: 0}  # <-\n",
+        "rules[1].actions[0].min_loss_scale",
+        ["got 0", "greater than 0"],
+    ),
+    "max_scaler_skips of 0": (
+        HEAD + SECOND + ACTION + "{action: halt_on_nonfinite, max_scaler_skips: 0}  # <-\n",
+        "rules[1].actions[0].max_scaler_skips",
+        ["got 0", "at least 1"],
+    ),
 }
 
 
@@ -508,10 +617,11 @@ def test_unsupported_suffix_is_a_policy_error(tmp_path, name):
     assert "Policy.shipped" not in exc.issues[0].message  # a file that is there is not a shipped name
 
 
-def test_a_shipped_policys_name_given_as_a_path_says_how_to_load_it_by_name():
-    """GradGuard(model, "default"): no such file and no suffix, so the error points at Policy.shipped."""
+def test_policy_from_file_given_a_shipped_policys_name_says_how_to_load_it_by_name():
+    """Policy.from_file("default"): no such file and no suffix, so the error points at Policy.shipped
+    (GradGuard(model, "default") and Policy.load take the name: tests/test_shipped_names.py)."""
     with pytest.raises(PolicyError) as caught:
-        GradGuard(torch.nn.Linear(2, 2), "default", logger=None)
+        Policy.from_file("default")
     assert "Policy.shipped('default')" in caught.value.issues[0].message
 
 

@@ -16,9 +16,12 @@ Never imports torch. The modules, in the order the data flows:
   counters snapshot cross-checked against the events (mismatches).
 - :mod:`~gradguard.audit.interventions`: clips by (rule, action) and by parameter, group clips attributed.
 - :mod:`~gradguard.audit.nonfinite`: non-finite gradients, steps that applied them, group norms left undone.
-- :mod:`~gradguard.audit.halts_and_skips`: halts, steps the guard skipped, steps GradScaler skipped.
+- :mod:`~gradguard.audit.halts_and_skips`: halts, rewinds (recovery), steps the guard skipped, steps GradScaler
+  skipped.
 - :mod:`~gradguard.audit.summary`: the data model: :class:`AuditSummary` and its rows, and its findings.
 - :mod:`~gradguard.audit.render`: reports as text, Markdown or JSON (sections and tables, which
-  ``gradguard explain`` uses too), and the sections of the audit report.
+  ``gradguard explain`` uses too), and the sections of the audit report;
+  :mod:`~gradguard.audit.stops_report` its halts, rewinds and skipped steps, and
+  :mod:`~gradguard.audit.layout` the pieces they are laid out with.
 - :mod:`~gradguard.audit.plot`: ``--plot``: the most-affected series over the steps (matplotlib, optional).
 """

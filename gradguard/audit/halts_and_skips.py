@@ -1,23 +1,27 @@
-"""Halts, skipped steps and GradScaler's skipped steps: which rules they count, and the halts' details."""
+"""Halts, rewinds, skipped steps and GradScaler's skipped steps: which rules they count, and the halts' and
+rewinds' details."""
 
 from __future__ import annotations
 
 from typing import Any, Final
 
 from gradguard.audit.counters import CounterCheck
-from gradguard.audit.fields import names_field, text_field
+from gradguard.audit.fields import names_field, number_or_none, text_field
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
-from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, SkipOrigin, StepTally
+from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, RewindRow, SkipOrigin, StepTally, unlearned_stretch
 
 __all__ = ["HaltSkipCollector"]
 
 KEPT_HALTS: Final = 50
+ESCALATION: Final = "skip limit exceeded"
+"""How the ``reason`` of a halt (or rewind) starts when a skip rule went past its limits."""
 
 
 class HaltSkipCollector:
-    """Takes ``halt``, ``skip``, ``spike_skip`` and ``scaler_skip`` events; a halt is also a counters snapshot."""
+    """Takes ``halt``, ``rewind``, ``skip``, ``spike_skip`` and ``scaler_skip`` events; a halt is also a counters
+    snapshot (a rewind is not: the run goes on)."""
 
     def __init__(self, paths: list[str], event_filter: EventFilter, counters: CounterCheck) -> None:
         self.paths = paths
@@ -36,6 +40,8 @@ class HaltSkipCollector:
         self.largest_spike: tuple[float, int | None] | None = None
         self.skip_origins: list[SkipOrigin] = []
         self.scaler = StepTally()
+        self.rewinds: dict[tuple[Any, ...], RewindRow] = {}
+        """Every rewind shown, one row for all the ranks that made it (a run makes at most ``max_rewinds``)."""
 
     def halt(self, event: dict[str, Any], run: RunState, record: Record) -> None:
         rule = text_field(event, "rule")
@@ -43,31 +49,28 @@ class HaltSkipCollector:
         step: int | None = event.get("step")
         reason = event.get("reason")
         reason = reason if type(reason) is str else None
-        if event.get("kind") == "spike":
+        kind = event.get("kind")
+        if kind == "spike":
             run.count(rule, "halt_on_spike")  # skip_step_on_spike past its limits
-        elif reason is None:
+        elif kind == "overflow":
+            run.count(rule, "halt_on_nonfinite")  # GradScaler skipped more than max_scaler_skips steps in a row
+        elif reason is not None and reason.startswith(ESCALATION):
+            run.count(rule, "halt_on_nonfinite")
+            _count_skips_before(run, rule, step)
+        else:
+            # Every halt rule that covered a non-finite gradient of the step counts it (the reason, if any, is
+            # recovery's: no snapshot old enough, or max_rewinds reached).
             halting = run.halting_rules if run.watch_step == step and run.halting_rules else {rule: None}
             for name in halting:
                 run.count(name, "halt_on_nonfinite")
-        else:
-            # A skip rule over its limits: it counts the halt, and the skip rules before it (policy order)
-            # count this step's skip.
-            run.count(rule, "halt_on_nonfinite")
-            order = run.rule_order
-            if order is None or rule not in order:
-                run.unverifiable.add("skip_step_on_nonfinite")
-            else:
-                for name in run.skipping_rules if run.watch_step == step else {}:
-                    if name in order and order.index(name) < order.index(rule):
-                        run.count(name, "skip_step_on_nonfinite")
         run.halted_at.append(step)
         self.counters.snapshot(event, run, record)
-        if not self._shown(step, rule) or not self._narrow(params):
+        if not self._shown(step, rule) or not self._params_shown(params):
             return
         self.halts_total += 1
         if len(self.halts) < KEPT_HALTS:
-            kind = event.get("kind")
             ts = event.get("ts")
+            restored = event.get("restored_to")
             self.halts.append(
                 HaltRow(
                     run=run.run,
@@ -82,8 +85,59 @@ class HaltSkipCollector:
                     ts=ts if type(ts) is str else None,
                     preceded_by=_describe(run.last_intervention),
                     origin=_origin(event),
+                    restored_to=restored if type(restored) is int else None,
                 )
             )
+
+    def rewind(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+        """Recovery turned a halt into a rewind: counted under the halt's rule as ``rewind``; the run went on."""
+        rule = text_field(event, "rule")
+        params = names_field(event, "params")
+        step: int | None = event.get("step")
+        to_step, skip_until = _int_or_none(event.get("to_step")), _int_or_none(event.get("skip_until"))
+        reason = event.get("reason")
+        reason = reason if type(reason) is str else None
+        kind = event.get("kind")
+        kind = kind if type(kind) is str else "?"
+        run.count(rule, "rewind")
+        run.rewinds += 1
+        if kind != "spike" and reason is not None and reason.startswith(ESCALATION):
+            _count_skips_before(run, rule, step)  # as the halt would have: the skip rules before it skipped
+        stretch = unlearned_stretch(step, to_step, skip_until)
+        if stretch is not None:
+            run.rewound.append(stretch)
+        if not self._shown(step, rule) or not self._params_shown(params):
+            return
+        key = (step, to_step, skip_until, rule, kind)
+        row = self.rewinds.get(key)
+        if row is not None:  # another rank of the same rewind
+            if run.run not in row.runs:
+                row.runs.append(run.run)
+                row.ranks.append(run.rank)
+            return
+        ts = event.get("ts")
+        rewinds, lr_scale = event.get("rewinds"), number_or_none(event.get("lr_scale"))
+        self.rewinds[key] = RewindRow(
+            step=step,
+            to_step=to_step,
+            skip_until=skip_until,
+            rule=rule,
+            kind=kind,
+            reason=reason,
+            params=params[:HALT_PARAMS_SHOWN],
+            n_params=len(params),
+            rewinds=rewinds if type(rewinds) is int else None,
+            lr_scale=lr_scale,
+            runs=[run.run],
+            ranks=[run.rank],
+            where=f"{self.paths[record.file]}:{record.line}",
+            ts=ts if type(ts) is str else None,
+            origin=_origin(event),
+        )
+
+    def _params_shown(self, params: list[str]) -> bool:
+        """Whether ``--param`` leaves a halt or rewind shown (one without parameters, an overflow, is not narrowed)."""
+        return self._param_filter is None or bool(self._narrow(params))
 
     def skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
         rule = text_field(event, "rule")
@@ -129,6 +183,21 @@ class HaltSkipCollector:
         step: int | None = event.get("step")
         if self._param_filter is None and self._shown(step, None) and not self._rules:
             self.scaler.add(step)
+
+
+def _count_skips_before(run: RunState, rule: str, step: int | None) -> None:
+    """A skip rule went past its limits at ``step``: the skip rules before it (policy order) counted the skip."""
+    order = run.rule_order
+    if order is None or rule not in order:
+        run.unverifiable.add("skip_step_on_nonfinite")
+        return
+    for name in run.skipping_rules if run.watch_step == step else {}:
+        if name in order and order.index(name) < order.index(rule):
+            run.count(name, "skip_step_on_nonfinite")
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None
 
 
 def _describe(last: LastIntervention | None) -> str | None:

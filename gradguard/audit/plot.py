@@ -5,7 +5,8 @@ arrived, before any action) per rule (group scope), per module, or for the loude
 log scale, with the clip thresholds (``max_norm``), the vanishing/exploding thresholds, and the
 interventions (ticks), skips and halts marked. Then the gradient norm before (solid, dots) and after
 (dashed) the guard, for the most-clipped parameters or group-clipped rules; bottom: interventions per
-step by rule, with non-finite detections, skips and halts marked. A log only has a point where the
+step by rule, with non-finite detections, skips and halts marked, and each rewind's stretch of steps never
+learned from shaded. A log only has a point where the
 guard acted, so the lines join the clipped steps. Steps are gathered into at most :data:`MAX_BINS`
 bins per series (the largest norm of a bin is kept), so memory stays bounded on logs of any length.
 """
@@ -113,6 +114,8 @@ class PlotCollector:
         self.skips = _Bins()
         self.scaler_skips = _Bins()
         self.halts: list[tuple[int, str]] = []
+        self.rewinds: list[tuple[int, int, int]] = []
+        """(fault step, snapshot step, first step applied again) of the first rewinds."""
 
     def add_all(self, records: Iterable[Record]) -> None:
         for record in records:
@@ -161,13 +164,16 @@ class PlotCollector:
                 self.skips.add(step, 0.0)
         elif kind == "scaler_skip":
             self.scaler_skips.add(step, 0.0)
-        elif (
-            kind == "halt"
-            and isinstance(rule, str)
-            and len(self.halts) < 50
-            and self._filter.narrow(list(event.get("params") or []))
-        ):
+        elif kind == "halt" and isinstance(rule, str) and len(self.halts) < 50 and self._params_shown(event):
             self.halts.append((step, rule))
+        elif kind == "rewind" and len(self.rewinds) < 50 and self._params_shown(event):
+            to_step, skip_until = event.get("to_step"), event.get("skip_until")
+            if type(to_step) is int and type(skip_until) is int and (step, to_step, skip_until) not in self.rewinds:
+                self.rewinds.append((step, to_step, skip_until))  # once for all the ranks that made it
+
+    def _params_shown(self, event: dict[str, Any]) -> bool:
+        """Whether ``--param`` leaves a halt or rewind shown; one without parameters (an overflow) only without it."""
+        return self._filter.params is None or bool(self._filter.narrow(list(event.get("params") or [])))
 
     def _stats(self, step: int, rule: str, event: dict[str, Any]) -> None:
         norms = event.get("figures", {}).get("norm")
@@ -292,6 +298,11 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
             axis.axvline(
                 step, color="red", linewidth=1.5, alpha=0.85, label="halt" if position == 0 and axis is bottom else None
             )
+    for position, (step, to_step, skip_until) in enumerate(collector.rewinds):
+        for axis in axes:
+            shaded = "rewind: steps never learned from" if position == 0 and axis is bottom else None
+            axis.axvspan(to_step - 0.5, skip_until - 0.5, color="royalblue", alpha=0.15, label=shaded)
+            axis.axvline(step, color="royalblue", linewidth=1.2, alpha=0.85)
     for step, rule in collector.halts[:5]:
         top.annotate(
             f"halt @ {step}\n({rule})",
@@ -314,7 +325,9 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
     interventions = _plural(summary.intervention_count, "intervention")
     figure.suptitle(
         f"{title}: steps {summary.first_step}-{summary.last_step}, {interventions}, "
-        f"{_plural(summary.halts_total, 'halt')}, {_plural(summary.skips.events, 'skip')}, "
+        f"{_plural(summary.halts_total, 'halt')}, "
+        + (f"{_plural(summary.rewinds_total, 'rewind')}, " if summary.rewinds_total else "")
+        + f"{_plural(summary.skips.events, 'skip')}, "
         f"{summary.nonfinite.events:,} non-finite",
         fontsize=11,
     )

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 from gradguard.audit.health_report import health_section
-from gradguard.audit.layout import Section, Table, num, steps_range
-from gradguard.audit.summary import AuditSummary, StepList
-from gradguard.errors import origin_sentence
+from gradguard.audit.layout import Section, Table, num, short_path, step_list, steps_range
+from gradguard.audit.layout import name_list as _names
+from gradguard.audit.layout import plural as _plural
+from gradguard.audit.stops_report import halts_section, rewinds_section, skips_section
+from gradguard.audit.summary import AuditSummary
 
 __all__ = [
     "Section",
@@ -111,22 +111,7 @@ def render(fmt: str, title: str, header: Sequence[str], sections: Iterable[Secti
     return render_text(title, header, sections)
 
 
-def short_path(path: str) -> str:
-    """``path`` relative to the working directory when it lies inside it, else as it is."""
-    try:
-        relative = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if relative.startswith("..") or not Path(path).is_absolute() else relative
-
-
 # --- numbers and steps -----------------------------------------------------------------------------
-
-
-def step_list(steps: StepList) -> str:
-    shown = ", ".join(str(step) for step in steps.steps)
-    more = steps.distinct_steps - len(steps.steps)
-    return shown + (f" and {more:,} more" if more > 0 else "")
 
 
 def duration(seconds: float | None) -> str:
@@ -152,16 +137,6 @@ def _time_span(start: str | None, end: str | None, seconds: float | None) -> str
     if a[:10] == b[:10]:
         b = b[11:]
     return f"{a} to {b} UTC" + (f" ({duration(seconds)})" if seconds is not None else "")
-
-
-def _names(names: Sequence[str], shown: int, total: int | None = None) -> str:
-    total = len(names) if total is None else total
-    text = ", ".join(names[:shown])
-    return text + (f" and {total - min(shown, len(names)):,} more" if total > min(shown, len(names)) else "")
-
-
-def _plural(n: int, word: str, plural: str | None = None) -> str:
-    return f"{n:,} {word if n == 1 else (plural or word + 's')}"
 
 
 # --- gradguard audit -------------------------------------------------------------------------------
@@ -195,8 +170,10 @@ def audit_sections(summary: AuditSummary, top: int = 10) -> list[Section]:
     sections.append(_interventions(summary))
     sections.append(_offenders(summary, top))
     sections.append(_nonfinite(summary, top))
-    sections.append(_halts(summary))
-    sections.append(_skips(summary))
+    sections.append(halts_section(summary))
+    if summary.rewinds_total:
+        sections.append(rewinds_section(summary))
+    sections.append(skips_section(summary))
     if summary.health or summary.health_flags:
         sections.append(health_section(summary, top))
     if summary.other_events:
@@ -217,6 +194,10 @@ def _runs(summary: AuditSummary) -> Section:
         steps = steps_range(run.first_step, run.last_step)
         if run.steps is not None:
             steps += f" ({_plural(run.steps, 'step')})" if steps else _plural(run.steps, "step")
+        ended = run.ended
+        if run.rewinds:
+            unlearned = sum(last - first + 1 for first, last in run.unlearned_steps)
+            ended = f"{_plural(run.rewinds, 'rewind')} ({_plural(unlearned, 'step')} never learned from); {ended}"
         rows.append(
             [
                 run.run,
@@ -227,7 +208,7 @@ def _runs(summary: AuditSummary) -> Section:
                 start,
                 duration(run.seconds),
                 f"{run.events:,}",
-                run.ended,
+                ended,
             ]
         )
     headers = ["run", "rank", "model", "policy", "steps", "started", "lasted", "events", "ended"]
@@ -341,65 +322,6 @@ def _nonfinite(summary: AuditSummary, top: int) -> Section:
         after.append(f"and {more:,} more parameters (--format json lists all)")
     table = Table(["parameter", "detections", "kind", "rule", "steps"], rows, frozenset({1})) if rows else None
     return Section(title, lines, table, after)
-
-
-def _halts(summary: AuditSummary) -> Section:
-    title = "Halts"
-    if not summary.halts_total:
-        return Section(title, ["none"])
-    lines = []
-    for halt in summary.halts:
-        lines.append(
-            f"step {halt.step}: rule {halt.rule!r} halted on {halt.kind} in {_plural(halt.n_params, 'parameter')}: "
-            f"{_names(halt.params, 5, halt.n_params)}"
-        )
-        if halt.reason:
-            lines.append(f"    reason: {halt.reason}")
-        if halt.origin:
-            lines.append(f"    origin: {_origin(halt.origin)}")
-        lines.append(
-            f"    run {halt.run}, rank {halt.rank}, at {short_path(halt.where)}" + (f", {halt.ts}" if halt.ts else "")
-        )
-        if halt.preceded_by:
-            lines.append(f"    last intervention before it: {halt.preceded_by}")
-    more = summary.halts_total - len(summary.halts)
-    if more > 0:
-        lines.append(f"and {more:,} more halts")
-    return Section(title, lines)
-
-
-def _skips(summary: AuditSummary) -> Section:
-    lines = []
-    if summary.skips.events:
-        rules = ", ".join(f"{rule} {n:,}" for rule, n in summary.skips_by_rule.items())
-        why = []
-        if summary.skipped_params:
-            params = ", ".join(f"{name} ({n:,})" for name, n in list(summary.skipped_params.items())[:8])
-            why.append(f"non-finite parameters: {params}")
-        if summary.spiked_params:
-            params = ", ".join(f"{name} ({n:,})" for name, n in list(summary.spiked_params.items())[:8])
-            largest = summary.largest_spike
-            at = f" (largest z {largest[0]:.3g} at step {largest[1]})" if largest is not None else ""
-            why.append(f"gradient norm spikes{at}: {params}")
-        lines.append(
-            f"{_plural(summary.skips.events, 'step')} skipped by the guard (rule {rules}) at steps "
-            f"{step_list(summary.skips)}; {'; '.join(why)}"
-        )
-    for skip in summary.skip_origins:
-        lines.append(f"    step {skip.step} (run {skip.run}, rank {skip.rank}) origin: {_origin(skip.origin)}")
-    if summary.scaler_skips.events:
-        lines.append(
-            f"{_plural(summary.scaler_skips.events, 'step')} skipped by GradScaler (its loss-scale search; not a "
-            f"finding) at steps {step_list(summary.scaler_skips)}"
-        )
-    return Section("Skipped steps", lines or ["none"])
-
-
-def _origin(origin: dict[str, Any]) -> str:
-    try:
-        return origin_sentence(origin)
-    except (AttributeError, TypeError, ValueError):  # a hand-edited or foreign log line: show it as it is
-        return str(origin)
 
 
 def _other(summary: AuditSummary) -> Section:

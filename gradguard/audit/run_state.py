@@ -16,7 +16,7 @@ __all__ = ["RECOMPUTABLE_ACTIONS", "SCALER_KEY", "LastIntervention", "RunState",
 RECOMPUTABLE_ACTIONS: Final = frozenset(
     {
         *("clip_norm", "clip_value", "zclip", "autoclip", "agc", "nan", "inf", "vanishing", "exploding"),
-        *("halt_on_nonfinite", "skip_step_on_nonfinite", "skip_step_on_spike", "halt_on_spike"),
+        *("halt_on_nonfinite", "skip_step_on_nonfinite", "skip_step_on_spike", "halt_on_spike", "rewind"),
     }
 )
 """Actions whose counts the per-event lines reproduce (``scale``, ``zero`` and ``drop`` are not logged per step)."""
@@ -52,6 +52,9 @@ class RunState:
         self.events = 0
         self.detach_reason: str | None = None
         self.halted_at: list[int | None] = []
+        self.rewinds = 0
+        self.rewound: list[tuple[int, int]] = []
+        """Each rewind's stretch of steps never learned from, ``[to_step, skip_until)``."""
         self.recomputed: dict[tuple[str, str], int] = {}
         self.snapshot: Counts | None = None
         self.snapshot_event = ""

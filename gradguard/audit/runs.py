@@ -10,7 +10,7 @@ from typing import Any
 from gradguard.audit.counters import CounterCheck, reproduced_counters
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
-from gradguard.audit.summary import RunInfo
+from gradguard.audit.summary import RunInfo, joined_stretches
 
 __all__ = ["RunTable", "seconds_between"]
 
@@ -99,6 +99,8 @@ class RunTable:
             counters_complete=complete,
             snapshots=run.snapshots,
             rules_matching_nothing=[name for name, n in run.rules_matched.items() if n == 0],
+            rewinds=run.rewinds,
+            unlearned_steps=joined_stretches(run.rewound),
         )
 
 

@@ -7,7 +7,7 @@ the first few halts, with totals for the rest.
 :class:`Summarizer` finds each event's run (:mod:`gradguard.audit.runs`) and hands the event to the
 collector of its kind: counters snapshots (:mod:`gradguard.audit.counters`), interventions
 (:mod:`gradguard.audit.interventions`), non-finite gradients (:mod:`gradguard.audit.nonfinite`),
-halts and skips (:mod:`gradguard.audit.halts_and_skips`), gradient health (:mod:`gradguard.audit.health`),
+halts, rewinds and skips (:mod:`gradguard.audit.halts_and_skips`), gradient health (:mod:`gradguard.audit.health`),
 or, for any other event name,
 :class:`OtherEventCollector`. A malformed event becomes an unreadable line in the read statistics.
 """
@@ -20,14 +20,23 @@ from typing import Any, Final
 from gradguard.audit.counters import CounterCheck
 from gradguard.audit.fields import Malformed, per_parameter
 from gradguard.audit.filters import EventFilter, Filters
-from gradguard.audit.halts_and_skips import HaltSkipCollector
+from gradguard.audit.halts_and_skips import KEPT_HALTS, HaltSkipCollector
 from gradguard.audit.health import HealthCollector
 from gradguard.audit.interventions import InterventionCollector
 from gradguard.audit.nonfinite import NonfiniteCollector
 from gradguard.audit.reader import ReadStats, Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.runs import RunTable, seconds_between
-from gradguard.audit.summary import AuditSummary, Counts, FileInfo, RunInfo, StepTally, findings_of
+from gradguard.audit.summary import (
+    AuditSummary,
+    Counts,
+    FileInfo,
+    RunInfo,
+    StepTally,
+    findings_of,
+    joined_stretches,
+    unlearned_stretch,
+)
 
 __all__ = ["OtherEventCollector", "Summarizer"]
 
@@ -88,6 +97,7 @@ class Summarizer:
             "nonfinite_unhalted": self.nonfinite.unhalted_event,
             "nonfinite_group_norm": self.nonfinite.group_norm_event,
             "halt": self.halts_and_skips.halt,
+            "rewind": self.halts_and_skips.rewind,
             "skip": self.halts_and_skips.skip,
             "spike_skip": self.halts_and_skips.spike_skip,
             "scaler_skip": self.halts_and_skips.scaler_skip,
@@ -181,6 +191,13 @@ class Summarizer:
             group_norm_nonfinite=nonfinite.group_norm.done(),
             halts=list(stops.halts),
             halts_total=stops.halts_total,
+            rewinds=list(stops.rewinds.values())[:KEPT_HALTS],
+            rewinds_total=len(stops.rewinds),
+            unlearned_steps=joined_stretches(
+                stretch
+                for row in stops.rewinds.values()
+                if (stretch := unlearned_stretch(row.step, row.to_step, row.skip_until)) is not None
+            ),
             skips=stops.skips.done(),
             skips_by_rule=dict(stops.skips_by_rule),
             skipped_params=dict(sorted(stops.skipped_params.items(), key=lambda item: -item[1])),

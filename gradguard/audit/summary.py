@@ -7,6 +7,7 @@ Plain data: the summarizer (:mod:`gradguard.audit.summarizer`) fills it, the ren
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final
 
@@ -24,11 +25,14 @@ __all__ = [
     "NonfiniteRow",
     "ParamRow",
     "ParamTally",
+    "RewindRow",
     "RuleActionRow",
     "RunInfo",
     "StepList",
     "StepTally",
     "findings_of",
+    "joined_stretches",
+    "unlearned_stretch",
 ]
 
 SHOWN_STEPS: Final = 20
@@ -73,6 +77,11 @@ class RunInfo:
     snapshots: int
     """How many ``counters``/``halt``/``detach`` snapshots the log has of this run (each one cross-checked)."""
     rules_matching_nothing: list[str]
+    rewinds: int = 0
+    """How many times recovery rewound the run to a snapshot (the run went on each time)."""
+    unlearned_steps: list[list[int]] = field(default_factory=list)
+    """The stretches ``[first, last]`` of steps whose batches the run never learned from (rewinds' undone,
+    faulty and skipped steps, overlapping stretches joined)."""
 
 
 @dataclass
@@ -191,6 +200,38 @@ class HaltRow:
     """The run's last intervention before the halt."""
     origin: dict[str, Any] | None = None
     """Where the NaN/Inf started, as the guard traced it (``GradGuard(provenance=...)``)."""
+    restored_to: int | None = None
+    """The step of the recovery snapshot restored before the halt (``max_rewinds`` reached), or ``None``."""
+
+
+@dataclass
+class RewindRow:
+    """A rewind: recovery turned a halt at ``step`` into a rewind to the snapshot of ``to_step``; the run went on.
+
+    One row per rewind; the ranks of a distributed run rewind together, so their events make one row.
+    """
+
+    step: int | None
+    """The fault: the step whose verdict was a halt (its update was not taken)."""
+    to_step: int | None
+    """The snapshot's step: parameters, optimizer state and the guard's statistics are as they were then."""
+    skip_until: int | None
+    """The first step applied again: the batches of steps ``to_step`` .. ``skip_until - 1`` were never learned from."""
+    rule: str
+    kind: str
+    reason: str | None
+    params: list[str]
+    """The first :data:`HALT_PARAMS_SHOWN` non-finite parameters, as the halt would have named them."""
+    n_params: int
+    rewinds: int | None
+    """How many rewinds the run had made, this one included."""
+    lr_scale: float | None
+    """The product of every rewind's ``lr_factor`` so far: the LRs now run at this fraction."""
+    runs: list[str]
+    ranks: list[int]
+    where: str
+    ts: str | None
+    origin: dict[str, Any] | None = None
 
 
 @dataclass
@@ -303,6 +344,11 @@ class AuditSummary:
     """Parameters whose gradient norm spiked in a step ``skip_step_on_spike`` skipped, and how often."""
     largest_spike: tuple[float, int | None] | None = None
     """The largest z-score of a skipped spike, and its step."""
+    rewinds: list[RewindRow] = field(default_factory=list)
+    """The first :data:`~gradguard.audit.halts_and_skips.KEPT_HALTS` rewinds (one row for all ranks)."""
+    rewinds_total: int = 0
+    unlearned_steps: list[list[int]] = field(default_factory=list)
+    """The stretches ``[first, last]`` of steps the shown rewinds left unlearned, joined across runs."""
 
     @property
     def exit_code(self) -> int:
@@ -318,6 +364,28 @@ class AuditSummary:
         return {"schema": 1, **data}
 
 
+def unlearned_stretch(step: int | None, to_step: int | None, skip_until: int | None) -> tuple[int, int] | None:
+    """A rewind's steps never learned from, ``[to_step, skip_until)`` (to the fault where ``skip_until`` is missing)."""
+    if to_step is None:
+        return None
+    if skip_until is not None:
+        return (to_step, skip_until)
+    return (to_step, (step if step is not None else to_step) + 1)
+
+
+def joined_stretches(stretches: Iterable[tuple[int, int]]) -> list[list[int]]:
+    """Half-open ``[start, stop)`` stretches of steps as sorted, joined ``[first, last]`` ones."""
+    joined: list[list[int]] = []
+    for start, stop in sorted(stretches):
+        if stop <= start:
+            continue
+        if joined and start <= joined[-1][1] + 1:
+            joined[-1][1] = max(joined[-1][1], stop - 1)
+        else:
+            joined.append([start, stop - 1])
+    return joined
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
 
@@ -326,6 +394,9 @@ def findings_of(summary: AuditSummary) -> list[str]:
     found = []
     if summary.halts_total:
         found.append(_plural(summary.halts_total, "halt"))
+    if summary.rewinds_total:
+        unlearned = sum(last - first + 1 for first, last in summary.unlearned_steps)
+        found.append(_plural(summary.rewinds_total, "rewind") + f" ({_plural(unlearned, 'step')} never learned from)")
     if summary.unhalted.events:
         found.append(
             f"{_plural(summary.unhalted.distinct_steps, 'step')} applied non-finite gradients "

@@ -26,7 +26,7 @@ from gradguard.audit.render import Section, Table, short_path
 from gradguard.errors import GradGuardError, PolicyError
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import bind, canonical_name, rule_matches
-from gradguard.policy.schema import Rule
+from gradguard.policy.schema import HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike, can_halt
 
 __all__ = ["Explanation", "ModelSpecError", "explain", "explain_sections", "load_model"]
 
@@ -140,6 +140,22 @@ class ParamEntry:
 
 
 @dataclass
+class SnapshotBytes:
+    """What one recovery snapshot holds for the model, in bytes (host memory; pinned for a CUDA model)."""
+
+    parameters: int
+    """Every parameter tensor (tied ones once, frozen ones too: a rewind restores them all)."""
+    buffers: int
+    """The model's buffers (BatchNorm's running statistics, ...)."""
+    adam_state: int
+    """What Adam or AdamW adds: two moments (the parameter's dtype) and a step count per trainable tensor."""
+
+    @property
+    def model(self) -> int:
+        return self.parameters + self.buffers
+
+
+@dataclass
 class Explanation:
     policy: Policy
     model_spec: str
@@ -150,6 +166,8 @@ class Explanation:
     """For each rule, the indices into :attr:`params` that it covers."""
     issues: list[str] = field(default_factory=list)
     """What :func:`~gradguard.policy.matching.bind` refuses: the errors GradGuard would raise at attach."""
+    snapshot: SnapshotBytes | None = None
+    """With a ``recovery`` section: the bytes one snapshot will hold for this model."""
 
     @property
     def findings(self) -> list[str]:
@@ -201,9 +219,45 @@ class Explanation:
                 for i, rule in enumerate(rules)
             ],
             "tied": [entry.names for entry in self.params if len(entry.names) > 1],
+            "recovery": self._recovery_json(),
             "issues": self.issues,
             "exit_code": self.exit_code,
         }
+
+    def _recovery_json(self) -> dict[str, Any] | None:
+        recovery = self.policy.recovery
+        if recovery is None:
+            return None
+        rules = self.policy.rules
+        out: dict[str, Any] = recovery.model_dump(mode="json")
+        out["rules_that_rewind"] = [
+            {"rule": rule.name, "params": len(self.members[i]), "how": _halting_actions(rule)}
+            for i, rule in enumerate(rules)
+            if can_halt(rule)
+        ]
+        snapshot = self.snapshot
+        if snapshot is not None:
+            out["snapshot_bytes"] = {
+                "parameters": snapshot.parameters,
+                "buffers": snapshot.buffers,
+                "per_snapshot": snapshot.model,
+                "all_snapshots": snapshot.model * recovery.keep,
+                "adam_state_per_snapshot": snapshot.adam_state,
+                "all_snapshots_with_adam": (snapshot.model + snapshot.adam_state) * recovery.keep,
+            }
+        return out
+
+
+def snapshot_bytes(model: nn.Module) -> SnapshotBytes:
+    """The bytes a recovery snapshot holds for ``model`` (as the guard's snapshots copy it), before optimizer state."""
+    params = list(model.parameters())  # each tensor once, as a snapshot holds it
+    buffers = [buffer for buffer in model.buffers() if buffer is not None]
+    adam = sum(2 * p.numel() * p.element_size() + 4 for p in params if p.requires_grad)  # + a float32 step
+    return SnapshotBytes(
+        parameters=sum(p.numel() * p.element_size() for p in params),
+        buffers=sum(b.numel() * b.element_size() for b in buffers),
+        adam_state=adam,
+    )
 
 
 def explain(policy: Policy, model: nn.Module, model_spec: str) -> Explanation:
@@ -233,7 +287,8 @@ def explain(policy: Policy, model: nn.Module, model_spec: str) -> Explanation:
         issues = [str(issue) for issue in exc.issues]
     except GradGuardError as exc:
         issues = [str(exc)]
-    return Explanation(policy, model_spec, type(model).__name__, params, members, issues)
+    snapshot = snapshot_bytes(model) if policy.recovery is not None else None
+    return Explanation(policy, model_spec, type(model).__name__, params, members, issues, snapshot)
 
 
 def window_text(rule_or_action: Any) -> str:
@@ -356,6 +411,7 @@ def explain_sections(expl: Explanation) -> list[Section]:
         [f"{' = '.join(entry.names)}: rules {', '.join(rules[i].name for i in entry.rules) or '-'}" for entry in tied]
         or ["none"],
     )
+    recovery = _recovery_section(expl)
     problems = Section("Problems GradGuard would raise when attaching", expl.issues or ["none"])
     verdict = f"{len(expl.issues)} problem(s)" if expl.issues else "none"
     return [
@@ -364,6 +420,82 @@ def explain_sections(expl: Explanation) -> list[Section]:
         uncovered_section,
         nothing_section,
         tied_section,
+        *([recovery] if recovery is not None else []),
         problems,
         Section("Findings", [f"{verdict} (exit {expl.exit_code})"]),
     ]
+
+
+def _halting_actions(rule: Rule) -> list[str]:
+    """How ``rule`` can halt, and so rewind, in words."""
+    how = []
+    for action in rule.actions:
+        if isinstance(action, HaltOnNonfinite):
+            scaler = []
+            if action.min_loss_scale is not None:
+                scaler.append(f"a GradScaler skip at a loss scale of {action.min_loss_scale:g} or less")
+            if action.max_scaler_skips is not None:
+                scaler.append(f"more than {action.max_scaler_skips} GradScaler skips in a row")
+            how.append("halt_on_nonfinite: a NaN/Inf gradient" + "".join(f", or {text}" for text in scaler))
+        elif isinstance(action, SkipStepOnNonfinite | SkipStepOnSpike):
+            limits = []
+            if action.max_consecutive_skips is not None:
+                limits.append(f"more than {action.max_consecutive_skips} skips in a row")
+            if action.max_skips is not None:
+                limits.append(f"more than {action.max_skips} skips in {action.window_steps} steps")
+            if limits:
+                how.append(f"{action.action} past its limits ({' or '.join(limits)})")
+    return how
+
+
+def _bytes(n: int) -> str:
+    """``1.6 MiB (1,667,072 bytes)``."""
+    size, unit = float(n), "bytes"
+    for name in ("KiB", "MiB", "GiB", "TiB"):
+        if size < 1024:
+            break
+        size, unit = size / 1024, name
+    return f"{n:,} bytes" if unit == "bytes" else f"{size:.3g} {unit} ({n:,} bytes)"
+
+
+def _recovery_section(expl: Explanation) -> Section | None:
+    """What the policy's ``recovery`` section will do, in words, and what its snapshots will hold for this model."""
+    recovery = expl.policy.recovery
+    if recovery is None:
+        return None
+    every, keep = recovery.snapshot_every, recovery.keep
+    lines = [
+        f"snapshots: one every {every} steps (at each step that is a multiple of {every}, before its update), "
+        f"the newest {keep} kept",
+        f"a halt becomes a rewind: back to the newest snapshot at least {recovery.min_age} steps older than the "
+        f"fault, restored in place; the fault's update and those of the next {recovery.skip_steps} steps are "
+        "skipped, so the batches from the snapshot's step to the end of that window are never learned from",
+        f"at most {recovery.max_rewinds} rewinds in a run; the next halt restores the snapshot, then halts",
+    ]
+    if recovery.lr_factor == 1.0:
+        lines.append("lr_factor 1.0: the LRs are left as they are at a rewind (new data alone)")
+    else:
+        lines.append(
+            f"lr_factor {recovery.lr_factor:g}: every param group's LR (and a known scheduler's base LRs) is "
+            f"multiplied by {recovery.lr_factor:g} at each rewind, for the rest of the run"
+        )
+    rewinding = [(i, rule) for i, rule in enumerate(expl.policy.rules) if can_halt(rule)]
+    for i, rule in rewinding:
+        params = len(expl.members[i])
+        lines.append(f"rule {rule.name!r} ({params:,} params) rewinds on " + "; ".join(_halting_actions(rule)))
+    if rewinding and not any(expl.members[i] for i, _ in rewinding):
+        lines.append(
+            "note: no rule that can halt covers a parameter of this model; only a GradScaler overflow can rewind"
+        )
+    snapshot = expl.snapshot
+    if snapshot is not None:
+        lines.append(
+            f"each snapshot holds the parameters and buffers: {_bytes(snapshot.model)}; {keep} of them: "
+            f"{_bytes(snapshot.model * keep)}"
+        )
+        lines.append(
+            f"plus each optimizer's state: with Adam or AdamW {_bytes(snapshot.adam_state)} more per snapshot, "
+            f"{_bytes((snapshot.model + snapshot.adam_state) * keep)} in all; held in host memory (pinned for a "
+            "CUDA model); the attach event and guard.metrics() give the real figure"
+        )
+    return Section("Recovery (a halt becomes a rewind to an in-memory snapshot; the run goes on)", lines)

@@ -1,0 +1,118 @@
+"""The "Halts", "Rewinds (recovery)" and "Skipped steps" sections of ``gradguard audit``: the steps the guard
+stopped, rewound or skipped, with why and where the NaN started."""
+
+from __future__ import annotations
+
+from gradguard.audit.layout import Section, origin_text, short_path, step_list, steps_range
+from gradguard.audit.layout import name_list as _names
+from gradguard.audit.layout import plural as _plural
+from gradguard.audit.summary import AuditSummary
+
+__all__ = ["halts_section", "rewinds_section", "skips_section"]
+
+
+def halts_section(summary: AuditSummary) -> Section:
+    """Each halt: where, on what, why, where it started, and the run's last intervention before it."""
+    title = "Halts"
+    if not summary.halts_total:
+        return Section(title, ["none"])
+    lines = []
+    for halt in summary.halts:
+        where = f" in {_plural(halt.n_params, 'parameter')}: {_names(halt.params, 5, halt.n_params)}"
+        lines.append(f"step {halt.step}: rule {halt.rule!r} halted on {halt.kind}" + (where if halt.n_params else ""))
+        if halt.reason:
+            lines.append(f"    reason: {halt.reason}")
+        if halt.restored_to is not None:
+            undone = ""
+            if halt.step is not None and halt.restored_to < halt.step:
+                undone = f": steps {steps_range(halt.restored_to, halt.step - 1)} undone"
+            lines.append(
+                f"    restored to the recovery snapshot of step {halt.restored_to} before halting (max_rewinds "
+                f"reached){undone}"
+            )
+        if halt.origin:
+            lines.append(f"    origin: {origin_text(halt.origin)}")
+        lines.append(
+            f"    run {halt.run}, rank {halt.rank}, at {short_path(halt.where)}" + (f", {halt.ts}" if halt.ts else "")
+        )
+        if halt.preceded_by:
+            lines.append(f"    last intervention before it: {halt.preceded_by}")
+    more = summary.halts_total - len(summary.halts)
+    if more > 0:
+        lines.append(f"and {more:,} more halts")
+    return Section(title, lines)
+
+
+def rewinds_section(summary: AuditSummary) -> Section:
+    """Each rewind: the fault, the snapshot it went back to, and the stretch of steps never learned from."""
+    unlearned = summary.unlearned_steps
+    n = sum(last - first + 1 for first, last in unlearned)
+    stretches = ", ".join(steps_range(first, last) for first, last in unlearned[:10])
+    more = f" and {len(unlearned) - 10:,} more stretches" if len(unlearned) > 10 else ""
+    lines = [
+        f"{_plural(summary.rewinds_total, 'rewind')} instead of a halt (the run went on); the batches of "
+        f"{_plural(n, 'step')} were never learned from: {stretches or '-'}{more}"
+    ]
+    for row in summary.rewinds:
+        lines.append(f"step {row.step}: rule {row.rule!r} rewound on {row.kind} to the snapshot of step {row.to_step}")
+        lines.append(f"    {_stretch_text(row.step, row.to_step, row.skip_until)}")
+        if row.n_params:
+            lines.append(f"    {_plural(row.n_params, 'parameter')}: {_names(row.params, 5, row.n_params)}")
+        if row.reason:
+            lines.append(f"    reason: {row.reason}")
+        if row.origin:
+            lines.append(f"    origin: {origin_text(row.origin)}")
+        count = f"rewind {row.rewinds} of the run" if row.rewinds is not None else "rewind"
+        scale = f"; LRs now x{row.lr_scale:g}" if row.lr_scale is not None and row.lr_scale != 1.0 else ""
+        ranks = ", ".join(map(str, row.ranks))
+        runs = ", ".join(row.runs)
+        who = f"run {runs}, rank {ranks}" if len(row.runs) == 1 else f"runs {runs}, ranks {ranks}"
+        lines.append(f"    {count}{scale}; {who}, at {short_path(row.where)}" + (f", {row.ts}" if row.ts else ""))
+    more_rows = summary.rewinds_total - len(summary.rewinds)
+    if more_rows > 0:
+        lines.append(f"and {more_rows:,} more rewinds")
+    return Section("Rewinds (recovery)", lines)
+
+
+def _stretch_text(step: int | None, to_step: int | None, skip_until: int | None) -> str:
+    """``steps 20-27 never learned from: 20-22 undone, 23 the fault (not applied), 24-27 skipped``."""
+    if step is None or to_step is None or skip_until is None:
+        return f"skipped until step {skip_until}"
+    parts = []
+    if to_step < step:
+        parts.append(f"{steps_range(to_step, step - 1)} undone")
+    parts.append(f"{step} the fault (not applied)")
+    if skip_until > step + 1:
+        parts.append(f"{steps_range(step + 1, skip_until - 1)} skipped")
+    return (
+        f"steps {steps_range(to_step, skip_until - 1)} never learned from: {', '.join(parts)}; "
+        f"applied again from step {skip_until}"
+    )
+
+
+def skips_section(summary: AuditSummary) -> Section:
+    """Steps the guard skipped (non-finite gradients, spikes), where they started, and GradScaler's skips."""
+    lines = []
+    if summary.skips.events:
+        rules = ", ".join(f"{rule} {n:,}" for rule, n in summary.skips_by_rule.items())
+        why = []
+        if summary.skipped_params:
+            params = ", ".join(f"{name} ({n:,})" for name, n in list(summary.skipped_params.items())[:8])
+            why.append(f"non-finite parameters: {params}")
+        if summary.spiked_params:
+            params = ", ".join(f"{name} ({n:,})" for name, n in list(summary.spiked_params.items())[:8])
+            largest = summary.largest_spike
+            at = f" (largest z {largest[0]:.3g} at step {largest[1]})" if largest is not None else ""
+            why.append(f"gradient norm spikes{at}: {params}")
+        lines.append(
+            f"{_plural(summary.skips.events, 'step')} skipped by the guard (rule {rules}) at steps "
+            f"{step_list(summary.skips)}; {'; '.join(why)}"
+        )
+    for skip in summary.skip_origins:
+        lines.append(f"    step {skip.step} (run {skip.run}, rank {skip.rank}) origin: {origin_text(skip.origin)}")
+    if summary.scaler_skips.events:
+        lines.append(
+            f"{_plural(summary.scaler_skips.events, 'step')} skipped by GradScaler (its loss-scale search; not a "
+            f"finding) at steps {step_list(summary.scaler_skips)}"
+        )
+    return Section("Skipped steps", lines or ["none"])

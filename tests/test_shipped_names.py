@@ -33,3 +33,32 @@ def test_a_file_that_exists_wins_over_the_shipped_name(tmp_path: Path, monkeypat
 def test_an_unknown_name_lists_the_shipped_policies_with_a_suggestion() -> None:
     with pytest.raises(PolicyError, match=r"no shipped policy is called 'defualt' \(did you mean 'default'\?\)"):
         GradGuard(torch.nn.Linear(3, 2), "defualt", logger=None)
+
+
+def test_validate_and_explain_take_a_shipped_name_and_refuse_an_unknown_one_with_a_suggestion(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from gradguard.cli import main
+
+    runner = CliRunner()
+    ok = runner.invoke(main, ["validate", "default", "llm-pretraining"])
+    assert ok.exit_code == 0, ok.output
+    assert "default: ok (3 rules: nonfinite, per-tensor-clip, health)" in ok.output
+    unknown = runner.invoke(main, ["validate", "defualt"])
+    assert unknown.exit_code == 2
+    assert "no shipped policy is called that (did you mean 'default'?)" in unknown.output
+    models = tmp_path / "models.py"
+    models.write_text("import torch\n\ndef build():\n    return torch.nn.Linear(4, 2)\n")
+    explained = runner.invoke(main, ["explain", "default", "--model", f"{models}:build", "--format", "json"])
+    assert explained.exit_code == 0, explained.output
+    assert '"weight"' in explained.output
+
+
+@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+def test_the_integrations_callbacks_take_a_shipped_name(framework: str) -> None:
+    pytest.importorskip(framework)
+    if framework == "lightning":
+        from gradguard.integrations.lightning import GradGuardCallback
+    else:
+        from gradguard.integrations.transformers import GradGuardCallback  # type: ignore[assignment]
+    assert GradGuardCallback("vision").policy == Policy.shipped("vision")

@@ -13,11 +13,44 @@ import click
 if TYPE_CHECKING:
     from gradguard.policy.document import Policy
 
-__all__ = ["LOGS", "fail", "load_policy", "output_option", "unreadable"]
+__all__ = ["LOGS", "POLICY", "PolicySource", "fail", "load_policy", "output_option", "unreadable"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 LOGS = click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+
+
+class PolicySource(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2 on; unsubscriptable before
+    """A policy file's path, or the name of a shipped policy (``default``); a path that exists wins.
+
+    Does not import torch: the shipped names come from the package's data.
+    """
+
+    name = "policy"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Path:
+        path = Path(value)
+        if path.is_dir():
+            self.fail(f"{str(value)!r} is a directory, not a policy file", param, ctx)
+        if path.exists():
+            return path
+        from gradguard.policy.loading import did_you_mean
+        from gradguard.policy.shipped import shipped_policies
+
+        shipped = shipped_policies()
+        if any(str(value) in (found.name, found.file_name) for found in shipped):
+            return path  # Policy.load reads the shipped one
+        names = [found.name for found in shipped]
+        self.fail(
+            f"{str(value)!r} does not exist, and no shipped policy is called that{did_you_mean(str(value), names)} "
+            f"(shipped: {', '.join(names)})",
+            param,
+            ctx,
+        )
+
+
+POLICY = PolicySource()
+"""A ``POLICY`` argument or option: a file, or a shipped policy's name."""
 
 
 def output_option(what: str) -> Callable[[F], F]:
@@ -43,11 +76,11 @@ def unreadable(exc: OSError) -> NoReturn:
 
 
 def load_policy(path: Path) -> Policy:
-    """The policy in ``path``, or exit 2 with its problems and the command that checks the fix."""
+    """The policy in ``path`` (or the shipped one of that name), or exit 2 with its problems and the fix's check."""
     from gradguard.errors import PolicyError
     from gradguard.policy.document import Policy
 
     try:
-        return Policy.from_file(path)
+        return Policy.load(path)
     except PolicyError as exc:
         fail(f"{exc}\n(run `gradguard validate {shlex.quote(str(path))}` after fixing it)")

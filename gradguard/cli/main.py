@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from gradguard.cli.common import fail, load_policy, output_option, unreadable
+from gradguard.cli.common import POLICY, fail, load_policy, output_option, unreadable
 from gradguard.cli.tuning import replay, suggest
 
 __all__ = ["main"]
@@ -59,9 +59,11 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("policies", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("policies", nargs=-1, required=True, type=POLICY)
 def validate(policies: tuple[Path, ...]) -> None:
     """Check policy files (.yaml, .yml, .toml, .json) without a model.
+
+    A POLICY is a file, or the name of a shipped policy (`gradguard policies`); a path that exists wins.
 
     Every problem is printed with its file, line, field, what was given and what is expected.
     Exit 1 if any file is invalid. JSON Schema files (*.schema.json, as `gradguard schema` writes
@@ -78,7 +80,7 @@ def validate(policies: tuple[Path, ...]) -> None:
             click.echo(f"{path}: skipped (a JSON Schema for editors, not a policy)")
             continue
         try:
-            policy = Policy.from_file(path)
+            policy = Policy.load(path)
         except PolicyError as exc:
             invalid += 1
             click.echo(f"{path}: {exc}")
@@ -99,7 +101,7 @@ def _is_json_schema(path: Path) -> bool:
 
 
 @main.command()
-@click.argument("policy_path", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("policy_path", metavar="POLICY", type=POLICY)
 @click.option(
     "--model",
     "model_spec",
@@ -110,7 +112,7 @@ def _is_json_schema(path: Path) -> bool:
 )
 @click.option("--format", "fmt", type=_FORMATS, default="table", show_default=True, help="Output format.")
 def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
-    """Show which rules and actions of POLICY each parameter of a model gets.
+    """Show which rules and actions of POLICY (a file, or a shipped policy's name) each parameter of a model gets.
 
     A table of every parameter (name, shape, dtype, rules, actions in the order they apply), the
     parameters no rule covers, the rules that match nothing, the tied parameters, and the problems
@@ -179,7 +181,7 @@ def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
 @click.option("--plot-series", type=click.IntRange(min=1, max=10), default=5, hidden=True, help="Series to plot.")
 @click.option(
     "--threshold-policy",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=POLICY,
     metavar="POLICY",
     help="With --plot: draw, over each plotted parameter's recorded norm, the max_norm of the clip_norm POLICY "
     "gives it (e.g. the output of `gradguard suggest`).",
@@ -361,9 +363,9 @@ def policies(name: str | None) -> None:
 @click.option(
     "--policy",
     "policy_path",
-    type=click.Path(dir_okay=False, path_type=Path),
+    type=POLICY,
     default=None,
-    help="Policy file to use instead of the shipped llm-pretraining policy (gradguard policies llm-pretraining).",
+    help="Policy file or shipped policy name to use instead of the shipped llm-pretraining policy.",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=120, show_default=True, help="Training steps.")
 def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
@@ -373,7 +375,7 @@ def demo(log_path: Path, policy_path: Path | None, steps: int) -> None:
     from gradguard.policy.document import Policy
 
     try:
-        policy = Policy.from_file(policy_path) if policy_path is not None else Policy.shipped(DEMO_POLICY)
+        policy = Policy.load(policy_path) if policy_path is not None else Policy.shipped(DEMO_POLICY)
     except PolicyError as exc:
         click.echo(str(exc), err=True)
         sys.exit(2)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from gradguard.cli.common import LOGS, fail, load_policy, output_option, unreadable
+from gradguard.cli.common import LOGS, POLICY, fail, load_policy, output_option, unreadable
 
 __all__ = ["replay", "suggest"]
 
@@ -80,7 +80,7 @@ def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float
 
 
 @click.command()
-@click.argument("policy_path", metavar="POLICY", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("policy_path", metavar="POLICY", type=POLICY)
 @LOGS
 @click.option("--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def replay(policy_path: Path, logs: tuple[Path, ...], fmt: str) -> None:

@@ -91,7 +91,7 @@ class GradGuardCallback(Callback):
         **guard_options: Any,
     ) -> None:
         super().__init__()
-        self.policy: Policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
+        self.policy: Policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         self.log_counters = log_counters
         self.guard_options: dict[str, Any] = dict(guard_options)
         self.guard: GradGuard | None = None

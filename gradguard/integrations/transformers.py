@@ -79,7 +79,7 @@ class GradGuardCallback(transformers.TrainerCallback):
                 "GradGuardCallback sets start_step from the Trainer's state.global_step (a resumed run carries on "
                 "from its checkpoint's step); do not pass it"
             )
-        self.policy = policy if isinstance(policy, Policy) else Policy.from_file(policy)
+        self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         self.guard_options = guard_options
         self.guard: GradGuard | None = None
         """The guard of the current (or last) ``trainer.train()``; detached once that run ended."""

@@ -26,7 +26,8 @@ _DESCRIPTION = (
     "A gradguard policy: rules that map parameter-name patterns to gradient actions (clip_norm, "
     "clip_value, zclip, autoclip, agc, scale, zero, drop, halt_on_nonfinite, skip_step_on_nonfinite, "
     "skip_step_on_spike, monitor), enforced at every "
-    "optimizer step by GradGuard(model, policy). Check a file with `gradguard validate`, and against a "
+    "optimizer step by GradGuard(model, policy), and an optional recovery section that turns a halt into a "
+    "rewind to an in-memory snapshot. Check a file with `gradguard validate`, and against a "
     "model with `gradguard explain`."
 )
 

@@ -53,7 +53,7 @@ __all__ = ["GradGuard"]
 
 
 class GradGuard(ServesMetrics):
-    """Enforce a gradient :class:`Policy` on a model, at every optimizer step, until removed.
+    """Enforce a gradient [`Policy`][gradguard.Policy] on a model, at every optimizer step, until removed.
 
     ``GradGuard(model, policy)`` finds the step boundary by itself: it acts inside the ``step()`` of
     any ``torch.optim`` optimizer that holds guarded parameters, just before the update, on the
@@ -61,15 +61,16 @@ class GradGuard(ServesMetrics):
     and DDP's averaging), or earlier, when the loop clips those gradients with torch's
     ``clip_grad_norm_`` (or ``clip_grad_value_``, ``get_total_norm``): then just before that clip, so
     the clip cannot spread one NaN to every gradient first. ``optimizer=opt`` limits the optimizers
-    to the given one(s); loops without a torch optimizer call :meth:`step` themselves before their update.
+    to the given one(s); loops without a torch optimizer call [`step`][gradguard.GradGuard.step] themselves before their
+    update.
 
-    Use it as a context manager, or call :meth:`remove`; a guard that is garbage-collected while
+    Use it as a context manager, or call [`remove`][gradguard.GradGuard.remove]; a guard that is garbage-collected while
     attached removes its hooks and warns.
 
     Args:
         model: the module whose parameters are guarded (DDP-, torch.compile- and checkpoint-wrapped
             modules are matched by the unwrapped names).
-        policy: a :class:`Policy`, or the path of a policy file.
+        policy: a [`Policy`][gradguard.Policy], or the path of a policy file.
         optimizer: only these optimizers trigger the guard (default: any ``torch.optim`` optimizer that
             holds guarded parameters).
         audit_log: append every event to this JSON-lines file.
@@ -84,8 +85,9 @@ class GradGuard(ServesMetrics):
         attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the
             group to attach too (then ``GuardStateError`` names the missing ranks); ranks that
             attach with a different policy, parameters or options are refused at once, on every rank.
-        metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at :attr:`metrics_url`.
-        reload, reload_interval: look at the policy file (a path) every this many seconds; a changed one takes
+        metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at
+        [`metrics_url`][gradguard.GradGuard.metrics_url]. reload, reload_interval: look at the policy file (a path)
+        every this many seconds; a changed one takes
             over at the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
         provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"first_fault"``
             (the default: a light trace from the start, a sum per output of the model's outer modules and of
@@ -236,8 +238,8 @@ class GradGuard(ServesMetrics):
 
         Returns ``False`` when a skip rule skipped the step (every gradient of the model was then set to
         ``None``: do not update) or the guard's ``scaler`` found inf/NaN (its ``step()`` skips the
-        update), else ``True``. Raises :class:`GradientHalt` where a halt rule sees NaN or Inf, and
-        :class:`GuardStateError` when the guard's ``scaler`` has not unscaled the gradients yet.
+        update), else ``True``. Raises [`GradientHalt`][gradguard.GradientHalt] where a halt rule sees NaN or Inf, and
+        [`GuardStateError`][gradguard.GuardStateError] when the guard's ``scaler`` has not unscaled the gradients yet.
         """
         with self._lock:
             return _explicit_boundary(self, optimizer)
@@ -255,22 +257,22 @@ class GradGuard(ServesMetrics):
     def state_dict(self) -> dict[str, Any]:
         """What decides the guard's future steps: the step number and each skip rule's history.
 
-        Save it with the model and the optimizer; :meth:`load_state_dict` on a new guard (same policy)
-        carries the run on: step windows, skip limits and the log's step numbers continue.
+        Save it with the model and the optimizer; [`load_state_dict`][gradguard.GradGuard.load_state_dict] on a new
+        guard (same policy) carries the run on: step windows, skip limits and the log's step numbers continue.
         """
         with self._lock:  # not in the middle of a step
             return {"format": 1, **self._enforcer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take over a guard's :meth:`state_dict` (a run resumed from a checkpoint)."""
+        """Take over a guard's [`state_dict`][gradguard.GradGuard.state_dict] (a run resumed from a checkpoint)."""
         with self._lock:
             load_guard_state(self._enforcer, self._events, state)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event so far is in the audit log (it is written by a background thread).
 
-        Returns False if ``timeout`` seconds passed first. Halts, :meth:`remove` and interpreter exit
-        flush by themselves; call this to read the log of a run that is still going.
+        Returns False if ``timeout`` seconds passed first. Halts, [`remove`][gradguard.GradGuard.remove] and interpreter
+        exit flush by themselves; call this to read the log of a run that is still going.
         """
         return self._events.flush(timeout)
 
@@ -373,6 +375,7 @@ def _rebound(guard: GradGuard, new: Binding, replaced: list[str] | None) -> None
     """GradGuard._rebound, under the guard's lock."""
     if replaced is not None:
         guard._enforcer.rebind(new)
+        guard._enforcer.recovery.drop_snapshots()  # they hold the replaced tensors' values
     if guard._enforcer.provenance is not None:
         guard._enforcer.provenance.rebind(new)
     if guard._enforcer.micro_batch is not None:
@@ -412,7 +415,7 @@ def _optimizer_step_begins(
 
 
 def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
-    """:meth:`GradGuard._enforce_for`, under the guard's lock."""
+    """``GradGuard._enforce_for``, under the guard's lock."""
     if not guard._attachment.open:
         return
     plan = guard._plans.for_optimizer(optimizer)
@@ -444,7 +447,7 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
 
 
 def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
-    """:meth:`GradGuard.step`, under the guard's lock."""
+    """[`GradGuard.step`][gradguard.GradGuard.step], under the guard's lock."""
     guard._require_attached()
     guard._at_boundary()
     if optimizer is None:

@@ -389,3 +389,20 @@ def test_a_hot_reload_keeps_the_snapshots(tmp_path: Path) -> None:
         loop.step(22, False)  # the new policy takes over here
         loop.step(FAULT, True)
         assert guard.state_dict()["recovery"] == {"rewinds": 1, "skip_until": 25, "lr_scale": 1.0}
+
+
+def test_replacing_the_models_parameters_drops_the_snapshots_of_the_old_ones() -> None:
+    """After ``module.weight = nn.Parameter(...)`` (a rebind), a snapshot of the old tensors is not restored into the
+    new ones: a NaN before the next snapshot halts, saying none is held."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loop = Loop("plain", model, opt, None)
+    with GradGuard(model, policy([HALT]), logger=None) as guard:
+        for i in range(12):
+            loop.step(i, False)
+        model.out.weight = nn.Parameter(model.out.weight.detach().clone())
+        opt.param_groups[0]["params"][-2] = model.out.weight
+        loop.step(12, False)
+        assert guard._enforcer.recovery.snapshots == []
+        with pytest.raises(GradientHalt, match=r"no snapshot at least 3 steps older than step 13 \(held: \[\]\)"):
+            loop.step(13, True)

@@ -1,6 +1,6 @@
 """Recovery: a halt becomes a rewind to an in-memory snapshot, and the run goes on (docs/recovery.md).
 
-With a policy's ``recovery`` section, the guard takes a :class:`~gradguard.enforce.snapshots.Snapshot`
+With a policy's ``recovery`` section, the guard takes a ``Snapshot``
 at the first boundary of every step that is a multiple of ``snapshot_every`` (before the policy treats
 that step's gradients, so before its update) and keeps the newest ``keep``. A step whose verdict is a
 halt restores, in place, the newest snapshot at least ``min_age`` steps older than the fault, drops the
@@ -49,7 +49,8 @@ class HaltReport:
 
 
 class RewindRequested(Exception):
-    """Raised by the verdicts instead of :class:`~gradguard.GradientHalt` when recovery rewinds (the engine's)."""
+    """Raised by the verdicts instead of [`GradientHalt`][gradguard.GradientHalt] when recovery rewinds (the
+    engine's)."""
 
     def __init__(self, halt: HaltReport, snapshot: Snapshot) -> None:
         super().__init__(f"rewind at step {halt.step} to step {snapshot.step}")
@@ -196,6 +197,11 @@ class Recovery:
         snapshot = self._spare.pop() if self._spare else Snapshot()
         snapshot.take(step, self.lr_scale, self.live)
         self.snapshots.append(snapshot)
+
+    def drop_snapshots(self) -> None:
+        """The model's parameters were replaced: snapshots of the old ones are not restored into the new."""
+        self._spare.extend(self.snapshots)
+        self.snapshots = []
 
     # --- a halt -----------------------------------------------------------------------------------
 

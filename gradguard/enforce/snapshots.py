@@ -1,6 +1,6 @@
 """What a rewind restores: copies of a training's state, taken between steps and put back in place.
 
-A :class:`Snapshot` holds the model's parameters and buffers, every known optimizer's per-parameter
+A ``Snapshot`` holds the model's parameters and buffers, every known optimizer's per-parameter
 state and param groups' hyper-parameters, the GradScaler's scale, the LR schedulers' state and the
 guard's own statistics (adaptive series, skip histories). Tensors go into buffers the snapshot owns:
 pinned host memory for CUDA tensors, copied with ``non_blocking=True`` on the current stream, so
@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.distributed import local_tensor
 from gradguard.enforce.statistics import Series, Statistics
+from gradguard.errors import GuardStateError
 
 __all__ = ["LR_KEYS", "Snapshot", "scale_lrs", "scheduler_optimizer"]
 
@@ -59,7 +60,13 @@ class _Buffers:
         _copy(fresh, list(sources))
 
     def restore(self, targets: Sequence[torch.Tensor]) -> None:
-        _copy(list(targets), self.buffers[: len(targets)])
+        buffers = self.buffers
+        if len(targets) != len(buffers) or any(not _fits(t, b) for t, b in zip(targets, buffers, strict=True)):
+            raise GuardStateError(
+                "the model's parameters or buffers changed shape or number since the recovery snapshot was "
+                "taken, so it cannot be restored into them; the run halts here as without recovery"
+            )
+        _copy(list(targets), buffers)
 
     @property
     def nbytes(self) -> int:
@@ -78,7 +85,7 @@ class _OptimizerCopy:
 
     ref: weakref.ReferenceType[Optimizer]
     state: list[dict[str, Any] | None] = field(default_factory=list)
-    """Per parameter, in group order: its state with tensors replaced by their position in :attr:`tensors`."""
+    """Per parameter, in group order: its state with tensors replaced by their position in ``tensors``."""
     groups: list[dict[str, Any]] = field(default_factory=list)
     tensors: _Buffers = field(default_factory=_Buffers)
 
@@ -147,7 +154,7 @@ class _Slot:
 
 @dataclass
 class Snapshot:
-    """The state of a training at the start of step :attr:`step`, before that step's update."""
+    """The state of a training at the start of step ``step``, before that step's update."""
 
     step: int = -1
     lr_scale: float = 1.0

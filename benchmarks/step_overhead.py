@@ -28,6 +28,15 @@ model that all treatments share, so they see the same weights, data and allocato
   (``gg-a`` plus ``skip_step_on_spike`` with its defaults, the joint norm: the pair isolates the spike
   watch). Each runs ``PRIME_STEPS`` untimed steps after it attaches, so that zclip's warm-up (25 norms)
   is over and the timed steps are those of a long run.
+- recovery, against ``gg-a`` (paired, update-phase estimate): ``gg-r`` is ``gg-a`` with
+  ``recovery: {snapshot_every: 100}`` (every other key its default: ``keep: 2``), ``gg-r1`` the same
+  with ``snapshot_every: 1`` (a snapshot at every step: what one snapshot costs), and ``gg-a-2`` is
+  ``gg-a`` again, the A/A control of the pair. A snapshot is a step in 100, which a median leaves out:
+  the cost of ``gg-r`` over a long run is the estimate of its steps without one plus a hundredth of
+  the extra of a snapshot step (``gg-r1`` over ``gg-r``), and, where the rounds reach a snapshot, the
+  mean of the paired differences (snapshot steps included) is given as well. The bytes the snapshots
+  hold are ``guard.metrics()``'s ``gradguard/recovery/snapshot_bytes``, against the model's parameters,
+  buffers and AdamW state.
 
 How it measures:
 
@@ -81,6 +90,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_NORM = 1.0
 NEVER = 1e12  # a max_norm no gradient reaches: nothing is clipped
 PRIME_STEPS = 30  # untimed steps of an adaptive guard before the rounds: past zclip's 25-step warm-up
+RECOVERY_EVERY = 100  # gg-r's snapshot_every
 
 # --- models ---------------------------------------------------------------------------------------
 
@@ -241,6 +251,13 @@ def monitored_policy(every: int) -> Policy:
     monitor = {"name": "health", "match": "*", "actions": [{"action": "monitor", "every": every}]}
     data["rules"] = [*data["rules"], monitor]
     return Policy.from_dict(data, source=f"default.yaml + monitor every {every}")
+
+
+def recovery_policy(every: int) -> Policy:
+    """``per_tensor_policy(MAX_NORM)`` with ``recovery: {snapshot_every: every}`` (its other keys: defaults)."""
+    data = per_tensor_policy(MAX_NORM).model_dump(mode="python")
+    data["recovery"] = {"snapshot_every": every}
+    return Policy.from_dict(data, source=f"default.yaml + recovery every {every}")
 
 
 def adaptive_policy(action: dict[str, Any], *, with_clip: bool = False) -> Policy:
@@ -419,6 +436,11 @@ class Guarded(Treatment):
         self._clips = sum(counters.total(kind) for kind in kinds)
         self._skips = counters.total("skip_step_on_spike")
         self._steps = self.guard.step_count
+        self.recovery = {
+            key.rsplit("/", 1)[1]: value
+            for key, value in self.guard.metrics().items()
+            if key.startswith("gradguard/recovery/")
+        }
         self._lines = 0
         log = self.guard.audit_log
         if log is not None:
@@ -430,6 +452,10 @@ class Guarded(Treatment):
         text = f"{getattr(self, '_clips', 0) / steps:.0f} clips/step"
         if getattr(self, "_skips", 0):
             text += f", {self._skips} spike skips"
+        recovery = getattr(self, "recovery", {})
+        if recovery.get("snapshots"):
+            each = recovery["snapshot_bytes"] / recovery["snapshots"] / 2**20
+            text += f", {recovery['snapshots']:.0f} snapshot(s) held, {each:.1f} MiB each"
         if self.audit_log:
             text += f", {getattr(self, '_lines', 0) / steps:.2f} log lines/step"
         return text
@@ -510,6 +536,13 @@ def decoder_treatments(with_caller_render: bool) -> list[Treatment]:
             lambda: adaptive_policy({"action": "skip_step_on_spike"}, with_clip=True),
             prime=PRIME_STEPS,
         ),
+    ]
+    treatments += [
+        Guarded(
+            "gg-a-2", "gradguard (a) again (A/A control of the recovery rows)", lambda: per_tensor_policy(MAX_NORM)
+        ),
+        Guarded("gg-r", "(a) + `recovery: {snapshot_every: 100}`", lambda: recovery_policy(RECOVERY_EVERY)),
+        Guarded("gg-r1", "(a) + `recovery: {snapshot_every: 1}` (a snapshot every step)", lambda: recovery_policy(1)),
     ]
     if with_caller_render:
         treatments.append(
@@ -731,6 +764,8 @@ class ModelResult:
     rounds: int
     rows: list[dict[str, Any]]
     comparisons: dict[str, dict[str, Any]]
+    state_bytes: dict[str, int] = field(default_factory=dict)
+    """The model's parameters, buffers and AdamW state, in bytes (what a snapshot copies)."""
 
 
 def run_model(
@@ -777,6 +812,8 @@ def run_model(
                 "update_bytes": p.update_bytes,
                 "extra_update_bytes": p.update_bytes - base.update_bytes,
                 "note": t.note(),
+                "snapshots": getattr(t, "recovery", {}).get("snapshots", 0.0),
+                "snapshot_bytes": getattr(t, "recovery", {}).get("snapshot_bytes", 0.0),
                 "wall": wall[t.name],
                 "cpu": cpu[t.name],
             }
@@ -795,16 +832,42 @@ def run_model(
         ("gg-zclip", "gg-a"),
         ("gg-autoclip", "gg-a"),
         ("gg-spike", "gg-a"),
+        ("gg-a-2", "gg-a"),
+        ("gg-r", "gg-a"),
+        ("gg-r1", "gg-a"),
     )
     for a, b in pairs:
         if a in wall and b in wall:
             extra = statistics.median(x - y for x, y in zip(update[a], update[b], strict=True))
+            mean_extra = statistics.fmean(x - y for x, y in zip(update[a], update[b], strict=True))
             comparisons[f"{a} / {b}"] = {
                 "wall": paired(wall[a], wall[b]),
                 "cpu": paired(cpu[a], cpu[b]),
                 "update": 1.0 + extra / statistics.median(wall[b]),
+                "update_mean": 1.0 + mean_extra / statistics.median(wall[b]),
             }
-    return ModelResult(works[0].name, works[0].description, rounds, rows, comparisons)
+    if "gg-r / gg-a" in comparisons and "gg-r1 / gg-a" in comparisons:
+        every = comparisons["gg-r / gg-a"]["update"]
+        snapshot = comparisons["gg-r1 / gg-a"]["update"] - every
+        comparisons["gg-r / gg-a"]["amortized"] = every + snapshot / RECOVERY_EVERY
+        comparisons["gg-r / gg-a"]["snapshot_ms"] = snapshot * statistics.median(wall["gg-a"]) * 1e3
+        timed = range(warmup, warmup + rounds)  # the guard's step indices of the timed rounds
+        comparisons["gg-r / gg-a"]["snapshot_steps"] = sum(1 for step in timed if step % RECOVERY_EVERY == 0)
+    state = state_bytes(works[0])
+    return ModelResult(works[0].name, works[0].description, rounds, rows, comparisons, state)
+
+
+def state_bytes(work: Workload) -> dict[str, int]:
+    """What a snapshot must copy: the model's parameters and buffers, and its optimizer's state tensors."""
+    params = sum(p.numel() * p.element_size() for p in work.model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in work.model.buffers())
+    optimizer = sum(
+        value.numel() * value.element_size()
+        for per_param in work.opt.state.values()
+        for value in per_param.values()
+        if isinstance(value, torch.Tensor)
+    )
+    return {"params": params, "buffers": buffers, "optimizer": optimizer}
 
 
 @dataclass
@@ -909,6 +972,28 @@ def model_table(result: ModelResult) -> str:
             f"\n`{name}` (paired): step {ratios['wall']}; update est. {ratios['update']:.4f}; "
             f"process CPU time (includes the log writer thread) {ratios['cpu']}"
         )
+        if name.startswith(("gg-r", "gg-a-2")):
+            lines[-1] += f"; update est. from the mean difference (every step counts) {ratios['update_mean']:.4f}"
+        if "amortized" in ratios:
+            lines[-1] += (
+                f"; a snapshot step costs {ratios['snapshot_ms']:.1f} ms more (gg-r1 over gg-r), so over a long run "
+                f"with a snapshot every {RECOVERY_EVERY} steps: {ratios['amortized']:.4f} "
+                f"({ratios['snapshot_steps']} snapshot step(s) among the timed rounds)"
+            )
+    snapshots = [row for row in result.rows if row.get("snapshots")]
+    if snapshots and result.state_bytes:
+        state = result.state_bytes
+        total = sum(state.values())
+        held = ", ".join(
+            f"`{row['name']}` {row['snapshots']:.0f} held, {row['snapshot_bytes'] / row['snapshots'] / 2**20:.1f} MiB "
+            f"each, {row['snapshot_bytes'] / 2**20:.1f} MiB in all"
+            for row in snapshots
+        )
+        lines.append(
+            f"\nSnapshots (`guard.metrics()`): {held}. The model's parameters {state['params'] / 2**20:.1f} MiB, "
+            f"buffers {state['buffers'] / 2**20:.1f} MiB, AdamW state {state['optimizer'] / 2**20:.1f} MiB: "
+            f"{total / 2**20:.1f} MiB, so `keep: 2` holds {2 * total / 2**20:.1f} MiB once two are taken."
+        )
     return "\n".join(lines)
 
 
@@ -1008,6 +1093,18 @@ def targets(results: dict[str, ModelResult], sweep: SweepResult | None, device: 
                     f"{cost['update']:.4f}; {cost['wall']}",
                     cost["update"] <= 1.01,
                 )
+    for result in (r for r in (gpt, deep) if r is not None and "gg-r / gg-a" in r.comparisons):
+        cost = result.comparisons["gg-r / gg-a"]
+        control = result.comparisons.get("gg-a-2 / gg-a")
+        aa = f"; A/A ((a) again) {control['update']:.4f}, mean {control['update_mean']:.4f}" if control else ""
+        amortized = cost.get("amortized", cost["update"])
+        add(
+            f"recovery (snapshot_every {RECOVERY_EVERY}) vs the same policy without it, {result.workload} <= 1.01",
+            f"{amortized:.4f} amortized (steps without a snapshot {cost['update']:.4f}, a snapshot step "
+            f"+{cost.get('snapshot_ms', math.nan):.1f} ms); mean of every step {cost['update_mean']:.4f}; "
+            f"{cost['wall']}{aa}",
+            amortized <= 1.01,
+        )
     if sweep is not None and not cuda:
         add(
             "per-tensor cost (sweep slope) < 5 us, linear",

@@ -122,3 +122,33 @@ def test_the_quick_suggest_and_replay_benchmark_times_both_commands_at_two_lengt
         assert row["suggest_exit"] == 0
         assert row["replay_exit"] == 0
         assert row["spikes_caught"] == row["spikes"]
+
+
+def test_the_quick_recovery_benchmark_halts_without_recovery_and_rewinds_exactly_with_it(tmp_path: Path) -> None:
+    """``benchmarks/recovery.py --quick``: the run without recovery halts, the one with it rewinds and finishes,
+    and ends bitwise equal to the run that never learned from what the rewind undid."""
+    out, png = tmp_path / "recovery.json", tmp_path / "recovery.png"
+    args = [sys.executable, str(BENCHMARKS / "recovery.py"), "--quick", "--json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        png = None
+    else:
+        args += ["--plot", str(png)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "| run | held-out loss | vs reference | halted at | rewinds |" in done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| run ")]
+    assert len(rows) == 4, done.stdout
+    assert "recovery bitwise equal to its twin: yes" in done.stdout
+    (seed,) = json.loads(out.read_text())["seeds"]
+    runs = seed["runs"]
+    assert runs["halt"]["halted_at"] is not None, "the bad stretch ends the run without recovery"
+    assert runs["recovery"]["halted_at"] is None, "with recovery it finishes"
+    assert runs["recovery"]["rewinds"], "by rewinding"
+    assert runs["recovery"]["rewinds"][0]["step"] == runs["halt"]["halted_at"], "at the step the other run halted"
+    assert seed["exact"], "the rewound run is the run that never learned from the undone batches"
+    assert runs["reference"]["halted_at"] is None
+    if png is not None:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -85,10 +85,12 @@ class GradGuard(ServesMetrics):
         attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the
             group to attach too (then ``GuardStateError`` names the missing ranks); ranks that
             attach with a different policy, parameters or options are refused at once, on every rank.
-        metrics_port, metrics_host: serve live Prometheus metrics there (port 0: any free) at
-        [`metrics_url`][gradguard.GradGuard.metrics_url]. reload, reload_interval: look at the policy file (a path)
-        every this many seconds; a changed one takes
-            over at the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
+        metrics_port: serve live Prometheus metrics on this port (0: any free), at
+            [`metrics_url`][gradguard.GradGuard.metrics_url] (docs/live-metrics-and-hot-reload.md).
+        metrics_host: the address the metrics are served on.
+        reload: look at the policy file (a path) every ``reload_interval`` seconds; a changed one takes over at
+            the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
+        reload_interval: seconds between two looks at the policy file, with ``reload``.
         provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"first_fault"``
             (the default: a light trace from the start, a sum per output of the model's outer modules and of
             its gradient, so the first fault is named; every module's hooks after a fault), ``"always"``

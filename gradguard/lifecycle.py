@@ -1,7 +1,7 @@
 """What attaching a guard sets up and detaching undoes: argument checks, the attach event, the handles, and
 the process's register of guards (one per model, claimed at attach from any thread).
 
-Kept apart from :class:`gradguard.GradGuard` so that the class reads as what a guard does at each
+Kept apart from [`gradguard.GradGuard`][gradguard.GradGuard] so that the class reads as what a guard does at each
 step; this module holds what happens once, at its start and at its end.
 """
 

@@ -121,7 +121,7 @@ def run_demo(
     say: Callable[[str], None] = print,
     seed: int = 0,
 ) -> DemoResult:
-    """Train :class:`TinyDecoder` with the guard on; return what happened."""
+    """Train ``TinyDecoder`` with the guard on; return what happened."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     vocab, length = 32, 24

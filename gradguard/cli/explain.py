@@ -2,9 +2,8 @@
 
 The model comes from ``MODULE:CALLABLE`` (a dotted module importable from the working directory, or
 a ``path/to/file.py``, and a callable there that takes no arguments and returns an ``nn.Module``).
-Matching uses the guard's own functions (:func:`~gradguard.policy.matching.canonical_name`,
-:func:`~gradguard.policy.matching.rule_matches`), and the problems listed are the ones
-:func:`~gradguard.policy.matching.bind` raises when a guard attaches, so what is shown is what the guard does.
+Matching uses the guard's own functions (``canonical_name``, ``rule_matches``), and the problems
+listed are the ones ``bind`` raises when a guard attaches, so what is shown is what the guard does.
 """
 
 from __future__ import annotations
@@ -163,9 +162,9 @@ class Explanation:
     params: list[ParamEntry]
     """Every tensor of the model (tied ones once), in model order."""
     members: list[list[int]]
-    """For each rule, the indices into :attr:`params` that it covers."""
+    """For each rule, the indices into ``params`` that it covers."""
     issues: list[str] = field(default_factory=list)
-    """What :func:`~gradguard.policy.matching.bind` refuses: the errors GradGuard would raise at attach."""
+    """What ``bind`` refuses: the errors GradGuard would raise at attach."""
     snapshot: SnapshotBytes | None = None
     """With a ``recovery`` section: the bytes one snapshot will hold for this model."""
 

@@ -1,7 +1,7 @@
 """``gradguard suggest`` and ``gradguard replay``: a policy from a recorded run, and any policy tried on one.
 
 Both read the ``stats`` events of a ``monitor`` (each tensor's gradient norm as it arrived); the work is
-done in :mod:`gradguard.tuning`, imported inside the commands (``suggest`` checks its answer with torch).
+done in ``gradguard.tuning``, imported inside the commands (``suggest`` checks its answer with torch).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The step engine: applies a bound policy to the gradients at the step boundary.
 
-- ``engine``: :class:`Enforcer`, one pass per step: gather, run the actions, one host sync, report;
+- ``engine``: ``Enforcer``, one pass per step: gather, run the actions, one host sync, report;
 - ``actions/``: the action families behind one interface (clipping, shaping, the non-finite watch);
 - ``plan`` / ``plans``: what a pass treats, and the plan of each optimizer (re-bound when the model changes);
 - ``step``: a pass's context, its pending figures (the one sync) and its outcome;

@@ -55,7 +55,7 @@ def fingerprint(
 
 
 def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: float) -> None:
-    """Compare ``mine`` (a :func:`fingerprint`) across the ranks of ``collective``'s group; raise on a difference.
+    """Compare ``mine`` (a ``fingerprint``) across the ranks of ``collective``'s group; raise on a difference.
 
     Every field must be equal on every rank but ``source`` (the policy's file), which is shown, not
     compared: two paths to the same content agree. A rank that has not attached within ``timeout``

@@ -1,6 +1,6 @@
 """A guard's view of the loop's own clips: where its step stands, and a clip seen before its step.
 
-:mod:`gradguard.enforce.torch_hooks` tells every live guard of a call of torch's clips; this decides
+``gradguard.enforce.torch_hooks`` tells every live guard of a call of torch's clips; this decides
 whether the call is this guard's step boundary: it clips gradients the guard covers, they are not
 still scaled by a GradScaler, and acting before the clip is on (``GradGuard(before_clip=True)``).
 """

@@ -8,7 +8,7 @@ in one transfer: exactly one host sync per step, and none while backward runs.
 
 The engine gathers the gradients, takes the raw figures the plan's actions need, lets the observing
 actions (``monitor``) take their figures of the gradients as they arrived, runs each rule's
-actions in policy order through their kernels (:mod:`gradguard.enforce.actions`), syncs once, and
+actions in policy order through their kernels (``gradguard.enforce.actions``), syncs once, and
 reports: counters, events, a halt or a skip. What an action does lives in its kernel, not here.
 """
 
@@ -45,7 +45,7 @@ SCALER_RULE = "grad_scaler"
 
 
 class Enforcer:
-    """Applies a :class:`Binding` at step boundaries; owns the step counter."""
+    """Applies a ``Binding`` at step boundaries; owns the step counter."""
 
     def __init__(
         self,
@@ -70,7 +70,7 @@ class Enforcer:
         self.provenance: Provenance | None = None
         """Where a NaN started: its figures ride the step's one read (``GradGuard(provenance=...)``)."""
         self.last_run_treated = False
-        """Whether the last :meth:`run` found new gradients to treat."""
+        """Whether the last ``run`` found new gradients to treat."""
         self.skip_limits = SkipLimits()
         self.health = Health(counters, events)
         """The monitors' figures, warnings and metrics across steps."""
@@ -83,7 +83,7 @@ class Enforcer:
         """``(weakref to grad, version, held)`` after the last pass, per tensor: a gradient already
         treated, and unchanged since, is not treated again (a second ``step()`` on the same gradient).
         ``held`` marks a gradient treated at an explicit boundary: the optimizer's step pre-hook leaves
-        it alone even if changed since (a framework's own clip), until :meth:`seal_explicit` runs after
+        it alone even if changed since (a framework's own clip), until ``seal_explicit`` runs after
         the optimizer step."""
         self._explicit_marks = False
         self.scaler_skip_at_boundary = False
@@ -93,8 +93,8 @@ class Enforcer:
     def run(self, plan: Plan, context: StepContext) -> bool:
         """Treat the current gradients of ``plan``'s tensors; return False if the step must be skipped.
 
-        Raises :class:`GradientHalt` (before the optimizer step) when a halt rule sees NaN or Inf, or a
-        skip rule's limits are exceeded.
+        Raises [`GradientHalt`][gradguard.GradientHalt] (before the optimizer step) when a halt rule sees NaN or Inf, or
+        a skip rule's limits are exceeded.
         """
         grads, wrapped = self._gather(plan, context)
         self.last_run_treated = bool(grads)
@@ -339,7 +339,7 @@ class Enforcer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
-        """Take over a saved :meth:`state_dict`; returns the rule names it held that this policy lacks."""
+        """Take over a saved ``state_dict``; returns the rule names it held that this policy lacks."""
         self.step = int(state["step"])
         self._in_step = set()
         rules = self.binding.policy.rules

@@ -3,7 +3,7 @@
 Each sampled monitor writes one ``stats`` event per step (its figures per name); a 2-norm below
 ``vanishing_below`` or above ``exploding_above`` is warned about (``vanishing`` / ``exploding``) and
 counted once per name, and not again until the norm comes back inside the thresholds (``recovered``).
-The last figures of every monitor are kept for :meth:`Health.metrics`, a flat dict for loggers.
+The last figures of every monitor are kept for ``Health.metrics``, a flat dict for loggers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ __all__ = ["Health", "metric_key"]
 
 
 def metric_key(rule: str, stat: str, name: str | None = None) -> str:
-    """``gradguard/<rule>/<stat>[/<name>]``: the key of one figure in :meth:`Health.metrics`."""
+    """``gradguard/<rule>/<stat>[/<name>]``: the key of one figure in ``Health.metrics``."""
     return f"gradguard/{rule}/{stat}" if name is None else f"gradguard/{rule}/{stat}/{name}"
 
 

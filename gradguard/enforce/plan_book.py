@@ -42,7 +42,8 @@ class PlanBook:
         self._among: tuple[tuple[int, ...], bool, list[torch.Tensor]] | None = None
 
     def with_policy(self, policy: Policy) -> PlanBook:
-        """A new book for ``policy`` on the same model; raises :class:`PolicyError` if it does not bind."""
+        """A new book for ``policy`` on the same model; raises [`PolicyError`][gradguard.PolicyError] if it does not
+        bind."""
         model = self._model_ref()
         if model is None:
             raise PolicyError([PolicyIssue(policy.source, None, "", "the guarded model no longer exists")])
@@ -70,7 +71,7 @@ class PlanBook:
         return plan
 
     def steps_none(self, optimizer: Optimizer) -> bool:
-        """The answer :meth:`for_optimizer` gave last: this optimizer steps none of the guarded tensors (and holds
+        """The answer ``for_optimizer`` gave last: this optimizer steps none of the guarded tensors (and holds
         the same tensors since). A read only, safe on any thread without the guard's lock: every guard is asked
         this about every optimizer step of the process, and the other trainings' must not wait for this one."""
         cached = self._by_optimizer.get(optimizer)

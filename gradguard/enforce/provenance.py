@@ -7,7 +7,7 @@ names the origin.
 The light trace (``"first_fault"``, the default, armed from the start):
 
 - a forward hook on each of the model's outer modules (the shallowest whole levels of at most
-  :attr:`Tracing.budget` modules: every module of a small model, the blocks of a deep one) that sums its
+  ``Tracing.budget`` modules: every module of a small model, the blocks of a deep one) that sums its
   output (a sum is half the cost of a 2-norm, and NaN/Inf all the same), and a pre-hook on the model for
   the input batch; outputs only (a module's input is the previous one's output), with no per-tensor
   bookkeeping but the last output's identity (a container passing its last child's output on);
@@ -15,7 +15,7 @@ The light trace (``"first_fault"``, the default, armed from the start):
   backward is named by phase and module too.
 
 The full trace (``"always"`` from the start; ``"first_fault"`` and ``"after_fault"`` arm it after a
-non-finite step or skip, for :data:`ARMED_STEPS` steps, then go back to their light trace or to nothing):
+non-finite step or skip, for ``ARMED_STEPS`` steps, then go back to their light trace or to nothing):
 
 - module forward hooks (and a pre-hook on the model itself, for the input batch): every module's
   floating-point inputs and outputs, each tensor once (a tensor already recorded as an earlier module's
@@ -466,7 +466,7 @@ class Provenance:
 def attach_provenance(
     model: nn.Module, binding: Binding, mode: str | None, add_handle: Callable[[Provenance], None]
 ) -> Provenance | None:
-    """A :class:`Provenance` for ``mode`` (None: none), its removal handed to ``add_handle``."""
+    """A ``Provenance`` for ``mode`` (None: none), its removal handed to ``add_handle``."""
     if mode is None:
         return None
     provenance = Provenance(model, binding, mode)

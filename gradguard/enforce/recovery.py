@@ -1,12 +1,12 @@
 """Recovery: a halt becomes a rewind to an in-memory snapshot, and the run goes on (docs/recovery.md).
 
-With a policy's ``recovery`` section, the guard takes a ``Snapshot``
-at the first boundary of every step that is a multiple of ``snapshot_every`` (before the policy treats
-that step's gradients, so before its update) and keeps the newest ``keep``. A step whose verdict is a
-halt restores, in place, the newest snapshot at least ``min_age`` steps older than the fault, drops the
-newer ones, takes no update at the fault step and skips the updates of the next ``skip_steps`` steps:
-the batches from the snapshot's step to the end of that window are never learned from, and the run
-ends exactly as one that never trained on them.
+With a policy's ``recovery`` section, the guard takes a ``Snapshot`` at the first boundary of every
+step that is a multiple of ``snapshot_every`` (before the policy treats that step's gradients, so
+before its update) and keeps the newest ``keep``. A step whose verdict is a halt restores, in place,
+the newest snapshot at least ``min_age`` steps older than the fault, drops the newer ones, takes no
+update at the fault step and skips the updates of the next ``skip_steps`` steps: the batches from the
+snapshot's step to the end of that window are never learned from, and the run ends exactly as one that
+never trained on them.
 
 Skipped steps change nothing the guard restored. The GradScaler's scale and the LR schedulers the guard
 knows are held: the loop's ``scaler.update()`` and ``scheduler.step()`` on a skipped step are undone at

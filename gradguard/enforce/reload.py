@@ -1,11 +1,11 @@
 """Hot reload of the policy: a new policy file takes over at a step boundary, or the old one stays.
 
-A daemon thread (:class:`PolicyWatcher`, only with ``reload=True`` and a policy given as a path)
-polls the file's ``(mtime, size, content hash)`` every ``reload_interval`` seconds; when it changes,
-the thread loads and validates the file off the training thread and puts the result (a
-:class:`Policy` or the :class:`PolicyError` text) in a lock-protected :class:`PolicySlot`. The step
-boundary reads one flag; only when it is set does the training thread take the candidate and bind
-it to the model (:class:`PlanBook`), then switch (:meth:`Reloader.at_boundary`).
+A daemon thread (``PolicyWatcher``, only with ``reload=True`` and a policy given as a path) polls the
+file's ``(mtime, size, content hash)`` every ``reload_interval`` seconds; when it changes, the thread
+loads and validates the file off the training thread and puts the result (a
+[`Policy`][gradguard.Policy] or the [`PolicyError`][gradguard.PolicyError] text) in a lock-protected ``PolicySlot``. The
+step boundary reads one flag; only when it is set does the training thread take the candidate and bind
+it to the model (``PlanBook``), then switch (``Reloader.at_boundary``).
 
 Under ``torch.distributed`` (more than one rank) a guard made with ``reload=True`` makes one more
 collective at every enforcement pass, on every rank, whether or not anything changed: an
@@ -51,7 +51,7 @@ class Candidate:
     policy: Policy | None = None
     error: str | None = None
     plans: PlanBook | None = field(default=None, repr=False)
-    """Bound to the model on the training thread (:meth:`Reloader.prepare`)."""
+    """Bound to the model on the training thread (``Reloader.prepare``)."""
     read_at: float = field(default_factory=time.monotonic)
 
 
@@ -67,7 +67,8 @@ def _signature(path: str) -> tuple[int, int, str] | None:
 
 
 def load_candidate(path: str) -> Candidate:
-    """Read the policy at ``path`` once, hash and validate those same bytes; a :class:`PolicyError` is kept."""
+    """Read the policy at ``path`` once, hash and validate those same bytes; a [`PolicyError`][gradguard.PolicyError] is
+    kept."""
     try:
         text, fmt = read_policy_file(path)
     except PolicyError as exc:
@@ -167,7 +168,7 @@ class Reloader:
             self._watcher = PolicyWatcher(path, interval, self.slot)
 
     def pending(self) -> bool:
-        """Whether the step boundary must call :meth:`at_boundary` (a flag read; no lock, no I/O)."""
+        """Whether the step boundary must call ``at_boundary`` (a flag read; no lock, no I/O)."""
         return self.agrees or self.slot.ready
 
     @property

@@ -99,8 +99,8 @@ def has_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:
 def unscaled_found_inf(scaler: torch.amp.GradScaler | None, optimizer: Optimizer | None) -> tuple[torch.Tensor, ...]:
     """A GradScaler's inf/NaN flags for the gradients it has unscaled (for an explicit boundary).
 
-    Raises :class:`GuardStateError` when the scaler still holds the gradients scaled: thresholds would
-    be compared against scaled values.
+    Raises [`GuardStateError`][gradguard.GuardStateError] when the scaler still holds the gradients scaled: thresholds
+    would be compared against scaled values.
     """
     if scaler is None or not scaler.is_enabled():
         return ()

@@ -1,12 +1,12 @@
 """What a rewind restores: copies of a training's state, taken between steps and put back in place.
 
-A ``Snapshot`` holds the model's parameters and buffers, every known optimizer's per-parameter
-state and param groups' hyper-parameters, the GradScaler's scale, the LR schedulers' state and the
-guard's own statistics (adaptive series, skip histories). Tensors go into buffers the snapshot owns:
-pinned host memory for CUDA tensors, copied with ``non_blocking=True`` on the current stream, so
-taking one adds no host sync (stream order puts the copy before the optimizer's later writes, and a
-restore's copies back after it); plain copies on the CPU. A slot's buffers are reused by the next
-snapshot that takes its place, so a run allocates them once.
+A ``Snapshot`` holds the model's parameters and buffers, every known optimizer's per-parameter state
+and param groups' hyper-parameters, the GradScaler's scale, the LR schedulers' state and the guard's
+own statistics (adaptive series, skip histories). Tensors go into buffers the snapshot owns: pinned
+host memory for CUDA tensors, copied with ``non_blocking=True`` on the current stream, so taking one
+adds no host sync (stream order puts the copy before the optimizer's later writes, and a restore's
+copies back after it); plain copies on the CPU. A slot's buffers are reused by the next snapshot
+that takes its place, so a run allocates them once.
 
 Restoring copies *into* the live tensors (``torch._foreach_copy_``): parameters, optimizer state and
 the scaler's tensors keep their identity, so fused optimizers, ``torch.compile`` and references the

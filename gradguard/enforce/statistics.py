@@ -1,17 +1,17 @@
 """What the adaptive actions remember across steps: their statistics, kept on the device.
 
 ``zclip``, ``autoclip`` and ``skip_step_on_spike`` decide each step from statistics of the norms of
-earlier steps. Those live here, one :class:`Series` per (rule, action), one column per parameter
+earlier steps. Those live here, one ``Series`` per (rule, action), one column per parameter
 (``scope: tensor``) or a single column (``scope: group``), as float64 tensors on the gradients'
 device, so reading them never costs a host sync.
 
 A step's kernels compute the statistics the step would leave behind, out of place, and hand them to
-:meth:`StepStatistics.propose`; the engine :meth:`commits <StepStatistics.commit>` them only once
-the step is known to be applied, after the step's one host read. So a halted or skipped step, or a
-step GradScaler skips, leaves every statistic as it was: one bad step never poisons them.
+``StepStatistics.propose``; the engine commits (``StepStatistics.commit``) them only once the step
+is known to be applied, after the step's one host read. So a halted or skipped step, or a step
+GradScaler skips, leaves every statistic as it was: one bad step never poisons them.
 
-:meth:`Statistics.state_dict` writes every series as plain floats and ints keyed by rule name,
-action position and parameter name (JSON-friendly, float64 exact), and :meth:`Statistics.load_state_dict`
+``Statistics.state_dict`` writes every series as plain floats and ints keyed by rule name, action
+position and parameter name (JSON-friendly, float64 exact), and ``Statistics.load_state_dict``
 takes them back: a resumed run decides bitwise as the uninterrupted one.
 """
 
@@ -50,7 +50,7 @@ class Series:
     counters: dict[str, int] = field(default_factory=dict)
     """Host integers every column shares (a ring buffer's next slot)."""
     columns: dict[int, int] = field(default_factory=dict)
-    """Tensor index -> column (tensor scope), for the binding :attr:`bound` belongs to."""
+    """Tensor index -> column (tensor scope), for the binding ``bound`` belongs to."""
     bound: BoundRule | None = None
     """The bound rule the columns were mapped for: a new binding (a rebind, a reload) maps them again."""
     in_order: list[int] = field(default_factory=list)
@@ -108,7 +108,7 @@ class StepStatistics:
 
 
 class Statistics:
-    """Every adaptive action's :class:`Series`, by (rule name, position of the action in the rule)."""
+    """Every adaptive action's ``Series``, by (rule name, position of the action in the rule)."""
 
     def __init__(self) -> None:
         self.series: dict[tuple[str, int], Series] = {}

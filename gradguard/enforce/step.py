@@ -1,7 +1,7 @@
 """What one pass of the step engine works with: its context, its figures and the one host sync.
 
-Actions queue the device figures they want read into :class:`Pending` with a reader that records
-what they did into :class:`StepOutcome`; the engine reads everything back in one transfer.
+Actions queue the device figures they want read into ``Pending`` with a reader that records
+what they did into ``StepOutcome``; the engine reads everything back in one transfer.
 """
 
 from __future__ import annotations
@@ -131,9 +131,9 @@ class StepOutcome:
     spikes: list[Spike] = field(default_factory=list)
     """``skip_step_on_spike`` verdicts: the step is skipped if there is any (and nothing halts)."""
     origin: dict[str, Any] | None = None
-    """Where the step's NaN/Inf started (:mod:`gradguard.enforce.provenance`), when it was traced."""
+    """Where the step's NaN/Inf started (``gradguard.enforce.provenance``), when it was traced."""
     clipped_before: str | None = None
-    """:attr:`StepContext.clipped_before`: a clip that ran over these gradients before the guard's step."""
+    """``StepContext.clipped_before``: a clip that ran over these gradients before the guard's step."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any
@@ -173,7 +173,7 @@ class StepWork:
     touched: set[int] = field(default_factory=set)
     """Tensors an earlier action of this pass changed (their raw norms are stale)."""
     statistics: Statistics | None = None
-    """The adaptive actions' statistics across steps (read here; changed only through :attr:`statistics_step`)."""
+    """The adaptive actions' statistics across steps (read here; changed only through ``statistics_step``)."""
     statistics_step: StepStatistics = field(default_factory=StepStatistics)
     """What this step proposes the statistics become; the engine commits it if the step is applied."""
 

@@ -45,7 +45,7 @@ __all__ = ["CLIPS", "ClipCall", "Enlisted", "GuardHooks", "Scaled", "enlist", "o
 
 
 class GuardHooks(Protocol):
-    """What a guard offers the process-wide hooks (:class:`gradguard.GradGuard` implements it)."""
+    """What a guard offers the process-wide hooks ([`gradguard.GradGuard`][gradguard.GradGuard] implements it)."""
 
     def _on_optimizer_step(
         self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -102,7 +102,7 @@ _scaler_lock = threading.Lock()
 
 
 class Enlisted:
-    """A guard's place in the registry; :meth:`remove` takes it out (the last one unwraps the clips)."""
+    """A guard's place in the registry; ``remove`` takes it out (the last one unwraps the clips)."""
 
     def __init__(self, ref: weakref.ReferenceType[GuardHooks]) -> None:
         self.ref = ref

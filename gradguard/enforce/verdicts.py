@@ -1,6 +1,6 @@
 """What a step came to, after its one sync: counters, events, and a halt or a skip.
 
-A halt raises :class:`GradientHalt` before the optimizer touches anything (the log is flushed first);
+A halt raises [`GradientHalt`][gradguard.GradientHalt] before the optimizer touches anything (the log is flushed first);
 a skip clears every gradient the update would use, so no parameter or optimizer state changes, and
 escalates to a halt past the skip rule's limits.
 """
@@ -35,7 +35,8 @@ class Verdicts:
         self._warned_scheduler = False
 
     def report(self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int) -> None:
-        """Count and log what the step did; raise :class:`GradientHalt` where a halt rule saw NaN/Inf."""
+        """Count and log what the step did; raise [`GradientHalt`][gradguard.GradientHalt] where a halt rule saw
+        NaN/Inf."""
         for index in sorted(outcome.nonfinite):
             kind, rule_index = outcome.nonfinite[index]
             self.counters.add(rules[rule_index].name, kind)
@@ -77,7 +78,7 @@ class Verdicts:
     def halt(self, halt: HaltReport, rules: Sequence[str], action: str) -> None:
         """Halt (``action`` counted under each of ``rules``), or, with recovery, rewind instead.
 
-        Raises :class:`GradientHalt`, or :class:`RewindRequested` for the engine (counted as ``rewind``
+        Raises [`GradientHalt`][gradguard.GradientHalt], or ``RewindRequested`` for the engine (counted as ``rewind``
         under the halt's rule). Past ``max_rewinds`` the halt restores the snapshot first and says so.
         """
         decision = self.recovery.decide(halt.step) if self.recovery.active else None

@@ -2,11 +2,11 @@
 
 ``accelerator.clip_grad_norm_`` (and ``clip_grad_value_``) first calls
 ``accelerator.unscale_gradients()`` (GradScaler's unscale under fp16, a no-op otherwise) and then
-torch's clip, which turns one NaN gradient into NaN everywhere. :func:`guard_accelerator` places
-the guard's explicit step boundary, ``guard.step(optimizer)``, right after that unscale, on the
-step's final gradient (``accelerator.sync_gradients``): thresholds apply to true (unscaled)
-gradients, a halt names the parameter that went bad, and the optimizer's coming ``step()`` does not
-treat the gradients again after the global clip changed them.
+torch's clip, which turns one NaN gradient into NaN everywhere.
+[`guard_accelerator`][gradguard.integrations.accelerate.guard_accelerator] places the guard's explicit step boundary,
+``guard.step(optimizer)``, right after that unscale, on the step's final gradient (``accelerator.sync_gradients``):
+thresholds apply to true (unscaled) gradients, a halt names the parameter that went bad, and the optimizer's coming
+``step()`` does not treat the gradients again after the global clip changed them.
 
 Install with ``pip install 'gradguard[transformers]'`` (it brings ``accelerate``).
 """
@@ -193,7 +193,7 @@ def guard_accelerator(
     policy: Policy | str | os.PathLike[str],
     **guard_options: Any,
 ) -> GradGuard:
-    """Attach a :class:`~gradguard.GradGuard` to ``model`` and act before accelerate's gradient clip.
+    """Attach a [`GradGuard`][gradguard.GradGuard] to ``model`` and act before accelerate's gradient clip.
 
     The guard treats each step's final gradients inside ``accelerator.unscale_gradients`` (which
     ``accelerator.clip_grad_norm_`` and ``clip_grad_value_`` call first), after GradScaler's unscale:
@@ -215,8 +215,8 @@ def guard_accelerator(
     Args:
         accelerator: the ``accelerate.Accelerator`` of the loop.
         model: the module whose parameters are guarded.
-        policy: a :class:`~gradguard.Policy` or the path of a policy file.
-        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+        policy: a [`Policy`][gradguard.Policy] or the path of a policy file.
+        **guard_options: passed to [`GradGuard`][gradguard.GradGuard] (``audit_log``, ``logger``,
             ``start_step``, ``optimizer``, ``lr_scheduler``, ``summary_every``, ...); an
             ``AcceleratedScheduler`` given as ``lr_scheduler`` is unwrapped.
     """

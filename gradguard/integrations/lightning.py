@@ -1,8 +1,8 @@
 """Lightning integration: ``GradGuardCallback`` guards ``trainer.fit`` with a gradguard policy.
 
 ``pip install 'gradguard[lightning]'``. Add the callback to the ``Trainer``; it attaches a
-:class:`~gradguard.GradGuard` to the ``LightningModule`` when fitting starts and removes it when
-fitting ends or fails::
+[`GradGuard`][gradguard.GradGuard] to the ``LightningModule`` when fitting starts and removes it when
+fitting ends or fails:
 
     from lightning.pytorch import Trainer
     from gradguard.integrations.lightning import GradGuardCallback
@@ -14,7 +14,7 @@ Where it acts: in ``on_before_optimizer_step``, after the step's backward passes
 of ``accumulate_grad_batches``) and after GradScaler's ``unscale_`` (``precision="16-mixed"``), and
 before the module's own ``on_before_optimizer_step`` and Lightning's ``gradient_clip_val``: the policy
 acts first, then Lightning's clip, exactly once per optimizer step. A halt ends ``trainer.fit`` with
-:class:`~gradguard.GradientHalt` before the optimizer step.
+[`GradientHalt`][gradguard.GradientHalt] before the optimizer step.
 
 With a policy's ``recovery`` section a halt becomes a rewind instead: the trainer's LR schedulers
 (``configure_optimizers``' ``lr_scheduler``) and the precision plugin's GradScaler are handed to the guard,
@@ -67,20 +67,20 @@ class GradGuardCallback(Callback):
     """Enforce a gradguard policy on a ``LightningModule`` during ``trainer.fit``.
 
     Args:
-        policy: a :class:`~gradguard.Policy` or the path of a policy file. Patterns match the names of
+        policy: a [`Policy`][gradguard.Policy] or the path of a policy file. Patterns match the names of
             ``pl_module.named_parameters()`` (a module that holds ``self.model`` has ``model.*`` names).
         log_counters: log the guard's counters through the module's loggers as
             ``gradguard/<rule>/<action>`` (cumulative counts) and ``gradguard/steps``, on the
             trainer's ``log_every_n_steps`` schedule.
-        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+        **guard_options: passed to [`GradGuard`][gradguard.GradGuard] (``audit_log``, ``logger``,
             ``per_micro_batch``, ``summary_every``, ``process_group``, ``replace``, ...). By default
             ``optimizer`` is the trainer's optimizers, ``scaler`` the precision plugin's GradScaler
             (``precision="16-mixed"``), ``lr_scheduler`` the trainer's schedulers (for ``recovery``;
             added to any given), and ``start_step`` the step saved in the checkpoint being resumed (else
             the resumed ``global_step``, else 0).
 
-    After ``trainer.fit``, :attr:`guard` is the (detached) guard of that fit, so its counters, step
-    count and audit log stay readable.
+    After ``trainer.fit``, [`guard`][gradguard.integrations.lightning.GradGuardCallback.guard] is the (detached) guard
+    of that fit, so its counters, step count and audit log stay readable.
     """
 
     def __init__(

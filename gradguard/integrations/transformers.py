@@ -1,15 +1,16 @@
-"""gradguard for the Hugging Face ``Trainer``: :func:`guard_trainer` (and :class:`GradGuardCallback`).
+"""gradguard for the Hugging Face ``Trainer``: [`guard_trainer`][gradguard.integrations.transformers.guard_trainer] (and
+[`GradGuardCallback`][gradguard.integrations.transformers.GradGuardCallback]).
 
 ``Trainer`` clips the step's gradients with ``accelerator.clip_grad_norm_(model.parameters(),
 max_grad_norm)`` right after the last backward (with ``max_grad_norm=0`` it still calls it, with an
 infinite norm, to measure the norm), and no callback event runs in between. That clip turns one NaN
 gradient into NaN everywhere, so a guard acting at the optimizer's ``step()`` would halt naming
-every parameter. :func:`guard_trainer` is the way to use gradguard with ``Trainer``: it places the
-guard before Trainer's clip (inside ``accelerator.unscale_gradients``, after GradScaler's unscale),
-puts the guard's counters into Trainer's logs (``gradguard/<rule>/<action>``, in
+every parameter. [`guard_trainer`][gradguard.integrations.transformers.guard_trainer] is the way to use gradguard with
+``Trainer``: it places the guard before Trainer's clip (inside ``accelerator.unscale_gradients``, after GradScaler's
+unscale), puts the guard's counters into Trainer's logs (``gradguard/<rule>/<action>``, in
 ``trainer.state.log_history`` and in what ``report_to`` integrations receive), saves the guard's
 state beside each checkpoint, and removes the guard when ``trainer.train()`` ends, also by an
-exception such as :class:`~gradguard.GradientHalt`.
+exception such as [`GradientHalt`][gradguard.GradientHalt].
 
 Install with ``pip install 'gradguard[transformers]'``.
 """
@@ -46,30 +47,31 @@ STATE_FILE = "gradguard_state.json"
 
 
 class GradGuardCallback(transformers.TrainerCallback):
-    """Attaches a :class:`~gradguard.GradGuard` to the Trainer's model for each ``trainer.train()``.
+    """Attaches a [`GradGuard`][gradguard.GradGuard] to the Trainer's model for each ``trainer.train()``.
 
     On its own (``Trainer(..., callbacks=[GradGuardCallback(policy)])``, the Hugging Face convention) the
     guard acts before Trainer's ``max_grad_norm`` clip: accelerate's ``clip_grad_norm_`` unscales, then
     calls ``torch.nn.utils.clip_grad_norm_``, which runs the guard's step first while a guard is attached;
     a NaN halts naming the parameter it came from. ``on_log`` adds the guard's counters
     (``gradguard/<rule>/<action>``) to the entry Trainer has just put in ``state.log_history``.
-    :func:`guard_trainer` does the same and more: the counters also reach the ``report_to`` integrations
-    (wandb, TensorBoard run before user callbacks), checkpoints resume with ``resume_from_checkpoint=True``,
-    and a :class:`~gradguard.GradientHalt` raised out of ``trainer.train()`` removes the guard (with the
-    callback alone ``on_train_end`` does not run then: call :meth:`remove`).
+    [`guard_trainer`][gradguard.integrations.transformers.guard_trainer] does the same and more: the counters also reach
+    the ``report_to`` integrations (wandb, TensorBoard run before user callbacks), checkpoints resume with
+    ``resume_from_checkpoint=True``, and a [`GradientHalt`][gradguard.GradientHalt] raised out of ``trainer.train()``
+    removes the guard (with the callback alone ``on_train_end`` does not run then: call
+    [`remove`][gradguard.integrations.transformers.GradGuardCallback.remove]).
 
     The guard is created at ``on_train_begin`` with ``start_step=state.global_step`` (a resumed run
     carries the step numbers on); for a policy's ``recovery`` it is told the Trainer's ``lr_scheduler`` and
     GradScaler (fp16): a rewind takes them back to the snapshot's step with the weights, and ``lr_factor``
     holds through the scheduler's later steps. It is removed at ``on_train_end``;
-    :attr:`guard` keeps the last run's guard, detached, so its counters can be read. At every
-    checkpoint, ``guard.state_dict()`` (step number, skip histories, recovery's rewind count) is
-    written to ``<checkpoint>/gradguard_state.json`` and read back when a run resumes from that
+    [`guard`][gradguard.integrations.transformers.GradGuardCallback.guard] keeps the last run's guard, detached, so its
+    counters can be read. At every checkpoint, ``guard.state_dict()`` (step number, skip histories, recovery's rewind
+    count) is written to ``<checkpoint>/gradguard_state.json`` and read back when a run resumes from that
     checkpoint.
 
     Args:
-        policy: a :class:`~gradguard.Policy` or the path of a policy file (loaded, and checked, now).
-        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+        policy: a [`Policy`][gradguard.Policy] or the path of a policy file (loaded, and checked, now).
+        **guard_options: passed to [`GradGuard`][gradguard.GradGuard] (``audit_log``, ``logger``,
             ``summary_every``, ``scaler``, ...); ``start_step`` comes from the Trainer.
     """
 
@@ -164,7 +166,8 @@ class GradGuardCallback(transformers.TrainerCallback):
     # --- public -----------------------------------------------------------------------------------
 
     def remove(self) -> None:
-        """Detach the guard (kept in :attr:`guard` for its counters) and undo every wrapper; idempotent."""
+        """Detach the guard (kept in [`guard`][gradguard.integrations.transformers.GradGuardCallback.guard] for its
+        counters) and undo every wrapper; idempotent."""
         if self._boundary is not None:
             self._boundary.remove()
             self._boundary = None
@@ -227,7 +230,8 @@ def guard_trainer(
 ) -> GradGuardCallback:
     """Guard ``trainer``'s model with ``policy``, before Trainer's gradient clip: THE way with ``Trainer``.
 
-    Adds a :class:`GradGuardCallback` and, for each ``trainer.train()``:
+    Adds a [`GradGuardCallback`][gradguard.integrations.transformers.GradGuardCallback] and, for each
+    ``trainer.train()``:
 
     - treats every step's final gradients inside ``trainer.accelerator.unscale_gradients``, which
       Trainer's ``clip_grad_norm_`` calls first (after GradScaler's unscale under fp16): the policy
@@ -244,8 +248,8 @@ def guard_trainer(
 
     Args:
         trainer: a ``transformers.Trainer`` (not yet training).
-        policy: a :class:`~gradguard.Policy` or the path of a policy file.
-        **guard_options: passed to :class:`~gradguard.GradGuard` (``audit_log``, ``logger``,
+        policy: a [`Policy`][gradguard.Policy] or the path of a policy file.
+        **guard_options: passed to [`GradGuard`][gradguard.GradGuard] (``audit_log``, ``logger``,
             ``summary_every``, ...). ``scaler`` defaults to the Trainer's GradScaler (fp16).
     """
     callback = GradGuardCallback(policy, **guard_options)

@@ -16,9 +16,9 @@ __all__ = ["Policy"]
 class Policy(PolicyFields):
     """A validated, immutable gradient policy.
 
-    Build one with :meth:`from_file` or :meth:`from_dict`; both raise :class:`~gradguard.PolicyError`
-    with the file, line and field of every problem. :meth:`shipped` loads one of the policies that
-    come with gradguard, by name.
+    Build one with [`from_file`][gradguard.Policy.from_file] or [`from_dict`][gradguard.Policy.from_dict]; both raise
+    [`PolicyError`][gradguard.PolicyError] with the file, line and field of every problem.
+    [`shipped`][gradguard.Policy.shipped] loads one of the policies that come with gradguard, by name.
     """
 
     def __eq__(self, other: object) -> bool:
@@ -74,7 +74,7 @@ class Policy(PolicyFields):
         """Load a policy shipped with gradguard by its name: ``default``, ``llm-pretraining``, ...
 
         ``gradguard policies`` lists them with what each is for; ``gradguard policies NAME`` prints one
-        to start a policy of your own. An unknown name is a :class:`~gradguard.PolicyError` listing the
+        to start a policy of your own. An unknown name is a [`PolicyError`][gradguard.PolicyError] listing the
         names there are.
         """
         from gradguard.policy.shipped import shipped_policy

@@ -1,9 +1,9 @@
 """The policy's JSON Schema, for editors: completion, hover docs and checks while a policy is written.
 
-Generated from the pydantic models (:class:`~gradguard.policy.schema.PolicyFields` and the classes
-under it), so it cannot drift from what the loader accepts; ``gradguard schema`` prints it, and the
-shipped ``policies/gradguard-policy.schema.json`` is its output (a test holds them equal). Beyond
-what pydantic writes it adds the draft-2020-12 ``$schema``, a title and description, the top-level
+Generated from the pydantic models (``PolicyFields`` and the classes under it), so it cannot drift
+from what the loader accepts; ``gradguard schema`` prints it, and the shipped
+``policies/gradguard-policy.schema.json`` is its output (a test holds them equal). Beyond what
+pydantic writes it adds the draft-2020-12 ``$schema``, a title and description, the top-level
 ``$schema`` key a policy may carry, and the single-pattern form of ``match``/``exclude``. What a
 JSON Schema cannot say (an empty step window, duplicate rule names, which parameters a pattern
 matches) is still checked by ``gradguard validate`` and ``gradguard explain``.
@@ -12,6 +12,7 @@ matches) is still checked by ``gradguard validate`` and ``gradguard explain``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from gradguard.policy.schema import PolicyFields
@@ -70,11 +71,15 @@ def render_policy_json_schema() -> str:
     return json.dumps(policy_json_schema(), indent=2, ensure_ascii=False) + "\n"
 
 
+_CROSS_REFERENCE = re.compile(r"\[(`[^`]+`)\]\[[\w.]+\]")
+
+
 def _plain_backticks(node: Any) -> None:
-    """Docstrings write code as ``x`` (reStructuredText) and say ``None``; a policy file says `x` and `null`."""
+    """Docstrings write ``x``, [`X`][gradguard.X] (a link on the site) and ``None``; a policy file says `x`, `null`."""
     if isinstance(node, dict):
         for key, value in node.items():
             if key == "description" and isinstance(value, str):
+                value = _CROSS_REFERENCE.sub(r"\1", value)  # [`X`][gradguard.X]: the site's link, `X` here
                 node[key] = value.replace("``None``", "``null``").replace("``", "`")
             else:
                 _plain_backticks(value)

@@ -94,7 +94,7 @@ class Binding:
 
 
 def bind(policy: Policy, model: nn.Module) -> Binding:
-    """Match every rule against the model's parameters; raise :class:`PolicyError` for empty rules."""
+    """Match every rule against the model's parameters; raise [`PolicyError`][gradguard.PolicyError] for empty rules."""
     _refuse_wrappers(model)
     strip = isinstance(model, _DATA_PARALLEL_TYPES)
     names_by_id: dict[int, list[str]] = {}

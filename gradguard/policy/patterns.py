@@ -7,9 +7,9 @@ takes seconds on a 30-character name and doubles with each further character. So
 - ``re:`` patterns are compiled by RE2 (``google-re2``), an automaton engine whose matching time is
   linear in the name and in the size of the compiled pattern, never exponential. RE2 refuses the
   constructs that would need backtracking (backreferences, lookarounds); the refusal says why and
-  what to write instead. The compiled program is capped at :data:`MAX_REGEX_PROGRAM_SIZE`
-  instructions, so one pattern costs a bounded time per character of a name.
-- globs are translated by :func:`fnmatch.translate`, whose ``*`` segments are atomic (CPython >= 3.9),
+  what to write instead. The compiled program is capped at ``MAX_REGEX_PROGRAM_SIZE`` instructions, so
+  one pattern costs a bounded time per character of a name.
+- globs are translated by ``fnmatch.translate``, whose ``*`` segments are atomic (CPython >= 3.9),
   so a glob matches in ``O(len(name) * len(pattern))`` with Python's ``re``; pattern length is capped.
 
 Nothing here imports torch.

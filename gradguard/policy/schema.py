@@ -148,7 +148,7 @@ class Zero(_StepWindow):
 
 
 class HaltOnNonfinite(_StepWindow):
-    """Raise :class:`~gradguard.GradientHalt` before the optimizer step if a gradient holds NaN or Inf.
+    """Raise [`GradientHalt`][gradguard.GradientHalt] before the optimizer step if a gradient holds NaN or Inf.
 
     Under a GradScaler an inf/NaN is the scaler's business (it skips the step and lowers the scale),
     until the scale has fallen to ``min_loss_scale`` or ``max_scaler_skips`` steps in a row were skipped:
@@ -202,7 +202,7 @@ class _SkipLimits(_StepWindow):
 class SkipStepOnNonfinite(_SkipLimits):
     """Skip the whole optimizer step (no parameter, no optimizer state changes) on NaN or Inf.
 
-    Escalates to :class:`~gradguard.GradientHalt` after ``max_consecutive_skips`` skips in a row, or
+    Escalates to [`GradientHalt`][gradguard.GradientHalt] after ``max_consecutive_skips`` skips in a row, or
     after ``max_skips`` skips within the last ``window_steps`` steps.
     """
 
@@ -430,7 +430,7 @@ def can_halt(rule: Rule) -> bool:
 
 
 class PolicyFields(_Strict):
-    """The fields of a policy document and their checks; :class:`gradguard.Policy` adds loading."""
+    """The fields of a policy document and their checks; [`gradguard.Policy`][gradguard.Policy] adds loading."""
 
     version: Literal[1]
     """The policy format's version: 1."""

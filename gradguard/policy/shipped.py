@@ -2,10 +2,10 @@
 
 The files live in the repository's top-level ``policies/`` and install as the data package
 ``gradguard.policies`` (``[tool.setuptools.package-dir]`` in ``pyproject.toml``), so a wheel, an sdist
-install and a zip import all find them through :func:`importlib.resources.files`. An editable install
-maps ``gradguard`` onto the checkout's ``gradguard/`` only (setuptools' editable finder cannot map a
-data package without an ``__init__.py`` nested in a regular one), so there the checkout's
-``policies/`` is read instead: the same files.
+install and a zip import all find them through ``importlib.resources.files``. An editable install maps
+``gradguard`` onto the checkout's ``gradguard/`` only (setuptools' editable finder cannot map a data
+package without an ``__init__.py`` nested in a regular one), so there the checkout's ``policies/`` is
+read instead: the same files.
 
 ``Policy.shipped(name)`` loads one; ``gradguard policies`` lists them and prints one to start a
 policy of one's own.
@@ -107,7 +107,7 @@ def shipped_policies() -> tuple[ShippedPolicy, ...]:
 def shipped_policy(name: str) -> ShippedPolicy:
     """The shipped policy called ``name`` (``default``, or its file name ``default.yaml``).
 
-    An unknown name is a :class:`~gradguard.PolicyError` that lists the names there are.
+    An unknown name is a [`PolicyError`][gradguard.PolicyError] that lists the names there are.
     """
     every = shipped_policies()
     for policy in every:

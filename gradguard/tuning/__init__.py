@@ -3,12 +3,12 @@
 Both read what a ``monitor`` recorded (each tensor's gradient norm as it arrived, before any action).
 The modules, in the order the data flows:
 
-- :mod:`~gradguard.tuning.records`: the recorded norms, streamed out of audit logs one step at a time.
-- :mod:`~gradguard.tuning.histogram`: :class:`LogHistogram`, a bounded summary of ``ln(norm)`` (bins 1% wide).
-- :mod:`~gradguard.tuning.families`: parameter families by name (layer index folded), merged by norm.
-- :mod:`~gradguard.tuning.suggest`: per-family thresholds from robust statistics, rendered as commented YAML.
-- :mod:`~gradguard.tuning.replay`: a policy run over recorded norms as the guard's step engine would run it.
-- :mod:`~gradguard.tuning.report`: ``replay``'s text and JSON reports.
+- ``gradguard.tuning.records``: the recorded norms, streamed out of audit logs one step at a time.
+- ``gradguard.tuning.histogram``: ``LogHistogram``, a bounded summary of ``ln(norm)`` (bins 1% wide).
+- ``gradguard.tuning.families``: parameter families by name (layer index folded), merged by norm.
+- ``gradguard.tuning.suggest``: per-family thresholds from robust statistics, rendered as commented YAML.
+- ``gradguard.tuning.replay``: a policy run over recorded norms as the guard's step engine would run it.
+- ``gradguard.tuning.report``: ``replay``'s text and JSON reports.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""What one action of a policy does to one step's recorded norms, for :mod:`gradguard.tuning.replay`.
+"""What one action of a policy does to one step's recorded norms, for ``gradguard.tuning.replay``.
 
 Each action decides as the guard's kernel does, from the same formulas: the clips with
-:func:`~gradguard.enforce.tensors.clip_coefficients` on float32 norms, ``zclip``, ``autoclip`` with
-:func:`~gradguard.enforce.actions.adaptive.zclip_decide` and
-:func:`~gradguard.enforce.actions.adaptive.autoclip_decide` on float64 norms (and ``skip_step_on_spike``,
-in the replay, with :func:`~gradguard.enforce.actions.spikes.spike_decide`). What no recorded figure can
-decide is named here too (:func:`never_decidable`).
+``clip_coefficients`` on float32 norms, ``zclip``, ``autoclip`` with ``zclip_decide``
+and ``autoclip_decide`` on float64 norms (and ``skip_step_on_spike``, in the replay,
+with ``spike_decide``). What no recorded figure can decide is named here too
+(``never_decidable``).
 """
 
 from __future__ import annotations

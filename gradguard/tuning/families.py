@@ -4,11 +4,11 @@
 the first segment of the dotted name that is a number (the layer index) is folded into ``*``. Later
 numbers are kept: in ``blocks.3.mlp.0.weight`` and ``blocks.3.mlp.2.weight`` they name different roles
 (an ``nn.Sequential``'s up and down projections) whose gradients can differ several-fold. Families whose
-median norms lie within a factor of each other are then merged (:func:`merge_alike`), so a policy has
-one rule per kind of gradient rather than one per layer type (and nested indices, ``stages.*.blocks.4``,
-collapse there when their norms agree). A family's pattern is a glob where the glob matches exactly its
-members among the recorded names (a policy's ``*`` also crosses dots), else an RE2 ``re:`` pattern with
-``\\d+`` for the folded index.
+median norms lie within a factor of each other are then merged (``merge_alike``), so a policy has one rule
+per kind of gradient rather than one per layer type (and nested indices, ``stages.*.blocks.4``, collapse
+there when their norms agree). A family's pattern is a glob where the glob matches exactly its members
+among the recorded names (a policy's ``*`` also crosses dots), else an RE2 ``re:`` pattern with ``\\d+``
+for the folded index.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A bounded summary of many positive numbers: counts of ``ln(x)`` in bins 1% wide.
 
 Gradient norms are log-normal-ish, so their logarithms are what is summarised. A bin is
-:data:`BIN_WIDTH` wide in ``ln(x)`` (a 1% step in ``x``), and only bins that hold a value exist:
+``BIN_WIDTH`` wide in ``ln(x)`` (a 1% step in ``x``), and only bins that hold a value exist:
 float32's positive range spans about 19,000 of them, so a histogram stays bounded however many values
 it takes, and histograms add (families merge by adding theirs). Medians, median absolute deviations
 and quantiles read from it are exact to half a bin (0.5% of the value).

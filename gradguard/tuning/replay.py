@@ -1,20 +1,19 @@
 """``gradguard replay``: what a policy would have done on a recorded run, step by step.
 
 The run's ``monitor`` recorded each gradient's 2-norm as it arrived, before any action
-(:mod:`gradguard.tuning.records`): exactly what the guard's actions decide from. :class:`Replayer`
-takes those norms one step at a time and runs the policy's rules over them as the step engine does
-(:mod:`gradguard.enforce.engine`): the non-finite watch on the raw norms, the spike watch before any
+(``gradguard.tuning.records``): exactly what the guard's actions decide from. ``Replayer`` takes
+those norms one step at a time and runs the policy's rules over them as the step engine does
+(``gradguard.enforce.engine``): the non-finite watch on the raw norms, the spike watch before any
 action, then every rule's actions in policy order, each acting on what the earlier ones left (a clip
 multiplies a tensor's norm by its coefficient; later actions see the scaled norm). The adaptive
-actions decide with the guard's own functions (:func:`~gradguard.enforce.actions.adaptive.zclip_decide`,
-:func:`~gradguard.enforce.actions.adaptive.autoclip_decide`,
-:func:`~gradguard.enforce.actions.spikes.spike_decide`) on float64 tensors of the recorded norms, and
-their statistics change only on steps the replay applies, as the guard's do: a skipped step, a spike,
-a non-finite norm never enters them. The clips decide with :func:`~gradguard.enforce.tensors.clip_coefficients`
-on float32 norms, as the guard does. So replaying the policy a run used, on that run's log, gives the
-steps of that run's ``intervention``, ``adaptive_clip``, ``spike_skip`` and ``skip`` events.
+actions decide with the guard's own functions (``zclip_decide``, ``autoclip_decide``,
+``spike_decide``) on float64 tensors of the recorded norms, and their statistics change only on steps
+the replay applies, as the guard's do: a skipped step, a spike, a non-finite norm never enters them.
+The clips decide with ``clip_coefficients`` on float32 norms, as the guard does. So replaying the
+policy a run used, on that run's log, gives the steps of that run's ``intervention``,
+``adaptive_clip``, ``spike_skip`` and ``skip`` events.
 
-What a log cannot decide is said, not guessed (:class:`Undecidable`): ``clip_value`` without recorded
+What a log cannot decide is said, not guessed (``Undecidable``): ``clip_value`` without recorded
 ``max_abs``, ``agc`` per output unit (the log has norms per tensor) or without ``grad_to_weight``, a
 ``clip_norm`` of a p-norm other than 2 and inf, a rule that matches no recorded parameter. After a
 ``clip_value`` the replay keeps the tensor's 2-norm as it was (an upper bound: the clamp's effect on
@@ -149,7 +148,7 @@ class _Bound:
 
 
 class Replayer:
-    """Runs a policy over recorded steps (:meth:`feed`), as the guard's step engine would have."""
+    """Runs a policy over recorded steps (``feed``), as the guard's step engine would have."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy

@@ -1,29 +1,29 @@
 """``gradguard suggest``: a policy whose thresholds come from a recorded run's gradient norms.
 
-Two streaming passes over the logs. The first (:class:`NormSummary`) folds each recorded norm into
-its family's :class:`~gradguard.tuning.histogram.LogHistogram` (bounded: memory does not grow with the
-log's length), and each member's into its own. Families (:mod:`gradguard.tuning.families`) with alike
-medians are merged. Each member's norms are measured against that member's own median (so a weight and
-its bias, whose medians differ, do not widen the family's spread), and each family gets a ``clip_norm``
-per tensor whose ``max_norm`` is ``M`` (the median of its largest member, so no member's ordinary norms
-are clipped for being that member's) times the largest of
+Two streaming passes over the logs. The first (``NormSummary``) folds each recorded norm into its
+family's ``LogHistogram`` (bounded: memory does not grow with the log's length), and each member's into
+its own. Families (``gradguard.tuning.families``) with alike medians are merged. Each member's norms
+are measured against that member's own median (so a weight and its bias, whose medians differ, do not
+widen the family's spread), and each family gets a ``clip_norm`` per tensor whose ``max_norm`` is ``M``
+(the median of its largest member, so no member's ordinary norms are clipped for being that member's)
+times the largest of
 
 - ``e^(z x spread)``: ``z`` (default 6) robust spreads, where the spread is ``1.4826 x MAD`` of
   ``ln(norm / member's median)`` (the standard deviation of a normal with that MAD) and never below
-  :data:`MIN_SPREAD`: anomalies move neither the medians nor the MAD;
-- ``2`` (:data:`MIN_FACTOR`): a family with a tiny spread is not clipped for ordinary noise;
+  ``MIN_SPREAD``: anomalies move neither the medians nor the MAD;
+- ``2`` (``MIN_FACTOR``): a family with a tiny spread is not clipped for ordinary noise;
 - the ``1 - budget / (families x members)`` quantile of the family's ordinary ratios (below
-  ``e^(2 z x spread)`` and below :data:`SPIKE_FACTOR`; larger ones are anomalies and do not count): at
-  most that fraction of ordinary norms lies above it, so, summed over every norm of a step, at most
+  ``e^(2 z x spread)`` and below ``SPIKE_FACTOR``; larger ones are anomalies and do not count): at most
+  that fraction of ordinary norms lies above it, so, summed over every norm of a step, at most
   ``budget`` (1%) of the ordinary steps of the recorded run are acted on;
 
-and never above :data:`SPIKE_FACTOR` (10) times ``M`` but where ``2`` sets it: a norm ten times its
-median is a spike however wide the spread, so a step whose family's norms are 20x their medians is
-always acted on.
+and never above ``SPIKE_FACTOR`` (10) times ``M`` but where ``2`` sets it: a norm ten times its median
+is a spike however wide the spread, so a step whose family's norms are 20x their medians is always
+acted on.
 
 Every parameter gets a ``skip_step_on_nonfinite`` rule, and a ``monitor`` keeps recording norms for the
 next run. The second pass replays the suggested policy on the same logs
-(:mod:`gradguard.tuning.replay`), so each rule's comment says on which recorded steps it would have acted.
+(``gradguard.tuning.replay``), so each rule's comment says on which recorded steps it would have acted.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Threshold:
 
 @dataclass
 class Suggestion:
-    """The suggested policy (:attr:`text`, YAML with comments) and what it was learned from."""
+    """The suggested policy (``text``, YAML with comments) and what it was learned from."""
 
     text: str
     thresholds: list[Threshold]
@@ -146,7 +146,7 @@ class Suggestion:
 def suggest_files(
     paths: Sequence[Path], *, budget: float = 0.01, z: float = 6.0, merge_within: float = 1.5
 ) -> Suggestion:
-    """Learn a policy from the norms recorded in ``paths``; :class:`NoNorms` if there are none."""
+    """Learn a policy from the norms recorded in ``paths``; ``NoNorms`` if there are none."""
     recording = Recording()
     summary = NormSummary()
     for recorded in recorded_steps(paths, recording):

@@ -1,4 +1,4 @@
-"""The action families, one module each, behind one interface (:class:`~.base.ActionKernel`).
+"""The action families, one module each, behind one interface (``ActionKernel``).
 
 - ``clipping``: ``clip_norm`` (tensor or group scope) and ``clip_value``;
 - ``shaping``: ``scale``, ``zero`` and ``drop``;
@@ -8,7 +8,7 @@
 - ``adaptive_unitwise``: ``agc`` (adaptive gradient clipping against the weights' norms, per unit or group);
 - ``spikes``: ``skip_step_on_spike`` (an observing kernel whose verdict is a skip).
 
-:func:`kernel_for` maps a policy action to the kernel that executes it.
+``kernel_for`` maps a policy action to the kernel that executes it.
 """
 
 from __future__ import annotations

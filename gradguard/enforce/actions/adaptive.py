@@ -1,6 +1,6 @@
 """Adaptive clipping: ``zclip`` (z-score on an EMA of the norm) and ``autoclip`` (a percentile of recent norms).
 
-Both decide from statistics of earlier norms (:mod:`gradguard.enforce.statistics`), per parameter
+Both decide from statistics of earlier norms (``gradguard.enforce.statistics``), per parameter
 (``scope: tensor``) or for the rule's joint norm (``scope: group``). Everything runs on the device as
 a few vector operations over all of a rule's parameters at once: no host sync, no Python loop per
 tensor. The statistics the step would leave behind are proposed, not stored: the engine keeps them
@@ -41,7 +41,7 @@ ZCLIP_EPS = 1e-6
 
 
 def followed_norms(work: StepWork, ids: list[int], scope: str) -> tuple[bool, list[torch.Tensor], torch.Tensor]:
-    """``(group scope?, the gradients of ids, the norms the statistics follow)``: see :func:`norms_for_statistics`."""
+    """``(group scope?, the gradients of ids, the norms the statistics follow)``: see ``norms_for_statistics``."""
     group = scope == "group"
     gs = [work.grads[i] for i in ids]
     return group, gs, norms_for_statistics(work, ids, gs, group)
@@ -151,7 +151,7 @@ def zclip_empty(warmup: int) -> Init:
 
 
 def zclip_decide(action: ZClip, g: torch.Tensor, state: dict[str, torch.Tensor], *, warming: bool) -> ZClipDecision:
-    """``zclip`` on the float64 norms ``g`` against ``state`` (:func:`zclip_empty`): the guard's maths, and replay's.
+    """``zclip`` on the float64 norms ``g`` against ``state`` (``zclip_empty``): the guard's maths, and replay's.
 
     ``warming``: some column may still be in warm-up (once every column is ready, its work is skipped).
     """

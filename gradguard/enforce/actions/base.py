@@ -1,13 +1,13 @@
 """The one interface every action family implements for the step engine.
 
-An action family says what it needs from the step (:meth:`ActionKernel.wants_raw_norm`), what it
-observes of the gradients as they arrive (:meth:`ActionKernel.observe`, before any action), what it
-does to the gradients (:meth:`ActionKernel.apply`, batched on the device) and what it reports (by
-queueing device figures into ``work.pending`` with a reader that records into ``work.outcome``). The
-engine gathers what all actions need, runs them in policy order and reads every figure back in the
-step's one host transfer.
+An action family says what it needs from the step (``ActionKernel.wants_raw_norm``), what it
+observes of the gradients as they arrive (``ActionKernel.observe``, before any action), what it does
+to the gradients (``ActionKernel.apply``, batched on the device) and what it reports (by queueing
+device figures into ``work.pending`` with a reader that records into ``work.outcome``). The engine
+gathers what all actions need, runs them in policy order and reads every figure back in the step's
+one host transfer.
 
-Adding an action means adding its schema to :mod:`gradguard.policy.schema` and one kernel here.
+Adding an action means adding its schema to ``gradguard.policy.schema`` and one kernel here.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ class ActionKernel:
     """The policy schema classes this kernel executes."""
     watches: ClassVar[bool] = False
     """The action only watches for NaN/Inf (halt, skip): its verdict comes with the raw norms, and
-    :meth:`apply` is never called for it."""
+    ``apply`` is never called for it."""
     observes: ClassVar[bool] = False
     """The action only observes the gradient as it arrives (``monitor``): on the steps where
-    :meth:`samples` is true, the engine calls :meth:`observe` before any action of any rule runs (after
-    the raw 2-norms are taken, which it may reuse); :meth:`apply` is never called for it, it never
+    ``samples`` is true, the engine calls ``observe`` before any action of any rule runs (after
+    the raw 2-norms are taken, which it may reuse); ``apply`` is never called for it, it never
     counts as a change to the gradient, and steps it does not sample cost it nothing."""
 
     def wants_raw_norm(self, action: Action) -> bool:
@@ -48,7 +48,7 @@ class ActionKernel:
         return action.active_at(step)
 
     def observe(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> None:
-        """Queue figures of the gradients of ``ids`` as they arrived (only for :attr:`observes` kernels)."""
+        """Queue figures of the gradients of ``ids`` as they arrived (only for ``observes`` kernels)."""
         raise NotImplementedError
 
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:

@@ -2,7 +2,7 @@
 
 Also the one clean-up clipping needs after the sync: a float32 2-norm that overflowed while every
 element is finite is not a non-finite gradient; such a tensor gets its tensor-scope clips again with
-a float64 norm (:func:`clear_overflows`).
+a float64 norm (``clear_overflows``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """``monitor``: figures of the gradient as it arrives, before any action of any rule.
 
-An observing kernel (:attr:`~.base.ActionKernel.observes`): the engine calls :meth:`MonitorKernel.observe`
-for every monitor that samples the step, after the raw 2-norms are taken and before any rule acts,
-so the figures are those of the gradient the step received. The figures are computed on the device
-(reusing the raw 2-norms where the step took them), queued into the step's one host read, and
-recorded as an :class:`~gradguard.enforce.step.Observation` for :mod:`gradguard.enforce.health`.
-A step the monitor does not sample costs nothing: it is never called.
+An observing kernel (``observes``): the engine calls ``MonitorKernel.observe`` for every monitor
+that samples the step, after the raw 2-norms are taken and before any rule acts, so the figures
+are those of the gradient the step received. The figures are computed on the device (reusing the
+raw 2-norms where the step took them), queued into the step's one host read, and recorded as an
+``Observation`` for ``gradguard.enforce.health``. A step the monitor does not sample costs
+nothing: it is never called.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The exceptions and warnings gradguard raises.
 
-Every exception gradguard raises on purpose derives from :class:`GradGuardError`::
+Every exception gradguard raises on purpose derives from [`GradGuardError`][gradguard.GradGuardError]:
 
     GradGuardError
     ├── PolicyError (also ValueError)      a policy file or dict is wrong, or does not fit the model
@@ -101,7 +101,9 @@ class GradientHalt(GradGuardError, RuntimeError):
         or ``after_backward``), ``module``, ``kind``, ``input_nonfinite`` (the input batch was already
         non-finite), ``first_params``, ``own`` (phase ``gradient``: one module's parameters went non-finite
         while the modules before it kept finite gradients, so it was made in those gradients themselves),
-        ``before`` and ``consumers`` (a backward fault placed between modules), ``spread`` (a clip the guard saw
+        ``before`` and ``consumers`` (a backward fault placed between modules), ``first`` and ``finite_own``
+        (phase ``gradient`` in the first module with parameters, which no module before it can tell from a
+        gradient passed back to it: its parameters whose gradients stayed finite), ``spread`` (a clip the guard saw
         run before its step spread it to every gradient), ``clip`` (that clip's name) and ``hint`` (one
         sentence: how to trace it, or to trace it further); ``None`` if not traced."""
         self.restored_to = restored_to
@@ -134,6 +136,25 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
         text = f"It started in the forward pass: {module} was the first module whose output went {kind}."
         if seen_in and seen_in != module:
             text = f"It started in the forward pass, in {module}'s own code: {seen_in} received a {kind} input."
+    elif phase == "backward" and module and origin.get("first") and origin.get("before"):
+        # The first module with parameters (a stem, an input layer), the modules after it finite: with no module
+        # before it to tell them apart (the last layer's case, ``own``), both readings remain; say which is likelier.
+        consumers = list(origin.get("consumers") or ())
+        after = consumers[0] if consumers else origin["before"]  # whose backward hands the gradient to ``module``
+        kept = list(origin.get("finite_own") or ())
+        made = "a hook on a parameter, the weight-gradient computation, or code that touched only these gradients"
+        if kept:  # a gradient carried in would most likely have spoiled every parameter of the module
+            text = f"It started in the gradients of {module}'s own parameters: {module} is the first module with "
+            text += f"parameters, so no module before it can show whether backward carried it in, but {kept[0]} kept "
+            text += f"a finite gradient, which a non-finite one passed back by {after} would most likely have spoiled "
+            text += f"too ({made} made it)."
+        else:
+            text = f"It started in {module}, the first module with parameters: in the gradients of its own "
+            text += f"parameters, or in the gradient of its output that {after} passed back (the modules from "
+            text += f"{origin['before']} on kept finite gradients, and no module before {module} can tell the two "
+            text += f"apart). Likelier its own gradients ({made}): for {after} to have made it, its backward must "
+            text += f"have turned finite gradients {kind}"
+            text += ", while its own parameters' gradients stayed finite." if after == origin["before"] else "."
     elif phase == "backward" and module and origin.get("before"):
         text = f"It started in the backward pass, in {module} or after it: the parameters' gradients up to "
         text += f"{module} went {kind}, those from {origin['before']} on stayed finite"

@@ -42,12 +42,8 @@ TEMPORARY_ROLE_ALLOWLIST = frozenset(
         "gradguard/audit/runs.py",
         "gradguard/audit/summarizer.py",
         "gradguard/audit/summary.py",
-        "gradguard/enforce/origins.py",
-        "gradguard/errors.py",
         "gradguard/events/log.py",
         "gradguard/events/prometheus.py",
-        "gradguard/policy/limits.py",
-        "gradguard/policy/loading.py",
         "gradguard/tuning/records.py",
     }
 )

@@ -601,3 +601,120 @@ def test_under_torch_compile_the_default_trace_breaks_no_graph_and_names_the_mod
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert info.value.origin is not None
     assert (info.value.origin["phase"], info.value.origin["module"]) == ("forward", "blocks.1.act")
+
+
+class StemNet(nn.Module):
+    """timm's naming in miniature: a stem ``conv1`` (conv without bias, batch norm, ReLU), a block, a head ``fc``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.layer1 = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.fc(self.layer1(self.conv1(x)).mean(dim=(2, 3)))
+        return out
+
+
+class FirstBoom(nn.Module):
+    """An input Linear, then a module whose backward emits Inf (no parameters), then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.faults = Faults()
+        self.inp = nn.Linear(4, 8)
+        self.boom = InfInBackward(self.faults)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.boom(self.inp(x))))
+        return out
+
+
+def poison_first_element(grad: torch.Tensor) -> torch.Tensor:
+    """A tensor hook that writes one NaN into the gradient it is given."""
+    grad = grad.clone()
+    grad.view(-1)[0] = math.nan
+    return grad
+
+
+def halt_of(model: nn.Module, x: torch.Tensor) -> GradientHalt:
+    """One step of the model on ``x`` under a halting guard (the default trace): the halt it raises."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None):
+        model(x).square().mean().backward()
+        with pytest.raises(GradientHalt) as caught:
+            opt.step()
+    return caught.value
+
+
+def test_a_nan_hooked_into_the_stems_weight_names_both_readings_and_calls_its_own_gradients_likelier():
+    """conv1.0 is the first module with parameters: no module before it can show whether backward carried the
+    NaN in, so the origin names its own gradients and the gradient conv1.1 passed back, the first as likelier,
+    instead of "in conv1.0 or after it"."""
+    torch.manual_seed(0)
+    model = StemNet()
+    model.conv1[0].weight.register_hook(poison_first_element)
+    halt = halt_of(model, torch.randn(4, 3, 8, 8))
+    assert halt.params == ("conv1.0.weight",)
+    origin = halt.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["before"]) == ("backward", "conv1.0", "conv1.1")
+    assert (origin["first"], origin["finite_own"]) == (True, [])  # a conv without bias: its only gradient is NaN
+    message = str(halt)
+    assert "or after it" not in message
+    assert (
+        "It started in conv1.0, the first module with parameters: in the gradients of its own parameters, or in "
+        "the gradient of its output that conv1.1 passed back" in message
+    )
+    assert "Likelier its own gradients (a hook on a parameter" in message
+    assert "its backward must have turned finite gradients nan, while its own parameters' gradients" in message
+
+
+def test_the_same_nan_hooked_into_the_last_layer_is_still_named_in_its_own_gradients():
+    torch.manual_seed(0)
+    model = StemNet()
+    model.fc.weight.register_hook(poison_first_element)
+    halt = halt_of(model, torch.randn(4, 3, 8, 8))
+    assert halt.params == ("fc.weight",)
+    assert halt.origin is not None
+    assert (halt.origin["phase"], halt.origin["module"], halt.origin["own"]) == ("gradient", "fc", True)
+    assert "first" not in halt.origin
+    assert "It started in the gradients of fc's own parameters: the modules that ran before it" in str(halt)
+
+
+def test_a_nan_hooked_into_the_first_linears_weight_is_named_in_its_own_gradients_as_its_bias_kept_finite():
+    """An MLP's input layer: inp.bias kept a finite gradient, which a NaN passed back by the module after it
+    would have spoiled as well, so the origin names inp's own gradients and says why."""
+    torch.manual_seed(0)
+    model = SmallMLP()
+    first = next(name for name, _ in model.named_modules() if name)
+    getattr(model, first).weight.register_hook(poison_first_element)
+    halt = halt_of(model, torch.randn(4, 8))
+    assert halt.params == (f"{first}.weight",)
+    origin = halt.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["first"]) == ("backward", first, True)
+    assert origin["finite_own"] == [f"{first}.bias"]
+    message = str(halt)
+    assert f"It started in the gradients of {first}'s own parameters: {first} is the first module with " in message
+    assert f"but {first}.bias kept a finite gradient, which a non-finite one passed back by " in message
+
+
+def test_an_inf_passed_back_into_the_first_layer_is_named_as_one_of_the_two_readings():
+    """The other reading is real: boom's backward (no parameters) hands inp an Inf gradient. Both inp.weight
+    and inp.bias go Inf, and the origin names boom as the module that may have passed it back."""
+    torch.manual_seed(0)
+    model = FirstBoom()
+    model.faults.backward_inf = True
+    halt = halt_of(model, torch.randn(6, 4))
+    assert halt.params == ("inp.weight", "inp.bias")
+    origin = halt.origin
+    assert origin is not None
+    assert (origin["module"], origin["before"], origin["consumers"]) == ("inp", "head", ["boom"])
+    assert (origin["first"], origin["finite_own"]) == (True, [])
+    message = str(halt)
+    assert "in the gradient of its output that boom passed back (the modules from head on kept finite" in message
+    # Inf times activations of both signs summed: inf - inf, so NaN and Inf both, "non-finite"
+    assert "for boom to have made it, its backward must have turned finite gradients non-finite." in message

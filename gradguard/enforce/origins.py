@@ -1,6 +1,6 @@
 """Naming where a NaN or Inf started, from the figures the provenance traces recorded.
 
-Pure reading: the traces (:mod:`gradguard.enforce.provenance`) record one figure per tensor in the order the
+Pure reading: the traces (``gradguard.enforce.provenance``) record one figure per tensor in the order the
 hooks fired, with who recorded it; these functions take the figures after the step's one host read and
 return the ``origin`` dict the halt and the skip carry (phase, module, kind, seen_in, and where the trace
 cannot be exact, the neighbours it narrows the fault to: ``before``, ``consumers``).
@@ -186,7 +186,10 @@ def boundary_origin(
     after it whose parameter gradients are all finite (backward runs from the loss: everything it reaches
     after a fault goes non-finite, nothing it reached before does). When the non-finite gradients are one
     module's parameters and modules before it stayed finite, the fault did not travel through backward at
-    all: it is named in those parameters' own gradients (phase ``gradient``, ``own``)."""
+    all: it is named in those parameters' own gradients (phase ``gradient``, ``own``). When they are the
+    first module's (no module before it kept gradients), both readings remain, its own gradients or the
+    gradient passed back to it by the module after it: phase ``backward`` with ``first`` set, and
+    ``finite_own``, the parameters of that module whose gradients stayed finite."""
     order: dict[int, int] = {}
     for module, role in forward:
         if role == OUTPUT:
@@ -221,4 +224,16 @@ def boundary_origin(
     origin |= {"module": where, "seen_in": where, "before": tree.names[modules[min(after)]]}
     if between:
         origin["consumers"] = between[:4]
+    if len(owners) == 1 and last >= 0:
+        # One module's parameters, and no module before it kept gradients (it is the first with any: a stem,
+        # an input layer): backward may have made it in these gradients, or carried it in from the module
+        # after it, and nothing before can tell. Said so (``first``), with the parameters of the same module
+        # that stayed finite: a non-finite gradient carried in would most likely have spoiled them too.
+        owner = next(iter(owners))
+        origin["first"] = True
+        origin["finite_own"] = [
+            name
+            for index in grads
+            if index not in nonfinite and (name := param_names.get(index)) and owner_of(name) == owner
+        ][:4]
     return origin

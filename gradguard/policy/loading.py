@@ -1,8 +1,18 @@
-"""Reading policy files and turning every parse or validation problem into a :class:`PolicyError`.
+"""Reading policy files and turning every parse or validation problem into a [`PolicyError`][gradguard.PolicyError].
 
-No raw YAML, TOML, JSON or pydantic error reaches the user: each becomes a :class:`PolicyIssue` that
+No raw YAML, TOML, JSON or pydantic error reaches the user: each becomes a [`PolicyIssue`][gradguard.PolicyIssue] that
 names the file, the line (YAML always; JSON and TOML for syntax errors), the field path, what was
-given and what is expected.
+given and what is expected. That holds for every failure of the readers, not only their syntax
+errors: a YAML tag the constructor cannot read (``!!bool maybe``, ``!!map [1]``), a value Python
+cannot build, and ``RecursionError`` or ``MemoryError`` anywhere in a reader all become a
+[`PolicyError`][gradguard.PolicyError] naming the file (and the line where the reader knows it).
+
+Nesting deeper than ``MAX_DEPTH`` is refused before anything recurses into it. JSON and TOML texts
+are scanned for brackets first (``check_nesting``, a linear scan of the raw text), since
+``json.loads`` and ``tomllib`` recurse per level. In PyYAML only the composer recurses (its scanner
+and parser are state machines with explicit stacks), and the loader's composer counts the
+collections it has open and refuses the next one past the cap, at its line, before composing it: no
+document, however its syntax ends, takes more than the cap's worth of frames.
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,7 +30,15 @@ import yaml
 from pydantic import ValidationError
 
 from gradguard.errors import PolicyError, PolicyIssue
-from gradguard.policy.limits import MAX_DEPTH, MAX_FILE_BYTES, check_counts, check_data_shape, check_yaml_events
+from gradguard.policy.limits import (
+    MAX_DEPTH,
+    MAX_FILE_BYTES,
+    TOO_DEEP,
+    check_counts,
+    check_data_shape,
+    check_nesting,
+    check_yaml_events,
+)
 from gradguard.policy.schema import (
     ACTION_NAMES,
     DUPLICATE_RULE_NAME,
@@ -41,6 +59,15 @@ from gradguard.policy.schema import (
     ZClip,
     Zero,
 )
+from gradguard.policy.yaml_reader import (
+    CannotBuild,
+    Locator,
+    PolicyYamlLoader,
+    TooDeep,
+    shown,
+    type_name,
+    yaml_locator,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -50,10 +77,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 __all__ = ["did_you_mean", "load_policy_file", "load_policy_text", "validate_policy_data"]
 
 P = TypeVar("P", bound=PolicyFields)
-"""The policy class to validate into (:class:`gradguard.Policy`)."""
+"""The policy class to validate into ([`gradguard.Policy`][gradguard.Policy])."""
 
-Locator = Callable[[Sequence[int | str]], int | None]
-"""Maps a field path to the 1-based line where it (or its nearest parent) is written."""
 
 _TOML_LINE = re.compile(r"\(at line (\d+), column \d+\)")
 
@@ -112,7 +137,7 @@ def load_policy_text(cls: type[P], text: str, fmt: str, source: str) -> P:
                     source,
                     locate(()) if locate else None,
                     "",
-                    f"the document is a {_type_name(data)}; expected a mapping with 'version' and 'rules'",
+                    f"the document is a {type_name(data)}; expected a mapping with 'version' and 'rules'",
                 )
             ]
         )
@@ -123,7 +148,7 @@ def validate_policy_data(cls: type[P], data: Mapping[str, Any], *, source: str, 
     """Validate already-parsed policy data; ``locate`` supplies line numbers where known."""
     if not isinstance(data, Mapping):
         raise PolicyError(
-            [PolicyIssue(source, None, "", f"expected a mapping with 'version' and 'rules', got {_type_name(data)}")]
+            [PolicyIssue(source, None, "", f"expected a mapping with 'version' and 'rules', got {type_name(data)}")]
         )
     # The caps first: data past them is refused whole, before any walk over it could take long.
     check_data_shape(data, source)
@@ -149,7 +174,7 @@ def validate_policy_data(cls: type[P], data: Mapping[str, Any], *, source: str, 
 
 
 def _read(source: str) -> str:
-    """The file's text; refused if it is larger than :data:`MAX_FILE_BYTES` (read no further than that)."""
+    """The file's text; refused if it is larger than ``MAX_FILE_BYTES`` (read no further than that)."""
 
     def refuse(message: str) -> PolicyError:
         return PolicyError([PolicyIssue(source, None, "", message)])
@@ -172,64 +197,21 @@ def _read(source: str) -> str:
         raise refuse(f"cannot read the file: {exc}") from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that rejects duplicate keys instead of silently keeping the last one."""
-
-
-def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> Any:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        try:
-            hash(key)
-        except TypeError:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"a key must be a plain value, not a {_type_name(key)}", key_node.start_mark
-            ) from None
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None,
-                None,
-                f"duplicate key {_shown(key)} (first on line {seen[key]}); each key may appear once per mapping",
-                key_node.start_mark,
-            )
-        seen[key] = key_node.start_mark.line + 1
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _construct_unique_mapping,
-)
-
-
-def _construct_timestamp(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> Any:
-    """PyYAML's timestamp, refused with a line number where it is not one (``!!timestamp 2001-13-45x``).
-
-    PyYAML itself assumes an explicit ``!!timestamp`` tag holds a timestamp and fails with an
-    ``AttributeError`` when it does not.
-    """
-    value = loader.construct_scalar(node)
-    if not isinstance(value, str) or loader.timestamp_regexp.match(value) is None:
-        raise yaml.constructor.ConstructorError(
-            None, None, f"{_shown(value)} is tagged !!timestamp but is not a date or time", node.start_mark
-        )
-    return loader.construct_yaml_timestamp(node)
-
-
-_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:timestamp", _construct_timestamp)
-
-
 def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
     if fmt == "yaml":
         # The parser is a state machine; the composer and constructor recurse and expand aliases. So the
         # events are checked against the caps first (depth, aliases), then the document is built once.
-        check_yaml_events(text, getattr(yaml, "CSafeLoader", _UniqueKeyLoader), source)  # libyaml's, if built
-        loader: _UniqueKeyLoader | None = None
+        check_yaml_events(text, getattr(yaml, "CSafeLoader", PolicyYamlLoader), source)  # libyaml's, if built
+        loader: PolicyYamlLoader | None = None
         try:
-            loader = _UniqueKeyLoader(text)  # its reader refuses non-printable characters at once
+            loader = PolicyYamlLoader(text)  # its reader refuses non-printable characters at once
             node = loader.get_single_node()
             data = loader.construct_document(node) if node is not None else None
+        except TooDeep as exc:
+            raise PolicyError([PolicyIssue(source, exc.line, "", TOO_DEEP)]) from None
+        except CannotBuild as exc:
+            line = exc.problem_mark.line + 1 if exc.problem_mark is not None else None
+            raise PolicyError([PolicyIssue(source, line, "", str(exc.problem))]) from None
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark is not None else None
@@ -237,17 +219,18 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
             raise PolicyError([PolicyIssue(source, line, "", f"YAML syntax error: {what}")]) from None
         except yaml.YAMLError as exc:
             raise PolicyError([PolicyIssue(source, None, "", f"YAML syntax error: {exc}")]) from None
-        except ValueError as exc:  # a value YAML resolves but Python cannot build: 2001-13-45, a 5000-digit int
-            raise _unreadable_value(source, exc) from None
+        except (RecursionError, MemoryError) as exc:
+            raise _reader_gave_up(source, "YAML", exc) from None
+        except Exception as exc:  # a reader's own failure; the constructors' are YAML errors with a line already
+            raise _reader_failed(source, "YAML", exc) from None
         finally:
             if loader is not None:
                 loader.dispose()
-        return data, _yaml_locator(node)
+        return data, yaml_locator(node)
+    check_nesting(text, fmt, source)  # JSON and TOML: brackets past the cap refused before the recursive parse
     if fmt == "toml":
         try:
             return tomllib.loads(text), None
-        except RecursionError:
-            raise _too_deep(source) from None
         except tomllib.TOMLDecodeError as exc:
             line = getattr(exc, "lineno", None)  # Python >= 3.14; before, only the message has it
             if line is None and (found := _TOML_LINE.search(str(exc))) is not None:
@@ -256,63 +239,43 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
             raise PolicyError([PolicyIssue(source, line, "", f"TOML syntax error: {message}")]) from None
         except ValueError as exc:
             raise _unreadable_value(source, exc) from None
+        except (RecursionError, MemoryError) as exc:
+            raise _reader_gave_up(source, "TOML", exc) from None
+        except Exception as exc:
+            raise _reader_failed(source, "TOML", exc) from None
     try:
         return json.loads(text), None
-    except RecursionError:
-        raise _too_deep(source) from None
     except json.JSONDecodeError as exc:
         raise PolicyError(
             [PolicyIssue(source, exc.lineno, "", f"JSON syntax error: {exc.msg} (column {exc.colno})")]
         ) from None
     except ValueError as exc:
         raise _unreadable_value(source, exc) from None
-
-
-def _too_deep(source: str) -> PolicyError:
-    return PolicyError(
-        [
-            PolicyIssue(
-                source,
-                None,
-                "",
-                f"mappings and lists are nested too deeply to parse; the limit is {MAX_DEPTH} levels "
-                "(a policy needs 5)",
-            )
-        ]
-    )
+    except (RecursionError, MemoryError) as exc:
+        raise _reader_gave_up(source, "JSON", exc) from None
+    except Exception as exc:
+        raise _reader_failed(source, "JSON", exc) from None
 
 
 def _unreadable_value(source: str, exc: ValueError) -> PolicyError:
     return PolicyError([PolicyIssue(source, None, "", f"cannot read a value of the file: {exc}")])
 
 
-def _yaml_locator(root: yaml.Node | None) -> Locator:
-    def locate(path: Sequence[int | str]) -> int | None:
-        node = root
-        if node is None:
-            return None
-        line: int = node.start_mark.line + 1
-        for part in path:
-            child: yaml.Node | None = None
-            if isinstance(node, yaml.MappingNode):
-                for key_node, value_node in node.value:
-                    if key_node.value == part:
-                        # An unknown key is best pointed at by the key itself.
-                        line = key_node.start_mark.line + 1
-                        child = value_node
-                        break
-            elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
-                child = node.value[part]
-            if child is None:
-                break
-            node = child
-            line = node.start_mark.line + 1
-        return line
-
-    return locate
+def _reader_gave_up(source: str, reader: str, exc: RecursionError | MemoryError) -> PolicyError:
+    """Recursion or memory ran out inside a reader (the caps above should see to it that neither does)."""
+    if isinstance(exc, RecursionError):
+        why = f"it nests too deeply to read (the limit is {MAX_DEPTH} levels; a policy needs 5)"
+    else:
+        why = "reading it ran out of memory"
+    return PolicyError([PolicyIssue(source, None, "", f"cannot read the file as {reader}: {why}")])
 
 
-# --- turning pydantic errors into issues ---------------------------------------------------------
+def _reader_failed(source: str, reader: str, exc: Exception) -> PolicyError:
+    """Any other failure of a reader: named, never raised as it is."""
+    detail = str(exc)[:200]
+    return PolicyError(
+        [PolicyIssue(source, None, "", f"cannot read the file as {reader}: {type(exc).__name__}: {detail}")]
+    )
 
 
 def _issues_from(
@@ -329,7 +292,7 @@ def _issues_from(
 
 
 _CROSS_FIELD_ERRORS = frozenset({EMPTY_STEP_WINDOW, DUPLICATE_RULE_NAME})
-"""Pydantic errors that :func:`_cross_field_issues` reports itself, whatever else is wrong."""
+"""Pydantic errors that ``_cross_field_issues`` reports itself, whatever else is wrong."""
 
 
 def _cross_field_issues(data: Mapping[str, Any], source: str, locate: Locator | None) -> list[PolicyIssue]:
@@ -347,7 +310,7 @@ def _cross_field_issues(data: Mapping[str, Any], source: str, locate: Locator | 
         if start is not None and end is not None and end <= start:
             add(
                 (*loc, "until_step"),
-                f"got {_shown(end)}; expected a step greater than from_step ({_shown(start)}): "
+                f"got {shown(end)}; expected a step greater than from_step ({shown(start)}): "
                 "the window [from_step, until_step) would never apply",
             )
 
@@ -360,7 +323,7 @@ def _cross_field_issues(data: Mapping[str, Any], source: str, locate: Locator | 
             if name in first_use:
                 add(
                     ("rules", index, "name"),
-                    f"got {_shown(name)}, which rules[{first_use[name]}] already uses; give every rule a unique name "
+                    f"got {shown(name)}, which rules[{first_use[name]}] already uses; give every rule a unique name "
                     "(counters and logs are keyed by it)",
                 )
             else:
@@ -412,19 +375,19 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
     if kind == "extra_forbidden":
         allowed = _allowed_fields(loc, data)
         hint = did_you_mean(field, allowed)
-        return f"unknown field {_shown(field)}{hint}; allowed here: {', '.join(allowed)}"
+        return f"unknown field {shown(field)}{hint}; allowed here: {', '.join(allowed)}"
     if kind == "missing":
-        return f"missing required field {_shown(field)}; add it"
+        return f"missing required field {shown(field)}; add it"
     if kind == "union_tag_invalid":
         tag = ctx.get("tag", given)
         hint = did_you_mean(str(tag), ACTION_NAMES)
-        return f"unknown action {_shown(tag)}{hint}; expected one of: {', '.join(ACTION_NAMES)}"
+        return f"unknown action {shown(tag)}{hint}; expected one of: {', '.join(ACTION_NAMES)}"
     if kind == "union_tag_not_found":
         return (
-            f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {_shown(given)})"
+            f"this action has no 'action' field; write e.g. {{action: clip_norm, max_norm: 1.0}} (got {shown(given)})"
         )
     if kind == "literal_error":
-        return f"got {_shown(given)}; expected {ctx.get('expected', 'one of the allowed values')}"
+        return f"got {shown(given)}; expected {ctx.get('expected', 'one of the allowed values')}"
     if kind in {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}:
         relation = {
             "greater_than": "greater than",
@@ -433,16 +396,16 @@ def _explain(error: Any, loc: Sequence[int | str], data: Mapping[str, Any]) -> s
             "less_than_equal": "at most",
         }[kind]
         bound = next(iter(ctx.values()), "?")
-        return f"got {_shown(given)}; expected a number {relation} {bound}"
+        return f"got {shown(given)}; expected a number {relation} {bound}"
     if kind == "too_short":
-        return f"got {_shown(given)}; expected at least {ctx.get('min_length', 1)} item(s)"
+        return f"got {shown(given)}; expected at least {ctx.get('min_length', 1)} item(s)"
     if kind == "value_error":
         return str(ctx.get("error", error["msg"]))
     expected = _EXPECTED_BY_ERROR_TYPE.get(kind)
     if expected is not None:
-        return f"got {_shown(given)} ({_type_name(given)}); expected {expected}"
+        return f"got {shown(given)} ({type_name(given)}); expected {expected}"
     message = str(error["msg"])
-    return f"got {_shown(given)} ({_type_name(given)}); {message[0].lower()}{message[1:]}"
+    return f"got {shown(given)} ({type_name(given)}); {message[0].lower()}{message[1:]}"
 
 
 _EXPECTED_BY_ERROR_TYPE: dict[str, str] = {
@@ -488,18 +451,3 @@ def did_you_mean(word: str, choices: Sequence[str]) -> str:
         word, list(choices), n=1, cutoff=0.6
     )
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _shown(value: Any, limit: int = 200) -> str:
-    """``repr(value)``, cut to ``limit`` characters; a value from a hostile file may be huge or unprintable."""
-    try:
-        text = repr(value)
-    except ValueError:  # an int with more digits than Python turns into text (4300 by default)
-        if isinstance(value, int):
-            return f"an integer of {len(format(value, 'x'))} hex digits"
-        return f"a {_type_name(value)}"
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _type_name(value: Any) -> str:
-    return {dict: "mapping", list: "list", str: "string", type(None): "null"}.get(type(value), type(value).__name__)

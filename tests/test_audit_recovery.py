@@ -286,7 +286,8 @@ def test_a_rewind_line_without_its_fields_is_an_unreadable_line_not_a_crash(tmp_
     log = _rank_log(tmp_path / "rank0.jsonl", 0, rewind={"params": "w"})
     data = audit_json(log)
     assert data["bad_lines_total"] == 1
-    assert "'params' is not a list of parameter names" in data["bad_lines"][0]["reason"]
+    assert "'rewind' event that does not fit its definition" in data["bad_lines"][0]["reason"]
+    assert "`$.params`" in data["bad_lines"][0]["reason"]
     assert data["rewinds_total"] == 0
     assert data["runs"][0]["steps"] == 40
 

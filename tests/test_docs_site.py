@@ -24,30 +24,6 @@ PACKAGE = ROOT / "gradguard"
 ROLE_IN_SOURCE = re.compile(r":(?:py:)?(?:class|meth|func|data|attr|mod|exc|obj|const):`")
 ROLE_ON_PAGE = re.compile(r":(?:py:)?(?:class|meth|func|data|attr|mod|exc|obj|const):(?:`|<code>)")
 
-# TEMPORARY allow-list: files that others were editing when the roles were converted; the lead
-# converts them with the same script (roles_to_refs.py) and then empties this list. A file on it
-# that has no role left must come off it (the test below says so).
-TEMPORARY_ROLE_ALLOWLIST = frozenset(
-    {
-        "gradguard/audit/__init__.py",
-        "gradguard/audit/counters.py",
-        "gradguard/audit/filters.py",
-        "gradguard/audit/halts_and_skips.py",
-        "gradguard/audit/health.py",
-        "gradguard/audit/layout.py",
-        "gradguard/audit/plot.py",
-        "gradguard/audit/reader.py",
-        "gradguard/audit/render.py",
-        "gradguard/audit/run_state.py",
-        "gradguard/audit/runs.py",
-        "gradguard/audit/summarizer.py",
-        "gradguard/audit/summary.py",
-        "gradguard/events/log.py",
-        "gradguard/events/prometheus.py",
-        "gradguard/tuning/records.py",
-    }
-)
-
 
 def docstrings_with_roles(path: Path) -> list[int]:
     """The first lines of the docstrings of ``path`` (module, class, function, attribute) that use a reST role."""
@@ -68,13 +44,10 @@ def test_docstrings_use_no_rest_roles() -> None:
         for path in sorted(PACKAGE.rglob("*.py"))
         if (lines := docstrings_with_roles(path))
     }
-    left = {name: lines for name, lines in found.items() if name not in TEMPORARY_ROLE_ALLOWLIST}
-    assert not left, (
+    assert not found, (
         "docstrings with a reST role (:class:`X` and the like; write [`X`][gradguard.X] for what the site "
-        f"renders, ``X`` for the rest; roles_to_refs.py converts them): {left}"
+        f"renders, ``X`` for the rest): {found}"
     )
-    converted = sorted(TEMPORARY_ROLE_ALLOWLIST - found.keys())
-    assert not converted, f"no reST role left in these: take them off TEMPORARY_ROLE_ALLOWLIST: {converted}"
 
 
 def test_site_builds_strictly_and_shows_no_raw_role(tmp_path: Path) -> None:

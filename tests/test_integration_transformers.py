@@ -267,9 +267,7 @@ def test_bare_callback_halts_naming_the_poisoned_parameter_and_logs_counters(tmp
     callback = GradGuardCallback(policy, logger=None)
     args = training_args(tmp_path, max_steps=4, logging_steps=1)
     assert args.max_grad_norm == 1.0
-    trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=token_data(), callbacks=[snapshots, callback]
-    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=token_data(), callbacks=[snapshots, callback])
     handle = poison_at(trainer, model, NAN_PARAM, step=2)
     try:
         with pytest.raises(GradientHalt) as excinfo:

@@ -5,6 +5,7 @@ Standard library and click only: auditing a log never imports torch.
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
 import time
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 import click
 
 from gradguard.audit.filters import Filters
-from gradguard.audit.reader import FollowReader, ReadStats, read_merged, total_bytes
+from gradguard.audit.reader import FollowReader, ReadStats, read_batches, read_merged, total_bytes
 from gradguard.audit.render import audit_header, audit_sections, audit_title, render, render_json
 from gradguard.audit.summarizer import Summarizer
 from gradguard.audit.summary import AuditSummary
@@ -49,9 +50,24 @@ def summarize_files(paths: Sequence[Path], filters: Filters, *, progress: bool |
     """Read every file once (merged in step order) and summarize it."""
     stats = ReadStats()
     summarizer = Summarizer([str(path) for path in paths], stats, filters)
-    with _progress(paths, progress) as update:
-        summarizer.add_all(read_merged(paths, stats, update))
+    with _progress(paths, progress) as update, _no_cyclic_gc():
+        for batch in read_batches(paths, stats, update):
+            summarizer.add_all(batch)
     return summarizer.summary()
+
+
+@contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Reading makes millions of short-lived objects and no reference cycle: the cyclic garbage collector, which
+    runs every few hundred allocations, would only cost time (about a tenth of the audit's). Reference
+    counting frees everything as before; the collector is back on afterwards."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def render_summary(summary: AuditSummary, fmt: str, top: int) -> str:

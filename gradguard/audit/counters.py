@@ -4,18 +4,21 @@
 every ``counters`` event (every ``summary_every`` steps), in ``detach`` and in ``halt``; it also
 carries one event per clip, non-finite detection, halt and skip, but nothing per step for ``scale``,
 ``zero`` and ``drop``. So a run's counters are its last snapshot, plus what the events after that
-snapshot add (:func:`reproduced_counters`); and at every snapshot, the counts the events give are
-checked against it (:class:`CounterCheck`; a difference means lost or foreign lines, and is a finding).
+snapshot add (``reproduced_counters``); and at every snapshot, the counts the events give are checked against
+it (``CounterCheck``; a difference means lost or foreign lines, and is a finding).
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Final, Union
 
-from gradguard.audit.fields import counters_field
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState, recomputable
 from gradguard.audit.summary import Counts, Mismatch
+from gradguard.events.definitions import Counters, Detach, Halt, event_name
+
+Snapshot = Union[Counters, Detach, Halt]  # noqa: UP007
+"""An event that carries the run's whole ``counters``."""
 
 __all__ = ["CounterCheck", "reproduced_counters"]
 
@@ -28,15 +31,15 @@ class CounterCheck:
     def __init__(self, paths: list[str]) -> None:
         self.paths = paths
         self.mismatches: list[Mismatch] = []
-        """The first :data:`KEPT_MISMATCHES` mismatches."""
+        """The first ``KEPT_MISMATCHES`` mismatches."""
         self.mismatches_total = 0
 
-    def snapshot(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        counts = counters_field(event)
-        steps = event.get("steps")
-        if type(steps) is int:
+    def snapshot(self, event: Snapshot, run: RunState, record: Record) -> None:
+        counts = event.counters
+        steps = None if isinstance(event, Halt) else event.steps
+        if steps is not None:
             run.steps = steps if run.steps is None else max(run.steps, steps)
-        step = event.get("step")
+        step = None if isinstance(event, Detach) else event.step
         for rule, by_action in counts.items():
             for action, logged in by_action.items():
                 key = (rule, action)
@@ -52,7 +55,7 @@ class CounterCheck:
                 self._check(run, key, 0, step, record)
         run.snapshot = counts
         run.snapshots += 1
-        run.snapshot_event = event["event"]
+        run.snapshot_event = event_name(type(event))
         run.snapshot_step = step if step is not None else run.last_step
         run.at_snapshot = dict(run.recomputed)
 

@@ -1,7 +1,9 @@
-"""Reading the fields of one gradguard event: each reader returns the field or raises :class:`Malformed`.
+"""What the audit's collectors raise for an event that fits its definition but not the audit's reading of it.
 
-A malformed event's line is reported as unreadable and skipped (see :meth:`Summarizer.add
-<gradguard.audit.summarizer.Summarizer.add>`).
+The typed events (``gradguard.events.definitions``) already hold every
+field in its type; a collector raises ``Malformed`` for what a type
+cannot say (lists of unequal length, figures per name at group scope). Its line is reported as
+unreadable and skipped (see ``Summarizer.add``).
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from gradguard.audit.summary import Counts
+from gradguard.events.definitions import as_float
 
-__all__ = ["Malformed", "counters_field", "names_field", "number_or_none", "per_parameter", "text_field"]
+__all__ = ["Malformed", "names_field", "number_or_none", "per_parameter"]
 
 
 class Malformed(Exception):
@@ -19,49 +21,26 @@ class Malformed(Exception):
 
 
 def number_or_none(value: Any) -> float | None:
-    """A JSON number, or the strings the guard writes for non-finite ones, as a float; anything else is None.
-
-    Raises :class:`Malformed` for an integer too large for a float: the guard never writes one.
-    """
-    if type(value) is float:
-        return value
-    if type(value) is int:
-        try:
-            return float(value)
-        except OverflowError:
-            raise Malformed(f"a number too large for a float ({len(str(abs(value)))} digits)") from None
-    if value in ("NaN", "Infinity", "-Infinity"):
-        return float(value)
-    return None
-
-
-def text_field(event: Mapping[str, Any], key: str) -> str:
-    value = event.get(key)
-    if type(value) is not str:
-        name = event.get("event")
-        raise Malformed(f"gradguard {name!r} event without a {key!r} string (got {value!r})")
-    return value
+    """A ``Number`` as a float (the non-finite strings too); None for None."""
+    if value is None:
+        return None
+    return as_float(value)
 
 
 def names_field(event: Mapping[str, Any], key: str) -> list[str]:
+    """``event[key]`` if it is a list of names (an event read as a dict), else ``Malformed``."""
     value = event.get(key)
     if not isinstance(value, list) or not all(type(item) is str for item in value):
         raise Malformed(f"gradguard {event.get('event')!r} event whose {key!r} is not a list of parameter names")
     return value
 
 
-def counters_field(event: Mapping[str, Any]) -> Counts:
-    value = event.get("counters")
-    if isinstance(value, dict) and all(
-        isinstance(by_action, dict) and all(type(n) is int for n in by_action.values()) for by_action in value.values()
-    ):
-        return value
-    raise Malformed(f"gradguard {event.get('event')!r} event whose 'counters' is not {{rule: {{action: count}}}}")
-
-
 def per_parameter(event: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    """An ``adaptive_clip`` event of ``scope: tensor`` (its ``params`` and figures are lists, one entry per
-    clipped parameter) as one event per parameter, with ``param`` set; any other event as itself."""
+    """An ``adaptive_clip`` line read as a dict (``json.loads``) at ``scope: tensor`` (its ``params`` and figures
+    are lists, one entry per clipped parameter) as one dict per parameter, with ``param`` set; any other as itself.
+
+    The audit reads typed events (its collectors split them themselves); this is for code that reads lines
+    as dicts."""
     before = event.get("before")
     if not isinstance(before, list):
         return [event]

@@ -1,4 +1,4 @@
-"""What ``gradguard audit --since/--until/--rule/--param`` keep: :class:`Filters`, and :class:`EventFilter`
+"""What ``gradguard audit --since/--until/--rule/--param`` keep: ``Filters``, and ``EventFilter``
 applying them to one event.
 
 Filters narrow the breakdowns; the run table, the reproduced counters and the cross-check always
@@ -70,7 +70,7 @@ class _ParamFilter:
 
 
 class EventFilter:
-    """:class:`Filters` applied to one event: its step and rule (:meth:`shown`), its parameters (:meth:`narrow`)."""
+    """``Filters`` applied to one event: its step and rule (``shown``), its parameters (``narrow``)."""
 
     def __init__(self, filters: Filters) -> None:
         self.filters = filters

@@ -6,11 +6,12 @@ from __future__ import annotations
 from typing import Any, Final
 
 from gradguard.audit.counters import CounterCheck
-from gradguard.audit.fields import names_field, number_or_none, text_field
+from gradguard.audit.fields import number_or_none
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
 from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, RewindRow, SkipOrigin, StepTally, unlearned_stretch
+from gradguard.events.definitions import Halt, Intervention, Rewind, ScalerSkip, Skip, SpikeSkip
 
 __all__ = ["HaltSkipCollector"]
 
@@ -31,7 +32,7 @@ class HaltSkipCollector:
         self._rules = event_filter.rules
         self._param_filter = event_filter.params
         self.halts: list[HaltRow] = []
-        """The first :data:`KEPT_HALTS` halts."""
+        """The first ``KEPT_HALTS`` halts."""
         self.halts_total = 0
         self.skips = StepTally()
         self.skips_by_rule: dict[str, int] = {}
@@ -43,13 +44,8 @@ class HaltSkipCollector:
         self.rewinds: dict[tuple[Any, ...], RewindRow] = {}
         """Every rewind shown, one row for all the ranks that made it (a run makes at most ``max_rewinds``)."""
 
-    def halt(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        rule = text_field(event, "rule")
-        params = names_field(event, "params")
-        step: int | None = event.get("step")
-        reason = event.get("reason")
-        reason = reason if type(reason) is str else None
-        kind = event.get("kind")
+    def halt(self, event: Halt, run: RunState, record: Record) -> None:
+        rule, params, step, reason, kind = event.rule, event.params, event.step, event.reason, event.kind
         if kind == "spike":
             run.count(rule, "halt_on_spike")  # skip_step_on_spike past its limits
         elif kind == "overflow":
@@ -69,36 +65,28 @@ class HaltSkipCollector:
             return
         self.halts_total += 1
         if len(self.halts) < KEPT_HALTS:
-            ts = event.get("ts")
-            restored = event.get("restored_to")
             self.halts.append(
                 HaltRow(
                     run=run.run,
                     rank=run.rank,
                     step=step,
                     rule=rule,
-                    kind=kind if type(kind) is str else "?",
+                    kind=kind,
                     reason=reason,
                     params=params[:HALT_PARAMS_SHOWN],
                     n_params=len(params),
                     where=f"{self.paths[record.file]}:{record.line}",
-                    ts=ts if type(ts) is str else None,
+                    ts=event.ts,
                     preceded_by=_describe(run.last_intervention),
-                    origin=_origin(event),
-                    restored_to=restored if type(restored) is int else None,
+                    origin=event.origin,
+                    restored_to=event.restored_to,
                 )
             )
 
-    def rewind(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+    def rewind(self, event: Rewind, run: RunState, record: Record) -> None:
         """Recovery turned a halt into a rewind: counted under the halt's rule as ``rewind``; the run went on."""
-        rule = text_field(event, "rule")
-        params = names_field(event, "params")
-        step: int | None = event.get("step")
-        to_step, skip_until = _int_or_none(event.get("to_step")), _int_or_none(event.get("skip_until"))
-        reason = event.get("reason")
-        reason = reason if type(reason) is str else None
-        kind = event.get("kind")
-        kind = kind if type(kind) is str else "?"
+        rule, params, step, reason, kind = event.rule, event.params, event.step, event.reason, event.kind
+        to_step, skip_until = event.to_step, event.skip_until
         run.count(rule, "rewind")
         run.rewinds += 1
         if kind != "spike" and reason is not None and reason.startswith(ESCALATION):
@@ -115,8 +103,6 @@ class HaltSkipCollector:
                 row.runs.append(run.run)
                 row.ranks.append(run.rank)
             return
-        ts = event.get("ts")
-        rewinds, lr_scale = event.get("rewinds"), number_or_none(event.get("lr_scale"))
         self.rewinds[key] = RewindRow(
             step=step,
             to_step=to_step,
@@ -126,41 +112,37 @@ class HaltSkipCollector:
             reason=reason,
             params=params[:HALT_PARAMS_SHOWN],
             n_params=len(params),
-            rewinds=rewinds if type(rewinds) is int else None,
-            lr_scale=lr_scale,
+            rewinds=event.rewinds,
+            lr_scale=number_or_none(event.lr_scale),
             runs=[run.run],
             ranks=[run.rank],
             where=f"{self.paths[record.file]}:{record.line}",
-            ts=ts if type(ts) is str else None,
-            origin=_origin(event),
+            ts=event.ts,
+            origin=event.origin,
         )
 
     def _params_shown(self, params: list[str]) -> bool:
         """Whether ``--param`` leaves a halt or rewind shown (one without parameters, an overflow, is not narrowed)."""
         return self._param_filter is None or bool(self._narrow(params))
 
-    def skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        rule = text_field(event, "rule")
-        params = names_field(event, "params")
-        step: int | None = event.get("step")
+    def skip(self, event: Skip, run: RunState, record: Record) -> None:
+        rule, params, step = event.rule, event.params, event.step
         skipping = run.skipping_rules if run.watch_step == step and run.skipping_rules else {rule: None}
         for name in skipping:
             run.count(name, "skip_step_on_nonfinite")
         if not self._tally(step, rule, params, self.skipped_params):
             return
-        origin = _origin(event)
+        origin = event.origin
         if origin is not None and len(self.skip_origins) < KEPT_HALTS:
             self.skip_origins.append(SkipOrigin(run=run.run, rank=run.rank, step=step, origin=origin))
 
-    def spike_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
+    def spike_skip(self, event: SpikeSkip, run: RunState, record: Record) -> None:
         """A step ``skip_step_on_spike`` skipped: one event per spiking rule (or parameter)."""
-        rule = text_field(event, "rule")
-        params = names_field(event, "params")
-        step: int | None = event.get("step")
+        rule, params, step = event.rule, event.params, event.step
         run.count(rule, "skip_step_on_spike")
         if not self._tally(step, rule, params, self.spiked_params):
             return
-        z = event.get("z")
+        z = event.z
         if type(z) is float and (self.largest_spike is None or z > self.largest_spike[0]):
             self.largest_spike = (z, step)
 
@@ -177,10 +159,9 @@ class HaltSkipCollector:
             per_param[name] = per_param.get(name, 0) + 1
         return True
 
-    def scaler_skip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        rule = event.get("rule")
-        run.count(rule if type(rule) is str else SCALER_KEY[0], SCALER_KEY[1])
-        step: int | None = event.get("step")
+    def scaler_skip(self, event: ScalerSkip, run: RunState, record: Record) -> None:
+        run.count(*SCALER_KEY)
+        step = event.step
         if self._param_filter is None and self._shown(step, None) and not self._rules:
             self.scaler.add(step)
 
@@ -196,21 +177,15 @@ def _count_skips_before(run: RunState, rule: str, step: int | None) -> None:
             run.count(name, "skip_step_on_nonfinite")
 
 
-def _int_or_none(value: Any) -> int | None:
-    return value if type(value) is int else None
-
-
 def _describe(last: LastIntervention | None) -> str | None:
     """The run's last intervention before a halt, in words."""
     if last is None:
         return None
+    if isinstance(last, Intervention):
+        assert last.param is not None
+        last = (last.step, last.rule, last.action, last.param, number_or_none(last.before))
     step, rule, action, what, before = last
     value = "?" if before is None else f"{before:.4g}"
     if isinstance(what, int):
         return f"{action} of {what} parameters as a group (rule {rule!r}) at step {step}, group norm before {value}"
     return f"{action} of {what} (rule {rule!r}) at step {step}, before {value}"
-
-
-def _origin(event: dict[str, Any]) -> dict[str, Any] | None:
-    origin = event.get("origin")
-    return origin if isinstance(origin, dict) else None

@@ -2,24 +2,27 @@
 ``recovered`` events.
 
 Per series (rule, scope, name, stat) it keeps the first, last, smallest and largest figure, and a
-median: exact while a series has at most :data:`EXACT_SAMPLES` figures, then estimated from a
-fixed-size histogram on a signed log scale (:data:`BINS_PER_DECADE` bins per decade between 1e-30
-and 1e30, so at most ~12,000 bins a series, in practice a few dozen), whose bin centres are within
-1.2% of any value they hold. Memory grows with the number of series, never with the number of steps.
-Per name it keeps when it vanished or exploded and when it recovered (the first :data:`KEPT_EPISODES`).
+median: exact while a series has at most ``EXACT_SAMPLES`` figures, then estimated from a fixed-size
+histogram on a signed log scale (``BINS_PER_DECADE`` bins per decade between 1e-30 and 1e30, so at most
+~12,000 bins a series, in practice a few dozen), whose bin centres are within 1.2% of any value they hold.
+Memory grows with the number of series, never with the number of steps. Per name it keeps when it vanished
+or exploded and when it recovered (the first ``KEPT_EPISODES``).
 """
 
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
-from gradguard.audit.fields import Malformed, number_or_none
+from gradguard.audit.fields import Malformed
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import FlagRow, HealthRow
+from gradguard.events.definitions import Exploding, Recovered, Stats, Vanishing, as_float, event_name
 
 __all__ = ["BINS_PER_DECADE", "EXACT_SAMPLES", "HealthCollector", "LogHistogram"]
 
@@ -30,7 +33,7 @@ _LOW_DECADE, _HIGH_DECADE = -30, 30
 
 
 class LogHistogram:
-    """A streaming median: exact up to :data:`EXACT_SAMPLES` values, then from signed log-scale bins."""
+    """A streaming median: exact up to ``EXACT_SAMPLES`` values, then from signed log-scale bins."""
 
     def __init__(self) -> None:
         self.exact: list[float] | None = []
@@ -39,11 +42,40 @@ class LogHistogram:
 
     def add(self, value: float) -> None:
         self.count += 1
-        self.bins[_bin(value)] = self.bins.get(_bin(value), 0) + 1
-        if self.exact is not None:
-            self.exact.append(value)
-            if len(self.exact) > EXACT_SAMPLES:
+        exact = self.exact
+        if exact is not None:
+            exact.append(value)
+            if len(exact) > EXACT_SAMPLES:
                 self.exact = None  # from now on the bins answer
+                self.add_bins(_bin(one) for one in exact)
+            return
+        key = _bin(value)
+        self.bins[key] = self.bins.get(key, 0) + 1
+
+    def add_bins(self, keys: Iterable[int]) -> None:
+        bins = self.bins
+        for key in keys:
+            bins[key] = bins.get(key, 0) + 1
+
+    def extend(self, values: list[float], keys: Any) -> None:
+        """Add ``values`` (finite), whose bins are ``keys`` (an int array, ``_bins``)."""
+        self.count += len(values)
+        exact = self.exact
+        if exact is not None:
+            exact.extend(values)
+            if len(exact) <= EXACT_SAMPLES:
+                return
+            self.exact = None
+            self.add_bins(_bin(one) for one in exact[: len(exact) - len(values)])
+        import numpy as np
+
+        found, counts = np.unique(keys, return_counts=True)
+        self.add_bins_counted(found.tolist(), counts.tolist())
+
+    def add_bins_counted(self, keys: list[int], counts: list[int]) -> None:
+        bins = self.bins
+        for key, n in zip(keys, counts, strict=True):
+            bins[key] = bins.get(key, 0) + n
 
     def median(self) -> float | None:
         if not self.count:
@@ -68,6 +100,19 @@ def _bin(value: float) -> int:
     decades = min(math.log10(magnitude), float(_HIGH_DECADE)) - _LOW_DECADE
     position = 1 + int(decades * BINS_PER_DECADE)
     return position if value > 0 else -position
+
+
+def _bins(values: Any) -> Any:
+    """``_bin`` of every value of a finite float64 array, as an int64 array."""
+    import numpy as np
+
+    magnitude = np.abs(values)
+    with np.errstate(divide="ignore"):
+        decades = np.minimum(np.log10(magnitude), float(_HIGH_DECADE)) - _LOW_DECADE
+    position = 1 + np.floor(np.maximum(decades, 0.0) * BINS_PER_DECADE).astype(np.int64)
+    keys = np.where(values > 0, position, -position)
+    keys[magnitude < 10.0**_LOW_DECADE] = 0
+    return keys
 
 
 def _centre(key: int) -> float:
@@ -97,6 +142,55 @@ class _Series:
         self.high = value if self.high is None else max(self.high, value)
         self.median.add(value)
 
+    def add_column(self, column: Any, last_step: int) -> None:
+        """Add a column of a ``_Block`` (float64, one value a step), in order."""
+        import numpy as np
+
+        self.last, self.last_step = float(column[-1]), last_step
+        finite = np.isfinite(column)
+        values = column[finite] if not finite.all() else column
+        self.nonfinite += len(column) - len(values)
+        if not len(values):
+            return
+        low, high = float(values.min()), float(values.max())
+        self.low = low if self.low is None else min(self.low, low)
+        self.high = high if self.high is None else max(self.high, high)
+        self.median.extend(values.tolist(), _bins(values))
+
+
+_BLOCK_ROWS: Final = 512
+"""Steps of one (rule, stat)'s figures gathered before they are added to their series, all at once."""
+
+
+class _Block:
+    """The figures of one (rule, scope, stat) at consecutive ``stats`` events with the same names, gathered as rows
+    and added to their series a block at a time (numpy): a monitor of every tensor writes hundreds a line."""
+
+    def __init__(self, names: list[str], series: list[_Series], kept: list[int]) -> None:
+        self.names = names
+        self.series = series
+        self.kept = kept
+        """The columns of ``names`` kept (``--param``)."""
+        self.rows: list[array[float]] = []
+        self.last_step = 0
+
+    def add(self, row: array[float], step: int) -> None:
+        self.rows.append(row)
+        self.last_step = step
+        if len(self.rows) >= _BLOCK_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        import numpy as np
+
+        width = len(self.series)
+        matrix = np.frombuffer(b"".join(row.tobytes() for row in self.rows), dtype=np.float64).reshape(-1, width)
+        self.rows = []
+        for index, series in enumerate(self.series):
+            series.add_column(matrix[:, index], self.last_step)
+
 
 class HealthCollector:
     """``stats``, ``vanishing``, ``exploding`` and ``recovered`` events, filtered by step, rule and name."""
@@ -105,49 +199,70 @@ class HealthCollector:
         self._filter = event_filter
         self.series: dict[tuple[str, str, str, str], _Series] = {}
         self.flags: dict[tuple[str, str, str], FlagRow] = {}
+        self._blocks: dict[tuple[str, str, str], _Block] = {}
 
-    def stats(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        rule, scope, figures = event.get("rule"), event.get("scope"), event.get("figures")
-        if type(rule) is not str or type(scope) is not str or not isinstance(figures, dict):
-            raise Malformed("gradguard 'stats' event without a 'rule', a 'scope' and a 'figures' mapping")
-        step = event.get("step")
-        step = step if type(step) is int else None
+    def stats(self, event: Stats, run: RunState, record: Record) -> None:
+        rule, scope, figures, step = event.rule, event.scope, event.figures, event.step
         if not self._filter.shown(step, rule):
             return
         keep = self._filter.params
         for stat, values in figures.items():
-            by_name = {rule: values} if scope == "group" else values
-            if not isinstance(by_name, dict):
+            if scope == "group":
+                if isinstance(values, dict):
+                    raise Malformed(f"gradguard 'stats' event whose {stat!r} figures are per name at scope group")
+                if keep is None:  # a rule's joint figure is not one parameter's
+                    self._add((rule, scope, rule, stat), as_float(values), step)
+                continue
+            if not isinstance(values, dict):
                 raise Malformed(f"gradguard 'stats' event whose {stat!r} figures are not per name")
-            if scope == "group" and keep is not None:
-                continue  # a rule's joint figure is not one parameter's
-            for name, raw in by_name.items():
-                if keep is not None and not keep(name):
-                    continue
-                value = number_or_none(raw)
-                if value is None:
-                    raise Malformed(f"gradguard 'stats' event with a figure that is not a number: {raw!r}")
-                key = (rule, scope, name, stat)
-                series = self.series.get(key)
-                if series is None:
-                    series = self.series[key] = _Series(value, step)
-                series.add(value, step)
+            block = self._blocks.get((rule, scope, stat))
+            names = list(values)
+            if block is None or block.names != names:
+                if block is not None:
+                    block.flush()
+                block = self._blocks[(rule, scope, stat)] = self._block(rule, scope, stat, names, values, step)
+                continue
+            try:
+                row = array("d", cast("Iterable[float]", values.values()))
+            except TypeError:  # "NaN", "Infinity", "-Infinity"
+                row = array("d", [as_float(value) for value in values.values()])
+            if keep is not None:
+                row = array("d", [row[index] for index in block.kept])
+            block.add(row, step)
 
-    def flag(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        kind, rule, name = event["event"], event.get("rule"), event.get("name")
-        if type(rule) is not str or type(name) is not str:
-            raise Malformed(f"gradguard {kind!r} event without a 'rule' and a 'name' string")
-        step = event.get("step")
-        step = step if type(step) is int else None
-        norm = number_or_none(event.get("norm"))  # before counting: an unreadable number makes the line unreadable
-        threshold = number_or_none(event.get("threshold"))
+    def _block(self, rule: str, scope: str, stat: str, names: list[str], values: dict[str, Any], step: int) -> _Block:
+        """A new block for these names; their first figures (this event's) go straight to their series."""
+        keep = self._filter.params
+        kept = [index for index, name in enumerate(names) if keep is None or keep(name)]
+        series = []
+        for index in kept:
+            name = names[index]
+            self._add((rule, scope, name, stat), as_float(values[name]), step)
+            series.append(self.series[(rule, scope, name, stat)])
+        return _Block(names, series, kept)
+
+    def flush(self) -> None:
+        """Add every gathered figure to its series."""
+        for block in self._blocks.values():
+            block.flush()
+
+    def _add(self, key: tuple[str, str, str, str], value: float, step: int) -> None:
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = _Series(value, step)
+        series.add(value, step)
+
+    def flag(self, event: Vanishing | Exploding | Recovered, run: RunState, record: Record) -> None:
+        kind, rule, name, step = event_name(type(event)), event.rule, event.name, event.step
+        norm = as_float(event.norm)
+        threshold = None if isinstance(event, Recovered) else as_float(event.threshold)
         if kind != "recovered":
             run.count(rule, kind)
         if not self._filter.shown(step, rule) or (self._filter.params is not None and not self._filter.params(name)):
             return
         if kind == "recovered":
-            was = event.get("was")
-            row = self.flags.get((rule, name, str(was)))
+            assert isinstance(event, Recovered)
+            row = self.flags.get((rule, name, event.was))
             if row is not None and row.episodes and row.episodes[-1][1] is None:
                 row.episodes[-1][1] = step
             return
@@ -163,6 +278,7 @@ class HealthCollector:
             row.worst = norm if row.worst is None else worse(row.worst, norm)
 
     def rows(self) -> tuple[list[HealthRow], list[FlagRow]]:
+        self.flush()
         rows = [
             HealthRow(
                 rule,

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Final
 
-from gradguard.audit.fields import Malformed, names_field, number_or_none
+from gradguard.audit.fields import Malformed, number_or_none
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import ParamRow, ParamTally, RuleActionRow
+from gradguard.events.definitions import AdaptiveClip, Intervention
 
 __all__ = ["InterventionCollector"]
 
@@ -22,22 +23,26 @@ KEPT_GROUPS: Final = 1000
 
 
 class _RuleAction:
-    __slots__ = ("best", "best_step", "count", "events", "first", "last")
+    __slots__ = ("best", "best_step", "count", "events", "first", "first_seq", "last", "last_seq")
 
     def __init__(self) -> None:
         self.count = 0
         self.events = 0
         self.first: int | None = None
+        self.first_seq = -1
         self.last: int | None = None
+        self.last_seq = -1
         self.best: float | None = None
         self.best_step: int | None = None
 
 
 class _Param(ParamTally):
-    __slots__ = ("element", "element_step", "norm", "norm_step")
+    __slots__ = ("element", "element_step", "first_seq", "last_seq", "norm", "norm_step")
 
     def __init__(self) -> None:
         super().__init__()
+        self.first_seq = -1
+        self.last_seq = -1
         self.norm: float | None = None
         self.norm_step: int | None = None
         self.element: float | None = None
@@ -47,86 +52,158 @@ class _Param(ParamTally):
 NORM_ACTIONS = frozenset({"clip_norm", "zclip", "autoclip", "agc"})
 """Actions whose ``before`` is a gradient norm (clip_value's is the largest element)."""
 
+Entry = list[Any]
+"""The clips of one (rule, action, parameter) since the tables were last settled:
+``[count, first step, first seq, last step, last seq, largest before, its step]``."""
+
 
 class InterventionCollector:
-    """Takes ``intervention`` events; :meth:`rows` gives the by-(rule, action) and by-parameter tables."""
+    """Takes ``intervention`` and ``adaptive_clip`` events; ``rows`` gives the by-(rule, action) and by-parameter
+    tables.
+
+    A clip of one tensor (by far the most common line) only updates its (rule, action, parameter)
+    ``Entry`` in ``entries``
+    (the summarizer does it inline); the tables are settled from the entries when they are read. ``seq``
+    numbers the clips in reading order, so that the first and last of a row are the ones read first and last.
+    """
 
     def __init__(self, event_filter: EventFilter) -> None:
         self._shown = event_filter.shown
         self._narrow = event_filter.narrow
         self._param_filter = event_filter.params
+        self.filtered = event_filter.filters.active
+        """Whether a filter is on (clips then take the general path)."""
         self._rule_action: dict[tuple[str, str], _RuleAction] = {}
         self._params: dict[str, _Param] = {}
         self._groups: dict[tuple[str, tuple[str, ...]], list[Any]] = {}
         """Group-clip events pooled by (rule, parameters): [events, first step, last step]."""
         self.series: dict[str, int] = {}
         """Clip events per plottable series (a parameter, or ``"<rule> (group)"``)."""
+        self.entries: dict[tuple[str, str, str], Entry] = {}
+        self.seq = 0
 
-    def intervention(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        rule = event.get("rule")
-        action = event.get("action")
-        if type(rule) is not str or type(action) is not str:
+    def intervention(self, event: Intervention, run: RunState, record: Record) -> None:
+        param = event.param
+        if param is None:
+            names = event.params
+            if names is None:
+                raise Malformed("gradguard 'intervention' event of a group clip ('param': null) without its 'params'")
+            self.add(run, event.step, event.rule, event.action, None, names, event.n_params, event.before)
+            return
+        run.last_intervention = event
+        self.tensor_clip(run, event.step, event.rule, event.action, param, event.before)
+
+    def adaptive_clip(self, event: AdaptiveClip, run: RunState, record: Record) -> None:
+        """An adaptive clip is an intervention per parameter (``scope: tensor`` events list them in one line)."""
+        before = event.before
+        if not isinstance(before, list):
+            self.add(run, event.step, event.rule, event.action, event.param, event.params, event.n_params, before)
+            return
+        params = event.params
+        if len(before) != len(params):
             raise Malformed(
-                f"gradguard 'intervention' event without a 'rule' and an 'action' string (got {rule!r}, {action!r})"
+                f"gradguard 'adaptive_clip' event whose lists do not have one entry per parameter "
+                f"({len(params)} params, {len(before)} 'before' values)"
             )
-        param = event.get("param")
-        step: int | None = event.get("step")
-        before = event.get("before")
-        if type(before) is not float:
-            before = number_or_none(before)
-        if type(param) is str:
-            n = 1
-            run.last_intervention = (step, rule, action, param, before)
-        elif param is None:
-            names = names_field(event, "params")
-            given = event.get("n_params")
-            n = given if type(given) is int else len(names)
-            run.last_intervention = (step, rule, action, n, before)
-        else:
-            raise Malformed(f"gradguard 'intervention' event whose 'param' is {param!r}, not a name or null")
+        for name, one in zip(params, before, strict=True):
+            run.last_intervention = (event.step, event.rule, event.action, name, number_or_none(one))
+            self.tensor_clip(run, event.step, event.rule, event.action, name, one)
+
+    def tensor_clip(self, run: RunState, step: int, rule: str, action: str, param: str, raw: float | str) -> None:
+        """One clip of one tensor (the summarizer inlines this for ``intervention`` lines when no filter is on)."""
+        before = raw if type(raw) is float else number_or_none(raw)
         key = (rule, action)
-        recomputed = run.recomputed
-        recomputed[key] = recomputed.get(key, 0) + n
+        run.recomputed[key] = run.recomputed.get(key, 0) + 1
+        if self.filtered and (
+            not self._shown(step, rule) or (self._param_filter is not None and not self._param_filter(param))
+        ):
+            return
+        self.seq += 1
+        entry = self.entries.get((rule, action, param))
+        if entry is None:
+            self.entries[(rule, action, param)] = [1, step, self.seq, step, self.seq, before, step]
+            return
+        entry[0] += 1
+        entry[3] = step
+        entry[4] = self.seq
+        if before is not None and (entry[5] is None or before > entry[5]):
+            entry[5] = before
+            entry[6] = step
+
+    def add(
+        self,
+        run: RunState,
+        step: int,
+        rule: str,
+        action: str,
+        param: str | None,
+        names: list[str],
+        n_params: int | None,
+        raw_before: float | str,
+    ) -> None:
+        """One clip of the group ``names`` (``param`` None), or of ``param`` (an adaptive clip at group scope)."""
+        if param is not None:
+            run.last_intervention = (step, rule, action, param, number_or_none(raw_before))
+            self.tensor_clip(run, step, rule, action, param, raw_before)
+            return
+        before = raw_before if type(raw_before) is float else number_or_none(raw_before)
+        n = n_params if n_params is not None else len(names)
+        run.last_intervention = (step, rule, action, n, before)
+        key = (rule, action)
+        run.recomputed[key] = run.recomputed.get(key, 0) + n
         if not self._shown(step, rule):
             return
-        if param is None:
-            if self._param_filter is not None:
-                names = self._narrow(names)
-                if not names:
-                    return
-                n = len(names)
-            self._group_event(rule, names, step)
-            series = f"{rule} (group)"
-        else:
-            if self._param_filter is not None and not self._param_filter(param):
+        if self._param_filter is not None:
+            names = self._narrow(names)
+            if not names:
                 return
-            self._tensor_event(rule, action, param, step, before)
-            series = param
+            n = len(names)
+        self._group_event(rule, names, step)
+        series = f"{rule} (group)"
+        self.seq += 1
         row = self._rule_action.get(key)
         if row is None:
             row = self._rule_action[key] = _RuleAction()
         row.count += n
         row.events += 1
-        if step is not None:
-            if row.first is None:
-                row.first = step
-            row.last = step
+        if row.first is None:
+            row.first, row.first_seq = step, self.seq
+        row.last, row.last_seq = step, self.seq
         if before is not None and (row.best is None or before > row.best):
             row.best, row.best_step = before, step
         self.series[series] = self.series.get(series, 0) + 1
 
-    def _tensor_event(self, rule: str, action: str, name: str, step: int | None, before: float | None) -> None:
-        entry = self._params.get(name)
-        if entry is None:
-            entry = self._params[name] = _Param()
-        entry.add(step, rule)
-        if before is None:
-            return
-        if action in NORM_ACTIONS:
-            if entry.norm is None or before > entry.norm:
-                entry.norm, entry.norm_step = before, step
-        elif action == "clip_value" and (entry.element is None or before > entry.element):
-            entry.element, entry.element_step = before, step
+    def settle(self) -> None:
+        """Fold the entries into the tables (in the order their clips were read), and empty them."""
+        for (rule, action, name), (count, first, first_seq, last, last_seq, best, best_step) in self.entries.items():
+            row = self._rule_action.get((rule, action))
+            if row is None:
+                row = self._rule_action[(rule, action)] = _RuleAction()
+            row.count += count
+            row.events += count
+            if row.first is None or first_seq < row.first_seq:
+                row.first, row.first_seq = first, first_seq
+            if last_seq > row.last_seq:
+                row.last, row.last_seq = last, last_seq
+            if best is not None and (row.best is None or best > row.best):
+                row.best, row.best_step = best, best_step
+            param = self._params.get(name)
+            if param is None:
+                param = self._params[name] = _Param()
+            param.count += count
+            if param.first is None or first_seq < param.first_seq:
+                param.first, param.first_seq = first, first_seq
+            if last_seq > param.last_seq:
+                param.last, param.last_seq = last, last_seq
+            param.rules[rule] = None
+            if best is not None:
+                if action in NORM_ACTIONS:
+                    if param.norm is None or best > param.norm:
+                        param.norm, param.norm_step = best, best_step
+                elif action == "clip_value" and (param.element is None or best > param.element):
+                    param.element, param.element_step = best, best_step
+            self.series[name] = self.series.get(name, 0) + count
+        self.entries.clear()
 
     def _group_event(self, rule: str, names: list[str], step: int | None) -> None:
         """A group clip counts once for each of its parameters; events of one (rule, parameters) are pooled first."""
@@ -153,7 +230,7 @@ class InterventionCollector:
             if first is not None and (entry.first is None or first < entry.first):
                 entry.first = first
             if last is not None and (entry.last is None or last > entry.last):
-                entry.last = last
+                entry.last, entry.last_seq = last, self.seq
             if rule not in entry.rules:
                 entry.rules[rule] = None
 
@@ -162,6 +239,7 @@ class InterventionCollector:
 
         Attributes the pooled group clips to their parameters first.
         """
+        self.settle()
         by_rule_action = [
             RuleActionRow(rule, action, acc.count, acc.events, acc.first, acc.last, acc.best, acc.best_step)
             for (rule, action), acc in self._rule_action.items()

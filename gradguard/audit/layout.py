@@ -1,4 +1,4 @@
-"""The pieces reports are laid out with: :class:`Section`, :class:`Table`, and how numbers, steps, names,
+"""The pieces reports are laid out with: ``Section``, ``Table``, and how numbers, steps, names,
 paths and origins read."""
 
 from __future__ import annotations

@@ -4,13 +4,11 @@ group clips skipped on a non-finite norm.
 
 from __future__ import annotations
 
-from typing import Any
-
-from gradguard.audit.fields import names_field, text_field
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import NonfiniteRow, ParamTally, StepTally
+from gradguard.events.definitions import Nonfinite, NonfiniteGroupNorm, NonfiniteUnhalted
 
 __all__ = ["NonfiniteCollector"]
 
@@ -39,16 +37,13 @@ class NonfiniteCollector:
         self.unhalted_params: dict[str, None] = {}
         self.group_norm = StepTally()
 
-    def nonfinite(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        rule = text_field(event, "rule")
-        kind = text_field(event, "kind")
-        param = text_field(event, "param")
-        step: int | None = event.get("step")
+    def nonfinite(self, event: Nonfinite, run: RunState, record: Record) -> None:
+        rule, kind, param, step = event.rule, event.kind, event.param, event.step
         run.count(rule, kind)
         run.watch(step)
-        if event.get("halts") is True:
+        if event.halts:
             run.halting_rules[rule] = None
-        if event.get("skips") is True:
+        if event.skips:
             run.skipping_rules[rule] = None
         if not self._shown(step, rule) or not self._narrow([param]):
             return
@@ -61,9 +56,8 @@ class NonfiniteCollector:
         entry.add(step, rule)
         entry.kinds[kind] = None
 
-    def unhalted_event(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        names = names_field(event, "params")
-        step: int | None = event.get("step")
+    def unhalted_event(self, event: NonfiniteUnhalted, run: RunState, record: Record) -> None:
+        names, step = event.params, event.step
         if self._rules or not self._shown(step, None):
             return
         names = self._narrow(names)
@@ -73,10 +67,9 @@ class NonfiniteCollector:
         for name in names:
             self.unhalted_params[name] = None
 
-    def group_norm_event(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        rule = text_field(event, "rule")
-        step: int | None = event.get("step")
-        if self._param_filter is None and self._shown(step, rule):
+    def group_norm_event(self, event: NonfiniteGroupNorm, run: RunState, record: Record) -> None:
+        step = event.step
+        if self._param_filter is None and self._shown(step, event.rule):
             self.group_norm.add(step)
 
     def by_param_rows(self) -> list[NonfiniteRow]:

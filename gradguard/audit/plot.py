@@ -7,8 +7,8 @@ interventions (ticks), skips and halts marked. Then the gradient norm before (so
 (dashed) the guard, for the most-clipped parameters or group-clipped rules; bottom: interventions per
 step by rule, with non-finite detections, skips and halts marked, and each rewind's stretch of steps never
 learned from shaded. A log only has a point where the
-guard acted, so the lines join the clipped steps. Steps are gathered into at most :data:`MAX_BINS`
-bins per series (the largest norm of a bin is kept), so memory stays bounded on logs of any length.
+guard acted, so the lines join the clipped steps. Steps are gathered into at most ``MAX_BINS`` bins per
+series (the largest norm of a bin is kept), so memory stays bounded on logs of any length.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Final
 
-from gradguard.audit.fields import Malformed, number_or_none, per_parameter
+from gradguard.audit.fields import Malformed
 from gradguard.audit.filters import EventFilter, Filters
-from gradguard.audit.reader import Record
+from gradguard.audit.reader import AnyEvent, Record
 from gradguard.audit.summary import AuditSummary
+from gradguard.events import definitions as ev
+from gradguard.events.definitions import as_float
 from gradguard.policy.patterns import rule_matches
 from gradguard.policy.schema import ClipNorm, PolicyFields
 
@@ -44,7 +46,7 @@ class PlotUnavailable(Exception):
 
 
 def require_matplotlib() -> None:
-    """Raise :class:`PlotUnavailable` (with the install command) when matplotlib cannot be imported."""
+    """Raise ``PlotUnavailable`` (with the install command) when matplotlib cannot be imported."""
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -124,67 +126,87 @@ class PlotCollector:
             except (Malformed, ArithmeticError, LookupError, TypeError, ValueError):
                 continue  # malformed: already reported by the summary pass
 
-    def _add(self, event: dict[str, Any]) -> None:
-        kind = event["event"]
-        step = event.get("step")
+    def _add(self, event: AnyEvent) -> None:
+        step = getattr(event, "step", None)
         if step is None:
             return
-        rule = event.get("rule")
+        rule = getattr(event, "rule", None)
         if not self._filter.shown(step, rule if isinstance(rule, str) else None):
             return
-        if kind == "stats" and isinstance(rule, str):
-            self._stats(step, rule, event)
-        elif kind == "adaptive_clip" and isinstance(rule, str) and isinstance(event.get("before"), list):
-            for one in per_parameter(event):
-                self._add(dict(one) | {"event": "intervention"})
-        elif kind in ("intervention", "adaptive_clip") and isinstance(rule, str):
-            max_norm = event.get("max_norm")
-            if isinstance(max_norm, int | float) and len(self.clip_thresholds) < 20:
-                self.clip_thresholds[rule] = max(float(max_norm), self.clip_thresholds.get(rule, 0.0))
-            param = event.get("param")
-            names = [param] if isinstance(param, str) else list(event.get("params") or [])
-            if not self._filter.narrow(names):
-                return
-            bins = self.per_rule.get(rule)
-            if bins is None:
-                bins = self.per_rule[rule] = _Bins()
-            bins.add(step, 0.0)
-            key = param if isinstance(param, str) else f"{rule} (group)"
-            if key in self._wanted and event.get("action") == self.action:
-                before, after = event.get("before"), event.get("after")
-                if isinstance(before, int | float) and isinstance(after, int | float):
-                    self.norms[key].add(step, float(before), float(after))
-        elif kind in ("nonfinite", "nonfinite_unhalted"):
-            param = event.get("param")
-            names = [param] if isinstance(param, str) else list(event.get("params") or [])
-            if self._filter.narrow(names):
+        if isinstance(event, ev.Stats):
+            self._stats(step, event)
+        elif isinstance(event, ev.AdaptiveClip):
+            if type(event.before) is list:
+                for name, before, after in zip(event.params, event.before, _listed(event.after), strict=False):
+                    self._clip(step, event.rule, event.action, None, name, [name], before, after)
+            else:
+                self._clip(step, event.rule, event.action, None, None, event.params, event.before, event.after)
+        elif isinstance(event, ev.Intervention):
+            names = [event.param] if event.param is not None else list(event.params or [])
+            self._clip(step, event.rule, event.action, event.max_norm, event.param, names, event.before, event.after)
+        elif isinstance(event, ev.Nonfinite):
+            if self._filter.narrow([event.param]):
                 self.nonfinite.add(step, 0.0)
-        elif kind == "skip":
-            if self._filter.narrow(list(event.get("params") or [])):
-                self.skips.add(step, 0.0)
-        elif kind == "scaler_skip":
+        elif isinstance(event, ev.NonfiniteUnhalted | ev.Skip):
+            if self._filter.narrow(event.params):
+                (self.nonfinite if isinstance(event, ev.NonfiniteUnhalted) else self.skips).add(step, 0.0)
+        elif isinstance(event, ev.ScalerSkip):
             self.scaler_skips.add(step, 0.0)
-        elif kind == "halt" and isinstance(rule, str) and len(self.halts) < 50 and self._params_shown(event):
-            self.halts.append((step, rule))
-        elif kind == "rewind" and len(self.rewinds) < 50 and self._params_shown(event):
-            to_step, skip_until = event.get("to_step"), event.get("skip_until")
-            if type(to_step) is int and type(skip_until) is int and (step, to_step, skip_until) not in self.rewinds:
-                self.rewinds.append((step, to_step, skip_until))  # once for all the ranks that made it
+        elif isinstance(event, ev.Halt) and len(self.halts) < 50 and self._params_shown(event.params):
+            self.halts.append((step, event.rule))
+        elif (
+            isinstance(event, ev.Rewind)
+            and len(self.rewinds) < 50
+            and self._params_shown(event.params)
+            and (step, event.to_step, event.skip_until) not in self.rewinds
+        ):
+            self.rewinds.append((step, event.to_step, event.skip_until))  # once for all the ranks that made it
 
-    def _params_shown(self, event: dict[str, Any]) -> bool:
+    def _clip(
+        self,
+        step: int,
+        rule: str,
+        action: str,
+        max_norm: Any,
+        param: str | None,
+        names: list[str],
+        before: Any,
+        after: Any,
+    ) -> None:
+        if type(max_norm) is float and len(self.clip_thresholds) < 20:
+            self.clip_thresholds[rule] = max(max_norm, self.clip_thresholds.get(rule, 0.0))
+        if not self._filter.narrow(names):
+            return
+        bins = self.per_rule.get(rule)
+        if bins is None:
+            bins = self.per_rule[rule] = _Bins()
+        bins.add(step, 0.0)
+        key = param if param is not None else f"{rule} (group)"
+        if key in self._wanted and action == self.action and type(before) is float and type(after) is float:
+            self.norms[key].add(step, before, after)
+
+    def _params_shown(self, params: list[str]) -> bool:
         """Whether ``--param`` leaves a halt or rewind shown; one without parameters (an overflow) only without it."""
-        return self._filter.params is None or bool(self._filter.narrow(list(event.get("params") or [])))
+        return self._filter.params is None or bool(self._filter.narrow(params))
 
-    def _stats(self, step: int, rule: str, event: dict[str, Any]) -> None:
-        norms = event.get("figures", {}).get("norm")
+    def _stats(self, step: int, event: ev.Stats) -> None:
+        norms = event.figures.get("norm")
         if norms is None:
             return
-        by_name = {rule: norms} if event.get("scope") == "group" else norms
+        by_name = {event.rule: norms} if event.scope == "group" else norms
+        if not isinstance(by_name, dict):
+            return
         for name, value in by_name.items():
-            bins = self.health.get((rule, name))
-            number = number_or_none(value)
-            if bins is not None and number is not None and number > 0 and math.isfinite(number):
+            bins = self.health.get((event.rule, name))
+            if bins is None or isinstance(value, dict):
+                continue
+            number = as_float(value)
+            if number > 0 and math.isfinite(number):
                 bins.add(step, number)
+
+
+def _listed(values: Any) -> list[Any]:
+    return values if type(values) is list else []
 
 
 def policy_thresholds(policy: PolicyFields, names: Iterable[str]) -> dict[str, tuple[str, float]]:

@@ -1,57 +1,74 @@
 """Reading gradguard audit logs: streamed, tolerant of damage, several files merged in step order.
 
 A file is read in chunks and split into lines here, so memory is bounded by the chunk size and the
-longest line accepted (:data:`MAX_LINE_BYTES`), never by the size of the file. A line that is not a
-gradguard event (corrupt JSON, a last line torn by a crash mid-write, a line another program wrote,
-bytes that are not UTF-8, an over-long line) becomes a :class:`BadLine` with its file and line number,
-and reading goes on with the next line: nothing else is lost.
+longest line accepted (``MAX_LINE_BYTES``), never by the size of
+the file. Each line is decoded once, by msgspec, straight into its typed event
+(``gradguard.events.definitions``: the one definition of every event the
+guard writes). A line that is not a gradguard event (corrupt JSON, a last line torn by a crash
+mid-write, a line another program wrote, bytes that are not UTF-8, an over-long line, an event whose
+fields do not fit its definition) becomes a ``BadLine`` with its file
+and line number, and reading goes on with the next line: nothing else is lost.
 
 Each file is in step order (the guard appends as it goes), so several files (one per rank, or a run
-resumed into a new file) are merged lazily with :func:`heapq.merge`, holding one event per file.
-This module imports nothing outside the standard library.
+resumed into a new file) are merged lazily with `heapq.merge`, holding one event per file.
 """
 
 from __future__ import annotations
 
 import heapq
 import json
-import json.scanner
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Final, NamedTuple
+from typing import Any, BinaryIO, Final, Union
+
+import msgspec
+
+from gradguard.events.definitions import EVENT_DECODER, EVENTS, FOREIGN_DECODER, ForeignEvent, GuardEvent
 
 __all__ = [
     "MAX_LINE_BYTES",
+    "AnyEvent",
     "BadLine",
     "FollowReader",
     "LineSplitter",
     "ReadStats",
     "Record",
     "parse_line",
+    "read_batches",
     "read_file",
+    "read_line",
     "read_merged",
     "total_bytes",
 ]
 
-CHUNK_BYTES: Final = 1 << 20
+CHUNK_BYTES: Final = 1 << 18
+"""Bytes read at a time; a chunk's events are decoded together, so this bounds the memory they take."""
 MAX_LINE_BYTES: Final = 64 << 20
 """Longer lines are reported and skipped (a group clip of a million parameters is about 50 MiB)."""
 _EXCERPT_CHARS: Final = 80
 
 
-class Record(NamedTuple):
+AnyEvent = Union[GuardEvent, ForeignEvent]  # noqa: UP007
+"""What a line is read into: the typed event of ``gradguard.events.definitions``."""
+
+_DECODE_ERRORS: Final = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError, ValueError)
+"""What decoding a line may raise: it does not fit a definition, is not JSON, not UTF-8, too deep."""
+
+
+class Record(msgspec.Struct, order=True, frozen=True, gc=False):
     """One gradguard event and where it was read.
 
     ``order`` is the merge key: the event's ``step``, or for an event without one (``attach``,
-    ``detach``) the last step seen before it in its file, ``-1`` before any.
+    ``detach``) the last step seen before it in its file, ``-1`` before any. Records compare by
+    ``(order, file, line)``: never by ``event``, as no two records share a file and line.
     """
 
     order: int
     file: int
     line: int
-    event: dict[str, Any]
+    event: AnyEvent
 
 
 @dataclass(frozen=True)
@@ -70,12 +87,12 @@ class BadLine:
 
 @dataclass
 class ReadStats:
-    """Lines and events read per file; every skipped line is counted, and the first :attr:`keep` are kept."""
+    """Lines and events read per file; every skipped line is counted, and the first ``keep`` are kept."""
 
     keep: int = 200
     bad_total: int = 0
     bad_lines: list[BadLine] = field(default_factory=list)
-    """The first :attr:`keep` bad lines, in the order read."""
+    """The first ``keep`` bad lines, in the order read."""
     bad_per_file: dict[str, int] = field(default_factory=dict)
     lines: dict[str, int] = field(default_factory=dict)
     """Lines read so far, per file (bad and blank lines included)."""
@@ -97,8 +114,37 @@ def _excerpt(raw: bytes | None) -> str:
     return text if len(text) <= _EXCERPT_CHARS else text[: _EXCERPT_CHARS - 3] + "..."
 
 
+def read_line(raw: bytes, error: Exception | None = None) -> AnyEvent | str | None:
+    """The typed event of one line, or why the line is not one (a ``str``), or ``None`` for a blank line.
+
+    ``error``: what decoding it raised already (the readers decode every line once, and come here only
+    for a line that did not fit). Why a line is not JSON is told in the standard library's words
+    (``parse_line``), a line that is JSON but does not fit its event's
+    definition in msgspec's (the field and what was expected).
+    """
+    if error is None:
+        try:
+            return EVENT_DECODER.decode(raw)
+        except _DECODE_ERRORS as exc:
+            error = exc
+    checked = parse_line(raw)
+    if not isinstance(checked, dict):
+        return checked
+    name = checked["event"]
+    if name not in EVENTS:
+        try:
+            return FOREIGN_DECODER.decode(raw)
+        except _DECODE_ERRORS as exc:
+            error = exc
+    if isinstance(error, msgspec.ValidationError):
+        return f"gradguard {name!r} event that does not fit its definition ({_first_words(error)})"
+    return f"JSON the audit cannot read ({_first_words(error)}): not a gradguard event"
+
+
 def parse_line(raw: bytes) -> dict[str, Any] | str | None:
-    """A gradguard event, or why the line is not one (a ``str``), or ``None`` for a blank line."""
+    """The line as the standard library's ``json`` reads it (a dict with ``event`` and ``run`` strings and a valid
+    ``step``), or why it is not one (a ``str``), or ``None`` for a blank line; the diagnosis of a line that
+    ``read_line`` could not read."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -125,7 +171,7 @@ def parse_line(raw: bytes) -> dict[str, Any] | str | None:
     return obj
 
 
-def _first_words(exc: Exception) -> str:
+def _first_words(exc: BaseException) -> str:
     """The start of an exception's message, for a bad line's reason (a message can repeat the whole line)."""
     text = str(exc).split(";")[0]
     return text if len(text) <= 80 else text[:77] + "..."
@@ -138,8 +184,8 @@ def _json_type(value: Any) -> str:
 class LineSplitter:
     """Splits a byte stream into complete lines, numbering them from 1.
 
-    An incomplete last line is held back until its newline arrives (:meth:`feed`) or the stream ends
-    (:meth:`finish`). A line longer than ``max_line`` is dropped while it streams past and comes out
+    An incomplete last line is held back until its newline arrives (``feed``) or the stream ends
+    (``finish``). A line longer than ``max_line`` is dropped while it streams past and comes out
     as ``None``, so memory stays bounded whatever the input.
     """
 
@@ -167,9 +213,10 @@ class LineSplitter:
             if lines[0] is not None and len(lines[0]) > self.max_line:
                 lines[0] = None
             self._held, self._held_bytes, self._overlong = [], 0, False
-        for index, line in enumerate(lines):
-            if line is not None and len(line) > self.max_line:
-                lines[index] = None
+        if len(chunk) > self.max_line:  # only then can a line of this chunk alone be over-long
+            for index, line in enumerate(lines):
+                if line is not None and len(line) > self.max_line:
+                    lines[index] = None
         self.lines_done += len(lines)
         if tail:
             self._hold(tail)
@@ -194,9 +241,6 @@ class LineSplitter:
         return self.lines_done, line
 
 
-_scan_once: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
-"""The C scanner behind :func:`json.loads`, without its two regular-expression passes per line."""
-
 _OVERLONG = f"line longer than {MAX_LINE_BYTES >> 20} MiB: skipped (corrupt, or not a gradguard log)"
 _TRUNCATED = "truncated last line (no newline at the end: the writer probably stopped mid-write)"
 
@@ -215,57 +259,40 @@ class _FileState:
         stats.lines.setdefault(self.name, 0)
         stats.events.setdefault(self.name, 0)
 
-    def feed(self, chunk: bytes) -> Iterator[Record]:
+    def feed(self, chunk: bytes) -> list[Record]:
         first_number, lines = self.splitter.feed(chunk)
         self.stats.lines[self.name] = self.splitter.lines_done
         return self.records(first_number, lines)
 
-    def records(self, first_number: int, lines: Sequence[bytes | None]) -> Iterator[Record]:
+    def records(self, first_number: int, lines: Sequence[bytes | None]) -> list[Record]:
         """The events among ``lines`` (numbered from ``first_number``); the rest are reported to the stats."""
-        count = 0
+        out: list[Record] = []
+        append = out.append
         index = self.index
         last_step = self.last_step
-        scan = _scan_once
+        decode = EVENT_DECODER.decode
         for number, raw in enumerate(lines, first_number):
             if raw is None:
                 self.stats.bad_line(self.name, number, _OVERLONG)
                 continue
-            # The fast path: one well-formed event per line, as the guard writes them.
             try:
-                text = raw.decode("utf-8")
-                parsed, end = scan(text, 0)
-                fast = end == len(text) and type(parsed) is dict
-            except (UnicodeDecodeError, StopIteration, ValueError, RecursionError):
-                fast = False
-            if fast:
-                step = parsed.get("step")
-                if (
-                    type(parsed.get("event")) is not str
-                    or type(parsed.get("run")) is not str
-                    or (step is not None and (type(step) is not int or step < 0))
-                ):
-                    fast = False
-            if not fast:
-                checked = parse_line(raw)
+                event: AnyEvent = decode(raw)
+            except _DECODE_ERRORS as exc:
+                checked = read_line(raw, exc)
                 if checked is None:
                     continue
                 if isinstance(checked, str):
                     self.stats.bad_line(self.name, number, checked, raw)
                     continue
-                parsed = checked
-                step = parsed.get("step")
-            count += 1
-            if step is None:
-                yield Record(last_step, index, number, parsed)
-            else:
-                last_step = self.last_step = step
-                yield Record(step, index, number, parsed)
-            if count == 1024:
-                self.events += count
-                self.stats.events[self.name] += count
-                count = 0
-        self.events += count
-        self.stats.events[self.name] += count
+                event = checked
+            step = getattr(event, "step", None)
+            if step is not None:
+                last_step = step
+            append(Record(last_step, index, number, event))
+        self.last_step = last_step
+        self.events += len(out)
+        self.stats.events[self.name] += len(out)
+        return out
 
     def finish(self) -> Iterator[Record]:
         held = self.splitter.finish()
@@ -276,8 +303,8 @@ class _FileState:
         if raw is None:
             self.stats.bad_line(self.name, number, _OVERLONG)
             return
-        parsed = parse_line(raw)
-        if isinstance(parsed, dict):
+        parsed = read_line(raw)
+        if not isinstance(parsed, str | None):
             # Complete but for its newline: nothing is lost, so it is read like any other line.
             yield from self.records(number, [raw])
         elif parsed is not None:
@@ -291,13 +318,39 @@ def read_file(
     progress: Callable[[int], None] | None = None,
 ) -> Iterator[Record]:
     """Every gradguard event of one file, in file order; bad lines go to ``stats``."""
+    for batch in _file_batches(path, index, stats, progress):
+        yield from batch
+
+
+def _file_batches(
+    path: Path, index: int, stats: ReadStats, progress: Callable[[int], None] | None
+) -> Iterator[list[Record]]:
+    """The events of one file, a chunk's worth at a time."""
     state = _FileState(path, index, stats)
     with open(path, "rb") as handle:
         while chunk := handle.read(CHUNK_BYTES):
             if progress is not None:
                 progress(len(chunk))
-            yield from state.feed(chunk)
-    yield from state.finish()
+            yield state.feed(chunk)
+    yield list(state.finish())
+
+
+def read_batches(
+    paths: Sequence[Path],
+    stats: ReadStats,
+    progress: Callable[[int], None] | None = None,
+) -> Iterator[list[Record]]:
+    """What ``read_merged`` gives, in lists (a read chunk's worth of one file)."""
+    if len(paths) == 1:
+        yield from _file_batches(paths[0], 0, stats, progress)
+        return
+    batch: list[Record] = []
+    for record in read_merged(paths, stats, progress):
+        batch.append(record)
+        if len(batch) == 4096:
+            yield batch
+            batch = []
+    yield batch
 
 
 def read_merged(
@@ -313,13 +366,13 @@ def read_merged(
 
 
 class FollowReader:
-    """Reads files that are still being written, like ``tail -f``: each :meth:`poll` returns what was appended.
+    """Reads files that are still being written, like ``tail -f``: each ``poll`` returns what was appended.
 
     An incomplete last line is held until its newline arrives. Files are read round-robin, at most
     ``budget`` bytes per poll, so a long backlog never keeps the caller from refreshing its view.
     """
 
-    def __init__(self, paths: Sequence[Path], stats: ReadStats, *, budget: int = 16 * CHUNK_BYTES) -> None:
+    def __init__(self, paths: Sequence[Path], stats: ReadStats, *, budget: int = 16 << 20) -> None:
         self._states = [_FileState(path, index, stats) for index, path in enumerate(paths)]
         self._handles: list[BinaryIO] = [open(path, "rb") for path in paths]  # noqa: SIM115 - closed in close()
         self.budget = budget

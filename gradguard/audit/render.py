@@ -1,8 +1,8 @@
 """Rendering reports as plain-text tables, Markdown or JSON: no dependency, no terminal tricks.
 
-A report is a list of :class:`Section` s (a title, lines of text, an optional :class:`Table`, more
-lines); :func:`render_text` and :func:`render_markdown` lay the same sections out for a terminal and
-for a pull request or a notebook. :func:`audit_sections` builds the sections of ``gradguard audit``.
+A report is a list of ``Section`` s (a title, lines of text, an optional ``Table``, more
+lines); ``render_text`` and ``render_markdown`` lay the same sections out for a terminal and
+for a pull request or a notebook. ``audit_sections`` builds the sections of ``gradguard audit``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""What the audit keeps of one guard's life in the log (a ``run`` id): :class:`RunState`.
+"""What the audit keeps of one guard's life in the log (a ``run`` id): ``RunState``.
 
-Whole-log bookkeeping, never filtered: the run table (:mod:`gradguard.audit.runs`) and the
-reproduced counters (:mod:`gradguard.audit.counters`) are made from it; the collectors of
+Whole-log bookkeeping, never filtered: the run table (``gradguard.audit.runs``) and the
+reproduced counters (``gradguard.audit.counters``) are made from it; the collectors of
 interventions, non-finite gradients, halts and skips add to its counts as they go.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Final
 
 from gradguard.audit.summary import Counts
+from gradguard.events.definitions import Intervention
 
 __all__ = ["RECOMPUTABLE_ACTIONS", "SCALER_KEY", "LastIntervention", "RunState", "recomputable"]
 
@@ -23,8 +24,9 @@ RECOMPUTABLE_ACTIONS: Final = frozenset(
 SCALER_KEY: Final = ("grad_scaler", "skip")
 """The counter of steps GradScaler skipped; one ``scaler_skip`` event each."""
 
-LastIntervention = tuple[int | None, str, str, str | int, float | None]
-"""(step, rule, action, parameter or group size, value before) of an intervention."""
+LastIntervention = tuple[int | None, str, str, str | int, float | None] | Intervention
+"""(step, rule, action, parameter or group size, value before) of an intervention, or the ``intervention`` event
+of one tensor's clip itself (kept as it is: most lines are one, and few are ever described)."""
 
 
 def recomputable(key: tuple[str, str]) -> bool:

@@ -1,44 +1,48 @@
-"""The run table: one :class:`RunState` per run id (attach info, steps, times, how it ended), made into
-:class:`RunInfo` rows. Whole log, never filtered.
+"""The run table: one ``RunState`` per run id (attach info, steps, times, how it ended), made into
+``RunInfo`` rows. Whole log, never filtered.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 from gradguard.audit.counters import CounterCheck, reproduced_counters
-from gradguard.audit.reader import Record
+from gradguard.audit.reader import AnyEvent, Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import RunInfo, joined_stretches
+from gradguard.events.definitions import Attach, Detach
 
 __all__ = ["RunTable", "seconds_between"]
 
 
 class RunTable:
-    """Finds (or starts) the run of every event; takes ``attach`` and ``detach``; gives :meth:`infos`."""
+    """Finds (or starts) the run of every event; takes ``attach`` and ``detach``; gives ``infos``."""
 
     def __init__(self, paths: list[str], counters: CounterCheck) -> None:
         self.paths = paths
         self.counters = counters
         self.by_id: dict[str, RunState] = {}
+        self._last: RunState | None = None
+        self._last_file = -1
 
-    def run_of(self, event: dict[str, Any], record: Record) -> RunState:
+    def run_of(self, event: AnyEvent, record: Record) -> RunState:
         """The event's run, with the event's file, time and step noted."""
-        run_id: str = event["run"]
-        run = self.by_id.get(run_id)
-        if run is None:
-            rank = event.get("rank")
-            run = self.by_id[run_id] = RunState(run_id, rank if type(rank) is int else 0)
-        if record.file not in run.files:
-            run.files[record.file] = None
+        run = self._last
+        if run is None or run.run != event.run or record.file != self._last_file:
+            run_id = event.run
+            run = self.by_id.get(run_id)
+            if run is None:
+                run = self.by_id[run_id] = RunState(run_id, event.rank)
+            if record.file not in run.files:
+                run.files[record.file] = None
+            self._last, self._last_file = run, record.file
         run.events += 1
-        ts = event.get("ts")
-        if type(ts) is str:
+        ts = event.ts
+        if ts is not None:
             if run.first_ts is None:
                 run.first_ts = ts
             run.last_ts = ts
-        step = event.get("step")
+        step = getattr(event, "step", None)
         if step is not None:
             if run.first_step is None or step < run.first_step:
                 run.first_step = step
@@ -46,18 +50,13 @@ class RunTable:
                 run.last_step = step
         return run
 
-    def attach(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        model, policy, params, rules = event.get("model"), event.get("policy"), event.get("params"), event.get("rules")
-        run.model = model if type(model) is str else None
-        run.policy = policy if type(policy) is str else None
-        run.params = params if type(params) is int else None
-        if isinstance(rules, dict):
-            run.rule_order = [str(name) for name in rules]
-            run.rules_matched = {str(name): n for name, n in rules.items() if type(n) is int}
+    def attach(self, event: Attach, run: RunState, record: Record) -> None:
+        run.model, run.policy, run.params = event.model, event.policy, event.params
+        run.rule_order = list(event.rules)
+        run.rules_matched = dict(event.rules)
 
-    def detach(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        reason = event.get("reason")
-        run.detach_reason = reason if type(reason) is str else "unknown reason"
+    def detach(self, event: Detach, run: RunState, record: Record) -> None:
+        run.detach_reason = event.reason
         self.counters.snapshot(event, run, record)
 
     def infos(self) -> list[RunInfo]:

@@ -1,15 +1,15 @@
-"""Aggregating audit-log events into an :class:`AuditSummary`, in memory bounded by the model, not the log.
+"""Aggregating audit-log events into an ``AuditSummary``, in memory bounded by the model, not the log.
 
 What is kept grows with the number of runs, rules and parameter names, never with the number of
 steps: counts, first/last steps, largest values, the first few steps of each kind of incident and
 the first few halts, with totals for the rest.
 
-:class:`Summarizer` finds each event's run (:mod:`gradguard.audit.runs`) and hands the event to the
-collector of its kind: counters snapshots (:mod:`gradguard.audit.counters`), interventions
-(:mod:`gradguard.audit.interventions`), non-finite gradients (:mod:`gradguard.audit.nonfinite`),
-halts, rewinds and skips (:mod:`gradguard.audit.halts_and_skips`), gradient health (:mod:`gradguard.audit.health`),
+``Summarizer`` finds each event's run (``gradguard.audit.runs``) and hands the event to the
+collector of its kind: counters snapshots (``gradguard.audit.counters``), interventions
+(``gradguard.audit.interventions``), non-finite gradients (``gradguard.audit.nonfinite``), halts,
+rewinds and skips (``gradguard.audit.halts_and_skips``), gradient health (``gradguard.audit.health``),
 or, for any other event name,
-:class:`OtherEventCollector`. A malformed event becomes an unreadable line in the read statistics.
+``OtherEventCollector``. A malformed event becomes an unreadable line in the read statistics.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 from gradguard.audit.counters import CounterCheck
-from gradguard.audit.fields import Malformed, per_parameter
+from gradguard.audit.fields import Malformed, number_or_none
 from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.halts_and_skips import KEPT_HALTS, HaltSkipCollector
 from gradguard.audit.health import HealthCollector
 from gradguard.audit.interventions import InterventionCollector
 from gradguard.audit.nonfinite import NonfiniteCollector
-from gradguard.audit.reader import ReadStats, Record
+from gradguard.audit.reader import AnyEvent, ReadStats, Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.runs import RunTable, seconds_between
 from gradguard.audit.summary import (
@@ -37,28 +37,34 @@ from gradguard.audit.summary import (
     joined_stretches,
     unlearned_stretch,
 )
+from gradguard.events import definitions as ev
 
-__all__ = ["OtherEventCollector", "Summarizer"]
+__all__ = ["OtherEventCollector", "Summarizer", "name_of"]
 
 KEPT_EVENT_NAMES: Final = 100
 
 
+def name_of(event: AnyEvent) -> str:
+    """The ``event`` name of a line read."""
+    return event.event if isinstance(event, ev.ForeignEvent) else ev.event_name(type(event))
+
+
 class OtherEventCollector:
     """Events of any other name (a callback's, a later guard's): counted by name, the first
-    :data:`KEPT_EVENT_NAMES` names apart and the rest together."""
+    ``KEPT_EVENT_NAMES`` names apart and the rest together."""
 
     def __init__(self, event_filter: EventFilter) -> None:
         self._shown = event_filter.shown
         self._param_filter = event_filter.params
         self.by_name: dict[str, StepTally] = {}
 
-    def add(self, event: dict[str, Any]) -> None:
-        name: str = event["event"]
-        step = event.get("step")
-        rule = event.get("rule")
+    def add(self, event: AnyEvent) -> None:
+        name = name_of(event)
+        step = getattr(event, "step", None)
+        rule = getattr(event, "rule", None)
         if not self._shown(step, rule if type(rule) is str else None):
             return
-        param = event.get("param")
+        param = getattr(event, "param", None)
         if self._param_filter is not None and not (type(param) is str and self._param_filter(param)):
             return
         steps = self.by_name.get(name)
@@ -72,7 +78,7 @@ class OtherEventCollector:
 
 
 class Summarizer:
-    """Feed it :class:`Record` s (:meth:`add`); :meth:`summary` at any time gives an :class:`AuditSummary`."""
+    """Feed it ``Record`` s (``add``); ``summary`` at any time gives an ``AuditSummary``."""
 
     def __init__(self, paths: Iterable[str], stats: ReadStats, filters: Filters | None = None) -> None:
         self.paths = list(paths)
@@ -87,46 +93,29 @@ class Summarizer:
         self.other = OtherEventCollector(event_filter)
         self.health = HealthCollector(event_filter)
         self._run_of = self.runs.run_of
-        self._handlers: dict[str, Callable[[dict[str, Any], RunState, Record], None]] = {
-            "attach": self.runs.attach,
-            "detach": self.runs.detach,
-            "counters": self.counters.snapshot,
-            "intervention": self.interventions.intervention,
-            "adaptive_clip": self._adaptive_clip,
-            "nonfinite": self.nonfinite.nonfinite,
-            "nonfinite_unhalted": self.nonfinite.unhalted_event,
-            "nonfinite_group_norm": self.nonfinite.group_norm_event,
-            "halt": self.halts_and_skips.halt,
-            "rewind": self.halts_and_skips.rewind,
-            "skip": self.halts_and_skips.skip,
-            "spike_skip": self.halts_and_skips.spike_skip,
-            "scaler_skip": self.halts_and_skips.scaler_skip,
-            "stats": self.health.stats,
-            "vanishing": self.health.flag,
-            "exploding": self.health.flag,
-            "recovered": self.health.flag,
+        self._handlers: dict[type[AnyEvent], Callable[[Any, RunState, Record], None]] = {
+            ev.Attach: self.runs.attach,
+            ev.Detach: self.runs.detach,
+            ev.Counters: self.counters.snapshot,
+            ev.Intervention: self.interventions.intervention,
+            ev.AdaptiveClip: self.interventions.adaptive_clip,
+            ev.Nonfinite: self.nonfinite.nonfinite,
+            ev.NonfiniteUnhalted: self.nonfinite.unhalted_event,
+            ev.NonfiniteGroupNorm: self.nonfinite.group_norm_event,
+            ev.Halt: self.halts_and_skips.halt,
+            ev.Rewind: self.halts_and_skips.rewind,
+            ev.Skip: self.halts_and_skips.skip,
+            ev.SpikeSkip: self.halts_and_skips.spike_skip,
+            ev.ScalerSkip: self.halts_and_skips.scaler_skip,
+            ev.Stats: self.health.stats,
+            ev.Vanishing: self.health.flag,
+            ev.Exploding: self.health.flag,
+            ev.Recovered: self.health.flag,
         }
 
-    def _adaptive_clip(self, event: dict[str, Any], run: RunState, record: Record) -> None:
-        """An adaptive clip is an intervention per parameter (``scope: tensor`` events list them in one line)."""
-        for one in per_parameter(event):
-            self.interventions.intervention(dict(one), run, record)
-
     def add(self, record: Record) -> None:
-        """Take one event; a malformed one is reported as a bad line (with its number) and skipped."""
-        event = record.event
-        try:
-            run = self._run_of(event, record)
-            handler = self._handlers.get(event["event"])
-            if handler is None:
-                self.other.add(event)
-            else:
-                handler(event, run, record)
-        except Malformed as exc:
-            self._bad(record, str(exc))
-        except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
-            # A value no check above foresaw (a fuzzed or hand-edited line): that line is lost, not the report.
-            self._bad(record, f"gradguard {event.get('event')!r} event the audit cannot read ({type(exc).__name__})")
+        """Take one event; one the audit cannot use is reported as a bad line (with its number) and skipped."""
+        self.add_all((record,))
 
     def _bad(self, record: Record, reason: str) -> None:
         path = self.paths[record.file]
@@ -134,8 +123,73 @@ class Summarizer:
         self.stats.bad_line(path, record.line, reason)
 
     def add_all(self, records: Iterable[Record]) -> None:
+        """Take every event of ``records`` (see ``add``).
+
+        A clip of one tensor of the run just seen (most lines of a long log) is counted inline, as
+        ``InterventionCollector.tensor_clip``
+        and ``RunTable.run_of`` would; every other event goes to its handler.
+        """
+        handlers, run_of, other = self._handlers, self._run_of, self.other.add
+        clips = self.interventions
+        fast = not clips.filtered
+        entries = clips.entries
+        seq = clips.seq
+        run: RunState | None = None
+        run_id, run_file = "", -1
         for record in records:
-            self.add(record)
+            event = record.event
+            if (
+                type(event) is ev.Intervention
+                and fast
+                and event.param is not None
+                and run is not None
+                and run.first_step is not None
+                and run.last_step is not None
+                and event.run == run_id
+                and record.file == run_file
+            ):
+                run.events += 1
+                if event.ts is not None:
+                    run.last_ts = event.ts
+                step = event.step
+                if step > run.last_step:
+                    run.last_step = step
+                elif step < run.first_step:
+                    run.first_step = step
+                run.last_intervention = event
+                rule, action = event.rule, event.action
+                before = event.before if type(event.before) is float else number_or_none(event.before)
+                key = (rule, action)
+                recomputed = run.recomputed
+                recomputed[key] = recomputed.get(key, 0) + 1
+                seq += 1
+                entry = entries.get((rule, action, event.param))
+                if entry is None:
+                    entries[(rule, action, event.param)] = [1, step, seq, step, seq, before, step]
+                    continue
+                entry[0] += 1
+                entry[3] = step
+                entry[4] = seq
+                if before is not None and (entry[5] is None or before > entry[5]):
+                    entry[5] = before
+                    entry[6] = step
+                continue
+            clips.seq = seq
+            try:
+                run = run_of(event, record)
+                run_id, run_file = event.run, record.file
+                handler = handlers.get(type(event))
+                if handler is None:
+                    other(event)
+                else:
+                    handler(event, run, record)
+            except Malformed as exc:
+                self._bad(record, str(exc))
+            except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
+                # A value no definition foresaw (a fuzzed or hand-edited line): that line is lost, not the report.
+                self._bad(record, f"gradguard {name_of(event)!r} event the audit cannot read ({type(exc).__name__})")
+            seq = clips.seq
+        clips.seq = seq
 
     def summary(self) -> AuditSummary:
         """The summary of everything added so far."""

@@ -1,7 +1,7 @@
-"""The data model of ``gradguard audit``: an :class:`AuditSummary` and its rows, and the findings it yields.
+"""The data model of ``gradguard audit``: an ``AuditSummary`` and its rows, and the findings it yields.
 
-Plain data: the summarizer (:mod:`gradguard.audit.summarizer`) fills it, the renderers
-(:mod:`gradguard.audit.render`, :mod:`gradguard.audit.plot`) read it; :meth:`AuditSummary.as_json` is
+Plain data: the summarizer (``gradguard.audit.summarizer``) fills it, the renderers
+(``gradguard.audit.render``, ``gradguard.audit.plot``) read it; ``AuditSummary.as_json`` is
 ``--format json``.
 """
 
@@ -128,7 +128,7 @@ class StepList:
     events: int = 0
     distinct_steps: int = 0
     steps: list[int] = field(default_factory=list)
-    """The first :data:`SHOWN_STEPS` distinct steps."""
+    """The first ``SHOWN_STEPS`` distinct steps."""
     first_step: int | None = None
     last_step: int | None = None
 
@@ -154,7 +154,7 @@ class ParamTally:
 
 
 class StepTally:
-    """A :class:`StepList` being filled: events, distinct steps (in arrival order), the first few steps."""
+    """A ``StepList`` being filled: events, distinct steps (in arrival order), the first few steps."""
 
     __slots__ = ("_last", "distinct", "events", "first", "last", "shown")
 
@@ -192,7 +192,7 @@ class HaltRow:
     kind: str
     reason: str | None
     params: list[str]
-    """The first :data:`HALT_PARAMS_SHOWN` non-finite parameters, in model order."""
+    """The first ``HALT_PARAMS_SHOWN`` non-finite parameters, in model order."""
     n_params: int
     where: str
     ts: str | None
@@ -221,7 +221,7 @@ class RewindRow:
     kind: str
     reason: str | None
     params: list[str]
-    """The first :data:`HALT_PARAMS_SHOWN` non-finite parameters, as the halt would have named them."""
+    """The first ``HALT_PARAMS_SHOWN`` non-finite parameters, as the halt would have named them."""
     n_params: int
     rewinds: int | None
     """How many rewinds the run had made, this one included."""
@@ -291,7 +291,7 @@ class FlagRow:
 
 @dataclass
 class AuditSummary:
-    """Everything ``gradguard audit`` reports; :meth:`as_json` is its ``--format json``."""
+    """Everything ``gradguard audit`` reports; ``as_json`` is its ``--format json``."""
 
     files: list[FileInfo]
     runs: list[RunInfo]
@@ -325,7 +325,7 @@ class AuditSummary:
     skips_by_rule: dict[str, int]
     skipped_params: dict[str, int]
     skip_origins: list[SkipOrigin]
-    """The first skips that carry an origin (:data:`~gradguard.audit.halts_and_skips.KEPT_HALTS`)."""
+    """The first skips that carry an origin (``KEPT_HALTS``)."""
     scaler_skips: StepList
     other_events: dict[str, StepList]
     bad_lines: list[BadLine]
@@ -345,14 +345,14 @@ class AuditSummary:
     largest_spike: tuple[float, int | None] | None = None
     """The largest z-score of a skipped spike, and its step."""
     rewinds: list[RewindRow] = field(default_factory=list)
-    """The first :data:`~gradguard.audit.halts_and_skips.KEPT_HALTS` rewinds (one row for all ranks)."""
+    """The first ``KEPT_HALTS`` rewinds (one row for all ranks)."""
     rewinds_total: int = 0
     unlearned_steps: list[list[int]] = field(default_factory=list)
     """The stretches ``[first, last]`` of steps the shown rewinds left unlearned, joined across runs."""
 
     @property
     def exit_code(self) -> int:
-        """0 when the log shows nothing to look at, 1 when :attr:`findings` is not empty."""
+        """0 when the log shows nothing to look at, 1 when ``findings`` is not empty."""
         return 1 if self.findings else 0
 
     def as_json(self) -> dict[str, Any]:

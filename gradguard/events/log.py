@@ -1,7 +1,7 @@
 """Structured events: one JSON line per event in the audit log, and the application's structlog.
 
 The audit log keeps every field of every event; the application's logger (a console, by default) gets
-a short form of the long ones (:func:`console_fields`): a halt of a 300-parameter model is one line of a
+a short form of the long ones (``console_fields``): a halt of a 300-parameter model is one line of a
 few hundred characters there, with the rule, step, kind, count, the first names and the origin.
 
 gradguard never calls ``structlog.configure``. The audit log has a processor chain of its own
@@ -10,11 +10,11 @@ also go to a structlog logger (by default ``structlog.get_logger("gradguard")``)
 application's configuration decides what happens to them; while structlog is unconfigured, only
 warnings and errors go there, because structlog's default prints everything to stdout.
 
-The training thread never waits on the audit file: :meth:`EventLog.emit` stamps the event and puts
-it on a queue (about a microsecond), and a background thread renders it to JSON and appends it,
-writing whole lines only, one ``os.write`` per batch of lines on a file opened with ``O_APPEND``.
-:meth:`EventLog.flush` waits until everything emitted so far is on disk; it runs before every halt is
-raised, on :meth:`EventLog.close` and at interpreter exit (also after an uncaught exception).
+The training thread never waits on the audit file: ``EventLog.emit`` stamps the event and puts it on
+a queue (about a microsecond), and a background thread renders it to JSON and appends it, writing
+whole lines only, one ``os.write`` per batch of lines on a file opened with ``O_APPEND``.
+``EventLog.flush`` waits until everything emitted so far is on disk; it runs before every halt is
+raised, on ``EventLog.close`` and at interpreter exit (also after an uncaught exception).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ DEFAULT_LOGGER: Final = _DefaultLogger()
 
 
 class _FileLock:
-    """The lock of one file (device and inode), shared by every :class:`JsonLinesFile` of the process on it."""
+    """The lock of one file (device and inode), shared by every ``JsonLinesFile`` of the process on it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -146,7 +146,7 @@ def _finite_json(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mappi
 def console_fields(event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
     """The short form of an event's fields for the application's logger; the audit log keeps ``fields``.
 
-    A list longer than :data:`CONSOLE_NAMES` keeps its first items and says how many more there are
+    A list longer than ``CONSOLE_NAMES`` keeps its first items and says how many more there are
     (``params`` also gets its ``count``); ``kinds`` (a kind per parameter) becomes a tally per kind;
     ``origin`` keeps where it started (not its list of first parameters, which lead ``params``); a
     halt's cumulative ``counters`` are left to the audit log (and ``guard.counters``).
@@ -179,7 +179,7 @@ _STAMP_KEY: Final = "_gradguard_emitted_at"
 
 
 def _stamp(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
-    """``ts`` from the time :meth:`EventLog.emit` was called, not the time the line is rendered.
+    """``ts`` from the time ``EventLog.emit`` was called, not the time the line is rendered.
 
     The same text structlog's ``TimeStamper(fmt="iso", utc=True)`` writes.
     """
@@ -342,7 +342,7 @@ def _flush_all_at_exit() -> None:
 class EventLog:
     """Sends every gradguard event to the audit file (all of them) and to a structlog logger.
 
-    Audit lines are rendered and written by a background thread; see :meth:`flush`.
+    Audit lines are rendered and written by a background thread; see ``flush``.
     """
 
     def __init__(

@@ -1,8 +1,8 @@
 """Live metrics: a guard's counters served over HTTP in the Prometheus text format.
 
-``GradGuard(..., metrics_port=PORT)`` starts a :class:`MetricsServer`: ``prometheus_client``'s own
-HTTP server (``start_http_server``, a daemon thread) on a private ``CollectorRegistry`` (never the
-global default one) with one collector that reads the guard's thread-safe :class:`Counters` when
+``GradGuard(..., metrics_port=PORT)`` starts a ``MetricsServer``: ``prometheus_client``'s own HTTP
+server (``start_http_server``, a daemon thread) on a private ``CollectorRegistry`` (never the
+global default one) with one collector that reads the guard's thread-safe [`Counters`][gradguard.Counters] when
 Prometheus scrapes. The training thread does no work for it: nothing is updated per step, and a
 scrape only takes the counters' lock for the time of a dict copy.
 
@@ -19,7 +19,7 @@ Exported (every sample carries ``rank``; a count is what ``guard.counters.snapsh
   by the GradScaler under ``rule="grad_scaler"``;
 - ``gradguard_halts_total{rule}``: halts (``halt_on_nonfinite``, or a skip rule past its limits);
 - ``gradguard_stat{rule,stat,name}``: gauges of monitored statistics, from a provider returning
-  ``{"gradguard/<rule>/<stat>[/<name>]": value}`` (see :func:`parse_stat_key`).
+  ``{"gradguard/<rule>/<stat>[/<name>]": value}`` (see ``parse_stat_key``).
 
 Series of the policy's rules start at 0 (a first NaN is then an increase, not a new series).
 """
@@ -69,7 +69,7 @@ StatProvider = Callable[[], Mapping[str, Any]]
 
 
 def require_prometheus_client() -> None:
-    """Raise a clear :class:`ImportError` when the ``metrics`` extra is not installed."""
+    """Raise a clear ``ImportError`` when the ``metrics`` extra is not installed."""
     try:
         import prometheus_client  # noqa: F401
     except ImportError as exc:
@@ -114,7 +114,7 @@ class MetricsSource:
     """What a scrape reads: nothing here refers to the guard itself, so the guard stays collectable."""
 
     counters: Any
-    """The guard's :class:`~gradguard.events.counters.Counters` (its ``snapshot()`` is thread-safe)."""
+    """The guard's [`Counters`][gradguard.Counters] (its ``snapshot()`` is thread-safe)."""
     steps: Callable[[], int]
     rank: int
     rule_actions: Mapping[str, tuple[str, ...]]
@@ -243,7 +243,7 @@ def _stats(source: MetricsSource) -> list[tuple[tuple[str, str, str], float]]:
 
 
 class MetricsServer:
-    """``prometheus_client``'s HTTP server for one guard; :meth:`remove` stops it and frees the port."""
+    """``prometheus_client``'s HTTP server for one guard; ``remove`` stops it and frees the port."""
 
     def __init__(self, source: MetricsSource, *, host: str = "127.0.0.1", port: int = 0) -> None:
         check_metrics_port(port)
@@ -297,7 +297,8 @@ def _stop(server: WSGIServer, thread: threading.Thread | None) -> None:
 
 
 class ServesMetrics:
-    """``GradGuard``'s live-metrics endpoint, kept in this module: :attr:`metrics_url` and the start."""
+    """``GradGuard``'s live-metrics endpoint, kept in this module:
+    [`metrics_url`][gradguard.events.prometheus.ServesMetrics.metrics_url] and the start."""
 
     _metrics_server: MetricsServer | None = None
 

@@ -10,7 +10,7 @@ and quantiles read from it are exact to half a bin (0.5% of the value).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -32,6 +32,13 @@ class LogHistogram:
         key = math.floor(math.log(value) / BIN_WIDTH)
         self.counts[key] = self.counts.get(key, 0) + 1
         self.total += 1
+
+    def add_counts(self, counts: Mapping[int, int], total: int) -> None:
+        """Count values already binned: ``counts`` of each bin (keys as ``add`` makes them), ``total`` in all."""
+        mine = self.counts
+        for key, count in counts.items():
+            mine[key] = mine.get(key, 0) + count
+        self.total += total
 
     def merged(self, others: Iterable[LogHistogram]) -> LogHistogram:
         """A new histogram holding this one's counts and the others'."""

@@ -2,13 +2,14 @@
 
 A ``monitor`` with ``stats: [norm]`` and ``scope: tensor`` writes, on every step it samples, one
 ``stats`` event holding the 2-norm of each parameter's gradient as it arrived (before any action of
-any rule). :func:`recorded_steps` streams those events out of one or more audit logs (merged in step
-order by :mod:`gradguard.audit.reader`) and hands them back one step at a time: memory holds one step's
+any rule). ``recorded_steps`` streams those events out of one or more audit logs (merged in step order
+by ``gradguard.audit.reader``) and hands them back one step at a time: memory holds one step's
 figures, whatever the log's length. ``max_abs`` and ``grad_to_weight`` figures at tensor scope are
 kept too (``gradguard replay`` uses them for ``clip_value`` and ``agc``); group and module scopes, and
 the other figures, are counted and left out.
 
-Standard library only: no torch.
+Each line is read once into its typed event (``gradguard.events.definitions``);
+no torch.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
-from gradguard.audit.fields import number_or_none
 from gradguard.audit.reader import ReadStats, read_merged
+from gradguard.events.definitions import Attach, Number, Stats, as_float
 
 __all__ = ["MONITOR_HINT", "RecordedStep", "Recording", "no_norms_message", "recorded_steps"]
 
@@ -80,23 +81,15 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
     current: RecordedStep | None = None
     for record in read_merged(paths, recording.read):
         event = record.event
-        kind = event["event"]
-        if kind == "attach":
-            params = event.get("params")
-            if type(params) is int:
-                recording.guarded_params = params
+        if isinstance(event, Attach):
+            recording.guarded_params = event.params
             continue
-        if kind != "stats":
+        if not isinstance(event, Stats):
             continue
         recording.stats_events += 1
-        step = event.get("step")
-        figures = event.get("figures")
-        scope = event.get("scope")
-        if type(step) is not int or not isinstance(figures, dict):
-            recording.malformed += 1
-            continue
+        step, figures, scope = event.step, event.figures, event.scope
         if scope != "tensor" or "norm" not in figures:
-            key = str(scope) if scope != "tensor" else "tensor, without norm"
+            key = scope if scope != "tensor" else "tensor, without norm"
             recording.other_scopes[key] = recording.other_scopes.get(key, 0) + 1
             continue
         if current is not None and step != current.step:
@@ -117,7 +110,7 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
         yield current
 
 
-def _take(figures: dict[str, Any], into: RecordedStep) -> bool:
+def _take(figures: dict[str, dict[str, Number] | Number], into: RecordedStep) -> bool:
     """Copy a tensor-scope event's figures into ``into``; False if they are not name -> number maps."""
     for stat in _KEPT:
         values = figures.get(stat)
@@ -126,9 +119,12 @@ def _take(figures: dict[str, Any], into: RecordedStep) -> bool:
         if not isinstance(values, dict):
             return False
         target: dict[str, float] = getattr(into, stat)
+        if not target:
+            target.update(values)  # type: ignore[arg-type]  # the non-finite strings are made floats below
+            for name in [name for name, value in values.items() if type(value) is not float]:
+                target[name] = as_float(values[name])
+            continue
         for name, value in values.items():
-            number = number_or_none(value)
-            if number is None:
-                return False
-            target.setdefault(name, number)
+            if name not in target:
+                target[name] = value if type(value) is float else as_float(value)
     return True

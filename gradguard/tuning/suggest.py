@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,27 +83,51 @@ class NormSummary:
     names: dict[str, Family] = field(default_factory=dict)
     """Parameter name -> its family, in the order first seen."""
 
+    _block_names: list[str] = field(default_factory=list)
+    _rows: list[list[float]] = field(default_factory=list)
+
     def add(self, norms: dict[str, float]) -> None:
-        names = self.names
-        for name, norm in norms.items():
-            family = names.get(name)
-            if family is None:
-                key = family_key(name)
-                family = self.families.get(key)
-                if family is None:
-                    family = self.families[key] = Family([key])
-                family.members.add(name)
-                names[name] = family
-            if norm > 0.0 and norm < math.inf:
-                family.histogram.add(norm)
-                own = family.by_member.get(name)
-                if own is None:
-                    own = family.by_member[name] = LogHistogram()
-                own.add(norm)
-            elif norm == 0.0:
-                family.zeros += 1
-            else:
-                family.nonfinite += 1
+        """One recorded step's norms; they are counted a block of steps at a time (``flush``)."""
+        names = list(norms)
+        if names != self._block_names:
+            self.flush()
+            self._block_names = names
+            for name in names:
+                if name not in self.names:
+                    key = family_key(name)
+                    family = self.families.get(key)
+                    if family is None:
+                        family = self.families[key] = Family([key])
+                    family.members.add(name)
+                    self.names[name] = family
+        self._rows.append(list(norms.values()))
+        if len(self._rows) >= _BLOCK_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Count the gathered steps' norms, a member's column at once (binned as ``LogHistogram.add`` bins)."""
+        if not self._rows:
+            return
+        log, floor, inf, width = math.log, math.floor, math.inf, BIN_WIDTH
+        for name, column in zip(self._block_names, zip(*self._rows, strict=True), strict=True):
+            family = self.names[name]
+            keys = [floor(log(norm) / width) for norm in column if 0.0 < norm < inf]
+            zeros = column.count(0.0)
+            family.zeros += zeros
+            family.nonfinite += len(column) - len(keys) - zeros
+            if not keys:
+                continue
+            own = family.by_member.get(name)
+            if own is None:
+                own = family.by_member[name] = LogHistogram()
+            counted = Counter(keys)
+            own.add_counts(counted, len(keys))
+            family.histogram.add_counts(counted, len(keys))
+        self._rows = []
+
+
+_BLOCK_STEPS: Final = 256
+"""Recorded steps gathered before their norms are counted."""
 
 
 @dataclass
@@ -151,6 +176,7 @@ def suggest_files(
     summary = NormSummary()
     for recorded in recorded_steps(paths, recording):
         summary.add(recorded.norm)
+    summary.flush()
     if not summary.names:
         raise NoNorms(no_norms_message(paths, recording))
     usable = [family for family in summary.families.values() if family.samples >= MIN_SAMPLES]

@@ -1,0 +1,376 @@
+"""Every event the guard writes, defined once: its name, level, fields and their types.
+
+Each event is a [`msgspec.Struct`](https://jcristharif.com/msgspec/structs.html) tagged by the line's
+`event` field, so one decode of a line gives the typed event or says why the line does not fit:
+``gradguard audit``, ``suggest`` and ``replay`` (``recorded_steps``) read lines with ``EVENT_DECODER``;
+the writer's tests hold every line a real run writes against these definitions; `docs/log-events.md`
+lists the same names, levels and fields (a test holds the two equal).
+
+Every line also has `ts`, `level`, `run` and `rank` (``Event``). Numbers the guard may write
+non-finite are ``Number``: a float, or one of the strings `"NaN"`, `"Infinity"`, `"-Infinity"`
+(``as_float`` makes them floats). A field the definition does not name is ignored (a later guard may
+add one); an event name no definition has is a ``ForeignEvent`` (a callback's, a later guard's),
+counted by name.
+
+This module imports msgspec only (no structlog, no torch): the audit imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Final, Literal, Union, get_args
+
+import msgspec
+
+__all__ = [
+    "EVENTS",
+    "EVENT_DECODER",
+    "FOREIGN_DECODER",
+    "LEVELS",
+    "AdaptiveClip",
+    "Attach",
+    "Counters",
+    "Counts",
+    "Detach",
+    "Event",
+    "Exploding",
+    "ForeignEvent",
+    "GuardEvent",
+    "Halt",
+    "Intervention",
+    "Nonfinite",
+    "NonfiniteGroupNorm",
+    "NonfiniteUnhalted",
+    "NormOverflow",
+    "Number",
+    "PolicyReload",
+    "PolicyReloadFailed",
+    "Rebind",
+    "Recovered",
+    "Rewind",
+    "ScalerSkip",
+    "Skip",
+    "SpikeSkip",
+    "StateLoaded",
+    "Stats",
+    "StepEvent",
+    "UnexpectedOptimizer",
+    "Vanishing",
+    "as_float",
+    "event_name",
+    "fields_of",
+]
+
+NonFinite = Literal["NaN", "Infinity", "-Infinity"]
+"""How the guard writes a non-finite float (JSON has no NaN or Infinity)."""
+Number = Union[float, NonFinite]  # noqa: UP007 - msgspec reads the annotation at runtime (Python 3.10)
+"""A float (a JSON integer is read as one), or a non-finite one written as a string."""
+Numbers = Union[float, NonFinite, list[Union[float, NonFinite]]]  # noqa: UP007
+"""A number, or one per parameter (``adaptive_clip`` at ``scope: tensor``)."""
+Step = Annotated[int, msgspec.Meta(ge=0)]
+"""A step: an integer >= 0."""
+Counts = dict[str, dict[str, int]]
+"""``guard.counters.snapshot()``: ``{rule: {action: count}}``."""
+Origin = Union[dict[str, Any], None]  # noqa: UP007
+"""Where a non-finite gradient started (``phase``, ``module``, ``kind``, ...; see docs/provenance.md), or null."""
+
+_NON_FINITE: Final = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}
+
+
+def as_float(value: float | str) -> float:
+    """A ``Number`` as a float (the strings become NaN and infinities)."""
+    return value if type(value) is float else _NON_FINITE[value]  # type: ignore[index]
+
+
+class Event(msgspec.Struct, kw_only=True, tag_field="event", gc=False):
+    """The fields every line has. ``ts`` and ``level`` are optional here (lines written by hand lack them)."""
+
+    LEVEL: ClassVar[str] = "info"
+    """The level the guard writes this event at."""
+
+    run: str
+    """The guard's id (one per guard)."""
+    ts: str | None = None
+    """ISO-8601, UTC."""
+    level: str | None = None
+    rank: int = 0
+
+
+class StepEvent(Event, kw_only=True):
+    """An event of one step."""
+
+    step: Step
+
+
+class Attach(Event, tag="attach", kw_only=True):
+    """The guard attached to a model."""
+
+    schema: int
+    policy: str | None
+    model: str
+    boundary: str | None = None
+    start_step: Step = 0
+    params: int
+    rules: dict[str, int]
+    pid: int | None = None
+    recovery: dict[str, Any] | None = None
+    """A policy's ``recovery`` section, ``snapshot_bytes`` and ``schedulers``."""
+
+
+class Intervention(StepEvent, tag="intervention", kw_only=True):
+    LEVEL: ClassVar[str] = "debug"
+    rule: str
+    action: str
+    param: str | None
+    params: list[str] | None = None
+    n_params: int | None = None
+    before: Number
+    after: Number
+    coef: Number | None = None
+    max_norm: Number | None = None
+    norm_type: Number | None = None
+    scope: str | None = None
+    limit: Number | None = None
+    micro_batch: bool = False
+    overflowed: bool = False
+
+
+class Nonfinite(StepEvent, tag="nonfinite", kw_only=True):
+    rule: str
+    param: str
+    kind: str
+    halts: bool
+    skips: bool
+
+
+class NonfiniteUnhalted(StepEvent, tag="nonfinite_unhalted", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    params: list[str]
+    kinds: list[str]
+
+
+class NonfiniteGroupNorm(StepEvent, tag="nonfinite_group_norm", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    rule: str
+    action: str
+    kind: str
+    n_params: int
+
+
+class Halt(StepEvent, tag="halt", kw_only=True):
+    LEVEL: ClassVar[str] = "error"
+    rule: str
+    params: list[str]
+    kinds: dict[str, str]
+    kind: str
+    reason: str | None = None
+    origin: Origin = None
+    restored_to: Step | None = None
+    counters: Counts
+
+
+class Rewind(StepEvent, tag="rewind", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    to_step: Step
+    rule: str
+    params: list[str]
+    kinds: dict[str, str]
+    kind: str
+    reason: str | None = None
+    origin: Origin = None
+    rewinds: int
+    skip_until: Step
+    lr_scale: Number
+
+
+class Skip(StepEvent, tag="skip", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    rule: str
+    params: list[str]
+    kinds: dict[str, str]
+    kind: str
+    origin: Origin = None
+
+
+class AdaptiveClip(StepEvent, tag="adaptive_clip", kw_only=True):
+    """Lists (one entry per clipped parameter, in ``params`` order) at ``scope: tensor``; numbers at ``group``."""
+
+    LEVEL: ClassVar[str] = "debug"
+    rule: str
+    action: str
+    scope: str
+    param: str | None = None
+    params: list[str]
+    n_params: int
+    before: Numbers
+    after: Numbers
+    coef: Numbers | None = None
+    threshold: Numbers | None = None
+    mean: Numbers | None = None
+    std: Numbers | None = None
+    z: Numbers | None = None
+    samples: Numbers | None = None
+    clipping: Number | None = None
+    eps: Number | None = None
+    units: Numbers | None = None
+    units_clipped: Numbers | None = None
+    max_ratio: Numbers | None = None
+
+
+class SpikeSkip(StepEvent, tag="spike_skip", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    rule: str
+    params: list[str]
+    norm: Number
+    mean: Number
+    std: Number
+    z: Number
+    z_thresh: Number
+    samples: Number
+
+
+class ScalerSkip(StepEvent, tag="scaler_skip", kw_only=True):
+    fused: bool
+
+
+class NormOverflow(StepEvent, tag="norm_overflow", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    rule: str
+    param: str
+    note: str
+
+
+class UnexpectedOptimizer(StepEvent, tag="unexpected_optimizer", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    optimizer: str
+
+
+class PolicyReload(StepEvent, tag="policy_reload", kw_only=True):
+    policy: str
+    added: list[str]
+    removed: list[str]
+    changed: list[str]
+    params: int
+    rules: dict[str, int]
+
+
+class PolicyReloadFailed(StepEvent, tag="policy_reload_failed", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    policy: str
+    error: str
+
+
+class Rebind(StepEvent, tag="rebind", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    replaced: list[str]
+    params: int
+    rules: dict[str, int]
+
+
+class Stats(StepEvent, tag="stats", kw_only=True):
+    """``figures``: ``{stat: {name: value}}``, or ``{stat: value}`` at ``scope: group``."""
+
+    rule: str
+    scope: str
+    figures: dict[str, Union[dict[str, Number], Number]]  # noqa: UP007
+
+
+class _HealthFlag(StepEvent, kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    rule: str
+    scope: str
+    name: str
+    norm: Number
+    threshold: Number
+
+
+class Vanishing(_HealthFlag, tag="vanishing", kw_only=True):
+    pass
+
+
+class Exploding(_HealthFlag, tag="exploding", kw_only=True):
+    pass
+
+
+class Recovered(StepEvent, tag="recovered", kw_only=True):
+    rule: str
+    name: str
+    norm: Number
+    was: str
+
+
+class Counters(StepEvent, tag="counters", kw_only=True):
+    steps: int
+    counters: Counts
+
+
+class Detach(Event, tag="detach", kw_only=True):
+    reason: str
+    steps: int
+    counters: Counts
+
+
+class StateLoaded(StepEvent, tag="state_loaded", kw_only=True):
+    """``guard.load_state_dict`` resumed the guard at ``step``."""
+
+
+GuardEvent = Union[  # noqa: UP007
+    Attach,
+    Intervention,
+    Nonfinite,
+    NonfiniteUnhalted,
+    NonfiniteGroupNorm,
+    Halt,
+    Rewind,
+    Skip,
+    AdaptiveClip,
+    SpikeSkip,
+    ScalerSkip,
+    NormOverflow,
+    UnexpectedOptimizer,
+    PolicyReload,
+    PolicyReloadFailed,
+    Rebind,
+    Stats,
+    Vanishing,
+    Exploding,
+    Recovered,
+    Counters,
+    Detach,
+    StateLoaded,
+]
+"""Any event the guard writes."""
+
+
+class ForeignEvent(msgspec.Struct, kw_only=True):
+    """A line with an ``event`` name no definition has, and a ``run``: counted by name, its other fields unread."""
+
+    event: str
+    run: str
+    ts: str | None = None
+    rank: int = 0
+    step: Step | None = None
+    rule: Any = None
+    param: Any = None
+
+
+def event_name(cls: type[Event]) -> str:
+    """The ``event`` field of a definition's lines."""
+    tag = cls.__struct_config__.tag
+    assert isinstance(tag, str)
+    return tag
+
+
+EVENTS: Final[dict[str, type[Event]]] = {event_name(cls): cls for cls in get_args(GuardEvent)}
+"""Every definition, by event name, in the order of docs/log-events.md."""
+LEVELS: Final[dict[str, str]] = {name: cls.LEVEL for name, cls in EVENTS.items()}
+"""The level of each event."""
+
+EVENT_DECODER: Final[msgspec.json.Decoder[GuardEvent]] = msgspec.json.Decoder(GuardEvent)
+"""Decodes one line (bytes) into its typed event; raises ``msgspec.ValidationError`` or ``DecodeError``."""
+FOREIGN_DECODER: Final[msgspec.json.Decoder[ForeignEvent]] = msgspec.json.Decoder(ForeignEvent)
+"""Decodes a line whose name no definition has."""
+
+
+def fields_of(cls: type[Event]) -> tuple[str, ...]:
+    """The fields of a definition, those every line has (``ts``, ``level``, ``run``, ``rank``) left out."""
+    return tuple(name for name in cls.__struct_fields__ if name not in Event.__struct_fields__)

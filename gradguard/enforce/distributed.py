@@ -22,6 +22,7 @@ Single-process use makes no collective at all.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,20 +32,23 @@ import torch.distributed as dist
 __all__ = ["Collective", "is_sharded", "local_tensor"]
 
 
+_DTENSOR: type | None = None
+
+
 def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
+    """``DTensor``, once something has imported it (no DTensor exists before): importing it costs half a second,
+    so the guard, the audit and ``gradguard replay`` do not do it for runs that never shard."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        module = sys.modules.get("torch.distributed.tensor")
+        _DTENSOR = getattr(module, "DTensor", None) if module is not None else None
+    return _DTENSOR
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a DTensor (FSDP2's sharded parameters and gradients)."""
-    return _DTENSOR is not None and isinstance(tensor, _DTENSOR)
+    dtensor = _DTENSOR if _DTENSOR is not None else _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -215,9 +215,8 @@ class GradGuard(ServesMetrics):
         return out | self._enforcer.recovery.metrics()
 
     def pass_step(self) -> bool:
-        """Inside a rewind's window of skipped steps: count the coming step as skipped and return True,
-        so the loop can skip its forward, backward and update (``if guard.pass_step(): continue``).
-        Outside one: False, and nothing happens. A loop that never asks loses only the compute."""
+        """In a rewind's window: count the coming step as skipped and return True (``if guard.pass_step(): continue``
+        skips its forward, backward and update); else False, and nothing happens (docs/recovery.md)."""
         with self._lock:
             return self._enforcer.pass_step()
 
@@ -257,11 +256,11 @@ class GradGuard(ServesMetrics):
         return error is None
 
     def state_dict(self) -> dict[str, Any]:
-        """What decides the guard's future steps: the step number and each skip rule's history.
+        """What decides the guard's future steps: the step number, each skip rule's history, the adaptive statistics,
+        recovery's rewinds and any skip window in progress (not its snapshots: a checkpoint holds its own state).
 
         Save it with the model and the optimizer; [`load_state_dict`][gradguard.GradGuard.load_state_dict] on a new
-        guard (same policy) carries the run on: step windows, skip limits and the log's step numbers continue.
-        """
+        guard (same policy) carries the run on: step windows, skip limits and the log's step numbers continue."""
         with self._lock:  # not in the middle of a step
             return {"format": 1, **self._enforcer.state_dict()}
 
@@ -271,11 +270,8 @@ class GradGuard(ServesMetrics):
             load_guard_state(self._enforcer, self._events, state)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every event so far is in the audit log (it is written by a background thread).
-
-        Returns False if ``timeout`` seconds passed first. Halts, [`remove`][gradguard.GradGuard.remove] and interpreter
-        exit flush by themselves; call this to read the log of a run that is still going.
-        """
+        """Wait until every event so far is in the audit log (a background thread writes it); False if ``timeout``
+        seconds passed first. Halts, [`remove`][gradguard.GradGuard.remove] and interpreter exit flush by themselves."""
         return self._events.flush(timeout)
 
     def remove(self) -> None:
@@ -290,10 +286,7 @@ class GradGuard(ServesMetrics):
         return self
 
     def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.remove()
 
@@ -312,7 +305,12 @@ class GradGuard(ServesMetrics):
     def _on_optimizer_step(
         self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> StepArgs | None:
-        if not self.attached or self._plans.steps_none(optimizer):
+        if not self.attached:
+            return None
+        if self._plans.steps_none(optimizer):
+            if (recovery := self._enforcer.recovery).active and recovery.unchecked(optimizer):
+                with self._lock:
+                    recovery.met_unguarded(optimizer)
             return None
         return _optimizer_step_begins(self, optimizer, args, kwargs)
 
@@ -324,6 +322,7 @@ class GradGuard(ServesMetrics):
         with self._lock:
             if self.attached and self._plans.for_optimizer(optimizer) is not None:
                 self._enforcer.seal_explicit()
+                self._enforcer.recovery.at_step_start(self._enforcer.step)
 
     def _before_clip(self, call: ClipCall) -> bool:
         if not self.attached or not self._plans.guarded_among(call.tensors, of_grads=call.of_grads):

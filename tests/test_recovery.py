@@ -406,3 +406,101 @@ def test_replacing_the_models_parameters_drops_the_snapshots_of_the_old_ones() -
         assert guard._enforcer.recovery.snapshots == []
         with pytest.raises(GradientHalt, match=r"no snapshot at least 3 steps older than step 13 \(held: \[\]\)"):
             loop.step(13, True)
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.norm(self.inp(x))))
+
+
+def _batchnorm_run(steps: list[int], *, pass_steps: bool, recovery: dict[str, Any] | None, jump: int | None = None):
+    model = BatchNormNet()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    with GradGuard(model, policy([HALT], recovery), logger=None) as guard:
+        for i in steps:
+            if jump is not None and i == jump:
+                state = guard.state_dict()
+                state["step"] = jump
+                guard.load_state_dict(state)
+            if pass_steps and guard.pass_step():
+                continue
+            x, y = DATA[i]
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            (loss * float("nan") if recovery is not None and i == FAULT else loss).backward()
+            opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("pass_steps", [False, True], ids=["window-computed", "window-passed"])
+def test_batchnorm_running_statistics_rewind_exactly(pass_steps: bool) -> None:
+    """The snapshot holds the buffers as they were before the snapshot step's forward, and the window's forwards
+    (if the loop computes them) are undone: BatchNorm's running mean, variance and count end as in the run that
+    never saw batches 20-27."""
+    got = _batchnorm_run(list(range(STEPS)), pass_steps=pass_steps, recovery=RECOVERY)
+    kept = [i for i in range(STEPS) if i not in NEVER_LEARNED]
+    want = _batchnorm_run(kept, pass_steps=False, recovery=None, jump=NEVER_LEARNED.stop)
+    for (name, a), b in zip(got[0].state_dict().items(), want[0].state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert got[0].norm.num_batches_tracked.item() == len(kept)
+
+
+def test_a_one_cycle_schedules_momentum_is_held_through_the_window_too() -> None:
+    """OneCycleLR cycles SGD's momentum with the LR: the first applied step after the window uses the momentum of
+    the snapshot's point of the cycle, as the run that never saw the undone batches does."""
+
+    def run(
+        steps: list[int], recovery: dict[str, Any] | None, jump: int | None = None
+    ) -> list[tuple[int, float, float]]:
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=STEPS + 1)
+        loop = Loop("plain", model, opt, None)
+        used = []
+        with GradGuard(model, policy([HALT], recovery), logger=None, lr_scheduler=schedule) as guard:
+            for i in steps:
+                if jump is not None and i == jump:
+                    state = guard.state_dict()
+                    state["step"] = jump
+                    guard.load_state_dict(state)
+                loop.step(i, recovery is not None and i == FAULT)
+                if not guard.last_step_skipped and i not in NEVER_LEARNED:  # 20-22 were applied, then undone
+                    used.append((i, opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]))
+                schedule.step()
+        return used
+
+    kept = [i for i in range(STEPS) if i not in NEVER_LEARNED]
+    assert run(list(range(STEPS)), RECOVERY) == run(kept, None, jump=NEVER_LEARNED.stop)
+
+
+def test_a_run_resumed_inside_a_skip_window_holds_its_schedule_as_the_uninterrupted_one() -> None:
+    """guard.state_dict() taken at step 25 (inside the window 24-27) carries what the window holds: a new guard
+    loaded with it ends with the same schedule and weights as the run that was never interrupted."""
+
+    def run(resume_at: int | None) -> tuple[Net, torch.optim.lr_scheduler.LRScheduler]:
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        loop = Loop("plain", model, opt, None)
+        guard = GradGuard(model, policy([HALT]), logger=None, lr_scheduler=schedule)
+        try:
+            for i in range(STEPS):
+                if i == resume_at:
+                    state = guard.state_dict()
+                    guard.remove()
+                    guard = GradGuard(model, policy([HALT]), logger=None, lr_scheduler=schedule)
+                    guard.load_state_dict(state)
+                loop.step(i, i == FAULT)
+                schedule.step()
+        finally:
+            guard.remove()
+        return model, schedule
+
+    straight, resumed = run(None), run(25)
+    assert resumed[1].last_epoch == straight[1].last_epoch == STEPS - 8
+    assert all(torch.equal(a, b) for a, b in zip(straight[0].parameters(), resumed[0].parameters(), strict=True))

@@ -305,6 +305,7 @@ class Enforcer:
     def scaler_skipped(self, plan_of_optimizer: Callable[[], Plan | None], context: StepContext) -> None:
         """The guard's GradScaler skipped an optimizer's step (the optimizer's ``step()`` never ran)."""
         self.seal_explicit()  # no optimizer step ran, so its post-hook did not
+        self.recovery.at_step_start(self.step)
         if self.scaler_skip_at_boundary:
             self.scaler_skip_at_boundary = False  # already recorded by guard.step() after unscale_
             return

@@ -17,6 +17,7 @@ snapshot's step, as a restart from a checkpoint taken there would (PaLM's recipe
 from __future__ import annotations
 
 import copy
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.distributed import local_tensor
-from gradguard.enforce.snapshots import LR_KEYS, LiveState, Snapshot, scale_lrs, scheduler_optimizer
+from gradguard.enforce.snapshots import LiveState, Snapshot, TensorCopies, scale_lrs, scheduler_optimizer
 from gradguard.enforce.statistics import Statistics
+from gradguard.errors import GuardWarning
 from gradguard.policy.schema import Recovery as RecoveryConfig
 
 __all__ = ["HaltReport", "Recovery", "RewindRequested"]
@@ -70,29 +72,60 @@ class Decision:
 
 
 class _Held:
-    """The scaler's and the known schedulers' state right after a rewind, put back at each boundary of the window."""
+    """What a skipped step must not move, as it was right after a rewind, put back at each boundary of the window.
+
+    The GradScaler's scale and the known schedulers' state with their optimizers' hyper-parameters (LRs,
+    momentum, betas: ``OneCycleLR`` cycles them) until the first step applied again, included; the model's
+    buffers until the last skipped step, so the first applied step's forward starts from the snapshot's.
+    """
 
     def __init__(self, live: LiveState) -> None:
         self.snapshot = Snapshot()
         self.snapshot.scaler = {key: _deep(value) for key, value in live.scaler_tensors().items()}
         self.snapshot.schedulers = [_deep(scheduler.state_dict()) for scheduler in live.schedulers]
-        self.groups: list[tuple[Optimizer, list[dict[str, Any]]]] = []
-        for scheduler in live.schedulers:
-            optimizer = scheduler_optimizer(scheduler)
-            if optimizer is not None:
-                lrs = [{k: _deep(g[k]) for k in LR_KEYS if k in g} for g in optimizer.param_groups]
-                self.groups.append((optimizer, lrs))
+        self.snapshot.buffers.take(live.buffers())
+        self.groups = [_hyper_parameters(scheduler) for scheduler in live.schedulers]
 
-    def put_back(self, live: LiveState) -> None:
+    def put_back(self, live: LiveState, *, buffers: bool) -> None:
         self.snapshot.restore_scaler(live)
         self.snapshot.restore_schedulers(live)
-        for optimizer, lrs in self.groups:
-            for group, saved in zip(optimizer.param_groups, lrs, strict=False):
-                for key, value in saved.items():
+        for scheduler, saved in zip(live.schedulers, self.groups, strict=False):
+            optimizer = scheduler_optimizer(scheduler)
+            for group, values in zip(optimizer.param_groups if optimizer else (), saved, strict=False):
+                for key, value in values.items():
                     if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
                         group[key].copy_(value)
                     else:
                         group[key] = _deep(value)
+        if buffers:
+            self.snapshot.buffers.restore(live.buffers())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain values (the buffers are not carried: a resumed run's window forwards may move BatchNorm's)."""
+        scaler = {k: None if v is None else v.tolist() for k, v in self.snapshot.scaler.items()}
+        groups = [[{k: _plain(v) for k, v in group.items()} for group in groups] for groups in self.groups]
+        return {"scaler": scaler, "schedulers": _deep(self.snapshot.schedulers), "groups": groups}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any], live: LiveState) -> _Held:
+        held = cls.__new__(cls)
+        held.snapshot = Snapshot()
+        scaler = dict(state.get("scaler", {}))
+        held.snapshot.scaler = {k: None if v is None else torch.tensor(v) for k, v in scaler.items()}
+        held.snapshot.schedulers = _deep(list(state.get("schedulers", [])))
+        held.groups = _deep(list(state.get("groups", [])))
+        held.snapshot.buffers.take(live.buffers())
+        return held
+
+
+def _hyper_parameters(scheduler: Any) -> list[dict[str, Any]]:
+    optimizer = scheduler_optimizer(scheduler)
+    groups = optimizer.param_groups if optimizer is not None else []
+    return [{k: _deep(v) for k, v in group.items() if k != "params"} for group in groups]
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, torch.Tensor) else _deep(value)
 
 
 class Recovery:
@@ -112,6 +145,9 @@ class Recovery:
         self.lr_scale = 1.0
         """The product of every rewind's ``lr_factor`` so far."""
         self._held: _Held | None = None
+        self._checked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
+        self._buffers_at: tuple[int, TensorCopies] | None = None
+        """The model's buffers at the start of a step a snapshot is due at (and the step), or a spare copy."""
 
     # --- what the guard tells it ------------------------------------------------------------------
 
@@ -158,9 +194,35 @@ class Recovery:
         if any(opt is optimizer or opt.param_groups is optimizer.param_groups for opt in known):
             return  # a wrapper sharing its groups and state would be copied, and its LRs scaled, twice
         live.known_optimizers.append(weakref.ref(optimizer))
+        model_ids = live.model_ids()
         for snapshot in self.snapshots:
             if not snapshot.holds(optimizer):
-                snapshot.add_optimizer(optimizer)
+                snapshot.add_optimizer(optimizer, model_ids)
+
+    def unchecked(self, optimizer: Optimizer) -> bool:
+        """Whether an optimizer that steps no guarded parameter is met for the first time (checked once)."""
+        if optimizer in self._checked:
+            return False
+        self._checked.add(optimizer)
+        return True
+
+    def met_unguarded(self, optimizer: Optimizer) -> None:
+        """An optimizer stepping none of the guarded parameters, met for the first time: if it steps others of the
+        model, its state is snapshotted and rewound with the rest, but its updates in a window are not held back."""
+        model = self.live.model()
+        names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+        held = [names[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in names]
+        if not held:
+            return
+        self.saw_optimizer(optimizer)
+        shown = ", ".join(held[:3]) + (" ..." if len(held) > 3 else "")
+        warnings.warn(
+            f"recovery: {type(optimizer).__name__} steps parameters of the model no rule covers ({shown}): a rewind "
+            "restores them and its state, but its updates in the skipped steps after a rewind are not held back. "
+            "Cover them with a rule (e.g. match '*' with halt_on_nonfinite).",
+            GuardWarning,
+            stacklevel=5,
+        )
 
     # --- at each step -----------------------------------------------------------------------------
 
@@ -178,7 +240,8 @@ class Recovery:
         Returns True when the step's update is skipped (the caller clears its gradients).
         """
         if self._held is not None and self.skip_until is not None:
-            self._held.put_back(self.live)  # undo the loop's scaler.update() and scheduler.step() of skipped steps
+            # Undo the loop's scaler.update(), scheduler.step() and skipped forwards of the window.
+            self._held.put_back(self.live, buffers=step < self.skip_until)
             if step >= self.skip_until:
                 self._held = None
         if self.skipping(step):
@@ -195,8 +258,22 @@ class Recovery:
         while len(self.snapshots) >= keep:
             self._spare.append(self.snapshots.pop(0))
         snapshot = self._spare.pop() if self._spare else Snapshot()
-        snapshot.take(step, self.lr_scale, self.live)
+        buffers = None
+        if self._buffers_at is not None and self._buffers_at[0] == step:
+            buffers = self._buffers_at[1]
+        replaced = snapshot.take(step, self.lr_scale, self.live, buffers)
+        self._buffers_at = None if replaced is None else (-1, replaced)
         self.snapshots.append(snapshot)
+
+    def at_step_start(self, step: int) -> None:
+        """Nothing of ``step`` has run yet (the guard attached, or the previous step's update is done): if a
+        snapshot is due at ``step``, keep the model's buffers as they are now, before its forward moves them."""
+        config = self.config
+        if config is None or step % config.snapshot_every or self.skipping(step):
+            return
+        kept = self._buffers_at[1] if self._buffers_at is not None else TensorCopies()
+        kept.take(self.live.buffers())
+        self._buffers_at = (step, kept)
 
     def drop_snapshots(self) -> None:
         """The model's parameters were replaced: snapshots of the old ones are not restored into the new."""
@@ -224,8 +301,8 @@ class Recovery:
         """Restore ``snapshot`` in place, lower the LRs by ``lr_factor``, skip the next ``skip_steps`` updates."""
         config = self.config
         assert config is not None
-        self.rewinds += 1
         self.restore(snapshot, self.lr_scale * config.lr_factor)
+        self.rewinds += 1  # only once restored: a restore that refuses (GuardStateError) is no rewind
         self.skip_until = fault_step + config.skip_steps + 1
         self._held = _Held(self.live)
 
@@ -268,14 +345,19 @@ class Recovery:
 
     def state_dict(self) -> dict[str, Any]:
         """The rewinds so far and any skip window in progress (not the snapshots: a checkpoint holds its own state)."""
-        return {"rewinds": self.rewinds, "skip_until": self.skip_until, "lr_scale": self.lr_scale}
+        state: dict[str, Any] = {"rewinds": self.rewinds, "skip_until": self.skip_until, "lr_scale": self.lr_scale}
+        held = self._held.state_dict() if self._held is not None else {}
+        if held.get("scaler") or held.get("schedulers"):
+            state["held"] = held  # the scaler and schedulers a window in progress holds
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.rewinds = int(state.get("rewinds", 0))
         skip_until = state.get("skip_until")
         self.skip_until = None if skip_until is None else int(skip_until)
         self.lr_scale = float(state.get("lr_scale", 1.0))
-        self._held = None
+        held = state.get("held")
+        self._held = None if held is None or self.skip_until is None else _Held.from_state_dict(held, self.live)
 
 
 def _deep(value: Any) -> Any:

@@ -33,7 +33,7 @@ from gradguard.enforce.distributed import local_tensor
 from gradguard.enforce.statistics import Series, Statistics
 from gradguard.errors import GuardStateError
 
-__all__ = ["LR_KEYS", "Snapshot", "scale_lrs", "scheduler_optimizer"]
+__all__ = ["LR_KEYS", "LiveState", "Snapshot", "TensorCopies", "scale_lrs", "scheduler_optimizer"]
 
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 """A param group's learning rates: the LR itself and what schedulers compute it from (``OneCycleLR``)."""
@@ -41,7 +41,7 @@ _SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
 """A scheduler's learning rates (``LambdaLR`` and HF's schedules recompute the LR from ``base_lrs``)."""
 
 
-class _Buffers:
+class TensorCopies:
     """Copies of a list of tensors, in buffers reused while shapes and dtypes stay the same."""
 
     def __init__(self) -> None:
@@ -87,9 +87,12 @@ class _OptimizerCopy:
     state: list[dict[str, Any] | None] = field(default_factory=list)
     """Per parameter, in group order: its state with tensors replaced by their position in ``tensors``."""
     groups: list[dict[str, Any]] = field(default_factory=list)
-    tensors: _Buffers = field(default_factory=_Buffers)
+    tensors: TensorCopies = field(default_factory=TensorCopies)
+    outside: TensorCopies = field(default_factory=TensorCopies)
+    """Its parameters outside the model (a temperature, another module's), which it alone moves."""
 
-    def take(self, optimizer: Optimizer) -> None:
+    def take(self, optimizer: Optimizer, model_ids: set[int]) -> None:
+        self.outside.take(_outside(optimizer, model_ids))
         sources: list[torch.Tensor] = []
         self.state = []
         for param in _params_of(optimizer):
@@ -111,7 +114,8 @@ class _OptimizerCopy:
         ]
         self.tensors.take(sources)
 
-    def restore(self, optimizer: Optimizer) -> None:
+    def restore(self, optimizer: Optimizer, model_ids: set[int]) -> None:
+        self.outside.restore(_outside(optimizer, model_ids))
         targets: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         buffers = self.tensors.buffers
@@ -144,7 +148,11 @@ class _OptimizerCopy:
 
     @property
     def nbytes(self) -> int:
-        return self.tensors.nbytes
+        return self.tensors.nbytes + self.outside.nbytes
+
+
+def _outside(optimizer: Optimizer, model_ids: set[int]) -> list[torch.Tensor]:
+    return [local_tensor(p.detach()) for p in _params_of(optimizer) if id(p) not in model_ids]
 
 
 @dataclass(frozen=True)
@@ -159,8 +167,10 @@ class Snapshot:
     step: int = -1
     lr_scale: float = 1.0
     """The product of the ``lr_factor`` of every rewind before this snapshot was taken (its LRs include it)."""
-    model: _Buffers = field(default_factory=_Buffers)
-    """The model's parameters, then its buffers, then the parameters of known optimizers outside the model."""
+    model: TensorCopies = field(default_factory=TensorCopies)
+    """The model's parameters."""
+    buffers: TensorCopies = field(default_factory=TensorCopies)
+    """The model's buffers (BatchNorm's running statistics) at the start of the step, before its forward."""
     optimizers: list[_OptimizerCopy] = field(default_factory=list)
     scaler: dict[str, torch.Tensor | None] = field(default_factory=dict)
     schedulers: list[dict[str, Any]] = field(default_factory=list)
@@ -171,25 +181,35 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         """Host bytes of the tensors it holds (the guard's statistics, on the device, are not counted)."""
-        return self.model.nbytes + sum(opt.nbytes for opt in self.optimizers)
+        return self.model.nbytes + self.buffers.nbytes + sum(opt.nbytes for opt in self.optimizers)
 
-    def take(self, step: int, lr_scale: float, live: LiveState) -> None:
+    def take(
+        self, step: int, lr_scale: float, live: LiveState, buffers: TensorCopies | None = None
+    ) -> TensorCopies | None:
+        """Copy the live state; ``buffers``: the model's buffers taken at the start of the step (before its
+        forward), used instead of the live ones. Returns the buffers object it replaced, for reuse."""
         self.step, self.lr_scale = step, lr_scale
-        self.model.take(live.tensors())
+        self.model.take(live.params())
+        replaced = None
+        if buffers is not None:
+            replaced, self.buffers = self.buffers, buffers
+        else:
+            self.buffers.take(live.buffers())
         kept = {id(opt.ref()): opt for opt in self.optimizers}
         self.optimizers = []
         for optimizer in live.optimizers():
-            self.add_optimizer(optimizer, kept.get(id(optimizer)))
+            self.add_optimizer(optimizer, live.model_ids(), kept.get(id(optimizer)))
         self.scaler = {key: _detached(value) for key, value in live.scaler_tensors().items()}
         self.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in live.schedulers]
         self.statistics = {key: _series_copy(series) for key, series in live.statistics.series.items()}
         self.saved_statistics = copy.deepcopy(live.statistics._saved)
         self.skips = copy.deepcopy(live.skip_limits)
+        return replaced
 
-    def add_optimizer(self, optimizer: Optimizer, reuse: _OptimizerCopy | None = None) -> None:
+    def add_optimizer(self, optimizer: Optimizer, model_ids: set[int], reuse: _OptimizerCopy | None = None) -> None:
         entry = reuse if reuse is not None else _OptimizerCopy(weakref.ref(optimizer))
         entry.ref = weakref.ref(optimizer)
-        entry.take(optimizer)
+        entry.take(optimizer, model_ids)
         self.optimizers.append(entry)
 
     def holds(self, optimizer: Optimizer) -> bool:
@@ -197,11 +217,13 @@ class Snapshot:
 
     def restore(self, live: LiveState) -> None:
         """Put every copy back into the live objects, in place."""
-        self.model.restore(live.tensors())
+        self.model.restore(live.params())
+        self.buffers.restore(live.buffers())
+        model_ids = live.model_ids()
         for entry in self.optimizers:
             optimizer = entry.ref()
             if optimizer is not None:
-                entry.restore(optimizer)
+                entry.restore(optimizer, model_ids)
         self.restore_scaler(live)
         self.restore_schedulers(live)
         live.statistics.series = {key: _series_copy(series) for key, series in self.statistics.items()}
@@ -238,20 +260,24 @@ class LiveState:
     def optimizers(self) -> list[Optimizer]:
         return [opt for ref in self.known_optimizers if (opt := ref()) is not None]
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The model's parameters and buffers, then the known optimizers' parameters outside the model."""
+    def params(self) -> list[torch.Tensor]:
+        """The model's parameters (their local shards under FSDP2)."""
         model = self.model()
-        if model is None:
-            return []
-        params: list[torch.Tensor] = list(model.parameters())
-        seen = {id(param) for param in params}
-        for optimizer in self.optimizers():  # a temperature, another module: the optimizer moves them too
-            for param in _params_of(optimizer):
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    params.append(param)
-        buffers = [buffer for buffer in model.buffers() if buffer is not None]
-        return [local_tensor(t.detach()) for t in [*params, *buffers]]
+        return [] if model is None else [local_tensor(p.detach()) for p in model.parameters()]
+
+    def buffers(self) -> list[torch.Tensor]:
+        model = self.model()
+        return [] if model is None else [local_tensor(b.detach()) for b in model.buffers() if b is not None]
+
+    def model_ids(self) -> set[int]:
+        model = self.model()
+        return set() if model is None else {id(p) for p in model.parameters()}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor a snapshot copies: parameters, buffers, and the known optimizers' outside the model."""
+        model_ids = self.model_ids()
+        outside = [t for opt in self.optimizers() for t in _outside(opt, model_ids)]
+        return [*self.params(), *self.buffers(), *outside]
 
     def scaler_tensors(self) -> dict[str, torch.Tensor | None]:
         scaler = self.scaler

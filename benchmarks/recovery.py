@@ -46,7 +46,6 @@ import copy
 import json
 import math
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -261,14 +260,6 @@ def run_seed(cfg: Config, seed: int, scratch: Path) -> SeedResult:
 # --- report --------------------------------------------------------------------------------------------
 
 
-def _spread(values: Sequence[float], digits: int) -> str:
-    finite = all(math.isfinite(v) for v in values)
-    mean = f"{statistics.fmean(values):.{digits}f}" if finite else "nan"
-    if len(values) == 1:
-        return mean
-    return f"{mean} ({', '.join(f'{v:.{digits}f}' for v in values)})"
-
-
 def _stretches(steps: Sequence[int]) -> str:
     """``[200, 201, 202, 207]`` -> ``200-202, 207``."""
     parts: list[str] = []
@@ -315,14 +306,14 @@ def table(cfg: Config, results: Sequence[SeedResult]) -> str:
     for name in RUNS:
         per_seed = [r.runs[name] for r in results]
         label = LABELS[name].replace("N}", f"{cfg.snapshot_every}}}")
-        ratio = _spread([r.runs[name].final / r.runs["reference"].final for r in results], 4)
+        ratio = spikes.spread([r.runs[name].final / r.runs["reference"].final for r in results], 4)
         halted = ", ".join("-" if run.halted_at is None else str(run.halted_at) for run in per_seed)
-        rewinds = _spread([len(run.rewinds) for run in per_seed], 1)
-        not_updated = _spread([run.not_updated for run in per_seed], 1)
-        never = _spread([len(unseen(cfg, r, name)) for r in results], 1)
-        seconds = _spread([run.seconds for run in per_seed], 1)
-        computed = _spread([sum(1 for t in run.step_seconds if t > 0) for run in per_seed], 1)
-        final = _spread([run.final for run in per_seed], 3)
+        rewinds = spikes.spread([len(run.rewinds) for run in per_seed], 1)
+        not_updated = spikes.spread([run.not_updated for run in per_seed], 1)
+        never = spikes.spread([len(unseen(cfg, r, name)) for r in results], 1)
+        seconds = spikes.spread([run.seconds for run in per_seed], 1)
+        computed = spikes.spread([sum(1 for t in run.step_seconds if t > 0) for run in per_seed], 1)
+        final = spikes.spread([run.final for run in per_seed], 3)
         lines.append(
             f"| {label} | {final} | {ratio} | {halted} | {rewinds} | {not_updated} | {never} | {computed} | {seconds} |"
         )

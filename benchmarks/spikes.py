@@ -338,7 +338,7 @@ def run_seed(cfg: Config, names: Sequence[str], seed: int, scratch: Path) -> See
 # --- report --------------------------------------------------------------------------------------------
 
 
-def _spread(values: Sequence[float], digits: int) -> str:
+def spread(values: Sequence[float], digits: int) -> str:
     """Mean, then the per-seed values: ``2.3 (1, 3, 3)``."""
     finite = all(math.isfinite(v) for v in values)
     mean = f"{statistics.fmean(values):.{digits}f}" if finite else "nan"
@@ -370,12 +370,12 @@ def table(cfg: Config, names: Sequence[str], results: Sequence[SeedResult]) -> s
         halted = [f"seed {r.seed} at {r.arms[name]['halted_at']}" for r in results if r.arms[name]["halted_at"]]
         label = per_seed[0]["label"] + (f" (halted: {', '.join(halted)})" if halted else "")
         lines.append(
-            f"| {label} | {_spread([a['spikes'] for a in per_seed], 1)} "
-            f"| {_spread([a['natural_spikes'] for a in per_seed], 1)} "
-            f"| {_spread([a['eval_loss'] for a in per_seed], 3)} "
-            f"| {_spread([a['skipped'] for a in per_seed], 1)} "
-            f"| {_spread([a['clipped_steps'] for a in per_seed], 1)} "
-            f"| {_spread([a['clips'] for a in per_seed], 0)} "
+            f"| {label} | {spread([a['spikes'] for a in per_seed], 1)} "
+            f"| {spread([a['natural_spikes'] for a in per_seed], 1)} "
+            f"| {spread([a['eval_loss'] for a in per_seed], 3)} "
+            f"| {spread([a['skipped'] for a in per_seed], 1)} "
+            f"| {spread([a['clipped_steps'] for a in per_seed], 1)} "
+            f"| {spread([a['clips'] for a in per_seed], 0)} "
             f"| {statistics.median(a['step_ms'] for a in per_seed):.2f} "
             f"| {ratio:.3f} |"
         )

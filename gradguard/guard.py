@@ -173,7 +173,8 @@ class GradGuard(ServesMetrics):
             self._scaler = scaler
             if scaler is not None:
                 self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
-            self._enforcer.recovery.track(model, optimizers, scaler, schedulers_given(lr_scheduler))
+            schedulers = schedulers_given(lr_scheduler)
+            self._enforcer.recovery.track(model, optimizers, scaler, schedulers, self.policy.recovery, start_step)
             self._last_step_skipped = False
             # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
             self._attachment.handles.append(enlist(self))

@@ -179,19 +179,17 @@ def emit_attach(
         params=len(binding.params),
         rules={bound.name: len(bound.params) for bound in binding.rules},
         pid=os.getpid(),
-        **_recovery_fields(policy, recovery, start_step),
+        **_recovery_fields(policy, recovery),
     )
 
 
-def _recovery_fields(policy: Policy, recovery: Recovery, start_step: int) -> dict[str, Any]:
+def _recovery_fields(policy: Policy, recovery: Recovery) -> dict[str, Any]:
     """The attach event's ``recovery``: the section, and the host bytes its snapshots will hold."""
     if policy.recovery is None:
         return {}
-    recovery.config = policy.recovery
     fields: dict[str, Any] = policy.recovery.model_dump()
     # Optimizer state made at the first step (Adam's moments) is not known yet: metrics() has the held bytes.
     fields["snapshot_bytes"] = recovery.estimated_bytes()
-    recovery.at_step_start(start_step)  # nothing of that step has run: its buffers are the snapshot's
     fields["schedulers"] = len(recovery.live.schedulers)
     return {"recovery": fields}
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from support.docs import documented_example
-from support.training import make_policy, model_state
+from support.training import hf_training_args, make_policy, model_state
 from torch import nn
 
 from gradguard import GradientHalt
@@ -79,20 +79,12 @@ def token_data(n: int = 16) -> list[dict[str, torch.Tensor]]:
 
 def training_args(tmp_path: Path, **overrides: Any) -> Any:
     options: dict[str, Any] = {
-        "output_dir": str(tmp_path / "out"),
-        "report_to": [],
-        "use_cpu": True,
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "dataloader_num_workers": 0,
-        "seed": 0,
         "per_device_train_batch_size": 2,
         "gradient_accumulation_steps": 2,
         "max_steps": 3,
         "logging_steps": 1,
     }
-    options.update(overrides)
-    return transformers.TrainingArguments(**options)
+    return hf_training_args(tmp_path, **(options | overrides))
 
 
 HALT_ALL = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.training import assert_same, events_of, model_state
+from support.training import assert_same, events_of, hf_training_args, model_state
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -359,13 +359,6 @@ class JumpTrainerGuard(transformers.TrainerCallback):
 
 def hf_train(tmp_path: Path, steps: list[int], callbacks: list[Any], **overrides: Any) -> Any:
     options: dict[str, Any] = {
-        "output_dir": str(tmp_path / "out"),
-        "report_to": [],
-        "use_cpu": True,
-        "save_strategy": "no",
-        "disable_tqdm": True,
-        "dataloader_num_workers": 0,
-        "seed": 0,
         "per_device_train_batch_size": HF_BATCH,
         "max_steps": len(steps),
         "logging_steps": 10,
@@ -376,7 +369,7 @@ def hf_train(tmp_path: Path, steps: list[int], callbacks: list[Any], **overrides
     model = TinyRegressor()
     trainer = transformers.Trainer(
         model=model,
-        args=transformers.TrainingArguments(**options),
+        args=hf_training_args(tmp_path, **options),
         train_dataset=regression_examples(steps),
         callbacks=callbacks,
     )

@@ -16,7 +16,6 @@ snapshot's step, as a restart from a checkpoint taken there would (PaLM's recipe
 
 from __future__ import annotations
 
-import copy
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -29,7 +28,15 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.distributed import local_tensor
-from gradguard.enforce.snapshots import LiveState, Snapshot, TensorCopies, scale_lrs, scheduler_optimizer
+from gradguard.enforce.snapshots import (
+    LiveState,
+    Snapshot,
+    TensorCopies,
+    detached_copy,
+    restore_groups,
+    scale_lrs,
+    scheduler_optimizer,
+)
 from gradguard.enforce.statistics import Statistics
 from gradguard.errors import GuardWarning
 from gradguard.policy.schema import Recovery as RecoveryConfig
@@ -48,6 +55,18 @@ class HaltReport:
     kind: str
     reason: str | None
     origin: Mapping[str, Any] | None
+
+    def fields(self) -> dict[str, Any]:
+        """The fields the ``halt`` and ``rewind`` events share, in the log's order."""
+        return {
+            "step": self.step,
+            "rule": self.rule,
+            "params": self.params,
+            "kinds": self.kinds,
+            "kind": self.kind,
+            "reason": self.reason,
+            "origin": self.origin,
+        }
 
 
 class RewindRequested(Exception):
@@ -81,8 +100,8 @@ class _Held:
 
     def __init__(self, live: LiveState) -> None:
         self.snapshot = Snapshot()
-        self.snapshot.scaler = {key: _deep(value) for key, value in live.scaler_tensors().items()}
-        self.snapshot.schedulers = [_deep(scheduler.state_dict()) for scheduler in live.schedulers]
+        self.snapshot.scaler = {key: detached_copy(value) for key, value in live.scaler_tensors().items()}
+        self.snapshot.schedulers = [detached_copy(scheduler.state_dict()) for scheduler in live.schedulers]
         self.snapshot.buffers.take(live.buffers())
         self.groups = [_hyper_parameters(scheduler) for scheduler in live.schedulers]
 
@@ -91,12 +110,8 @@ class _Held:
         self.snapshot.restore_schedulers(live)
         for scheduler, saved in zip(live.schedulers, self.groups, strict=False):
             optimizer = scheduler_optimizer(scheduler)
-            for group, values in zip(optimizer.param_groups if optimizer else (), saved, strict=False):
-                for key, value in values.items():
-                    if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
-                        group[key].copy_(value)
-                    else:
-                        group[key] = _deep(value)
+            if optimizer is not None:
+                restore_groups(optimizer.param_groups, saved)
         if buffers:
             self.snapshot.buffers.restore(live.buffers())
 
@@ -104,7 +119,7 @@ class _Held:
         """Plain values (the buffers are not carried: a resumed run's window forwards may move BatchNorm's)."""
         scaler = {k: None if v is None else v.tolist() for k, v in self.snapshot.scaler.items()}
         groups = [[{k: _plain(v) for k, v in group.items()} for group in groups] for groups in self.groups]
-        return {"scaler": scaler, "schedulers": _deep(self.snapshot.schedulers), "groups": groups}
+        return {"scaler": scaler, "schedulers": detached_copy(self.snapshot.schedulers), "groups": groups}
 
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any], live: LiveState) -> _Held:
@@ -112,8 +127,8 @@ class _Held:
         held.snapshot = Snapshot()
         scaler = dict(state.get("scaler", {}))
         held.snapshot.scaler = {k: None if v is None else torch.tensor(v) for k, v in scaler.items()}
-        held.snapshot.schedulers = _deep(list(state.get("schedulers", [])))
-        held.groups = _deep(list(state.get("groups", [])))
+        held.snapshot.schedulers = detached_copy(list(state.get("schedulers", [])))
+        held.groups = detached_copy(list(state.get("groups", [])))
         held.snapshot.buffers.take(live.buffers())
         return held
 
@@ -121,11 +136,11 @@ class _Held:
 def _hyper_parameters(scheduler: Any) -> list[dict[str, Any]]:
     optimizer = scheduler_optimizer(scheduler)
     groups = optimizer.param_groups if optimizer is not None else []
-    return [{k: _deep(v) for k, v in group.items() if k != "params"} for group in groups]
+    return [{k: detached_copy(v) for k, v in group.items() if k != "params"} for group in groups]
 
 
 def _plain(value: Any) -> Any:
-    return value.tolist() if isinstance(value, torch.Tensor) else _deep(value)
+    return value.tolist() if isinstance(value, torch.Tensor) else detached_copy(value)
 
 
 class Recovery:
@@ -157,12 +172,17 @@ class Recovery:
         optimizers: list[Optimizer] | None,
         scaler: torch.amp.GradScaler | None,
         schedulers: list[Any],
+        config: RecoveryConfig | None,
+        start_step: int,
     ) -> None:
+        """What the guard attaches to; nothing of ``start_step`` has run yet (its buffers are a snapshot's)."""
+        self.config = config
         self.live.model = weakref.ref(model)
         self.live.known_optimizers = [weakref.ref(opt) for opt in optimizers or ()]
         self.live.scaler = scaler
         for scheduler in schedulers:
             self.add_scheduler(scheduler)
+        self.at_step_start(start_step)
 
     def add_scheduler(self, scheduler: Any) -> None:
         """A scheduler of the loop (an integration finds it after attach): rewound with the snapshots from now on.
@@ -358,7 +378,3 @@ class Recovery:
         self.lr_scale = float(state.get("lr_scale", 1.0))
         held = state.get("held")
         self._held = None if held is None or self.skip_until is None else _Held.from_state_dict(held, self.live)
-
-
-def _deep(value: Any) -> Any:
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)

@@ -33,7 +33,16 @@ from gradguard.enforce.distributed import local_tensor
 from gradguard.enforce.statistics import Series, Statistics
 from gradguard.errors import GuardStateError
 
-__all__ = ["LR_KEYS", "LiveState", "Snapshot", "TensorCopies", "scale_lrs", "scheduler_optimizer"]
+__all__ = [
+    "LR_KEYS",
+    "LiveState",
+    "Snapshot",
+    "TensorCopies",
+    "detached_copy",
+    "restore_groups",
+    "scale_lrs",
+    "scheduler_optimizer",
+]
 
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 """A param group's learning rates: the LR itself and what schedulers compute it from (``OneCycleLR``)."""
@@ -109,7 +118,7 @@ class _OptimizerCopy:
                     saved[key] = copy.deepcopy(value)
             self.state.append(saved)
         self.groups = [
-            {key: _detached(value) for key, value in group.items() if key != "params"}
+            {key: detached_copy(value) for key, value in group.items() if key != "params"}
             for group in optimizer.param_groups
         ]
         self.tensors.take(sources)
@@ -138,13 +147,7 @@ class _OptimizerCopy:
                     device = _device_of(param)
                     live[key] = buffers[value.index].to(device, copy=True)
         _copy(targets, sources)
-        for group, saved_group in zip(optimizer.param_groups, self.groups, strict=False):
-            for key, value in saved_group.items():
-                current = group.get(key)
-                if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-                    current.copy_(value)
-                else:
-                    group[key] = _detached(value)
+        restore_groups(optimizer.param_groups, self.groups)
 
     @property
     def nbytes(self) -> int:
@@ -199,7 +202,7 @@ class Snapshot:
         self.optimizers = []
         for optimizer in live.optimizers():
             self.add_optimizer(optimizer, live.model_ids(), kept.get(id(optimizer)))
-        self.scaler = {key: _detached(value) for key, value in live.scaler_tensors().items()}
+        self.scaler = {key: detached_copy(value) for key, value in live.scaler_tensors().items()}
         self.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in live.schedulers]
         self.statistics = {key: _series_copy(series) for key, series in live.statistics.series.items()}
         self.saved_statistics = copy.deepcopy(live.statistics._saved)
@@ -238,7 +241,7 @@ class Snapshot:
             if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
                 current.copy_(value)
             elif scaler is not None:
-                setattr(scaler, key, _detached(value))
+                setattr(scaler, key, detached_copy(value))
 
     def restore_schedulers(self, live: LiveState) -> None:
         for scheduler, saved in zip(live.schedulers, self.schedulers, strict=False):
@@ -328,7 +331,18 @@ def _fits(live: torch.Tensor, buffer: torch.Tensor) -> bool:
     return live.shape == buffer.shape and live.dtype == buffer.dtype
 
 
-def _detached(value: Any) -> Any:
+def restore_groups(groups: Sequence[dict[str, Any]], saved: Sequence[dict[str, Any]]) -> None:
+    """Put saved hyper-parameters back into param groups: into a tensor in place (a compiled step holds it)."""
+    for group, values in zip(groups, saved, strict=False):
+        for key, value in values.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                current.copy_(value)
+            else:
+                group[key] = detached_copy(value)
+
+
+def detached_copy(value: Any) -> Any:
     """A copy of ``value`` that shares no tensor with it."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()

@@ -92,24 +92,18 @@ class Verdicts:
             restored = decision.snapshot.step
             self.recovery.restore(decision.snapshot, self.recovery.lr_scale)
         reason = "; ".join(part for part in (halt.reason, decision.why if decision else None) if part) or None
-        step, rule, params, kind, origin = halt.step, halt.rule, halt.params, halt.kind, halt.origin
+        fields = halt.fields() | {"reason": reason}
         extra = {} if restored is None else {"restored_to": restored}
-        self.events.emit(
-            "error",
-            "halt",
-            step=step,
-            rule=rule,
-            params=params,
-            kinds=halt.kinds,
-            kind=kind,
-            reason=reason,
-            origin=origin,
-            **extra,
-            counters=self.counters.snapshot(),
-        )
+        self.events.emit("error", "halt", **fields, **extra, counters=self.counters.snapshot())
         self.events.flush()
         raise GradientHalt(
-            step=step, params=params, kind=kind, rule=rule, reason=reason, origin=origin, restored_to=restored
+            step=halt.step,
+            params=halt.params,
+            kind=halt.kind,
+            rule=halt.rule,
+            reason=reason,
+            origin=halt.origin,
+            restored_to=restored,
         )
 
     def scaler_skip(self, rules: Sequence[Rule], step: int, loss_scale: float | None) -> None:
@@ -145,14 +139,8 @@ class Verdicts:
         self.events.emit(
             "warning",
             "rewind",
-            step=halt.step,
+            **halt.fields(),
             to_step=snapshot.step,
-            rule=halt.rule,
-            params=halt.params,
-            kinds=halt.kinds,
-            kind=halt.kind,
-            reason=halt.reason,
-            origin=halt.origin,
             rewinds=self.recovery.rewinds,
             skip_until=self.recovery.skip_until,
             lr_scale=self.recovery.lr_scale,

@@ -144,3 +144,20 @@ def assert_same_training_state(
     assert_same(state_g["state"], state_r["state"], f"{where}: optimizer state")
     if param_groups:
         assert_same(state_g["param_groups"], state_r["param_groups"], f"{where}: param groups")
+
+
+def hf_training_args(tmp_path: Path, **overrides: Any) -> Any:
+    """``transformers.TrainingArguments`` for a tiny CPU fit that writes nothing but ``tmp_path/out``."""
+    import transformers
+
+    options: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"),
+        "report_to": [],
+        "use_cpu": True,
+        "save_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "seed": 0,
+    }
+    options.update(overrides)
+    return transformers.TrainingArguments(**options)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from gradguard.cli.common import LOGS, POLICY, fail, load_policy, output_option, unreadable
+from gradguard.cli.common import LOGS, POLICY, fail, load_policy, output_option, skip_the_exit_collection, unreadable
 
 __all__ = ["replay", "suggest"]
 
@@ -57,6 +57,8 @@ def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float
     """
     from gradguard.tuning.suggest import NoNorms, suggest_files
 
+    skip_the_exit_collection()
+
     try:
         suggestion = suggest_files(list(logs), budget=budget, z=z, merge_within=merge_within)
     except NoNorms as exc:
@@ -97,6 +99,8 @@ def replay(policy_path: Path, logs: tuple[Path, ...], fmt: str) -> None:
     policy = load_policy(policy_path)
     from gradguard.tuning.records import no_norms_message
     from gradguard.tuning.replay import replay_files
+
+    skip_the_exit_collection()
 
     try:
         result = replay_files(policy, list(logs))

@@ -43,6 +43,7 @@ __all__ = [
     "init_for",
     "never_decidable",
     "scope_of",
+    "stateless_coefficients",
 ]
 
 F32 = torch.float32
@@ -81,18 +82,12 @@ def act(
     ``columns`` columns (all its members, or 1 for a group). Statistics go to ``proposals``: kept if the step is.
     """
     norms = current.index_select(0, index)
-    if isinstance(action, ClipNorm):
-        assert action.norm_type in (2.0, math.inf)
-        if action.norm_type != 2.0:
+    if isinstance(action, ClipNorm | Scale | Zero):
+        if isinstance(action, ClipNorm) and action.norm_type != 2.0:
             assert peaks is not None
             norms = peaks.index_select(0, index)
-        if action.scope == "tensor":
-            totals = torch.linalg.vector_norm(norms.unsqueeze(1), action.norm_type, dim=1)
-            coef = clip_coefficients(totals, action.max_norm)
-            return coef, bool((coef < 1.0).any())
-        total = torch.linalg.vector_norm(norms, action.norm_type)
-        coef = clip_coefficients(total, action.max_norm)
-        return coef.expand(len(ids)), bool(coef < 1.0)
+        coefs, changed = stateless_coefficients(action, norms.unsqueeze(0))
+        return coefs[0], bool(changed[0])
     if isinstance(action, ZClip | AutoClip):
         group = action.scope == "group"
         g = followed(current, ids, group)
@@ -127,13 +122,32 @@ def act(
         coef = torch.where(total > limit, limit / torch.clamp(total, min=1e-6), torch.ones_like(total))
         coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
         return coef.expand(len(ids)) if action.scope == "group" else coef, bool((coef < 1.0).any())
-    if isinstance(action, Scale):
-        return torch.full((len(ids),), action.factor, dtype=F32), True
-    if isinstance(action, Zero):
-        return torch.zeros(len(ids), dtype=F32), True
     if isinstance(action, Drop):
         return None, True
     raise AssertionError(f"unexpected action {action.action!r}")
+
+
+def stateless_coefficients(action: ClipNorm | Scale | Zero, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an action that keeps no statistics does to ``[steps x members]`` float32 norms: the coefficients
+    (same shape) it multiplies them by, and per step whether it changed a gradient.
+
+    One step is a one-row matrix (``act``); a block of steps (``gradguard.tuning.blocks``) is many rows of the
+    same formulas, element by element (a group's norm is reduced along its row alone), so both decide alike.
+    """
+    steps, width = norms.shape
+    if isinstance(action, ClipNorm):
+        assert action.norm_type in (2.0, math.inf)
+        if action.scope == "tensor":
+            totals = torch.linalg.vector_norm(norms.unsqueeze(2), action.norm_type, dim=2)
+            coef = clip_coefficients(totals, action.max_norm)
+            return coef, (coef < 1.0).any(dim=1)
+        total = torch.linalg.vector_norm(norms, action.norm_type, dim=1)
+        coef = clip_coefficients(total, action.max_norm)
+        return coef.unsqueeze(1).expand(steps, width), coef < 1.0
+    every = torch.ones(steps, dtype=torch.bool)
+    if isinstance(action, Scale):
+        return torch.full((steps, width), action.factor, dtype=F32), every
+    return torch.zeros((steps, width), dtype=F32), every
 
 
 # --- the result ---------------------------------------------------------------------------------

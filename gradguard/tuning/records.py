@@ -121,8 +121,9 @@ def _take(figures: dict[str, dict[str, Number] | Number], into: RecordedStep) ->
         target: dict[str, float] = getattr(into, stat)
         if not target:
             target.update(values)  # type: ignore[arg-type]  # the non-finite strings are made floats below
-            for name in [name for name, value in values.items() if type(value) is not float]:
-                target[name] = as_float(values[name])
+            if str in set(map(type, values.values())):
+                for name in [name for name, value in values.items() if type(value) is str]:
+                    target[name] = as_float(values[name])
             continue
         for name, value in values.items():
             if name not in target:

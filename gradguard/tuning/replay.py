@@ -19,8 +19,9 @@ What a log cannot decide is said, not guessed (``Undecidable``): ``clip_value`` 
 ``clip_value`` the replay keeps the tensor's 2-norm as it was (an upper bound: the clamp's effect on
 the norm is not in the log). A halt ends the replay, as it ends the run.
 
-Memory holds one step's norms, the adaptive statistics (bounded by their windows) and the steps each
-action acted on.
+A policy without adaptive actions is decided a block of steps at a time (``gradguard.tuning.blocks``),
+with the same formulas and verdicts. Memory holds one block's norms (``BLOCK_STEPS`` steps), the adaptive
+statistics (bounded by their windows) and the steps each action acted on.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from gradguard.policy.schema import (
     Drop,
     HaltOnNonfinite,
     Monitor,
-    Rule,
     SkipStepOnNonfinite,
     SkipStepOnSpike,
 )
@@ -61,6 +61,7 @@ from gradguard.tuning.acting import (
     never_decidable,
     scope_of,
 )
+from gradguard.tuning.blocks import BLOCK_STEPS, BoundRule, as_matrix, decide_block, decides_in_blocks, windowed
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
 
 __all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]
@@ -138,15 +139,6 @@ class ReplayResult:
         }
 
 
-@dataclass
-class _Bound:
-    """A rule bound to the recorded names: its members, in the order the names were first seen."""
-
-    index: int
-    rule: Rule
-    members: list[int] = field(default_factory=list)
-
-
 class Replayer:
     """Runs a policy over recorded steps (``feed``), as the guard's step engine would have."""
 
@@ -155,7 +147,7 @@ class Replayer:
         self.rules = list(policy.rules)
         self.names: list[str] = []
         self._index: dict[str, int] = {}
-        self.bound = [_Bound(index, rule) for index, rule in enumerate(self.rules)]
+        self.bound = [BoundRule(index, rule) for index, rule in enumerate(self.rules)]
         self.watchers: dict[int, list[int]] = {}
         """Name index -> the rules with a halt or skip action covering it, in policy order."""
         self.entries: dict[tuple[int, int], ActionSteps] = {}
@@ -168,6 +160,13 @@ class Replayer:
         self.skip_limits = SkipLimits()
         self.halt: Halt | None = None
         self.steps = 0
+        self.in_blocks = decides_in_blocks(self.rules)
+        """Whether steps are decided a block at a time (``feed``); False decides each on its own."""
+        self.windowed = windowed(self.rules)
+        self._pending: list[RecordedStep] = []
+        """Steps gathered for a block (``feed``)."""
+        self._activity: tuple[bool, ...] = ()
+        """The pending steps' activity of the windowed rules and actions."""
         for index, rule in enumerate(self.rules):
             for position, action in enumerate(rule.actions):
                 reason = never_decidable(action)
@@ -197,10 +196,54 @@ class Replayer:
                     extra = init_for(action)(grown, torch.device("cpu"))
                     stats.tensors = {k: torch.cat([v, extra[k]]) for k, v in stats.tensors.items()}
 
-    # --- one step -----------------------------------------------------------------------------------
+    # --- steps ------------------------------------------------------------------------------------
 
     def feed(self, recorded: RecordedStep) -> bool:
-        """Replay one recorded step; False once the run has halted (later steps would not have happened)."""
+        """Replay one recorded step; False once the run has halted (later steps would not have happened).
+
+        A policy that keeps no statistics gathers the steps whose norms are all finite and recorded for every
+        known name, and decides them a block at a time (``gradguard.tuning.blocks``), with the verdicts one
+        step at a time gives: such a step can neither skip nor halt, so the steps a halt stops at are read
+        as far as one step at a time reads them. Any other step is decided on its own, after the pending ones.
+        """
+        if self.halt is not None:
+            return False
+        if self.in_blocks:
+            if list(recorded.norm) == self.names and math.isfinite(sum(recorded.norm.values())):
+                activity = tuple(item.active_at(recorded.step) for item in self.windowed)
+                if self._pending and activity != self._activity:
+                    self._decide_pending()
+                self._pending.append(recorded)
+                self._activity = activity
+                if len(self._pending) == BLOCK_STEPS:
+                    self._decide_pending()
+                return True
+            if self._pending and not self._decide_pending():
+                return False
+        return self._feed_one(recorded)
+
+    def _decide_pending(self) -> bool:
+        """The gathered steps, as one matrix under one activity of the rules; False if one halted."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return self.halt is None
+        raw = as_matrix([recorded.norm for recorded in pending]).to(F32)
+        finite = torch.isfinite(raw).all(dim=1).tolist()
+        keys, acted = decide_block(self.bound, self.undecidable, raw, pending[0].step)
+        for recorded, clean, did in zip(pending, finite, acted, strict=True):
+            if not clean:  # a finite double beyond float32's range: the watches decide it, as one step
+                if not self._feed_one(recorded):
+                    return False
+                continue
+            # What _feed_one does with a step whose norms are all finite: no watch fires, the step is applied.
+            self.steps += 1
+            self.skip_limits.step_applied()
+            for key, changed in zip(keys, did, strict=True):
+                if changed:
+                    self.entries[key].steps.append(recorded.step)
+        return True
+
+    def _feed_one(self, recorded: RecordedStep) -> bool:
         if self.halt is not None:
             return False
         self._learn(recorded.norm)
@@ -277,7 +320,7 @@ class Replayer:
                 skipped_by[index] = skips[0]
         return halted_by, skipped_by
 
-    def _members(self, bound: _Bound, present: list[bool], everyone: bool) -> tuple[list[int], torch.Tensor | None]:
+    def _members(self, bound: BoundRule, present: list[bool], everyone: bool) -> tuple[list[int], torch.Tensor | None]:
         """The members with a norm this step, and their columns (``None``: all of them, in order)."""
         if everyone:
             return bound.members, None
@@ -386,7 +429,8 @@ class Replayer:
                     break  # the rule's later actions have no gradient left
 
     def result(self, recording: Recording) -> ReplayResult:
-        """What the policy did, per action (the undecidable ones listed apart)."""
+        """What the policy did, per action (the undecidable ones listed apart), the pending steps decided first."""
+        self._decide_pending()
         undecidable = dict(self.undecidable)
         for bound in self.bound:
             if not bound.members:
@@ -405,7 +449,7 @@ class Replayer:
 
 
 def replay_files(policy: Policy, paths: Sequence[Path], recording: Recording | None = None) -> ReplayResult:
-    """Replay ``policy`` on the norms recorded in ``paths`` (streamed: one step in memory at a time)."""
+    """Replay ``policy`` on the norms recorded in ``paths`` (streamed: at most ``BLOCK_STEPS`` steps in memory)."""
     recording = recording if recording is not None else Recording()
     replayer = Replayer(policy)
     for recorded in recorded_steps(paths, recording):

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+import torch
 
 from gradguard.policy.document import Policy
 from gradguard.policy.loading import load_policy_text
@@ -84,7 +86,8 @@ class NormSummary:
     """Parameter name -> its family, in the order first seen."""
 
     _block_names: list[str] = field(default_factory=list)
-    _rows: list[list[float]] = field(default_factory=list)
+    _values: array[float] = field(default_factory=lambda: array("d"))
+    """The gathered steps' norms, row after row (``_block_names`` in each)."""
 
     def add(self, norms: dict[str, float]) -> None:
         """One recorded step's norms; they are counted a block of steps at a time (``flush``)."""
@@ -100,34 +103,51 @@ class NormSummary:
                         family = self.families[key] = Family([key])
                     family.members.add(name)
                     self.names[name] = family
-        self._rows.append(list(norms.values()))
-        if len(self._rows) >= _BLOCK_STEPS:
+        self._values.extend(norms.values())
+        if len(self._values) >= _BLOCK_STEPS * len(names):
             self.flush()
 
     def flush(self) -> None:
-        """Count the gathered steps' norms, a member's column at once (binned as ``LogHistogram.add`` bins)."""
-        if not self._rows:
+        """Count the gathered steps' norms, every member's column at once (binned as ``LogHistogram.add`` bins).
+
+        ``ln`` is torch's float64 logarithm (within an ulp of ``math.log``; a bin is 1% wide), and one ``unique``
+        over ``(column, bin)`` pairs counts the whole block.
+        """
+        if not self._values:
             return
-        log, floor, inf, width = math.log, math.floor, math.inf, BIN_WIDTH
-        for name, column in zip(self._block_names, zip(*self._rows, strict=True), strict=True):
+        values = torch.frombuffer(self._values, dtype=torch.float64).view(-1, len(self._block_names))
+        self._values = array("d")
+        positive = (values > 0.0) & (values < math.inf)
+        zeros = (values == 0.0).sum(dim=0).tolist()
+        counted = positive.sum(dim=0).tolist()
+        steps = values.shape[0]
+        for name, zero, count in zip(self._block_names, zeros, counted, strict=True):
             family = self.names[name]
-            keys = [floor(log(norm) / width) for norm in column if 0.0 < norm < inf]
-            zeros = column.count(0.0)
-            family.zeros += zeros
-            family.nonfinite += len(column) - len(keys) - zeros
-            if not keys:
-                continue
+            family.zeros += zero
+            family.nonfinite += steps - count - zero
+        if not any(counted):
+            return
+        keys = torch.floor(torch.log(values[positive]) / BIN_WIDTH).to(torch.int64)
+        columns = positive.nonzero()[:, 1]
+        low = int(keys.min())
+        span = int(keys.max()) - low + 1
+        pairs, counts = torch.unique(columns * span + (keys - low), return_counts=True)
+        by_column: dict[int, dict[int, int]] = {}
+        for pair, count in zip(pairs.tolist(), counts.tolist(), strict=True):
+            column, key = divmod(pair, span)
+            by_column.setdefault(column, {})[key + low] = count
+        for column, binned in by_column.items():
+            name = self._block_names[column]
+            family = self.names[name]
             own = family.by_member.get(name)
             if own is None:
                 own = family.by_member[name] = LogHistogram()
-            counted = Counter(keys)
-            own.add_counts(counted, len(keys))
-            family.histogram.add_counts(counted, len(keys))
-        self._rows = []
+            own.add_counts(binned, counted[column])
+            family.histogram.add_counts(binned, counted[column])
 
 
-_BLOCK_STEPS: Final = 256
-"""Recorded steps gathered before their norms are counted."""
+_BLOCK_STEPS: Final = 2048
+"""Recorded steps gathered before their norms are counted (2,048 x 300 tensors: 5 MB of float64)."""
 
 
 @dataclass

@@ -1,0 +1,121 @@
+"""Many recorded steps at once, for a policy whose actions keep no statistics (``gradguard.tuning.replay``).
+
+A policy made of ``clip_norm`` (2-norm), ``scale``, ``zero``, ``drop``, ``monitor`` and the non-finite
+watches decides each step from that step's norms alone: only the skip limits (skips in a row, skips in a
+window) and a halt carry from one step to the next. So a run of recorded steps is decided as one
+``[steps x tensors]`` float32 matrix, each action one tensor operation on its members' columns with the
+formulas a single step uses (``stateless_coefficients``, element by element, a group's norm reduced along
+its own row), and the steps are then walked in order to note what acted, keep the skip limits and stop at
+a halt. A step the matrix cannot decide alone goes through ``Replayer.feed`` in its place: a name missing
+or new, a non-finite norm (the watches decide it). Rules and actions that start or stop
+(``from_step``/``until_step``) split the run where their activity changes.
+
+A policy with an adaptive action (``zclip``, ``autoclip``, ``skip_step_on_spike``: statistics carried from
+step to step), ``clip_value``, a ``clip_norm`` by ``inf`` or ``agc`` is replayed step by step.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import torch
+
+from gradguard.policy.schema import (
+    Action,
+    ClipNorm,
+    Drop,
+    HaltOnNonfinite,
+    Monitor,
+    Rule,
+    Scale,
+    SkipStepOnNonfinite,
+    Zero,
+)
+from gradguard.tuning.acting import stateless_coefficients
+
+__all__ = ["BLOCK_STEPS", "BoundRule", "as_matrix", "decide_block", "decides_in_blocks", "windowed"]
+
+BLOCK_STEPS: Final = 256
+"""Recorded steps gathered and decided together (memory holds that many steps' norms)."""
+
+_WATCHES: Final = Monitor | HaltOnNonfinite | SkipStepOnNonfinite
+
+
+@dataclass
+class BoundRule:
+    """A rule bound to the recorded names: its members, in the order the names were first seen."""
+
+    index: int
+    rule: Rule
+    members: list[int] = field(default_factory=list)
+
+
+def decides_in_blocks(rules: Sequence[Rule]) -> bool:
+    """Whether every action of ``rules`` decides a step from that step's norms alone (see the module)."""
+    for rule in rules:
+        for action in rule.actions:
+            if isinstance(action, ClipNorm):
+                if action.norm_type != 2.0:
+                    return False
+            elif not isinstance(action, Scale | Zero | Drop | _WATCHES):
+                return False
+    return True
+
+
+def as_matrix(rows: Sequence[Mapping[str, float]]) -> torch.Tensor:
+    """Steps' figures of the same names in the same order as one float64 ``[steps x names]`` matrix.
+
+    Gathered in an ``array`` (C doubles) and viewed by torch: a tenth of ``torch.tensor``'s cost on nested lists.
+    """
+    values = array("d")
+    for row in rows:
+        values.extend(row.values())
+    return torch.frombuffer(values, dtype=torch.float64).view(len(rows), -1)
+
+
+def windowed(rules: Sequence[Rule]) -> list[Rule | Action]:
+    """The rules and actions that start or stop at a step: a run of steps decided together shares their activity."""
+    items: list[Rule | Action] = []
+    for rule in rules:
+        items += [item for item in (rule, *rule.actions) if item.from_step is not None or item.until_step is not None]
+    return items
+
+
+def decide_block(
+    rules: Sequence[BoundRule], undecidable: Container[tuple[int, int]], raw: torch.Tensor, step: int
+) -> tuple[list[tuple[int, int]], list[list[bool]]]:
+    """Every rule's gradient-changing actions in policy order on ``raw``'s rows, each row one step with a norm
+    for every name (as ``Replayer._actions`` on one step), under the rules' activity at ``step``: the actions'
+    keys ``(rule, position)``, and per row whether each one acted."""
+    current = raw.clone()
+    present = [True] * raw.shape[1]
+    keys: list[tuple[int, int]] = []
+    acted: list[torch.Tensor] = []
+    for bound in rules:
+        if not bound.members or not bound.rule.active_at(step):
+            continue
+        ids = [member for member in bound.members if present[member]]
+        if not ids:
+            continue
+        index = torch.tensor(ids, dtype=torch.long)
+        for position, action in enumerate(bound.rule.actions):
+            key = (bound.index, position)
+            if not action.active_at(step) or key in undecidable or isinstance(action, _WATCHES):
+                continue
+            keys.append(key)
+            if isinstance(action, Drop):
+                acted.append(torch.ones(raw.shape[0], dtype=torch.bool))
+                for member in ids:
+                    present[member] = False
+                break  # the rule's later actions have no gradient left
+            assert isinstance(action, ClipNorm | Scale | Zero)
+            norms = current.index_select(1, index)
+            coef, did = stateless_coefficients(action, norms)
+            current[:, index] = norms * coef
+            acted.append(did)
+    if not keys:
+        return keys, [[] for _ in range(raw.shape[0])]
+    return keys, torch.stack(acted, dim=1).tolist()

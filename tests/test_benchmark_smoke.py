@@ -104,24 +104,31 @@ def test_the_quick_spikes_benchmark_prints_a_row_of_figures_for_every_arm(tmp_pa
     assert result["seeds"][0]["arms"]["global"]["clipped_steps"] > 0, "the injected spikes are above the global clip"
 
 
-def test_the_quick_suggest_and_replay_benchmark_times_both_commands_at_two_lengths(tmp_path: Path) -> None:
-    """``benchmarks/suggest_replay.py --quick`` times suggest and replay at two log lengths and catches the spikes."""
+def test_the_quick_suggest_and_replay_benchmark_times_both_commands_beside_a_baseline_at_two_lengths(
+    tmp_path: Path,
+) -> None:
+    """``benchmarks/suggest_replay.py --quick --baseline TREE`` times suggest and replay from this tree and from
+    ``TREE`` (here this tree again: the ratio's mechanics) at two log lengths, catches the spikes, and replays in
+    blocks with the verdicts of one step at a time."""
     out = tmp_path / "suggest.json"
+    baseline = ["--baseline", str(BENCHMARKS.parent)]
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "suggest_replay.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(BENCHMARKS / "suggest_replay.py"), "--quick", *baseline, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert done.returncode == 0, done.stderr
-    assert "| steps | log MB | suggest s |" in done.stdout
-    rows = json.loads(out.read_text())["rows"]
-    assert [row["steps"] for row in rows] == [300, 1200]
-    for row in rows:
-        assert row["suggest_exit"] == 0
-        assert row["replay_exit"] == 0
+    assert "| steps | log MB | suggest s | before s | x | replay s | before s | x |" in done.stdout
+    result = json.loads(out.read_text())
+    assert [row["steps"] for row in result["rows"]] == [300, 1200]
+    for row in result["rows"]:
         assert row["spikes_caught"] == row["spikes"]
+        assert row["suggest_speedup"] > 0
+        assert row["replay_speedup"] > 0
+    assert result["in_process"]["verdicts_equal"] is True
+    assert result["in_process"]["steps_s"] > 0
 
 
 def test_the_quick_recovery_benchmark_halts_without_recovery_and_rewinds_exactly_with_it(tmp_path: Path) -> None:

@@ -92,11 +92,18 @@ print(json.dumps(best))
 """Times the stdlib's parse of every line and the audit in one process, alternating, best of each."""
 
 
-def run_measured(command: list[str], out: Path, env: dict[str, str] | None = None) -> tuple[float, int, int]:
+def run_measured(
+    command: list[str], out: Path, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[float, int, int]:
     """Wall seconds, peak RSS in bytes, and exit code of ``command`` run in a fresh process (stdout to ``out``;
-    ``env``: its environment, else this one's)."""
+    ``env`` and ``cwd``: its environment and directory, else this one's)."""
     done = subprocess.run(
-        [sys.executable, "-c", _LAUNCHER, str(out), *command], capture_output=True, text=True, check=True, env=env
+        [sys.executable, "-c", _LAUNCHER, str(out), *command],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        cwd=cwd,
     )
     elapsed, maxrss, code = json.loads(done.stdout)
     peak = maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux

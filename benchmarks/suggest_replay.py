@@ -97,7 +97,9 @@ def measure(directory: Path, params: int, steps: int, baseline: Path | None, rep
             policy = directory / f"suggested-{steps}-{label}.yaml"
             for command, argv in _commands(log, policy).items():
                 out = directory / f"{command}-{label}.out"
-                seconds, peak, code = run_measured(argv, out, env)
+                # From the log's directory: `python -m` puts the working directory first on the path, before
+                # PYTHONPATH, so a run from this tree's root would import this tree's gradguard as the baseline.
+                seconds, peak, code = run_measured(argv, out, env, cwd=directory)
                 if code != 0:
                     raise SystemExit(f"{command} ({label}) exited {code}: {' '.join(argv)}")
                 times.setdefault(f"{command}_{label}_s", []).append(seconds)

@@ -50,6 +50,9 @@ def _irregular_log(path: Path, seed: int, steps: int = 3 * BLOCK_STEPS + 40, nan
             log.stats(step, "norms", {"norm": norms})
 
 
+_CLIP = {"action": "clip_norm", "max_norm": 0.5}
+
+
 def _rule(name: str, match: str, *actions: dict[str, Any], **window: int) -> dict[str, Any]:
     return {"name": name, "match": match, "actions": list(actions), **window}
 
@@ -154,3 +157,49 @@ def test_a_block_replay_of_a_run_s_own_policy_gives_exactly_that_run_s_steps(tmp
     assert {rule for rule, _ in actual} == {"nan", "clip", "group", "small"}, "every rule acts in the run"
     replayed = {(entry.rule, entry.action): entry.steps for entry in replay_files(policy, [log]).actions if entry.steps}
     assert replayed == actual
+
+
+def _write_steps(path: Path, steps: list[tuple[int, dict[str, Any]]]) -> None:
+    with LogBuilder(path) as log:
+        log.attach({"norms": 2}, model="Two")
+        for step, norms in steps:
+            log.stats(step, "norms", {"norm": norms})
+
+
+ONES = {"a": 1.0, "b": 1.0}
+OVER = {"a": 3.5e38, "b": 1.0}
+"""Finite as a double, infinite in float32 (where the guard and the replay decide): a non-finite norm."""
+
+
+@pytest.mark.parametrize(
+    ("case", "steps", "rules"),
+    [
+        (
+            "a halt, then a rule starts",
+            [(0, ONES), (1, OVER), *((step, ONES) for step in range(2, 5))],
+            [_rule("halt", "*", {"action": "halt_on_nonfinite"}), _rule("clip", "*", _CLIP, from_step=2)],
+        ),
+        (
+            "a halt on the 257th step",
+            [*((step, ONES) for step in range(BLOCK_STEPS)), (BLOCK_STEPS, OVER), (BLOCK_STEPS + 1, ONES)],
+            [_rule("halt", "*", {"action": "halt_on_nonfinite"}), _rule("clip", "*", _CLIP)],
+        ),
+        (
+            "a skip limit, then a rule starts",
+            [(0, ONES), (1, OVER), (2, OVER), (3, ONES), (4, ONES)],
+            [
+                _rule("skip", "*", {"action": "skip_step_on_nonfinite", "max_consecutive_skips": 1}),
+                _rule("clip", "*", _CLIP, from_step=3),
+            ],
+        ),
+        ("no names on the first steps", [(0, {}), (1, {}), (2, {"a": 1.0}), (3, {"a": 2.0})], [_rule("c", "*", _CLIP)]),
+    ],
+)
+def test_a_norm_beyond_float32_and_an_empty_step_are_decided_as_one_step_at_a_time_decides_them(
+    case: str, steps: list[tuple[int, dict[str, Any]]], rules: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    """A halt is read as far as one step at a time reads it (first and last step included)."""
+    log = tmp_path / "run.jsonl"
+    _write_steps(log, steps)
+    policy = _policy(rules)
+    assert replay_files(policy, [log]).as_json() == _one_step_at_a_time(policy, log), case

@@ -36,10 +36,13 @@ from gradguard.policy.schema import (
 )
 from gradguard.tuning.acting import stateless_coefficients
 
-__all__ = ["BLOCK_STEPS", "BoundRule", "as_matrix", "decide_block", "decides_in_blocks", "windowed"]
+__all__ = ["BLOCK_STEPS", "F32_MAX", "BoundRule", "as_matrix", "decide_block", "decides_in_blocks", "windowed"]
 
 BLOCK_STEPS: Final = 256
 """Recorded steps gathered and decided together (memory holds that many steps' norms)."""
+
+F32_MAX: Final = torch.finfo(torch.float32).max
+"""A recorded norm (a double) above this is infinite in float32, where the guard and the replay decide."""
 
 _WATCHES: Final = Monitor | HaltOnNonfinite | SkipStepOnNonfinite
 

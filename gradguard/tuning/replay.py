@@ -61,7 +61,15 @@ from gradguard.tuning.acting import (
     never_decidable,
     scope_of,
 )
-from gradguard.tuning.blocks import BLOCK_STEPS, BoundRule, as_matrix, decide_block, decides_in_blocks, windowed
+from gradguard.tuning.blocks import (
+    BLOCK_STEPS,
+    F32_MAX,
+    BoundRule,
+    as_matrix,
+    decide_block,
+    decides_in_blocks,
+    windowed,
+)
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
 
 __all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]
@@ -209,39 +217,35 @@ class Replayer:
         if self.halt is not None:
             return False
         if self.in_blocks:
-            if list(recorded.norm) == self.names and math.isfinite(sum(recorded.norm.values())):
+            # Every known name recorded, in order, and every norm finite in float32 (their magnitudes' sum at
+            # most float32's largest bounds each one; NaN fails the comparison): no watch can fire.
+            norms = recorded.norm
+            if norms and list(norms) == self.names and sum(map(abs, norms.values())) <= F32_MAX:
                 activity = tuple(item.active_at(recorded.step) for item in self.windowed)
-                if self._pending and activity != self._activity:
+                if activity != self._activity:
                     self._decide_pending()
                 self._pending.append(recorded)
                 self._activity = activity
                 if len(self._pending) == BLOCK_STEPS:
                     self._decide_pending()
                 return True
-            if self._pending and not self._decide_pending():
-                return False
+            self._decide_pending()
         return self._feed_one(recorded)
 
-    def _decide_pending(self) -> bool:
-        """The gathered steps, as one matrix under one activity of the rules; False if one halted."""
+    def _decide_pending(self) -> None:
+        """The gathered steps, as one matrix under one activity of the rules (none of them can skip or halt)."""
         pending, self._pending = self._pending, []
         if not pending:
-            return self.halt is None
+            return
         raw = as_matrix([recorded.norm for recorded in pending]).to(F32)
-        finite = torch.isfinite(raw).all(dim=1).tolist()
         keys, acted = decide_block(self.bound, self.undecidable, raw, pending[0].step)
-        for recorded, clean, did in zip(pending, finite, acted, strict=True):
-            if not clean:  # a finite double beyond float32's range: the watches decide it, as one step
-                if not self._feed_one(recorded):
-                    return False
-                continue
+        for recorded, did in zip(pending, acted, strict=True):
             # What _feed_one does with a step whose norms are all finite: no watch fires, the step is applied.
             self.steps += 1
             self.skip_limits.step_applied()
             for key, changed in zip(keys, did, strict=True):
                 if changed:
                     self.entries[key].steps.append(recorded.step)
-        return True
 
     def _feed_one(self, recorded: RecordedStep) -> bool:
         if self.halt is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from distributed_scenarios import shutdown  # tests/, this script's folder
+from support.gloo_ranks import shutdown  # tests/, this script's folder
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 

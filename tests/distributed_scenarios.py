@@ -8,11 +8,9 @@ Every rank writes ``OUTDIR/rank{r}.json``; the test compares the ranks' results.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
 import hashlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -21,13 +19,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from support.gloo_ranks import main
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy
 
 STEPS = 5
 BAD_STEP = 2
-TIMEOUT = datetime.timedelta(seconds=30)
 
 
 def digest(model: nn.Module) -> str:
@@ -395,47 +393,5 @@ def fsdp_attach_before_shard(rank: int, world: int, model: nn.Module, outdir: Pa
     }
 
 
-def run_all(names: str, rank: int, world: int, outdir: Path) -> None:
-    """Run comma-separated scenarios one after the other in the same process group."""
-    for name in names.split(","):
-        folder = outdir / name
-        folder.mkdir(parents=True, exist_ok=True)
-        result = scenario(name, rank, world, folder)
-        (folder / f"rank{rank}.json").write_text(json.dumps(result))
-        gc.collect()
-        dist.barrier()
-
-
-def shutdown() -> None:
-    # DDP's reducer must be gone before its process group, or gloo aborts at exit (torch 2.13).
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_rank(rank: int, world: int, name: str, outdir: str, port: int) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        run_all(name, rank, world, Path(outdir))
-    finally:
-        shutdown()
-
-
-def main(argv: list[str]) -> None:
-    if argv[0] == "--torchrun":
-        name, outdir = argv[1], argv[2]
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group("gloo", timeout=TIMEOUT)
-        try:
-            run_all(name, rank, world, Path(outdir))
-        finally:
-            shutdown()
-        return
-    name, world, outdir, port = argv[0], int(argv[1]), argv[2], int(argv[3])
-    torch.multiprocessing.spawn(run_rank, args=(world, name, outdir, port), nprocs=world, join=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(scenario, sys.argv[1:])

@@ -8,11 +8,9 @@ trained on the undone batches. Every rank writes ``OUTDIR/SCENARIO/rank{r}.json`
 
 from __future__ import annotations
 
-import datetime
 import gc
 import hashlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from distributed_scenarios import batch, shutdown  # tests/, this script's folder
+from distributed_scenarios import batch  # tests/, this script's folder
+from support.gloo_ranks import main
 from torch import nn
 
 from gradguard import GradGuard, Policy
@@ -34,7 +33,6 @@ REWOUND_TO = 20
 SKIP_UNTIL = FAULT + SKIP_STEPS + 1
 """The first step applied again: the batches of REWOUND_TO .. SKIP_UNTIL - 1 are never learned from."""
 REFERENCE_BATCHES = [*range(REWOUND_TO), *range(SKIP_UNTIL, STEPS)]
-TIMEOUT = datetime.timedelta(seconds=30)
 
 RULES: list[dict[str, Any]] = [
     {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
@@ -152,7 +150,7 @@ def train(kind: str, rank: int, outdir: Path, *, reference: bool, pass_steps: bo
     return result
 
 
-def scenario(name: str, rank: int, outdir: Path) -> dict[str, Any]:
+def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     kind = "ddp" if name.startswith("ddp") else "fsdp2"
     recovered = train(kind, rank, outdir, reference=False, pass_steps=name.endswith("pass_step"))
     gc.collect()
@@ -161,26 +159,5 @@ def scenario(name: str, rank: int, outdir: Path) -> dict[str, Any]:
     return {"rank": rank, "recovery": recovered, "reference": reference}
 
 
-def run_rank(rank: int, world: int, names: str, outdir: str, port: int) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        for name in names.split(","):
-            folder = Path(outdir) / name
-            folder.mkdir(parents=True, exist_ok=True)
-            result = scenario(name, rank, folder)
-            (folder / f"rank{rank}.json").write_text(json.dumps(result))
-            gc.collect()
-            dist.barrier()
-    finally:
-        shutdown()
-
-
-def main(argv: list[str]) -> None:
-    names, world, outdir, port = argv[0], int(argv[1]), argv[2], int(argv[3])
-    torch.multiprocessing.spawn(run_rank, args=(world, names, outdir, port), nprocs=world, join=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(scenario, sys.argv[1:])

@@ -9,7 +9,6 @@ its digests after every step and the ``policy_reload`` / ``policy_reload_failed`
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -22,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_scenarios import TIMEOUT, batch, digest, make_model
+from distributed_scenarios import batch, digest, make_model
+from support.gloo_ranks import main
 
 from gradguard import GradGuard
 
@@ -53,7 +53,7 @@ REWRITES = {
 }
 
 
-def scenario(name: str, rank: int, outdir: Path) -> dict[str, Any]:
+def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as Ddp
 
     path = outdir / "policy.json"
@@ -90,28 +90,5 @@ def scenario(name: str, rank: int, outdir: Path) -> dict[str, Any]:
     }
 
 
-def run_rank(rank: int, world: int, names: str, outdir: str, port: int) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    try:
-        for name in names.split(","):
-            folder = Path(outdir) / name
-            folder.mkdir(parents=True, exist_ok=True)
-            result = scenario(name, rank, folder)
-            (folder / f"rank{rank}.json").write_text(json.dumps(result))
-            gc.collect()
-            dist.barrier()
-    finally:
-        gc.collect()  # DDP's reducer must be gone before its process group
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def main(argv: list[str]) -> None:
-    names, world, outdir, port = argv[0], int(argv[1]), argv[2], int(argv[3])
-    torch.multiprocessing.spawn(run_rank, args=(world, names, outdir, port), nprocs=world, join=True)
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main(scenario, sys.argv[1:])

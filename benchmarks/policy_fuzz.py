@@ -42,9 +42,6 @@ from pathlib import Path
 MAX_BYTES = 1024 * 1024
 """The loader's size limit (gradguard.policy.limits.MAX_FILE_BYTES), repeated so that generating needs no import."""
 
-BIND_RULES = 100
-"""Policies with more rules than this are loaded but not bound: binding checks every pair of rules on
-every parameter, and 1000 rules take about 10 s to bind even to a model of 4 parameters."""
 
 VALID = {
     "yaml": (
@@ -479,8 +476,6 @@ class Outcomes:
     """The slowest load (read, parse, validate) of each kind, in seconds."""
     slowest_bind: tuple[float, str] = (0.0, "")
     """The slowest bind of a policy that loaded, and its case (not bounded: the loader's cost is measured)."""
-    unbound: int = 0
-    """Policies that loaded with more than :data:`BIND_RULES` rules, not bound."""
 
     @property
     def total(self) -> int:
@@ -545,9 +540,6 @@ def run(
             outcomes.failures.append(f"{label}: loading took {elapsed:.2f} s")
         if policy is None:
             return
-        if len(policy.rules) > BIND_RULES:
-            outcomes.unbound += 1
-            return
         start = time.perf_counter()
         try:
             bind(policy, model)
@@ -605,7 +597,6 @@ def main(argv: list[str] | None = None) -> int:
     print(outcomes.table())
     seconds, case = outcomes.slowest_bind
     print(f"\nslowest bind of a policy that loaded: {seconds:.2f} s ({case[:100]})")
-    print(f"policies of more than {BIND_RULES} rules loaded but not bound: {outcomes.unbound}")
     for failure in outcomes.failures[:30]:
         print(f"\nFAILED {failure}")
     print(f"\n{len(outcomes.failures)} failures")

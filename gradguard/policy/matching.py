@@ -7,8 +7,10 @@ ignored when matching, so one policy fits the model however it is wrapped.
 
 from __future__ import annotations
 
+import bisect
 import difflib
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -127,7 +129,8 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         for index, rule in enumerate(policy.rules)
         if not members[index] and not rule.allow_no_match
     ]
-    issues.extend(issue for entry in guarded if (issue := _conflict_issue(policy, entry)) is not None)
+    changing = [_changing_actions(rule) for rule in policy.rules]
+    issues.extend(issue for entry in guarded if (issue := _conflict_issue(policy, entry, changing)) is not None)
     if issues:
         raise PolicyError(issues)
     _refuse_unsupported(model, policy, guarded)
@@ -212,7 +215,9 @@ def _overlap(a: _Window, b: _Window) -> bool:
     return max(a[0], b[0]) < min(a[1], b[1])
 
 
-def _conflict_issue(policy: Policy, entry: GuardedParam) -> PolicyIssue | None:
+def _conflict_issue(
+    policy: Policy, entry: GuardedParam, changing: Sequence[list[tuple[str, _Window]]]
+) -> PolicyIssue | None:
     """Two rules that both change one tensor's gradient, on the same steps, in ways that cannot both be meant.
 
     - ``drop`` or ``zero`` in one rule and any other gradient change in another: the other is void.
@@ -220,23 +225,38 @@ def _conflict_issue(policy: Policy, entry: GuardedParam) -> PolicyIssue | None:
       the user most likely believes they are two tensors.
 
     Rules whose step windows never overlap do not conflict (freeze for N steps, then train slowly).
+    ``changing``: each rule's ``_changing_actions``. Pairs are visited in policy order (the first conflict is
+    reported), but on a tensor with one name only a pair of a ``drop``/``zero`` and another change can
+    conflict, so only those are visited: a thousand overlapping clips, or zeros, bind without a million pairs.
     """
-    rules = [policy.rules[i] for i in entry.rules]
-    for position, first in enumerate(rules):
-        for second in rules[position + 1 :]:
+    ids = [i for i in entry.rules if changing[i]]
+    tied = len(entry.names) > 1
+    voids = [position for position, i in enumerate(ids) if any(a in _VOIDING for a, _ in changing[i])]
+    others = [position for position, i in enumerate(ids) if any(a not in _VOIDING for a, _ in changing[i])]
+    if not tied and not (voids and others):
+        return None
+    void_set, other_set = set(voids), set(others)
+    for position, i in enumerate(ids):
+        if tied:
+            later = ids[position + 1 :]
+        else:  # a drop/zero against another change, in either order
+            after = set(others[bisect.bisect_right(others, position) :]) if position in void_set else set()
+            if position in other_set:
+                after.update(voids[bisect.bisect_right(voids, position) :])
+            later = [ids[p] for p in sorted(after)]
+        first = policy.rules[i]
+        for j in later:
+            second = policy.rules[j]
             pairs = [
-                (x, y)
-                for x, x_window in _changing_actions(first)
-                for y, y_window in _changing_actions(second)
-                if _overlap(x_window, y_window)
+                (x, y) for x, x_window in changing[i] for y, y_window in changing[j] if _overlap(x_window, y_window)
             ]
             if not pairs:
                 continue
             a, b = {x for x, _ in pairs}, {y for _, y in pairs}
             voiding = any((x in _VOIDING) != (y in _VOIDING) for x, y in pairs)
-            first_names = {name for name in entry.names if rule_matches(first, (name,))}
-            second_names = {name for name in entry.names if rule_matches(second, (name,))}
-            tied_apart = len(entry.names) > 1 and not first_names & second_names
+            first_names = {name for name in entry.names if rule_matches(first, (name,))} if tied else set()
+            second_names = {name for name in entry.names if rule_matches(second, (name,))} if tied else set()
+            tied_apart = tied and not first_names & second_names
             if not voiding and not tied_apart:
                 continue
             if tied_apart:

@@ -44,6 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from audit_throughput import run_measured
 from support.synthetic_log import write_norm_run
 
+THIS_TREE = Path(__file__).resolve().parents[1]
+"""The checkout this benchmark belongs to: the "now" runs import its gradguard, whatever is installed."""
 TARGET_SPEEDUP = 3.0
 """Each command, against the baseline tree (``--baseline``)."""
 
@@ -65,13 +67,16 @@ def replay(in_blocks):
         if not replayer.feed(recorded):
             break
     return replayer.result(recording).as_json()
-out = {}
-for name, work in (("stdlib_parse_s", parse), ("blocks_s", lambda: replay(True)), ("steps_s", lambda: replay(False))):
+started = time.perf_counter()
+parse()
+out = {"stdlib_parse_s": time.perf_counter() - started}
+verdicts = {}
+for name, in_blocks in (("blocks_s", True), ("steps_s", False)):
     started = time.perf_counter()
-    out[name] = work()
-    out[name] = [time.perf_counter() - started, out[name]]
-out["verdicts_equal"] = out["blocks_s"][1] == out["steps_s"][1]
-print(json.dumps({key: value[0] if isinstance(value, list) else value for key, value in out.items()}))
+    verdicts[name] = replay(in_blocks)
+    out[name] = time.perf_counter() - started
+out["verdicts_equal"] = verdicts["blocks_s"] == verdicts["steps_s"]
+print(json.dumps(out))
 """
 """Times, in one process: the stdlib's parse of every line, and the replay in blocks and one step at a time."""
 
@@ -88,12 +93,12 @@ def measure(directory: Path, params: int, steps: int, baseline: Path | None, rep
     """Write a run of ``steps`` steps, then time suggest and replay on it (and from ``baseline``, alternating)."""
     log = directory / f"norms-{steps}.jsonl"
     spikes = write_norm_run(log, params=params, steps=steps)
-    trees = {"now": None, "before": baseline} if baseline is not None else {"now": None}
+    trees = {"now": THIS_TREE, "before": baseline} if baseline is not None else {"now": THIS_TREE}
     times: dict[str, list[float]] = {}
     peaks: dict[str, int] = {}
     for _ in range(repeats):
         for label, tree in trees.items():
-            env = None if tree is None else {**os.environ, "PYTHONPATH": str(tree)}
+            env = {**os.environ, "PYTHONPATH": str(tree)}
             policy = directory / f"suggested-{steps}-{label}.yaml"
             for command, argv in _commands(log, policy).items():
                 out = directory / f"{command}-{label}.out"
@@ -112,11 +117,32 @@ def measure(directory: Path, params: int, steps: int, baseline: Path | None, rep
     row |= {"spikes": len(spikes), "spikes_caught": len(set(spikes) & caught)}
     row["other_steps_clipped"] = len(caught - set(spikes))
     row["log"], row["policy"] = str(log), str(directory / f"suggested-{steps}-now.yaml")
+    row["imported"] = {label: imported(tree, directory) for label, tree in trees.items()}
     return row
 
 
+def imported(tree: Path, directory: Path) -> str:
+    """The gradguard package a command run with ``PYTHONPATH=tree`` from ``directory`` imports."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import gradguard; print(gradguard.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=directory,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+    )
+    return str(Path(done.stdout.strip()).parent)
+
+
 def in_process(log: str, policy: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", _IN_PROCESS, log, policy], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _IN_PROCESS, log, policy],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(log).parent,
+        env={**os.environ, "PYTHONPATH": str(THIS_TREE)},
+    )
     figures: dict[str, Any] = json.loads(done.stdout)
     return figures
 
@@ -138,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = in_process(rows[-1]["log"], rows[-1]["policy"])
     before = args.baseline is not None
     print(f"suggest and replay on {params} tensors, fresh processes, median of {repeats}")
-    print(f"(before: {args.baseline})\n" if before else "(no --baseline given: no before columns)\n")
+    trees = rows[-1]["imported"]
+    print(f"now: {trees['now']}; " + (f"before: {trees['before']}\n" if before else "no --baseline: no before\n"))
     heads = ["steps", "log MB", "suggest s"] + (["before s", "x"] if before else [])
     heads += ["replay s"] + (["before s", "x"] if before else []) + ["peak MB", "spikes caught", "other steps"]
     print("| " + " | ".join(heads) + " |")

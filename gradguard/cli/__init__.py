@@ -1,5 +1,5 @@
 """The ``gradguard`` command: ``demo``, ``validate``, ``explain``, ``audit`` and ``schema``."""
 
-from gradguard.cli.main import main
+from gradguard.cli.main import main, run
 
-__all__ = ["main"]
+__all__ = ["main", "run"]

@@ -1,5 +1,5 @@
 """``python -m gradguard.cli``: the same as the ``gradguard`` command."""
 
-from gradguard.cli.main import main
+from gradguard.cli.main import run
 
-main()
+run()

@@ -23,6 +23,7 @@ __all__ = [
     "fail",
     "load_policy",
     "output_option",
+    "run_as_process",
     "skip_the_exit_collection",
     "unreadable",
 ]
@@ -32,15 +33,31 @@ F = TypeVar("F", bound=Callable[..., Any])
 LOGS = click.argument("logs", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 
 
+class _Process:
+    own = False
+    """Whether the command runs as a process of its own (``run``), not called inside another (a test's
+    ``CliRunner``, a user's script): only then may it change how the process exits."""
+
+
+def run_as_process(command: Callable[[], object]) -> None:
+    """Run ``command`` (the ``gradguard`` group) as the process's own: the console script and ``python -m``."""
+    _Process.own = True
+    command()
+
+
 @functools.cache
 def skip_the_exit_collection() -> None:
-    """Let the interpreter's exit skip its last garbage collection, for a command that imported torch.
+    """Let the interpreter's exit skip collecting torch's objects, for a command that imported torch.
 
-    That collection walks every object torch made at import: 0.2-0.4 s of a ``replay`` that takes 2 s, spent
-    after the answer is written. By then the command's files are closed and nothing of ours awaits a
-    finalizer, so the objects are frozen (``gc.freeze``) in an exit handler, the last thing the process does.
+    Python's exit collects garbage, and that walks every object torch made at import: 0.2-0.4 s of a
+    ``replay`` that takes 2 s, spent after the answer is written. So the objects alive now are frozen
+    (``gc.freeze``) in an exit handler, which runs before the handlers registered earlier (newest first)
+    and before the collection; those handlers still run, and the collection takes only what is made after.
+    What it costs: an object in a reference cycle with a finalizer is not finalized at exit (Python does not
+    promise that at exit anyway; the commands close their files themselves). Only in a process of its own.
     """
-    atexit.register(gc.freeze)
+    if _Process.own:
+        atexit.register(gc.freeze)
 
 
 class PolicySource(click.ParamType):  # type: ignore[type-arg]  # generic from click 8.2 on; unsubscriptable before

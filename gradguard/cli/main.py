@@ -18,10 +18,10 @@ from pathlib import Path
 
 import click
 
-from gradguard.cli.common import POLICY, fail, load_policy, output_option, unreadable
+from gradguard.cli.common import POLICY, fail, load_policy, output_option, run_as_process, unreadable
 from gradguard.cli.tuning import replay, suggest
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 _FORMATS = click.Choice(["table", "json", "markdown"])
 
@@ -53,6 +53,12 @@ def main() -> None:
     \b
     Exit codes: 0 ok; 1 findings; 2 usage or input error.
     """
+
+
+def run() -> None:
+    """The ``gradguard`` console script and ``python -m gradguard.cli``: ``main`` as the process's own command
+    (tests call ``main`` itself, inside theirs)."""
+    run_as_process(main)
 
 
 # --- validate --------------------------------------------------------------------------------------

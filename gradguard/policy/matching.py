@@ -227,7 +227,8 @@ def _conflict_issue(
     Rules whose step windows never overlap do not conflict (freeze for N steps, then train slowly).
     ``changing``: each rule's ``_changing_actions``. Pairs are visited in policy order (the first conflict is
     reported), but on a tensor with one name only a pair of a ``drop``/``zero`` and another change can
-    conflict, so only those are visited: a thousand overlapping clips, or zeros, bind without a million pairs.
+    conflict, so only those are visited: a thousand overlapping clips, or zeros, bind in linear time. (Many
+    ``drop``/``zero`` rules beside many other changes on steps they never share still cost a pair each.)
     """
     ids = [i for i in entry.rules if changing[i]]
     tied = len(entry.names) > 1

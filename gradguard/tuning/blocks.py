@@ -36,7 +36,16 @@ from gradguard.policy.schema import (
 )
 from gradguard.tuning.acting import stateless_coefficients
 
-__all__ = ["BLOCK_STEPS", "F32_MAX", "BoundRule", "as_matrix", "decide_block", "decides_in_blocks", "windowed"]
+__all__ = [
+    "BLOCK_STEPS",
+    "F32_MAX",
+    "BoundRule",
+    "as_matrix",
+    "decide_block",
+    "decides_in_blocks",
+    "stacked",
+    "windowed",
+]
 
 BLOCK_STEPS: Final = 256
 """Recorded steps gathered and decided together (memory holds that many steps' norms)."""
@@ -76,7 +85,12 @@ def as_matrix(rows: Sequence[Mapping[str, float]]) -> torch.Tensor:
     values = array("d")
     for row in rows:
         values.extend(row.values())
-    return torch.frombuffer(values, dtype=torch.float64).view(len(rows), -1)
+    return stacked(values, len(rows[0]))
+
+
+def stacked(values: array[float], width: int) -> torch.Tensor:
+    """Doubles gathered row after row, ``width`` to a row, as a float64 ``[rows x width]`` tensor (no copy)."""
+    return torch.frombuffer(values, dtype=torch.float64).view(-1, width)
 
 
 def windowed(rules: Sequence[Rule]) -> list[Rule | Action]:

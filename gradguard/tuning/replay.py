@@ -207,12 +207,13 @@ class Replayer:
     # --- steps ------------------------------------------------------------------------------------
 
     def feed(self, recorded: RecordedStep) -> bool:
-        """Replay one recorded step; False once the run has halted (later steps would not have happened).
+        """Take one recorded step, in order; False once the run has halted (later steps would not have happened).
 
         A policy that keeps no statistics gathers the steps whose norms are all finite and recorded for every
         known name, and decides them a block at a time (``gradguard.tuning.blocks``), with the verdicts one
         step at a time gives: such a step can neither skip nor halt, so the steps a halt stops at are read
         as far as one step at a time reads them. Any other step is decided on its own, after the pending ones.
+        So ``steps`` and the actions' steps may lag the steps fed until ``result()``, which decides the rest.
         """
         if self.halt is not None:
             return False

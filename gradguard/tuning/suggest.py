@@ -40,6 +40,7 @@ import torch
 
 from gradguard.policy.document import Policy
 from gradguard.policy.loading import load_policy_text
+from gradguard.tuning.blocks import stacked
 from gradguard.tuning.families import Family, family_key, family_pattern, merge_alike
 from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram
 from gradguard.tuning.records import Recording, no_norms_message, recorded_steps
@@ -104,18 +105,20 @@ class NormSummary:
                     family.members.add(name)
                     self.names[name] = family
         self._values.extend(norms.values())
-        if len(self._values) >= _BLOCK_STEPS * len(names):
+        if len(self._values) >= _HISTOGRAM_STEPS * len(names):
             self.flush()
 
     def flush(self) -> None:
         """Count the gathered steps' norms, every member's column at once (binned as ``LogHistogram.add`` bins).
 
-        ``ln`` is torch's float64 logarithm (within an ulp of ``math.log``; a bin is 1% wide), and one ``unique``
-        over ``(column, bin)`` pairs counts the whole block.
+        ``ln`` is torch's float64 logarithm, which can be an ulp away from ``math.log``: enough to move a norm on a
+        bin's edge into the next bin, so the few within a millionth of a bin of an edge are binned again with
+        ``math.log``, and the histograms are those ``LogHistogram.add`` makes. One ``unique`` over
+        ``(column, bin)`` pairs counts the whole block.
         """
         if not self._values:
             return
-        values = torch.frombuffer(self._values, dtype=torch.float64).view(-1, len(self._block_names))
+        values = stacked(self._values, len(self._block_names))
         self._values = array("d")
         positive = (values > 0.0) & (values < math.inf)
         zeros = (values == 0.0).sum(dim=0).tolist()
@@ -127,7 +130,13 @@ class NormSummary:
             family.nonfinite += steps - count - zero
         if not any(counted):
             return
-        keys = torch.floor(torch.log(values[positive]) / BIN_WIDTH).to(torch.int64)
+        kept = values[positive]
+        scaled = torch.log(kept) / BIN_WIDTH
+        edge = torch.nonzero((scaled - scaled.round()).abs() < 1e-6).flatten()
+        if len(edge):
+            exact = [math.log(value) / BIN_WIDTH for value in kept[edge].tolist()]
+            scaled[edge] = torch.tensor(exact, dtype=torch.float64)
+        keys = torch.floor(scaled).to(torch.int64)
         columns = positive.nonzero()[:, 1]
         low = int(keys.min())
         span = int(keys.max()) - low + 1
@@ -146,7 +155,7 @@ class NormSummary:
             family.histogram.add_counts(binned, counted[column])
 
 
-_BLOCK_STEPS: Final = 512
+_HISTOGRAM_STEPS: Final = 512
 """Recorded steps gathered before their norms are counted: 512 x 300 tensors is 1.2 MB of float64, and the
 binning's temporaries stay small enough that the peak is flat in the log's length (2,048 steps grew it)."""
 

@@ -1,4 +1,6 @@
-"""The ``gradguard`` command: ``demo``, ``validate``, ``explain``, ``audit`` and ``schema``."""
+"""The ``gradguard`` command: ``validate``, ``explain``, ``audit``, ``suggest``, ``replay``, ``schema``,
+``policies`` and ``demo``. ``main`` is the command group; ``run`` is the console script (``main`` as the
+process's own command)."""
 
 from gradguard.cli.main import main, run
 

@@ -17,7 +17,7 @@ step to step), ``clip_value``, a ``clip_norm`` by ``inf`` or ``agc`` is replayed
 from __future__ import annotations
 
 from array import array
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -32,6 +32,7 @@ from gradguard.policy.schema import (
     Rule,
     Scale,
     SkipStepOnNonfinite,
+    SkipStepOnSpike,
     Zero,
 )
 from gradguard.tuning.acting import stateless_coefficients
@@ -39,10 +40,12 @@ from gradguard.tuning.acting import stateless_coefficients
 __all__ = [
     "BLOCK_STEPS",
     "F32_MAX",
+    "Acting",
     "BoundRule",
     "as_matrix",
     "decide_block",
     "decides_in_blocks",
+    "gradient_actions",
     "stacked",
     "windowed",
 ]
@@ -101,6 +104,53 @@ def windowed(rules: Sequence[Rule]) -> list[Rule | Action]:
     return items
 
 
+@dataclass(frozen=True)
+class Acting:
+    """One gradient-changing action about to act on a step (``gradient_actions``)."""
+
+    bound: BoundRule
+    position: int
+    action: Action
+    ids: list[int]
+    """The rule's members with a gradient left (a ``drop`` of an earlier rule takes its members away)."""
+    index: torch.Tensor
+    """``ids`` as a tensor."""
+    columns: torch.Tensor | None
+    """Their places among the rule's members, or ``None`` for all of them in order."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.bound.index, self.position)
+
+
+def gradient_actions(
+    rules: Sequence[BoundRule], undecidable: Container[tuple[int, int]], present: list[bool], step: int
+) -> Iterator[Acting]:
+    """Every rule's gradient-changing actions active at ``step``, in policy order, each with the members it acts
+    on. After a ``drop`` is yielded its members leave ``present`` and the rule's later actions are not: they
+    have no gradient left. The one loop of both replays (a step, ``Replayer._actions``; a block,
+    ``decide_block``)."""
+    for bound in rules:
+        if not bound.members or not bound.rule.active_at(step):
+            continue
+        places = [place for place, member in enumerate(bound.members) if present[member]]
+        if not places:
+            continue
+        ids = [bound.members[place] for place in places]
+        index = torch.tensor(ids, dtype=torch.long)
+        columns = None if len(places) == len(bound.members) else torch.tensor(places, dtype=torch.long)
+        for position, action in enumerate(bound.rule.actions):
+            if not action.active_at(step) or (bound.index, position) in undecidable:
+                continue
+            if isinstance(action, _WATCHES | SkipStepOnSpike):
+                continue
+            yield Acting(bound, position, action, ids, index, columns)
+            if isinstance(action, Drop):
+                for member in ids:
+                    present[member] = False
+                break
+
+
 def decide_block(
     rules: Sequence[BoundRule], undecidable: Container[tuple[int, int]], raw: torch.Tensor, step: int
 ) -> tuple[list[tuple[int, int]], list[list[bool]]]:
@@ -108,31 +158,18 @@ def decide_block(
     for every name (as ``Replayer._actions`` on one step), under the rules' activity at ``step``: the actions'
     keys ``(rule, position)``, and per row whether each one acted."""
     current = raw.clone()
-    present = [True] * raw.shape[1]
     keys: list[tuple[int, int]] = []
     acted: list[torch.Tensor] = []
-    for bound in rules:
-        if not bound.members or not bound.rule.active_at(step):
+    for acting in gradient_actions(rules, undecidable, [True] * raw.shape[1], step):
+        keys.append(acting.key)
+        if isinstance(acting.action, Drop):
+            acted.append(torch.ones(raw.shape[0], dtype=torch.bool))
             continue
-        ids = [member for member in bound.members if present[member]]
-        if not ids:
-            continue
-        index = torch.tensor(ids, dtype=torch.long)
-        for position, action in enumerate(bound.rule.actions):
-            key = (bound.index, position)
-            if not action.active_at(step) or key in undecidable or isinstance(action, _WATCHES):
-                continue
-            keys.append(key)
-            if isinstance(action, Drop):
-                acted.append(torch.ones(raw.shape[0], dtype=torch.bool))
-                for member in ids:
-                    present[member] = False
-                break  # the rule's later actions have no gradient left
-            assert isinstance(action, ClipNorm | Scale | Zero)
-            norms = current.index_select(1, index)
-            coef, did = stateless_coefficients(action, norms)
-            current[:, index] = norms * coef
-            acted.append(did)
+        assert isinstance(acting.action, ClipNorm | Scale | Zero)
+        norms = current.index_select(1, acting.index)
+        coef, did = stateless_coefficients(acting.action, norms)
+        current[:, acting.index] = norms * coef
+        acted.append(did)
     if not keys:
         return keys, [[] for _ in range(raw.shape[0])]
     return keys, torch.stack(acted, dim=1).tolist()

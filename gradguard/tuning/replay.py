@@ -43,7 +43,6 @@ from gradguard.policy.schema import (
     AdaptiveGradClip,
     ClipNorm,
     ClipValue,
-    Drop,
     HaltOnNonfinite,
     Monitor,
     SkipStepOnNonfinite,
@@ -68,6 +67,7 @@ from gradguard.tuning.blocks import (
     as_matrix,
     decide_block,
     decides_in_blocks,
+    gradient_actions,
     windowed,
 )
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
@@ -249,8 +249,6 @@ class Replayer:
                     self.entries[key].steps.append(recorded.step)
 
     def _feed_one(self, recorded: RecordedStep) -> bool:
-        if self.halt is not None:
-            return False
         self._learn(recorded.norm)
         step = recorded.step
         self.steps += 1
@@ -264,7 +262,7 @@ class Replayer:
         proposals: list[Proposal] = []
         spikes = self._spikes(raw, present, everyone, step, proposals)
         acted: list[tuple[int, int]] = []
-        self._actions(raw, peaks, present, everyone, step, recorded, proposals, acted)
+        self._actions(raw, peaks, present, step, recorded, proposals, acted)
 
         if halted_by:
             offender = min(halted_by)
@@ -375,7 +373,6 @@ class Replayer:
         raw: torch.Tensor,
         peaks: torch.Tensor | None,
         present: list[bool],
-        everyone: bool,
         step: int,
         recorded: RecordedStep,
         proposals: list[Proposal],
@@ -383,55 +380,37 @@ class Replayer:
     ) -> None:
         """Every rule's gradient-changing actions in policy order, on the norms the earlier ones left."""
         current = raw.clone()
-        present = list(present)
-        for bound in self.bound:
-            rule = bound.rule
-            if not bound.members or not rule.active_at(step):
+        for acting in gradient_actions(self.bound, self.undecidable, list(present), step):
+            action, key, ids, index = acting.action, acting.key, acting.ids, acting.index
+            inf_norm = isinstance(action, ClipNorm) and action.norm_type != 2.0
+            if (isinstance(action, ClipValue) or inf_norm) and peaks is None:
+                self.undecidable[key] = NO_MAX_ABS
                 continue
-            ids, cols = self._members(bound, present, everyone and all(present))
-            if not ids:
+            if isinstance(action, AdaptiveGradClip) and not all(
+                recorded.grad_to_weight.get(self.names[i]) is not None for i in ids
+            ):
+                self.undecidable[key] = NO_WEIGHTS
                 continue
-            index = torch.tensor(ids, dtype=torch.long)
-            for position, action in enumerate(rule.actions):
-                key = (bound.index, position)
-                if not action.active_at(step) or key in self.undecidable:
-                    continue
-                if isinstance(action, Monitor | HaltOnNonfinite | SkipStepOnNonfinite | SkipStepOnSpike):
-                    continue
-                inf_norm = isinstance(action, ClipNorm) and action.norm_type != 2.0
-                if (isinstance(action, ClipValue) or inf_norm) and peaks is None:
-                    self.undecidable[key] = NO_MAX_ABS
-                    continue
-                if isinstance(action, AdaptiveGradClip) and not all(
-                    recorded.grad_to_weight.get(self.names[i]) is not None for i in ids
-                ):
-                    self.undecidable[key] = NO_WEIGHTS
-                    continue
-                columns = len(bound.members)
-                coef, did = act(
-                    key,
-                    action,
-                    current,
-                    peaks,
-                    recorded,
-                    self.names,
-                    index,
-                    ids,
-                    cols,
-                    proposals,
-                    lambda width, key=key, action=action: self._state(key, action, width),  # type: ignore[misc]
-                    columns,
-                )
-                if did:
-                    acted.append(key)
-                if coef is not None:
-                    current[index] = current[index] * coef
-                    if peaks is not None:
-                        peaks[index] = peaks[index] * coef
-                if isinstance(action, Drop):
-                    for i in ids:
-                        present[i] = False
-                    break  # the rule's later actions have no gradient left
+            coef, did = act(
+                key,
+                action,
+                current,
+                peaks,
+                recorded,
+                self.names,
+                index,
+                ids,
+                acting.columns,
+                proposals,
+                lambda width, key=key, action=action: self._state(key, action, width),  # type: ignore[misc]
+                len(acting.bound.members),
+            )
+            if did:
+                acted.append(key)
+            if coef is not None:
+                current[index] = current[index] * coef
+                if peaks is not None:
+                    peaks[index] = peaks[index] * coef
 
     def result(self, recording: Recording) -> ReplayResult:
         """What the policy did, per action (the undecidable ones listed apart), the pending steps decided first."""

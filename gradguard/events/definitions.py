@@ -55,6 +55,7 @@ __all__ = [
     "StepEvent",
     "UnexpectedOptimizer",
     "Vanishing",
+    "Verdict",
     "as_float",
     "event_name",
     "fields_of",
@@ -156,39 +157,36 @@ class NonfiniteGroupNorm(StepEvent, tag="nonfinite_group_norm", kw_only=True):
     n_params: int
 
 
-class Halt(StepEvent, tag="halt", kw_only=True):
-    LEVEL: ClassVar[str] = "error"
+class Verdict(StepEvent, kw_only=True):
+    """A step the guard did not let through: the rule, the tensors at fault, what each held, where it started."""
+
     rule: str
     params: list[str]
     kinds: dict[str, str]
     kind: str
-    reason: str | None = None
     origin: Origin = None
+
+
+class Halt(Verdict, tag="halt", kw_only=True):
+    LEVEL: ClassVar[str] = "error"
+    reason: str | None = None
     restored_to: Step | None = None
     counters: Counts
 
 
-class Rewind(StepEvent, tag="rewind", kw_only=True):
+class Rewind(Verdict, tag="rewind", kw_only=True):
+    """A halt that recovery turned into a rewind: its fields, and where the run went back to."""
+
     LEVEL: ClassVar[str] = "warning"
-    to_step: Step
-    rule: str
-    params: list[str]
-    kinds: dict[str, str]
-    kind: str
     reason: str | None = None
-    origin: Origin = None
+    to_step: Step
     rewinds: int
     skip_until: Step
     lr_scale: Number
 
 
-class Skip(StepEvent, tag="skip", kw_only=True):
+class Skip(Verdict, tag="skip", kw_only=True):
     LEVEL: ClassVar[str] = "warning"
-    rule: str
-    params: list[str]
-    kinds: dict[str, str]
-    kind: str
-    origin: Origin = None
 
 
 class AdaptiveClip(StepEvent, tag="adaptive_clip", kw_only=True):

@@ -7,7 +7,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -21,11 +21,18 @@ from gradguard.enforce.clips import ClipWatch
 from gradguard.enforce.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
 from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
+from gradguard.enforce.known_norms import clip_with_known_norms
 from gradguard.enforce.micro_batch import MicroBatchHooks
 from gradguard.enforce.plan_book import PlanBook
 from gradguard.enforce.provenance import attach_provenance, check_mode
 from gradguard.enforce.reload import Reloader
-from gradguard.enforce.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf
+from gradguard.enforce.scaler import (
+    ScalerWatch,
+    loss_scale_of,
+    stepped_when_skipped,
+    unscaled_found_inf,
+    unscaled_optimizers,
+)
 from gradguard.enforce.step import StepContext
 from gradguard.enforce.torch_hooks import ClipCall, enlist, optimizer_steps
 from gradguard.errors import GuardStateError, GuardWarning
@@ -331,6 +338,13 @@ class GradGuard(ServesMetrics):
         with self._lock:
             return _clip_begins(self, call) if self.attached else False
 
+    def _clip_instead(
+        self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """The loop's clip from the norms this guard's step just took, or None (torch's own clip runs)."""
+        with torch.no_grad():
+            return clip_with_known_norms(self._enforcer.known_norms, name, original, args, kwargs)
+
     def _after_clip(self) -> None:  # the clip's own change to the gradients is not a new gradient
         with self._lock:
             self._enforcer.clipped()
@@ -465,6 +479,7 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
         explicit=True,
         found_inf=unscaled_found_inf(guard._scaler, optimizer),
         loss_scales=loss_scale_of(guard._scaler),
+        stepped_when_skipped=stepped_when_skipped(unscaled_optimizers(guard._scaler, optimizer)),
     )
     proceed = guard._enforcer.run(plan, context)
     return guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
@@ -490,6 +505,7 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
         found_inf=boundary.found_inf,
         loss_scales=boundary.loss_scales,
         clipped_before=guard._clips.take_seen(),
+        stepped_when_skipped=stepped_when_skipped(boundary.optimizers),
     )
     proceed = guard._enforcer.run(plan, context)
     if guard._enforcer.last_run_treated:

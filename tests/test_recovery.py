@@ -32,6 +32,29 @@ STATEFUL = [
 ]
 
 
+IMPLEMENTATIONS: dict[str, dict[str, bool]] = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}}
+IMPLEMENTATIONS["fused"] = {"fused": True}
+_implementation: dict[str, bool] = {}
+
+
+@pytest.fixture(autouse=True, params=list(IMPLEMENTATIONS))
+def implementation(request: pytest.FixtureRequest) -> Any:
+    """Every scenario with torch's three optimizer implementations: a fused optimizer under a GradScaler still
+    has its ``step()`` called on a skipped step (its kernel skips on ``found_inf``), which must not count twice."""
+    _implementation.clear()
+    _implementation.update(IMPLEMENTATIONS[request.param])
+    yield request.param
+    _implementation.clear()
+
+
+def adamw(params: Any, lr: float = 1e-2) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=lr, **_implementation)
+
+
+def sgd(params: Any, lr: float, momentum: float = 0.0) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, **_implementation)
+
+
 def policy(rules: list[dict[str, Any]] | None = None, recovery: dict[str, Any] | None = RECOVERY) -> Policy:
     data: dict[str, Any] = {"version": 1, "rules": rules or STATEFUL}
     if recovery is not None:
@@ -116,7 +139,7 @@ def train(
 ) -> tuple[Net, torch.optim.Optimizer, GradGuard, torch.amp.GradScaler | None]:
     """Train ``steps`` (batch indices) in ``style``; ``jump=(i, step)`` sets the guard's step before batch ``i``."""
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = adamw(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if style == "scaler" else None
     loop = Loop(style, model, opt, scaler)
     with GradGuard(model, policy(rules, recovery), logger=None, scaler=scaler, audit_log=log) as guard:
@@ -213,7 +236,7 @@ def test_an_ordinary_fp16_run_whose_scaler_skips_its_first_steps_never_halts() -
     """A scale far too large at the start (2**40 skips many steps in a row) is the scaler's business below the limit;
     each applied step resets the count, so scattered later skips never add up."""
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = adamw(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**25, growth_interval=2)  # grows back: skips now and then
     loop = Loop("scaler", model, opt, scaler)
     with GradGuard(model, policy([HALT], None), logger=None, scaler=scaler) as guard:
@@ -254,7 +277,7 @@ def test_past_max_rewinds_the_halt_restores_the_snapshot_first() -> None:
 def test_the_halted_run_holds_exactly_the_snapshots_state() -> None:
     recovery = {**RECOVERY, "max_rewinds": 0}
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = adamw(model.parameters())
     loop = Loop("plain", model, opt, None)
     with GradGuard(model, policy(recovery=recovery), logger=None) as guard:
         for i in range(20):
@@ -289,7 +312,7 @@ def test_a_skip_rule_escalating_past_its_limit_rewinds(tmp_path: Path) -> None:
 
 def test_in_place_restore_keeps_every_tensor_object_the_loop_holds() -> None:
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = adamw(model.parameters())
     loop = Loop("plain", model, opt, None)
     with GradGuard(model, policy(), logger=None) as guard:
         for i in range(FAULT):
@@ -313,7 +336,7 @@ def test_two_rewinds_to_the_same_snapshot_restore_it_as_it_was_taken() -> None:
 
 def test_lr_factor_multiplies_the_lr_at_each_rewind_and_a_known_scheduler_keeps_it() -> None:
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = sgd(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     loop = Loop("plain", model, opt, None)
     recovery = {**RECOVERY, "lr_factor": 0.5, "skip_steps": 0}
@@ -335,7 +358,7 @@ def test_lr_factor_multiplies_the_lr_at_each_rewind_and_a_known_scheduler_keeps_
 
 def test_pass_step_lets_a_loop_skip_the_compute_of_the_window_with_the_same_result() -> None:
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = adamw(model.parameters())
     loop = Loop("plain", model, opt, None)
     passed = []
     with GradGuard(model, policy(), logger=None) as guard:
@@ -379,7 +402,7 @@ def test_a_hot_reload_keeps_the_snapshots(tmp_path: Path) -> None:
     path = tmp_path / "policy.json"
     path.write_text(json.dumps({"version": 1, "rules": [HALT], "recovery": RECOVERY}))
     model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = adamw(model.parameters())
     loop = Loop("plain", model, opt, None)
     with GradGuard(model, path, logger=None) as guard:
         for i in range(22):
@@ -395,7 +418,7 @@ def test_replacing_the_models_parameters_drops_the_snapshots_of_the_old_ones() -
     """After ``module.weight = nn.Parameter(...)`` (a rebind), a snapshot of the old tensors is not restored into the
     new ones: a NaN before the next snapshot halts, saying none is held."""
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    opt = sgd(model.parameters(), lr=1e-2)
     loop = Loop("plain", model, opt, None)
     with GradGuard(model, policy([HALT]), logger=None) as guard:
         for i in range(12):
@@ -420,7 +443,7 @@ class BatchNormNet(nn.Module):
 
 def _batchnorm_run(steps: list[int], *, pass_steps: bool, recovery: dict[str, Any] | None, jump: int | None = None):
     model = BatchNormNet()
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = sgd(model.parameters(), lr=0.05, momentum=0.9)
     with GradGuard(model, policy([HALT], recovery), logger=None) as guard:
         for i in steps:
             if jump is not None and i == jump:
@@ -458,7 +481,7 @@ def test_a_one_cycle_schedules_momentum_is_held_through_the_window_too() -> None
         steps: list[int], recovery: dict[str, Any] | None, jump: int | None = None
     ) -> list[tuple[int, float, float]]:
         model = Net()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = sgd(model.parameters(), lr=0.1, momentum=0.9)
         schedule = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=STEPS + 1)
         loop = Loop("plain", model, opt, None)
         used = []
@@ -484,7 +507,7 @@ def test_a_run_resumed_inside_a_skip_window_holds_its_schedule_as_the_uninterrup
 
     def run(resume_at: int | None) -> tuple[Net, torch.optim.lr_scheduler.LRScheduler]:
         model = Net()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = sgd(model.parameters(), lr=0.1)
         schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
         loop = Loop("plain", model, opt, None)
         guard = GradGuard(model, policy([HALT]), logger=None, lr_scheduler=schedule)

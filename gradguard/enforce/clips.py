@@ -30,6 +30,8 @@ class ClipBoundary:
     """The optimizer that steps them, where a GradScaler's unscale_ named exactly one."""
     loss_scales: tuple[torch.Tensor, ...] = ()
     """Those GradScalers' loss scales."""
+    optimizers: tuple[Optimizer, ...] = ()
+    """Every optimizer whose gradients those GradScalers unscaled."""
 
 
 class ClipWatch:
@@ -53,7 +55,7 @@ class ClipWatch:
             self._seen_before_step = call.name
             return None
         optimizer = scaled.optimizers[0] if len(scaled.optimizers) == 1 else None
-        return ClipBoundary(params, scaled.found_inf, optimizer, scaled.scales)
+        return ClipBoundary(params, scaled.found_inf, optimizer, scaled.scales, scaled.optimizers)
 
     def take_seen(self) -> str | None:
         """The clip that ran over the gradients before this step, once (the step consumes it)."""

@@ -25,6 +25,7 @@ from gradguard.enforce.actions.clipping import clear_overflows
 from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
 from gradguard.enforce.distributed import Collective, local_tensor
 from gradguard.enforce.health import Health
+from gradguard.enforce.known_norms import KnownNorms
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
 from gradguard.enforce.provenance import Provenance
@@ -37,6 +38,7 @@ from gradguard.errors import GradientHalt, GuardStateError
 from gradguard.events.counters import Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.matching import Binding
+from gradguard.policy.schema import Action
 
 __all__ = ["SCALER_RULE", "Enforcer"]
 
@@ -88,6 +90,8 @@ class Enforcer:
         self._explicit_marks = False
         self.scaler_skip_at_boundary = False
         """This step's GradScaler skip was already recorded at an explicit boundary (one-shot)."""
+        self.known_norms = KnownNorms()
+        """The norms of the gradients as the last applied step left them, for the loop's own clip."""
 
     @torch.no_grad()
     def run(self, plan: Plan, context: StepContext) -> bool:
@@ -98,6 +102,8 @@ class Enforcer:
         """
         grads, wrapped = self._gather(plan, context)
         self.last_run_treated = bool(grads)
+        if grads:
+            self.known_norms.clear()
         if not grads:
             return True
 
@@ -130,6 +136,7 @@ class Enforcer:
             self.provenance.report(work)  # last: its reader sees the step's non-finite verdict
 
         work.pending.sync()  # the step's one host sync
+        work.writes.apply()  # the changes the read showed are needed, to those tensors only
         clear_overflows(work, plan.fragile)
         outcome = work.outcome
         if outcome.observed and not outcome.scaler_found_inf:
@@ -138,8 +145,12 @@ class Enforcer:
         try:
             if outcome.scaler_found_inf:
                 # Seen, so a second boundary of this step (accelerate's unscale, then the clip) does not count a
-                # new step; not held: no optimizer step will seal it, and the next backward must be treated.
-                self._mark_treated(grads, wrapped, held=False)
+                # new step. Held only where the scaler still calls the optimizer's step() (fused): that call seals
+                # them, and the clip between must not make them new; a plain optimizer's step() never runs, and the
+                # next backward must be treated.
+                held = context.explicit and context.stepped_when_skipped
+                self._explicit_marks |= held
+                self._mark_treated(grads, wrapped, held=held)
                 self.scaler_skip_at_boundary = context.explicit
                 fused = context.optimizer is not None and not context.explicit
                 self.record_scaler_skip((), step=step, fused=fused, loss_scale=outcome.loss_scale)
@@ -159,12 +170,35 @@ class Enforcer:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
         self.skip_limits.step_applied()
+        self._know_norms(work, wrapped)
         work.statistics_step.commit()  # only an applied step's norms enter the adaptive statistics
         if self.summary_every and (step + 1) % self.summary_every == 0:
             self.emit_summary()
         self._explicit_marks |= context.explicit
         self._mark_treated(grads, wrapped, held=context.explicit)
         return True
+
+    def _know_norms(self, work: StepWork, wrapped: dict[int, torch.Tensor]) -> None:
+        """Keep the step's norms for the loop's own clip (``gradguard.enforce.known_norms``)."""
+        if not work.raw_host:
+            return
+        grads, raw, versions, host, factors = (
+            work.grads,
+            work.raw,
+            work.raw_versions,
+            work.raw_host,
+            work.writes.factors,
+        )
+        entries: list[tuple[torch.Tensor, int, torch.Tensor | None, float | None]] = []
+        for index, norm in raw.items():
+            grad = grads.get(index)
+            if grad is None or index in wrapped:
+                continue
+            if grad._version == versions[index]:
+                entries.append((grad, grad._version, norm, host[index]))
+            elif index in factors and grad._version == versions[index] + 1:  # one deferred multiply, nothing else
+                entries.append((grad, grad._version, None, host[index] * factors[index]))
+        self.known_norms.record(entries)
 
     def _mark_treated(self, grads: dict[int, torch.Tensor], wrapped: dict[int, torch.Tensor], *, held: bool) -> None:
         # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
@@ -216,8 +250,14 @@ class Enforcer:
 
     def _apply_actions(self, plan: Plan, work: StepWork, everyone: int) -> None:
         """Each active rule's actions, in policy order, through their kernels."""
-        grads, step = work.grads, work.step
-        for (bound, members), member_ids in zip(plan.rules, plan.member_ids, strict=True):
+        grads, step, micro_batch, rules = work.grads, work.step, self.micro_batch, plan.rules
+
+        def acts(position: int, action: Action) -> bool:
+            """Whether a changing action runs in this pass (so an earlier one's change is not the last)."""
+            in_hooks = micro_batch is not None and handled_in_hooks(action)
+            return rules[position][0].rule.active_at(step) and action.active_at(step) and not in_hooks
+
+        for position, ((bound, members), member_ids) in enumerate(zip(rules, plan.member_ids, strict=True)):
             if not bound.rule.active_at(step) or all(_passive(kernel_for(a)) for a in bound.actions):
                 continue  # inactive, or it only watches (halt/skip: its verdict came with the raw norms) or observes
             if len(grads) == everyone:
@@ -226,15 +266,15 @@ class Enforcer:
                 ids = [entry.index for entry in members if entry.index in grads]
             if not ids:
                 continue
-            for action in bound.actions:
+            for action_index, action in enumerate(bound.actions):
                 kernel = kernel_for(action)
-                if not action.active_at(step) or _passive(kernel):
+                if _passive(kernel) or not acts(position, action):
                     continue
-                if self.micro_batch is not None and handled_in_hooks(action):
-                    continue
+                work.final = plan.final_ids(position, action_index, ids, acts)
                 if not kernel.apply(work, bound, action, ids):
                     break
                 work.touched.update(ids)
+        work.final = frozenset()
 
     def seal_explicit(self) -> None:
         """The optimizer has stepped: gradients treated at an explicit boundary become plain "treated".

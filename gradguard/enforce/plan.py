@@ -8,8 +8,8 @@ tensors an action could make finite (judged by their max-abs before any action).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from gradguard.enforce.actions import kernel_for
 from gradguard.policy.matching import Binding, BoundRule, GuardedParam
@@ -39,6 +39,22 @@ class Plan:
     """Per rule, the indices of its members: its tensors to treat when every tensor has a gradient."""
     observers: tuple[tuple[int, Action], ...] = ()
     """``(position in rules, action)`` of every observing action (``monitor``), in policy order."""
+    later_writers: dict[tuple[int, int], tuple[tuple[int, Action, frozenset[int]], ...]] = field(default_factory=dict)
+    """``(position in rules, action index)`` of a changing action -> the changing actions after it in policy order
+    that share tensors with it: ``(position, action, shared tensor indices)``. A tensor none of them acts on in a
+    step has its last change of that step from this action, which may then wait for the step's one read
+    (``StepWork.final``)."""
+
+    def final_ids(
+        self, position: int, action_index: int, ids: list[int], active: Callable[[int, Action], bool]
+    ) -> frozenset[int]:
+        """The tensors of ``ids`` that no later changing action active in this step acts on."""
+        later = self.later_writers.get((position, action_index), ())
+        blocked: set[int] = set()
+        for other, action, shared in later:
+            if active(other, action):
+                blocked |= shared
+        return frozenset(ids).difference(blocked) if blocked else frozenset(ids)
 
     @classmethod
     def build(cls, binding: Binding, params: Sequence[GuardedParam]) -> Plan:
@@ -73,7 +89,21 @@ class Plan:
             for entry in members
             if entry.index in watchers
         }
+        writers = [
+            (position, action_index, action, frozenset(entry.index for entry in members))
+            for position, (bound, members) in enumerate(rules)
+            if members
+            for action_index, action in enumerate(bound.actions)
+            if not (kernel_for(action).observes or kernel_for(action).watches)
+        ]
+        later_writers = {
+            (position, action_index): tuple(
+                (other, later, members & others) for other, _, later, others in writers[k + 1 :] if members & others
+            )
+            for k, (position, action_index, _, members) in enumerate(writers)
+        }
         return cls(
+            later_writers=later_writers,
             names={entry.index: entry.name for entry in ordered},
             params=ordered,
             rules=rules,

@@ -16,6 +16,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from gradguard.enforce.step import Pending, StepContext, StepOutcome
+from gradguard.enforce.torch_hooks import unscaled_by
 from gradguard.errors import GuardStateError
 
 __all__ = [
@@ -25,7 +26,9 @@ __all__ = [
     "loss_scale_of",
     "read_found_inf",
     "read_loss_scales",
+    "stepped_when_skipped",
     "unscaled_found_inf",
+    "unscaled_optimizers",
 ]
 
 
@@ -86,6 +89,24 @@ def read_loss_scales(scales: Sequence[torch.Tensor], pending: Pending, outcome: 
         outcome.loss_scale = values[0]
 
     pending.add(smallest, read)
+
+
+def stepped_when_skipped(optimizers: Sequence[Optimizer]) -> bool:
+    """Whether a GradScaler that skips still calls each optimizer's ``step()``.
+
+    It does for a fused optimizer (``_step_supports_amp_scaling``): it hands the optimizer ``found_inf`` and the
+    kernel skips the update. That call is the skipped step itself, not a new one.
+    """
+    return bool(optimizers) and all(getattr(optimizer, "_step_supports_amp_scaling", False) for optimizer in optimizers)
+
+
+def unscaled_optimizers(scaler: torch.amp.GradScaler | None, optimizer: Optimizer | None) -> tuple[Optimizer, ...]:
+    """The optimizers an explicit boundary's flags come from: ``optimizer``, or every one ``scaler`` unscaled."""
+    if optimizer is not None:
+        return (optimizer,)
+    if scaler is None or not scaler.is_enabled():
+        return ()
+    return unscaled_by(scaler)
 
 
 def has_unscaled(scaler: torch.amp.GradScaler, optimizer: Optimizer) -> bool:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from gradguard.enforce.tensors import device_constant
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action
 
@@ -74,7 +75,7 @@ class Series:
         if ids == self.in_order:  # the common case, compared in C
             return None
         device = next(iter(self.tensors.values())).device
-        return torch.tensor([self.columns[i] for i in ids], device=device)
+        return device_constant(tuple(self.columns[i] for i in ids), torch.int64, device)
 
 
 @dataclass

@@ -15,11 +15,11 @@ import torch
 
 from gradguard.enforce.distributed import Collective, combine_shard_norms, local_tensor
 from gradguard.enforce.statistics import Statistics, StepStatistics
-from gradguard.enforce.tensors import norms, stack_on
+from gradguard.enforce.tensors import clamp_, norms, stack_on
 from gradguard.policy.matching import Binding
 from gradguard.policy.schema import ClipNorm, Monitor
 
-__all__ = ["Observation", "Pending", "Spike", "StepContext", "StepOutcome", "StepWork"]
+__all__ = ["DeferredWrites", "Observation", "Pending", "Spike", "StepContext", "StepOutcome", "StepWork"]
 
 
 @dataclass
@@ -41,6 +41,9 @@ class StepContext:
     GradScaler still held them scaled): it may have spread a NaN to every gradient it clipped."""
     loss_scales: Sequence[torch.Tensor] = ()
     """The GradScaler's loss scale(s) with ``found_inf``: a skip at or below a floor halts."""
+    stepped_when_skipped: bool = False
+    """Every optimizer of these gradients is fused (``_step_supports_amp_scaling``): a GradScaler that skips
+    still calls its ``step()`` (the kernel skips on ``found_inf``), and that call is not a new step."""
 
 
 @dataclass
@@ -69,8 +72,9 @@ class Pending:
         device = self.parts[0].device
         if all(part.device == device for part in self.parts):
             # Joined on the device first: one device-to-host copy, so one sync (a copy per part would
-            # be a sync each on a GPU). cat promotes floats exactly, as the per-part float64 did.
-            host = torch.cat([part.detach() for part in self.parts]).to("cpu", torch.float64).tolist()
+            # be a sync each on a GPU). cat promotes to the widest part's type exactly, and tolist gives every
+            # float as a Python float exactly: no conversion to float64 on the device (a pass of its own).
+            host = torch.cat([part.detach() for part in self.parts]).to("cpu").tolist()
         else:
             host = torch.cat([part.detach().to("cpu", torch.float64) for part in self.parts]).tolist()
         offset = 0
@@ -78,6 +82,53 @@ class Pending:
             size = part.numel()
             reader(host[offset : offset + size])
             offset += size
+
+
+@dataclass
+class DeferredWrites:
+    """The changes the step's one read showed are needed, made after it: only to the tensors that need them.
+
+    An action whose change is the last one a tensor gets in a step (``StepWork.final``) does not multiply every
+    gradient by a coefficient on the device (most of them by 1, and a list of 0-dim coefficients is one kernel
+    per tensor on a GPU); it queues the factors its reader finds below 1 here. Host floats take torch's
+    multi-tensor fast path: one launch per (device, dtype), however many tensors, and a multiply by the float32
+    coefficient as a host float is bitwise the multiply by it as a tensor.
+    """
+
+    scales: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[float]]] = field(default_factory=dict)
+    clamps: dict[float, list[torch.Tensor]] = field(default_factory=dict)
+    written: set[int] = field(default_factory=set)
+    """Tensor indices changed here (their norms as they arrived no longer describe them)."""
+    factors: dict[int, float] = field(default_factory=dict)
+    """Tensor index -> the factor it was multiplied by here."""
+
+    def scale(self, index: int, grad: torch.Tensor, factor: float) -> None:
+        tensors, factors = self.scales.setdefault((grad.device, grad.dtype), ([], []))
+        tensors.append(grad)
+        factors.append(factor)
+        self.written.add(index)
+        self.factors[index] = factor
+
+    def clamp(self, index: int, grad: torch.Tensor, limit: float) -> None:
+        self.clamps.setdefault(limit, []).append(grad)
+        self.written.add(index)
+        self.factors.pop(index, None)
+
+    def apply(self) -> None:
+        for tensors, factors in self.scales.values():
+            torch._foreach_mul_(tensors, factors)
+        for limit, grads in self.clamps.items():
+            for group in _by_device_and_dtype(grads):
+                clamp_(group, limit)
+        self.scales.clear()
+        self.clamps.clear()
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
 
 
 @dataclass
@@ -172,6 +223,16 @@ class StepWork:
     """Tensor index -> 2-norm of its gradient as it arrived, where some action asked for it."""
     touched: set[int] = field(default_factory=set)
     """Tensors an earlier action of this pass changed (their raw norms are stale)."""
+    raw_peaks: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Tensor index -> max-abs of its gradient as it arrived, where the non-finite watch took it (fragile tensors)."""
+    raw_versions: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> its gradient's version when the raw 2-norm was taken (unsharded steps)."""
+    raw_host: dict[int, float] = field(default_factory=dict)
+    """Tensor index -> the raw 2-norm's value, once the step's read is done (unsharded steps)."""
+    final: frozenset[int] = frozenset()
+    """The tensors of the running action whose last change in this step it makes: it may defer it to ``writes``."""
+    writes: DeferredWrites = field(default_factory=DeferredWrites)
+    """Changes made after the step's one read, where it showed they are needed."""
     statistics: Statistics | None = None
     """The adaptive actions' statistics across steps (read here; changed only through ``statistics_step``)."""
     statistics_step: StepStatistics = field(default_factory=StepStatistics)

@@ -9,6 +9,7 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -18,6 +19,7 @@ __all__ = [
     "by_device",
     "clamp_",
     "clip_coefficients",
+    "device_constant",
     "in_torch_order",
     "norms",
     "stack_on",
@@ -40,6 +42,16 @@ def norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]
             for i, norm in zip(indices, norms, strict=True):
                 out[i] = norm
     return [norm for norm in out if norm is not None]
+
+
+@lru_cache(maxsize=256)
+def device_constant(
+    values: tuple[float, ...] | tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Host values as a device tensor, made once per (values, dtype, device) and then reused: a tensor made from
+    Python data at every step is a copy from pageable host memory, which on a GPU waits for the device (a host
+    sync). Never written to: callers use it as an index or an operand only."""
+    return torch.tensor(values, dtype=dtype, device=device)
 
 
 def stack_on(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

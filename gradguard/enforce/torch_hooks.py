@@ -41,7 +41,17 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-__all__ = ["CLIPS", "ClipCall", "Enlisted", "GuardHooks", "Scaled", "enlist", "optimizer_steps", "scaler_view"]
+__all__ = [
+    "CLIPS",
+    "ClipCall",
+    "Enlisted",
+    "GuardHooks",
+    "Scaled",
+    "enlist",
+    "optimizer_steps",
+    "scaler_view",
+    "unscaled_by",
+]
 
 
 class GuardHooks(Protocol):
@@ -56,6 +66,10 @@ class GuardHooks(Protocol):
     def _before_clip(self, call: ClipCall) -> bool: ...
 
     def _after_clip(self) -> None: ...
+
+    def _clip_instead(
+        self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -208,7 +222,9 @@ def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first
             else:
                 return original(*args, **kwargs)  # let torch say what is missing
             acted = _before_clip(ClipCall(name, tensors, of_grads))
-            result = original(*args, **kwargs)
+            result = _clip_instead(acted, name, original, args, kwargs)
+            if result is None:
+                result = original(*args, **kwargs)
             _after_clip(acted)
             return result
         return original(*args, **kwargs)
@@ -222,6 +238,18 @@ def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def _before_clip(call: ClipCall) -> list[GuardHooks]:
     return [guard for guard in _live() if guard._before_clip(call)]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _clip_instead(
+    acted: list[GuardHooks], name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """What the clip returns, from the norms a guard's step has just taken; None: torch's own clip runs."""
+    for guard in acted:
+        result = guard._clip_instead(name, original, args, kwargs)
+        if result is not None:
+            return result
+    return None
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -317,6 +345,20 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     if not ours:
         return Scaled(still_scaled=False)
     return Scaled(covered != ids, tuple(flags), tuple(optimizers), tuple(scales))
+
+
+def unscaled_by(scaler: torch.amp.GradScaler) -> tuple[Optimizer, ...]:
+    """The live optimizers ``scaler`` has unscaled in its current step (seen by the ``unscale_`` wrapper)."""
+    states = scaler._per_optimizer_states
+    with _scaler_lock:
+        refs = dict(_unscaled.get(scaler, {}))
+    out = []
+    for key, ref in refs.items():
+        optimizer = ref()
+        state = states.get(key)
+        if optimizer is not None and state is not None and state["stage"] is OptState.UNSCALED:
+            out.append(optimizer)
+    return tuple(out)
 
 
 def _param_ids(optimizer: Optimizer) -> set[int]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class HostReads(TorchFunctionMode):
@@ -32,3 +34,25 @@ def count_host_syncs(fn: Callable[[], Any]) -> int:
         fn()
     scalar = sum(1 for event in prof.events() if event.name == "aten::_local_scalar_dense")
     return scalar + reads.count
+
+
+class PythonDataTensors(TorchDispatchMode):
+    """Counts tensors made from Python data (``torch.tensor(list)``, ``as_tensor``: ``aten.lift_fresh``), which on a
+    GPU are copies from pageable host memory: a host sync each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.lift_fresh, torch.ops.aten.lift_fresh_copy):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_python_data_tensors(fn: Callable[[], Any]) -> int:
+    """Tensors made from Python data while fn() runs."""
+    mode = PythonDataTensors()
+    with mode:
+        fn()
+    return mode.count

@@ -58,14 +58,19 @@ class ClipValueKernel(ActionKernel):
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         assert isinstance(action, ClipValue)
         gs = [work.grads[i] for i in ids]
-        peaks = work.norms(gs, float("inf"))
-        clamp_(gs, action.limit)
-        outcome, names, step = work.outcome, work.names, work.step
+        peaks = _peaks(work, ids, gs)
+        now = [g for index, g in zip(ids, gs, strict=True) if index not in work.final]
+        if now:  # a later action of this step acts on these: the clamp must be on the device before it
+            clamp_(now, action.limit)
+        outcome, names, step, final, writes = work.outcome, work.names, work.step, work.final, work.writes
         for device_ids, positions in by_device(ids, peaks):
 
-            def read(values: list[float], device_ids: list[int] = device_ids) -> None:
+            def read(values: list[float], device_ids: list[int] = device_ids, positions: list[int] = positions) -> None:
                 if max(values) <= action.limit and math.isfinite(sum(values)):
                     return  # nothing clamped, every peak finite
+                for index, peak, position in zip(device_ids, values, positions, strict=True):
+                    if index in final and not peak <= action.limit:  # above the limit, Inf or NaN: clamp it
+                        writes.clamp(index, gs[position], action.limit)
                 for index, peak in zip(device_ids, values, strict=False):
                     if peak != peak or abs(peak) == float("inf"):
                         outcome.nonfinite.setdefault(index, ("nan" if peak != peak else "inf", bound.index))
@@ -76,6 +81,14 @@ class ClipValueKernel(ActionKernel):
         return True
 
 
+def _peaks(work: StepWork, ids: list[int], gs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Max-abs norms of ``gs``: the non-finite watch's where it took them of these untouched gradients (one read)."""
+    raw, touched = work.raw_peaks, work.touched
+    if not work.sharded and all(index in raw and index not in touched for index in ids):
+        return [raw[index] for index in ids]
+    return work.norms(gs, float("inf"))
+
+
 def _clip_tensors(
     work: StepWork,
     bound: BoundRule,
@@ -84,19 +97,39 @@ def _clip_tensors(
     gs: list[torch.Tensor],
     norms: list[torch.Tensor],
 ) -> None:
-    outcome, names, step, pending = work.outcome, work.names, work.step, work.pending
+    outcome, names, step, pending, final, writes = (
+        work.outcome,
+        work.names,
+        work.step,
+        work.pending,
+        work.final,
+        work.writes,
+    )
     for device_ids, positions in by_device(ids, norms):
         device = norms[positions[0]].device
         per_tensor = pending.stack([norms[k] for k in positions], device)
         # clip_grad_norm_([p]) takes the norm of the one-element stack of norms; so do we, row-wise.
         totals = torch.linalg.vector_norm(per_tensor.unsqueeze(1), action.norm_type, dim=1)
         coefs = clip_coefficients(totals, action.max_norm)
-        torch._foreach_mul_([gs[k] for k in positions], list(coefs.unbind()))
+        now = [row for row, k in enumerate(positions) if ids[k] not in final]
+        if now:  # a later action of this step acts on these: the clip must be on the device before it
+            rows = coefs.unbind()
+            torch._foreach_mul_([gs[positions[row]] for row in now], [rows[row] for row in now])
+        deferred = [
+            (row, device_ids[row], gs[positions[row]]) for row in range(len(positions)) if ids[positions[row]] in final
+        ]
 
-        def read(values: list[float], device_ids: list[int] = device_ids) -> None:
+        def read(
+            values: list[float],
+            device_ids: list[int] = device_ids,
+            deferred: list[tuple[int, int, torch.Tensor]] = deferred,
+        ) -> None:
             count = len(device_ids)
             if min(values[count:]) >= 1.0 and math.isfinite(sum(values[:count])):
                 return  # nothing clipped, every norm finite (coefficients are never NaN)
+            for row, index, grad in deferred:
+                if values[count + row] < 1.0:
+                    writes.scale(index, grad, values[count + row])
             for index, norm, coef in zip(device_ids, values[:count], values[count:], strict=False):
                 if norm != norm or abs(norm) == float("inf"):
                     outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
@@ -118,11 +151,17 @@ def _clip_group(
     device = norms[0].device
     total = torch.linalg.vector_norm(stack_on(in_torch_order(gs, norms), device), action.norm_type)
     coef = clip_coefficients(total, action.max_norm)
-    for _, positions in by_device(ids, gs):
-        torch._foreach_mul_([gs[k] for k in positions], coef.to(gs[positions[0]].device))
+    deferred = all(index in work.final for index in ids)
+    if not deferred:
+        for _, positions in by_device(ids, gs):
+            torch._foreach_mul_([gs[k] for k in positions], coef.to(gs[positions[0]].device))
+    writes = work.writes
 
     def read(values: list[float]) -> None:
         norm, factor = values
+        if deferred and factor < 1.0:
+            for index, grad in zip(ids, gs, strict=True):
+                writes.scale(index, grad, factor)
         if norm != norm or abs(norm) == float("inf"):
             kind = "nan" if norm != norm else "inf"
             outcome.events.append(

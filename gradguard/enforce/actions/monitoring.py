@@ -15,7 +15,7 @@ import torch
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.distributed import local_tensor
 from gradguard.enforce.step import Observation, StepWork
-from gradguard.enforce.tensors import LOW_PRECISION, stack_on
+from gradguard.enforce.tensors import LOW_PRECISION, device_constant, stack_on
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, Monitor
 
@@ -128,10 +128,9 @@ def _joint(
         segments = [slots.setdefault(module_of(work.names[i], action.depth), len(slots)) for i in ids]
         names = list(slots)
     n = len(names)
-    seg = torch.tensor(segments, device=device)
-    numel = torch.zeros(n, dtype=torch.float64, device=device).index_add_(
-        0, seg, torch.tensor([float(g.numel()) for g in gs], dtype=torch.float64, device=device)
-    )
+    seg = device_constant(tuple(segments), torch.int64, device)
+    sizes = device_constant(tuple(float(g.numel()) for g in gs), torch.float64, device)
+    numel = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, sizes)
 
     def total(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, values.double())
@@ -146,7 +145,6 @@ def _joint(
             0, seg, peaks, "amax", include_self=False
         )
     if "mean" in base:
-        sizes = torch.tensor([float(g.numel()) for g in gs], dtype=torch.float64, device=device)
         mean = total(base["mean"].double() * sizes) / numel
         out["mean"] = mean
         if sumsq is not None:

@@ -60,8 +60,13 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     if fragile:
         # A 2-norm can overflow while every element is finite; the max-abs norm cannot. Tensors an
         # action may make finite are judged by it now, the others are re-checked after the sync.
-        peaks = stack_on(norms([grads[raw_ids[k]] for k in fragile], float("inf")), device).float()
-        evidence = stacked.index_copy(0, torch.tensor(fragile, device=device), peaks)
+        peaks = norms([grads[raw_ids[k]] for k in fragile], float("inf"))
+        work.raw_peaks = {raw_ids[k]: peak for k, peak in zip(fragile, peaks, strict=True)}
+        # One stack of 0-dim tensors, not an index tensor made from a Python list (a host-to-device copy).
+        chosen = list(local)
+        for k, peak in zip(fragile, peaks, strict=True):
+            chosen[k] = peak
+        evidence = stack_on(chosen, device).float()
     flags = torch.stack([torch.isnan(evidence), torch.isinf(evidence)]).float().reshape(-1)
     count = len(raw_ids)
     if collective is None:
@@ -97,6 +102,15 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
             outcome.nonfinite.setdefault(index, (kind, reported_under))
 
     pending.add(flags, read)
+    if not work.sharded:
+        # The norms' values ride the same read: the loop's own clip after this step can then tell, without
+        # another read, that its coefficient is 1 (gradguard.enforce.known_norms).
+        work.raw_versions = {index: grads[index]._version for index in raw_ids}
+
+        def read_norms(values: list[float]) -> None:
+            work.raw_host = dict(zip(raw_ids, values, strict=True))
+
+        pending.add(stacked, read_norms)
     return dict(zip(raw_ids, result, strict=True))
 
 

@@ -1,0 +1,158 @@
+"""The loop's own clip after the guard's step, without reading the gradients a second time.
+
+A loop that clips globally (nanoGPT, timm, Lightning, accelerate, HF ``Trainer``) calls ``clip_grad_norm_``
+right after the guard's step has taken every gradient's 2-norm. Torch would take them all again (a second
+pass over the gradients) and multiply every gradient by its coefficient, 1 or not (a third and fourth).
+Instead, the norms the guard took are used where the gradient is unchanged since (the same tensor at the same
+version), torch's own ``_foreach_norm`` takes only the others, the total is stacked and reduced exactly as torch
+does (so it is bitwise torch's), and the multiply is left out when the step's one read already showed that the
+total is below ``max_norm`` by a margin (a multiply by 1 changes no bit). Where any of that does not hold (a
+norm other than 2, ``error_if_nonfinite``, half precision, the per-tensor loop torch takes without foreach,
+several devices, DTensors), torch's own function runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils._foreach_utils import (
+    _device_has_foreach_support,
+    _group_tensors_by_device_and_dtype,
+    _has_foreach_support,
+)
+
+__all__ = ["KnownNorms", "clip_with_known_norms"]
+
+_EXACT = (torch.float32, torch.float64)
+MARGIN = 1e-3
+"""Relative margin between the host's sum of the read norms and ``max_norm`` under which the multiply is left
+out: the device's float32 reduction differs from the host's float64 sum by far less."""
+
+
+class KnownNorms:
+    """The 2-norms of the gradients as the guard's last step left them (device tensors, and host floats where read)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[
+            int, tuple[weakref.ReferenceType[torch.Tensor], int, torch.Tensor | None, float | None]
+        ] = {}
+
+    def clear(self) -> None:
+        self._entries = {}
+
+    def record(self, entries: Sequence[tuple[torch.Tensor, int, torch.Tensor | None, float | None]]) -> None:
+        """``(gradient, its version, its norm on the device or None, the norm's value or None)`` per tensor: a
+        gradient the guard multiplied has a known value (its norm times the factor) but no device norm."""
+        ref = weakref.ref
+        self._entries = {id(grad): (ref(grad), version, norm, host) for grad, version, norm, host in entries}
+
+    def lookup(self, grad: torch.Tensor) -> tuple[torch.Tensor | None, float | None] | None:
+        entry = self._entries.get(id(grad))
+        if entry is None or entry[0]() is not grad or entry[1] != grad._version:
+            return None
+        return entry[2], entry[3]
+
+
+def _torch_takes_foreach(grads: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
+    return bool(
+        (foreach is None and _has_foreach_support(grads, device)) or (foreach and _device_has_foreach_support(device))
+    )
+
+
+def _known_total(
+    known: KnownNorms, grads: list[torch.Tensor], foreach: bool | None
+) -> tuple[torch.Tensor, float | None] | None:
+    """Torch's total 2-norm of ``grads`` from the known norms (``_foreach_norm`` for the rest), and its host
+    estimate where every norm's value was read; None where torch would compute it another way."""
+    if not grads:
+        return None
+    device = grads[0].device
+    plain = torch.Tensor
+    if any(type(g) is not plain or g.dtype not in _EXACT or g.device != device or g.is_sparse for g in grads):
+        return None
+    groups = _group_tensors_by_device_and_dtype([list(grads)])
+    norms: list[torch.Tensor] = []
+    squares = 0.0
+    complete = True
+    for (group_device, _), ([listed], _) in groups.items():
+        group = [g for g in listed if g is not None]
+        if not _torch_takes_foreach(group, group_device, foreach):
+            return None
+        found = [known.lookup(g) for g in group]
+        missing = [g for g, hit in zip(group, found, strict=True) if hit is None or hit[0] is None]
+        fresh = iter(torch._foreach_norm(missing, 2.0)) if missing else iter(())
+        for hit in found:
+            norm = None if hit is None else hit[0]
+            norms.append(next(fresh) if norm is None else norm)
+            if hit is None or hit[1] is None or not math.isfinite(hit[1]):
+                complete = False
+            else:
+                squares += hit[1] * hit[1]
+    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    return total, (math.sqrt(squares) if complete else None)
+
+
+def _clip_norm(
+    known: KnownNorms,
+    multiply: Callable[..., None],
+    parameters: Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor | None:
+    if float(norm_type) != 2.0 or error_if_nonfinite:
+        return None
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    found = _known_total(known, grads, foreach)
+    if found is None:
+        return None
+    total, estimate = found
+    if estimate is None or estimate * (1.0 + MARGIN) + 1e-6 >= float(max_norm):
+        multiply(params, max_norm, total, foreach)  # torch's own multiply, by torch's coefficient
+    return total
+
+
+def _total_norm(
+    known: KnownNorms,
+    tensors: Any,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor | None:
+    if float(norm_type) != 2.0 or error_if_nonfinite:
+        return None
+    grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    found = _known_total(known, grads, foreach)
+    return None if found is None else found[0]
+
+
+_SIGNATURES: dict[str, inspect.Signature] = {}
+
+
+def clip_with_known_norms(
+    known: KnownNorms, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.Tensor | None:
+    """What torch's ``name`` returns, computed from the known norms; None: run torch's own function."""
+    short = name.rsplit(".", 1)[-1]
+    if short not in ("clip_grad_norm_", "clip_grad_norm", "get_total_norm"):
+        return None
+    signature = _SIGNATURES.get(name)
+    if signature is None:
+        signature = _SIGNATURES[name] = inspect.signature(original)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError:
+        return None  # let torch say what is wrong
+    values = dict(bound.arguments)
+    if short == "get_total_norm":
+        return _total_norm(known, values.pop("tensors"), **values)
+    from torch.nn.utils.clip_grad import _clip_grads_with_norm_
+
+    return _clip_norm(known, _clip_grads_with_norm_, values.pop("parameters"), values.pop("max_norm"), **values)

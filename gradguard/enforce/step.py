@@ -15,7 +15,7 @@ import torch
 
 from gradguard.enforce.distributed import Collective, combine_shard_norms, local_tensor
 from gradguard.enforce.statistics import Statistics, StepStatistics
-from gradguard.enforce.tensors import clamp_, norms, stack_on
+from gradguard.enforce.tensors import LOW_PRECISION, clamp_, norms, stack_on
 from gradguard.policy.matching import Binding
 from gradguard.policy.schema import ClipNorm, Monitor
 
@@ -102,10 +102,19 @@ class DeferredWrites:
     factors: dict[int, float] = field(default_factory=dict)
     """Tensor index -> the factor it was multiplied by here."""
 
-    def scale(self, index: int, grad: torch.Tensor, factor: float) -> None:
-        tensors, factors = self.scales.setdefault((grad.device, grad.dtype), ([], []))
-        tensors.append(grad)
-        factors.append(factor)
+    low_precision: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))
+    """Half-precision gradients and their float32 factors as 0-dim device tensors: multiplied as torch's
+    ``clip_grads_with_norm_`` multiplies them (a host float would be rounded to half precision first)."""
+
+    def scale(self, index: int, grad: torch.Tensor, factor: float, on_device: torch.Tensor) -> None:
+        """Multiply ``grad`` by ``factor`` (whose float32 value ``on_device`` holds on the gradient's device)."""
+        if grad.dtype in LOW_PRECISION:
+            self.low_precision[0].append(grad)
+            self.low_precision[1].append(on_device)
+        else:
+            tensors, factors = self.scales.setdefault((grad.device, grad.dtype), ([], []))
+            tensors.append(grad)
+            factors.append(factor)
         self.written.add(index)
         self.factors[index] = factor
 
@@ -117,6 +126,9 @@ class DeferredWrites:
     def apply(self) -> None:
         for tensors, factors in self.scales.values():
             torch._foreach_mul_(tensors, factors)
+        if self.low_precision[0]:
+            torch._foreach_mul_(*self.low_precision)
+            self.low_precision = ([], [])
         for limit, grads in self.clamps.items():
             for group in _by_device_and_dtype(grads):
                 clamp_(group, limit)

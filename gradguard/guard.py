@@ -7,7 +7,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -26,13 +26,7 @@ from gradguard.enforce.micro_batch import MicroBatchHooks
 from gradguard.enforce.plan_book import PlanBook
 from gradguard.enforce.provenance import attach_provenance, check_mode
 from gradguard.enforce.reload import Reloader
-from gradguard.enforce.scaler import (
-    ScalerWatch,
-    loss_scale_of,
-    stepped_when_skipped,
-    unscaled_found_inf,
-    unscaled_optimizers,
-)
+from gradguard.enforce.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf, unscaled_optimizers
 from gradguard.enforce.step import StepContext
 from gradguard.enforce.torch_hooks import ClipCall, enlist, optimizer_steps
 from gradguard.errors import GuardStateError, GuardWarning
@@ -265,10 +259,9 @@ class GradGuard(ServesMetrics):
 
     def state_dict(self) -> dict[str, Any]:
         """What decides the guard's future steps: the step number, each skip rule's history, the adaptive statistics,
-        recovery's rewinds and any skip window in progress (not its snapshots: a checkpoint holds its own state).
-
-        Save it with the model and the optimizer; [`load_state_dict`][gradguard.GradGuard.load_state_dict] on a new
-        guard (same policy) carries the run on: step windows, skip limits and the log's step numbers continue."""
+        recovery's rewinds and any skip window in progress (not its snapshots: a checkpoint holds its own state). Save
+        it with the model and the optimizer; [`load_state_dict`][gradguard.GradGuard.load_state_dict] on a new guard
+        (same policy) carries the run on: step windows, skip limits and the log's step numbers continue."""
         with self._lock:  # not in the middle of a step
             return {"format": 1, **self._enforcer.state_dict()}
 
@@ -323,8 +316,7 @@ class GradGuard(ServesMetrics):
         return _optimizer_step_begins(self, optimizer, args, kwargs)
 
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
-        # Only after a step of this model: another thread's optimizer may step between this guard's clip
-        # boundary and its own optimizer's step, and must not turn the gradients it treated into new ones.
+        # Only this model's: another thread's optimizer stepping meanwhile must not make its treated gradients new.
         if not self.attached or self._plans.steps_none(optimizer):
             return
         with self._lock:
@@ -338,12 +330,8 @@ class GradGuard(ServesMetrics):
         with self._lock:
             return _clip_begins(self, call) if self.attached else False
 
-    def _clip_instead(
-        self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """The loop's clip from the norms this guard's step just took, or None (torch's own clip runs)."""
-        with torch.no_grad():
-            return clip_with_known_norms(self._enforcer.known_norms, name, original, args, kwargs)
+    def _clip_instead(self, *call: Any) -> Any:  # the loop's clip from this step's norms; None: torch's own runs
+        return clip_with_known_norms(self._enforcer.known_norms, *call)
 
     def _after_clip(self) -> None:  # the clip's own change to the gradients is not a new gradient
         with self._lock:
@@ -479,7 +467,7 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
         explicit=True,
         found_inf=unscaled_found_inf(guard._scaler, optimizer),
         loss_scales=loss_scale_of(guard._scaler),
-        stepped_when_skipped=stepped_when_skipped(unscaled_optimizers(guard._scaler, optimizer)),
+        scaled_optimizers=unscaled_optimizers(guard._scaler, optimizer),
     )
     proceed = guard._enforcer.run(plan, context)
     return guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
@@ -505,7 +493,7 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
         found_inf=boundary.found_inf,
         loss_scales=boundary.loss_scales,
         clipped_before=guard._clips.take_seen(),
-        stepped_when_skipped=stepped_when_skipped(boundary.optimizers),
+        scaled_optimizers=boundary.optimizers,
     )
     proceed = guard._enforcer.run(plan, context)
     if guard._enforcer.last_run_treated:

@@ -25,12 +25,12 @@ from gradguard.enforce.actions.clipping import clear_overflows
 from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
 from gradguard.enforce.distributed import Collective, local_tensor
 from gradguard.enforce.health import Health
-from gradguard.enforce.known_norms import KnownNorms
+from gradguard.enforce.known_norms import KnownNorms, remember_step_norms
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
 from gradguard.enforce.provenance import Provenance
 from gradguard.enforce.recovery import Recovery, RewindRequested
-from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf
+from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf, stepped_when_skipped
 from gradguard.enforce.statistics import Statistics
 from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
 from gradguard.enforce.verdicts import Verdicts
@@ -38,7 +38,6 @@ from gradguard.errors import GradientHalt, GuardStateError
 from gradguard.events.counters import Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.matching import Binding
-from gradguard.policy.schema import Action
 
 __all__ = ["SCALER_RULE", "Enforcer"]
 
@@ -144,11 +143,9 @@ class Enforcer:
         rules = self.binding.policy.rules
         try:
             if outcome.scaler_found_inf:
-                # Seen, so a second boundary of this step (accelerate's unscale, then the clip) does not count a
-                # new step. Held only where the scaler still calls the optimizer's step() (fused): that call seals
-                # them, and the clip between must not make them new; a plain optimizer's step() never runs, and the
-                # next backward must be treated.
-                held = context.explicit and context.stepped_when_skipped
+                # Seen: a second boundary of this step does not count a new step. Held where the scaler still calls
+                # the optimizer's step() (fused), which seals them; else the next backward must be treated.
+                held = context.explicit and stepped_when_skipped(context.scaled_optimizers)
                 self._explicit_marks |= held
                 self._mark_treated(grads, wrapped, held=held)
                 self.scaler_skip_at_boundary = context.explicit
@@ -170,35 +167,13 @@ class Enforcer:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
         self.skip_limits.step_applied()
-        self._know_norms(work, wrapped)
+        remember_step_norms(self.known_norms, work, wrapped)
         work.statistics_step.commit()  # only an applied step's norms enter the adaptive statistics
         if self.summary_every and (step + 1) % self.summary_every == 0:
             self.emit_summary()
         self._explicit_marks |= context.explicit
         self._mark_treated(grads, wrapped, held=context.explicit)
         return True
-
-    def _know_norms(self, work: StepWork, wrapped: dict[int, torch.Tensor]) -> None:
-        """Keep the step's norms for the loop's own clip (``gradguard.enforce.known_norms``)."""
-        if not work.raw_host:
-            return
-        grads, raw, versions, host, factors = (
-            work.grads,
-            work.raw,
-            work.raw_versions,
-            work.raw_host,
-            work.writes.factors,
-        )
-        entries: list[tuple[torch.Tensor, int, torch.Tensor | None, float | None]] = []
-        for index, norm in raw.items():
-            grad = grads.get(index)
-            if grad is None or index in wrapped:
-                continue
-            if grad._version == versions[index]:
-                entries.append((grad, grad._version, norm, host[index]))
-            elif index in factors and grad._version == versions[index] + 1:  # one deferred multiply, nothing else
-                entries.append((grad, grad._version, None, host[index] * factors[index]))
-        self.known_norms.record(entries)
 
     def _mark_treated(self, grads: dict[int, torch.Tensor], wrapped: dict[int, torch.Tensor], *, held: bool) -> None:
         # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
@@ -250,14 +225,9 @@ class Enforcer:
 
     def _apply_actions(self, plan: Plan, work: StepWork, everyone: int) -> None:
         """Each active rule's actions, in policy order, through their kernels."""
-        grads, step, micro_batch, rules = work.grads, work.step, self.micro_batch, plan.rules
-
-        def acts(position: int, action: Action) -> bool:
-            """Whether a changing action runs in this pass (so an earlier one's change is not the last)."""
-            in_hooks = micro_batch is not None and handled_in_hooks(action)
-            return rules[position][0].rule.active_at(step) and action.active_at(step) and not in_hooks
-
-        for position, ((bound, members), member_ids) in enumerate(zip(rules, plan.member_ids, strict=True)):
+        grads, step, micro_batch = work.grads, work.step, self.micro_batch
+        in_hooks = handled_in_hooks if micro_batch is not None else None
+        for position, ((bound, members), member_ids) in enumerate(zip(plan.rules, plan.member_ids, strict=True)):
             if not bound.rule.active_at(step) or all(_passive(kernel_for(a)) for a in bound.actions):
                 continue  # inactive, or it only watches (halt/skip: its verdict came with the raw norms) or observes
             if len(grads) == everyone:
@@ -268,9 +238,9 @@ class Enforcer:
                 continue
             for action_index, action in enumerate(bound.actions):
                 kernel = kernel_for(action)
-                if _passive(kernel) or not acts(position, action):
+                if _passive(kernel) or not plan.acts(position, action, step, in_hooks):
                     continue
-                work.final = plan.final_ids(position, action_index, ids, acts)
+                work.final = plan.final_ids(position, action_index, ids, step, in_hooks)
                 if not kernel.apply(work, bound, action, ids):
                     break
                 work.touched.update(ids)

@@ -26,7 +26,9 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
-__all__ = ["KnownNorms", "clip_with_known_norms"]
+from gradguard.enforce.step import StepWork
+
+__all__ = ["KnownNorms", "clip_with_known_norms", "remember_step_norms"]
 
 _EXACT = (torch.float32, torch.float64)
 MARGIN = 1e-3
@@ -136,6 +138,7 @@ def _total_norm(
 _SIGNATURES: dict[str, inspect.Signature] = {}
 
 
+@torch.no_grad()
 def clip_with_known_norms(
     known: KnownNorms, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> torch.Tensor | None:
@@ -156,3 +159,21 @@ def clip_with_known_norms(
     from torch.nn.utils.clip_grad import _clip_grads_with_norm_
 
     return _clip_norm(known, _clip_grads_with_norm_, values.pop("parameters"), values.pop("max_norm"), **values)
+
+
+def remember_step_norms(known: KnownNorms, work: StepWork, wrapped: dict[int, torch.Tensor]) -> None:
+    """Keep an applied step's norms for the loop's own clip: the raw norm of each gradient still as it arrived,
+    and the value (not the tensor) of each one the step multiplied once after its read."""
+    if not work.raw_host:
+        return
+    grads, versions, host, factors = work.grads, work.raw_versions, work.raw_host, work.writes.factors
+    entries: list[tuple[torch.Tensor, int, torch.Tensor | None, float | None]] = []
+    for index, norm in work.raw.items():
+        grad = grads.get(index)
+        if grad is None or index in wrapped:
+            continue
+        if grad._version == versions[index]:
+            entries.append((grad, grad._version, norm, host[index]))
+        elif index in factors and grad._version == versions[index] + 1:  # one deferred multiply, nothing else
+            entries.append((grad, grad._version, None, host[index] * factors[index]))
+    known.record(entries)

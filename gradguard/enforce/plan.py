@@ -45,14 +45,18 @@ class Plan:
     step has its last change of that step from this action, which may then wait for the step's one read
     (``StepWork.final``)."""
 
+    def acts(self, position: int, action: Action, step: int, in_hooks: Callable[[Action], bool] | None) -> bool:
+        """Whether a changing action runs at the step boundary of ``step`` (not in the micro-batch hooks)."""
+        runs = self.rules[position][0].rule.active_at(step) and action.active_at(step)
+        return runs and not (in_hooks is not None and in_hooks(action))
+
     def final_ids(
-        self, position: int, action_index: int, ids: list[int], active: Callable[[int, Action], bool]
+        self, position: int, action_index: int, ids: list[int], step: int, in_hooks: Callable[[Action], bool] | None
     ) -> frozenset[int]:
-        """The tensors of ``ids`` that no later changing action active in this step acts on."""
-        later = self.later_writers.get((position, action_index), ())
+        """The tensors of ``ids`` that no later changing action running at ``step`` acts on."""
         blocked: set[int] = set()
-        for other, action, shared in later:
-            if active(other, action):
+        for other, action, shared in self.later_writers.get((position, action_index), ()):
+            if self.acts(other, action, step, in_hooks):
                 blocked |= shared
         return frozenset(ids).difference(blocked) if blocked else frozenset(ids)
 

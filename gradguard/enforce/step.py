@@ -41,9 +41,9 @@ class StepContext:
     GradScaler still held them scaled): it may have spread a NaN to every gradient it clipped."""
     loss_scales: Sequence[torch.Tensor] = ()
     """The GradScaler's loss scale(s) with ``found_inf``: a skip at or below a floor halts."""
-    stepped_when_skipped: bool = False
-    """Every optimizer of these gradients is fused (``_step_supports_amp_scaling``): a GradScaler that skips
-    still calls its ``step()`` (the kernel skips on ``found_inf``), and that call is not a new step."""
+    scaled_optimizers: Sequence[Any] = ()
+    """The optimizers whose gradients a GradScaler unscaled before this explicit boundary: if all are fused, a
+    skipping scaler still calls their ``step()`` (the kernel skips on ``found_inf``), which is not a new step."""
 
 
 @dataclass

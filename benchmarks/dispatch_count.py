@@ -415,6 +415,12 @@ def chain_mixed_policy() -> Policy:
     return Policy.from_dict(data, source="mixed (chain names)")
 
 
+def with_loss_section(policy: Policy) -> Policy:
+    """``policy`` with a ``loss`` section that judges NaN/Inf losses and spikes (issue 33: within the one read)."""
+    data = policy.model_dump(mode="json", exclude_none=True)
+    return Policy.from_dict(data | {"loss": {"nonfinite": "halt", "spike": {"factor": 10, "warmup": 1}}})
+
+
 @dataclass(frozen=True)
 class Treatment:
     name: str
@@ -428,6 +434,7 @@ TREATMENTS = (
     Treatment("guard: default", lambda: Policy.shipped("default"), "guard.step"),
     Treatment("guard: mixed", lambda: chain_mixed_policy(), "guard.step"),
     Treatment("guard + loop clip", lambda: per_tensor_policy(MAX_NORM), "loop clip"),
+    Treatment("guard: clip + halt + loss", lambda: with_loss_section(per_tensor_policy(MAX_NORM)), "guard.step"),
 )
 
 

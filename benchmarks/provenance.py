@@ -4,6 +4,7 @@
     python benchmarks/provenance.py --model deep --rounds 300
     python benchmarks/provenance.py --only first_fault,always  # these rows (and off, off-2)
     python benchmarks/provenance.py --quick                  # tiny model, seconds (the figures mean nothing)
+    python benchmarks/provenance.py --head --rounds 30       # a 50,304-token head: the trace's bytes and CPU time
 
 Every row is a whole training step (zero_grad, forward, backward, AdamW step) under gradguard with
 ``policies/default.yaml``-like rules (halt + a per-tensor clip nothing reaches), on copies of one model
@@ -106,7 +107,66 @@ SHAPES: dict[str, tuple[dict[str, int], int, int]] = {
     "gpt": (dict(vocab=8192, width=384, depth=6, heads=6), 4, 64),
     "deep": (dict(vocab=2048, width=128, depth=24, heads=4), 4, 32),
     "quick": (dict(vocab=64, width=32, depth=1, heads=2), 2, 8),
+    "head": (dict(vocab=50304, width=64, depth=2, heads=2), 4, 128),
 }
+
+
+def head_cost(rounds: int, seed: int, quick: bool = False) -> dict[str, Any]:
+    """A GPT whose 50,304-token head makes its logits the largest activation by far (``--head``): per step, the
+    bytes the light trace reads (the step's bytes with it minus without it, counted by dispatch_count.py's
+    ``TorchDispatchMode``) as a multiple of the logits' bytes, and the thread's CPU time of a whole step against
+    no trace (paired, shuffled rounds, one guard, the trace switched on and off as in ``toggled``). Arms:
+    ``sum`` sums every traced output, the logits too (the trace before the head was watched through its
+    weight); ``linear`` (the default) takes a plain Linear's figure from its weight, bias and (unless already
+    traced) input."""
+    from dispatch_count import count
+
+    shape, batch, length = SHAPES["quick" if quick else "head"]
+    work = bench.decoder_workload("head", torch.device("cpu"), **shape, batch=batch, length=length)
+    guard = bench.GradGuard(work.model, bench.per_tensor_policy(bench.NEVER), logger=None, provenance=None)
+    light = provenance_module.LIGHT
+    traces = {
+        name: provenance_module.Provenance(work.model, guard._plans.binding, "first_fault", tracing=tracing)
+        for name, tracing in (("sum", dataclasses.replace(light, linear=False)), ("linear", light))
+    }
+    for traced in traces.values():
+        traced._disarm_light()
+        guard._attachment.handles.append(traced)
+
+    def step(arm: str) -> tuple[float, float]:
+        traced = traces.get(arm)
+        if traced is not None:
+            guard._enforcer.provenance = traced
+            traced._arm_light()
+        work.opt.zero_grad(set_to_none=True)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        work.loss().backward()  # type: ignore[no-untyped-call]
+        work.opt.step()
+        cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+        if traced is not None:
+            traced._disarm_light()
+            guard._enforcer.provenance = None
+        return cpu, wall
+
+    logits = batch * length * shape["vocab"] * 4
+    arms = ["off", *traces]
+    out: dict[str, Any] = {"description": work.description, "rounds": rounds, "logits_bytes": logits}
+    try:
+        for arm in arms:
+            step(arm)
+        read = {arm: count(lambda arm=arm: step(arm)).read for arm in arms}
+        out["read_per_logits"] = {arm: (read[arm] - read["off"]) / logits for arm in traces}
+        times: dict[str, list[float]] = {arm: [] for arm in arms}
+        shuffle = random.Random(seed)
+        for _ in range(rounds):
+            shuffle.shuffle(arms)
+            for arm in arms:
+                times[arm].append(step(arm)[0])
+        out["cpu_vs_off"] = {arm: bench.paired(times[arm], times["off"]) for arm in traces}
+        out["step_ms"] = statistics.median(times["off"]) * 1e3
+    finally:
+        guard.remove()
+    return out
 
 
 def run(model: str, rounds: int, seed: int, only: set[str] | None = None) -> dict[str, Any]:
@@ -186,8 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--toggle", action="store_true", help="first_fault's hooks on/off on one model (see toggled)")
+    parser.add_argument("--head", action="store_true", help="a 50,304-token head: the trace's bytes (see head_cost)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.head:
+        result = head_cost(args.rounds or (2 if args.quick else 30), args.seed, args.quick)
+        print(f"light trace at a large vocabulary ({result['description']}), {result['rounds']} rounds, CPU")
+        print(f"whole step without the trace: {result['step_ms']:.1f} ms (median)\n")
+        print("| arm | bytes the trace reads per step / the logits' bytes | thread CPU time of the step vs no trace |")
+        print("|---|---:|---:|")
+        for arm, ratio in result["cpu_vs_off"].items():
+            print(f"| {arm} | {result['read_per_logits'][arm]:.3f} | {ratio} |")
+        return 0
     if args.toggle:
         model = "quick" if args.quick else args.model
         rounds = args.rounds or (2 if args.quick else 300)

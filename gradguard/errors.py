@@ -57,13 +57,14 @@ class PolicyIssue:
 class PolicyError(GradGuardError, ValueError):
     """A policy could not be loaded, validated or bound to a model.
 
-    ``issues`` lists every problem found, not only the first, so one edit can fix them all.
+    ``issues`` lists every problem found, not only the first, so one edit can fix them all. ``head``:
+    ``invalid policy``, or ``no such policy`` when there was nothing to read (no such file or shipped name).
     """
 
-    def __init__(self, issues: Sequence[PolicyIssue]) -> None:
+    def __init__(self, issues: Sequence[PolicyIssue], *, head: str = "invalid policy") -> None:
         self.issues: tuple[PolicyIssue, ...] = tuple(issues)
         count = len(self.issues)
-        head = "invalid policy" if count == 1 else f"invalid policy ({count} problems)"
+        head = head if count == 1 else f"{head} ({count} problems)"
         super().__init__(head + ":\n" + "\n".join(f"  {issue}" for issue in self.issues))
 
 
@@ -112,6 +113,10 @@ class GradientHalt(GradGuardError, RuntimeError):
         what = {"spike": "gradient norm spike", "overflow": "GradScaler overflow (inf/NaN) on every step"}.get(
             kind, f"non-finite gradient ({kind})"
         )
+        if rule == "loss":  # the policy's loss section, not a rule's gradient
+            what = "loss spike" if kind == "spike" else f"non-finite loss ({kind})"
+        elif kind == "transient":
+            what = "transient fault (the step computed again differed)"
         where = f" in {len(self.params)} parameter(s): {shown}" if self.params else ""
         traced = f" {origin_sentence(origin)}" if origin else ""
         state = "as they were after the last good step"
@@ -132,7 +137,7 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     if phase == "forward" and origin.get("input_nonfinite"):
         text = f"It started in the input batch, already {kind} before the first module (the data is at fault, "
         text += f"not the model); first non-finite output: {seen_in}."
-    elif phase == "forward":
+    elif phase == "forward" and module:
         text = f"It started in the forward pass: {module} was the first module whose output went {kind}."
         if seen_in and seen_in != module:
             text = f"It started in the forward pass, in {module}'s own code: {seen_in} received a {kind} input."
@@ -163,7 +168,7 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     elif phase == "backward" and module:
         text = f"It started in the backward pass: {module}'s backward produced the first {kind} gradient"
         text += f" (the gradient of {seen_in}'s output)." if seen_in and seen_in != module else "."
-    elif phase == "gradient" and origin.get("own"):
+    elif phase == "gradient" and module and origin.get("own"):
         text = f"It started in the gradients of {module}'s own parameters: the modules that ran before it kept "
         text += "finite gradients, so backward did not carry it through the activations (the weight-gradient "
         text += "computation, a hook on a parameter, or code that touched only these gradients made it)."

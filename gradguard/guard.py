@@ -22,10 +22,12 @@ from gradguard.enforce.closures import StepArgs, TreatAfterClosure, closure_of, 
 from gradguard.enforce.distributed import Collective
 from gradguard.enforce.engine import Enforcer
 from gradguard.enforce.known_norms import clip_with_known_norms
+from gradguard.enforce.loss import LossWatch, watches_loss
 from gradguard.enforce.micro_batch import MicroBatchHooks
 from gradguard.enforce.plan_book import PlanBook
 from gradguard.enforce.provenance import attach_provenance, check_mode
 from gradguard.enforce.reload import Reloader
+from gradguard.enforce.rerun import ClosureRerun, in_rerunnable_closure
 from gradguard.enforce.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf, unscaled_optimizers
 from gradguard.enforce.step import StepContext
 from gradguard.enforce.torch_hooks import ClipCall, enlist, optimizer_steps
@@ -184,6 +186,7 @@ class GradGuard(ServesMetrics):
 
             emit_attach(events, self.policy, model, binding, optimizers, start_step, self._enforcer.recovery)
         except BaseException:
+            Attachment.abandon(self.__dict__.get("_attachment"))  # no hook left behind
             forget(self)  # the model is free again
             raise
 
@@ -213,8 +216,8 @@ class GradGuard(ServesMetrics):
 
     def metrics(self) -> dict[str, float]:
         """Monitors' last figures, counters, steps and recovery's snapshots, flat (``gradguard/<rule>/<stat>``)."""
-        out = self._enforcer.health.metrics(self.counters.snapshot(), self._enforcer.step)
-        return out | self._enforcer.recovery.metrics()
+        core = self._enforcer
+        return core.health.metrics(self.counters.snapshot(), core.step, core.loss_watch.value) | core.recovery.metrics()
 
     def pass_step(self) -> bool:
         """In a rewind's window: count the coming step as skipped and return True (``if guard.pass_step(): continue``
@@ -333,6 +336,9 @@ class GradGuard(ServesMetrics):
     def _clip_instead(self, *call: Any) -> Any:  # the loop's clip from this step's norms; None: torch's own runs
         return clip_with_known_norms(self._enforcer.known_norms, *call)
 
+    def _loss_watch(self) -> LossWatch | None:  # where backward's roots go, if the policy watches the loss
+        return self._enforcer.loss_watch if self.attached and watches_loss(self.policy) else None
+
     def _after_clip(self) -> None:  # the clip's own change to the gradients is not a new gradient
         with self._lock:
             self._enforcer.clipped()
@@ -347,14 +353,10 @@ class GradGuard(ServesMetrics):
         self._last_step_skipped = not proceed
         return proceed
 
-    def _enforce_for(self, optimizer: Optimizer) -> None:
-        """An optimizer is about to step: treat the guarded gradients it is about to apply.
-
-        Only this optimizer's: with several optimizers under one GradScaler, the others' gradients
-        are still scaled until their own ``scaler.step()``.
-        """
+    def _enforce_for(self, optimizer: Optimizer, rerunnable: bool = False) -> None:
+        """Treat the gradients ``optimizer`` is about to apply (only its own: others may still be scaled)."""
         with self._lock:
-            _optimizer_boundary(self, optimizer)
+            _optimizer_boundary(self, optimizer, rerunnable)
 
     def _at_boundary(self) -> bool:
         """A step boundary: a new policy the reloader holds (agreed on by every rank) takes over now, or not."""
@@ -411,14 +413,14 @@ def _optimizer_step_begins(
     guard_ref = weakref.ref(guard)
 
     def treat() -> None:
-        alive = guard_ref()
-        if alive is not None:
-            alive._enforce_for(optimizer)
+        if (alive := guard_ref()) is not None:
+            alive._enforce_for(optimizer, rerunnable=True)
 
-    return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer))
+    rerun = ClosureRerun(stepped_by(optimizer, guard._model_ref)) if guard.policy.rerun is not None else None
+    return with_closure(args, kwargs, TreatAfterClosure(closure, treat, optimizer, rerun))
 
 
-def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
+def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer, rerunnable: bool = False) -> None:
     """``GradGuard._enforce_for``, under the guard's lock."""
     if not guard._attachment.open:
         return
@@ -433,6 +435,7 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer) -> None:
         optimizer=optimizer,
         stepped_params=stepped_by(optimizer, guard._model_ref),
         clipped_before=guard._clips.take_seen(),
+        rerunnable=rerunnable,
     )
     proceed = guard._enforcer.run(plan, context)
     if guard._enforcer.last_run_treated:
@@ -468,6 +471,7 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
         found_inf=unscaled_found_inf(guard._scaler, optimizer),
         loss_scales=loss_scale_of(guard._scaler),
         scaled_optimizers=unscaled_optimizers(guard._scaler, optimizer),
+        rerunnable=in_rerunnable_closure(),  # Lightning's boundary runs inside the closure the guard holds
     )
     proceed = guard._enforcer.run(plan, context)
     return guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)

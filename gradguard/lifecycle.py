@@ -89,6 +89,12 @@ class Attachment:
         )
         self.events.close()
 
+    @staticmethod
+    def abandon(attachment: Attachment | None) -> None:
+        """An attach that failed part way (recovery.memory: device not fitting is found late): remove its hooks."""
+        for handle in attachment.handles if attachment is not None else ():
+            handle.remove()
+
     def collected(self) -> None:
         """The guard was garbage-collected while still attached: unhook, and say so if the model trains on.
 
@@ -184,13 +190,15 @@ def emit_attach(
 
 
 def _recovery_fields(policy: Policy, recovery: Recovery) -> dict[str, Any]:
-    """The attach event's ``recovery``: the section, and the host bytes its snapshots will hold."""
+    """The attach event's ``recovery``: the section, the bytes its snapshots will hold, and where."""
     if policy.recovery is None:
         return {}
     fields: dict[str, Any] = policy.recovery.model_dump()
     # Optimizer state made at the first step (Adam's moments) is not known yet: metrics() has the held bytes.
     fields["snapshot_bytes"] = recovery.estimated_bytes()
     fields["schedulers"] = len(recovery.live.schedulers)
+    if recovery.placement is not None:  # where the snapshots live: device or host, the bytes needed and free, why
+        fields.update(recovery.placement.fields())
     return {"recovery": fields}
 
 

@@ -92,6 +92,10 @@ SKIP_POLICY = {
 }
 
 
+LOSS_POLICY = {**POLICY, "loss": {"spike": {"factor": 10, "window": 4, "warmup": 2}}}
+"""The loss section: a 50x loss on rank 1 alone at BAD_STEP spikes the ranks' mean loss (25.5x)."""
+
+
 def train(
     rank: int,
     world: int,
@@ -100,6 +104,7 @@ def train(
     outdir: Path,
     inject: Callable[[nn.Module, int], None] | None = None,
     micro_batches: int = 1,
+    loss_factor: Callable[[int, int], float] = lambda rank, step: 1.0,
 ) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     result: dict[str, Any] = {"rank": rank, "digests": [], "halt": None, "skipped": []}
@@ -112,7 +117,7 @@ def train(
                 last = micro == micro_batches - 1
                 context = model.no_sync() if (not last and hasattr(model, "no_sync")) else contextlib.nullcontext()
                 with context:
-                    loss = nn.functional.mse_loss(model(x), y) / micro_batches
+                    loss = nn.functional.mse_loss(model(x), y) * loss_factor(rank, step) / micro_batches
                     loss.backward()
             if inject is not None:
                 inject(model, step)
@@ -136,6 +141,38 @@ def train(
     result["final"] = final_params(model)
     result["log_ranks"] = sorted({json.loads(line)["rank"] for line in log.read_text().splitlines()})
     return result
+
+
+def rerun_transient_one_rank(rank: int, model: nn.Module, outdir: Path) -> dict[str, Any]:
+    """optimizer.step(closure) under a policy with a rerun section; rank 1's first computation of BAD_STEP is NaN."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    policy = {**POLICY, "rerun": {}}
+    log = outdir / f"audit-rank{rank}.jsonl"
+    result: dict[str, Any] = {"rank": rank, "halt": None}
+    with GradGuard(model, Policy.from_dict(policy), audit_log=log, logger=None) as guard:
+        for step in range(STEPS):
+            calls = [0]
+
+            def closure(step: int = step, calls: list[int] = calls) -> torch.Tensor:
+                calls[0] += 1
+                x, y = batch(rank, step)
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                if step == BAD_STEP and rank == 1 and calls[0] == 1:
+                    loss = loss * float("nan")
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+        result["counters"] = guard.counters.snapshot()
+        result["steps"] = guard.step_count
+    result["final"] = final_params(model)
+    result["reruns"] = [e for line in log.read_text().splitlines() if (e := json.loads(line))["event"] == "rerun"]
+    return result
+
+
+def spike_on_rank_one(rank: int, step: int) -> float:
+    return 50.0 if step == BAD_STEP and rank == 1 else 1.0
 
 
 def nan_on_rank_one_grad(model: nn.Module, step: int) -> None:
@@ -168,11 +205,15 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return train(rank, world, Ddp(make_model()), POLICY, outdir, inject=nan_on_rank_one_grad)
     if name == "ddp_skip_one_rank":
         return train(rank, world, Ddp(make_model()), SKIP_POLICY, outdir, inject=inf_on_rank_zero_grad)
+    if name == "ddp_rerun_transient_one_rank":
+        return rerun_transient_one_rank(rank, Ddp(make_model()), outdir)
+    if name == "ddp_loss_spike_one_rank":
+        return train(rank, world, Ddp(make_model()), LOSS_POLICY, outdir, loss_factor=spike_on_rank_one)
     if name == "ddp_metrics":
         return ddp_metrics(rank, Ddp(make_model()))
     if name == "ddp_provenance":
         return ddp_provenance(rank, Ddp(make_model()), outdir)
-    if name in {"fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard"}:
+    if name in {"fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard", "fsdp2_loss_spike_one_rank"}:
         from torch.distributed.fsdp import fully_shard
 
         model = make_model()
@@ -182,6 +223,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             fully_shard(module)
         fully_shard(model)
         inject = nan_on_rank_one_grad if name == "fsdp2_nan_one_rank" else None
+        if name == "fsdp2_loss_spike_one_rank":
+            return train(rank, world, model, LOSS_POLICY, outdir, loss_factor=spike_on_rank_one)
         return train(rank, world, model, POLICY, outdir, inject=inject)
     if name.startswith("attach_"):
         return attach(name, rank, make_model())

@@ -264,3 +264,37 @@ def test_an_integer_too_long_for_python_and_one_too_large_for_a_float_are_unread
         "gradguard 'intervention' event that does not fit its definition (Number out of range - at `$.before`)"
     )
     assert data["totals"] == {"embed": {"clip_norm": 2}}
+
+
+def test_a_line_with_invalid_utf8_or_a_number_no_writer_writes_is_unreadable_even_where_the_decoder_is_lenient(
+    tmp_path: Path,
+) -> None:
+    """An encoded lone surrogate in a key the definition does not have, a 400-digit step, a 26-digit rank and a
+    31-digit count (msgspec reads each): each is listed as unreadable with its line number, the rest is read."""
+    path = tmp_path / "run.jsonl"
+    head = '{"ts": "2026-01-01T00:00:01Z", "level": "info", "event": "intervention", "run": "run0", "rank": 0'
+    clip = ', "rule": "embed", "action": "clip_norm", "param": "embed.weight", "before": 2.5, "after": 1.0}\n'
+    with LogBuilder(path) as log:
+        log.attach({"embed": 1})  # 1
+        log.clip(0, "embed", "embed.weight", 2.0)  # 2
+        log.raw(head + ', "step": ' + "1" + "0" * 400 + clip)  # 3: a step no writer writes
+        log.raw(head.replace('"rank": 0', '"rank": 1' + "0" * 25) + ', "step": 1' + clip)  # 4: a rank either
+        counters = '{"event": "counters", "run": "run0", "rank": 0, "step": 1, "steps": 2, "counters": {"embed": '
+        log.raw(counters + '{"clip_norm": ' + "9" * 31 + "}}}\n")  # 5: a count
+        log.flush()
+    with open(path, "ab") as handle:
+        line = head + ', "step": 1, "n\udc80": 1' + clip
+        handle.write(line.encode("utf-8", "surrogatepass"))  # 6: invalid UTF-8 in a key the decoder skips
+    with LogBuilder(path) as tail:
+        tail.counts = log.counts
+        tail.clip(2, "embed", "embed.weight", 3.0)  # 7
+    data = json.loads(CliRunner().invoke(main, ["audit", "--format", "json", str(path)]).stdout)
+    reasons = {bad["line"]: bad["reason"] for bad in data["bad_lines"]}
+    assert sorted(reasons) == [3, 4, 5, 6], reasons
+    assert reasons[3] == "a 401-digit integer: no gradguard writer writes one (a corrupt line)"
+    assert reasons[4] == "a 26-digit integer: no gradguard writer writes one (a corrupt line)"
+    assert reasons[5] == "a 31-digit integer: no gradguard writer writes one (a corrupt line)"
+    assert reasons[6].startswith("not UTF-8 text (byte ")
+    assert data["totals"]["embed"] == {"clip_norm": 2}
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        assert isinstance(read_line(raw), str) == (number in reasons), number

@@ -127,6 +127,89 @@ def test_a_rewind_is_listed_with_the_stretch_it_undid_and_the_counters_stay_exac
     assert "cross-check: the per-event lines reproduce every" in out
 
 
+def test_the_steps_a_rewind_left_without_an_update_are_in_the_skipped_steps_with_their_cause(tmp_path: Path) -> None:
+    """NaN at 23, rewound to 20, skip 4: "Skipped steps" lists 23 (the fault) and 24-27 (its window), not "none";
+    the guard counts the window's steps as ``recovery``/``skip``, and the audit's totals are its counters."""
+    log = tmp_path / "run.jsonl"
+    counters, _halt = train(log, [HALT, CLIP], nan_at={23})
+    assert counters["recovery"] == {"skip": 4}
+    data = audit_json(log)
+    assert data["totals"] == counters
+    assert data["mismatches_total"] == 0
+    assert data["rewind_skips"] == [[23, 27]]
+    _code, out = audit(log)
+    section = out.split("Skipped steps\n", 1)[1].split("\n\n", 1)[0]
+    assert "none" not in section
+    assert "5 steps without an update after a rewind (never learned from): 23-27" in section
+    assert "step 23: the fault (rule 'nonfinite' rewound on nan), 24-27 its window" in section
+
+
+def test_pass_step_counts_the_steps_it_passes_as_skipped(tmp_path: Path) -> None:
+    """A loop that asks ``guard.pass_step()`` in the window: the passed steps counted as ``recovery``/``skip``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    policy = Policy.from_dict({"version": 1, "rules": [HALT], "recovery": RECOVERY})
+    passed = []
+    with GradGuard(model, policy, logger=None, audit_log=tmp_path / "run.jsonl") as guard:
+        for step in range(40):
+            if guard.pass_step():
+                passed.append(step)
+                continue
+            x = torch.randn(4, 8)
+            if step == 23:
+                x[0, 0] = float("nan")
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), torch.ones(4, 2)).backward()
+            optimizer.step()
+    assert passed == [24, 25, 26, 27]
+    assert guard.counters.snapshot()["recovery"] == {"skip": 4}
+    assert audit_json(tmp_path / "run.jsonl")["totals"]["recovery"] == {"skip": 4}
+
+
+def test_two_runs_appended_to_one_log_that_rewind_at_the_same_step_are_two_rewinds(tmp_path: Path) -> None:
+    """Runs are not ranks: two runs of rank 0 in one log, each rewinding at step 23, make two rows."""
+    log = tmp_path / "run.jsonl"
+    train(log, [HALT], nan_at={23})
+    train(log, [HALT], nan_at={23})
+    data = audit_json(log)
+    assert data["totals"]["nonfinite"]["rewind"] == 2
+    assert data["rewinds_total"] == 2
+    assert [(row["runs"], row["ranks"]) for row in data["rewinds"]] == [
+        ([data["runs"][0]["run"]], [0]),
+        ([data["runs"][1]["run"]], [0]),
+    ]
+    _code, out = audit(log)
+    assert "2 rewinds instead of a halt" in out
+    assert "runs " not in out.split("Rewinds (recovery)\n", 1)[1].split("\n\n", 1)[0]
+
+
+def test_an_origin_the_loss_made_is_said_once_under_its_label(tmp_path: Path) -> None:
+    """A NaN made after backward (``loss * nan``): the audit's line is ``origin: its forward was finite ...``,
+    not ``origin: Origin: ...``, under Halts and Rewinds alike."""
+    log = tmp_path / "run.jsonl"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    data = {"version": 1, "rules": [HALT], "recovery": {**RECOVERY, "max_rewinds": 1}}
+
+    def loop() -> None:
+        for step in range(40):
+            loss = model(torch.randn(4, 8)).square().mean() * (float("nan") if step in (13, 23) else 1.0)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+
+    with GradGuard(model, Policy.from_dict(data), logger=None, audit_log=log), pytest.raises(GradientHalt):
+        loop()
+    _code, out = audit(log)
+    origins = [line.strip() for line in out.splitlines() if line.strip().startswith("origin: ")]
+    assert len(origins) == 2, out
+    for line in origins:
+        assert not line.lower().startswith("origin: origin"), line
+        assert "forward was finite" in line, line
+
+
 def test_a_persistent_overflow_rewinds_until_max_rewinds_then_halts_restored(tmp_path: Path) -> None:
     """Under GradScaler a NaN from step 12 on: each `max_scaler_skips` overflow is a rewind (no parameters), the
     one after max_rewinds a halt that restored the snapshot; both listed, counters exact, stretches joined."""

@@ -335,3 +335,35 @@ def test_a_policy_without_recovery_has_no_recovery_section(project: Path) -> Non
     assert "Recovery" not in out
     _code, out = invoke(*args, "--format", "json")
     assert json.loads(out)["recovery"] is None
+
+
+def test_explain_without_a_model_explains_the_policy_and_says_what_a_model_would_add(tmp_path: Path) -> None:
+    """``gradguard explain POLICY``: its rules, its recovery section in words, and what ``--model`` would add."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\n"
+        "rules:\n"
+        "  - {name: nonfinite, match: ['*'], actions: [{action: halt_on_nonfinite}]}\n"
+        "  - {name: embed, match: ['*embed*'], exclude: ['*norm*'], actions: [{action: clip_norm, max_norm: 0.5}]}\n"
+        "recovery: {snapshot_every: 50, skip_steps: 5}\n"
+    )
+    result = CliRunner().invoke(main, ["explain", str(policy)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "top-level sections: rules, recovery" in out
+    assert "no model given" in out
+    assert "nonfinite  *" in out
+    assert "*embed* (except *norm*)  clip_norm(0.5)" in out
+    assert "The recovery section" in out
+    assert "recovery: snapshot_every 50, keep 2" in out
+    assert "the next 5 steps are skipped" in out
+    assert "rules that can halt, and so rewind: nonfinite" in out
+    assert "What a model adds\n  with --model MODULE:CALLABLE: each parameter of the model" in out
+    data = json.loads(CliRunner().invoke(main, ["explain", str(policy), "--format", "json"]).output)
+    assert data["model"] is None
+    assert data["sections"] == ["rules", "recovery"]
+    assert data["recovery"]["snapshot_every"] == 50
+    assert [rule["name"] for rule in data["rules"]] == ["nonfinite", "embed"]
+    shipped = CliRunner().invoke(main, ["explain", "default", "--format", "markdown"])
+    assert shipped.exit_code == 0, shipped.output
+    assert "### Rules (in the order they apply" in shipped.output

@@ -152,3 +152,15 @@ def test_the_gradguard_script_validates_quickly(bad_policy: Path) -> None:
     bad = subprocess.run([*command, str(bad_policy)], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 1
     assert "unknown action 'clip'" in bad.stdout
+
+
+def test_validate_names_the_top_level_sections_it_accepted_besides_the_rules(tmp_path):
+    """A policy with a recovery section: ``ok (1 rule: nonfinite; and a recovery section)``."""
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\nrules:\n  - {name: nonfinite, match: ['*'], actions: [{action: halt_on_nonfinite}]}\n"
+        "recovery: {snapshot_every: 50}\n"
+    )
+    result = CliRunner().invoke(main, ["validate", str(policy)])
+    assert result.exit_code == 0, result.output
+    assert f"{policy}: ok (1 rule: nonfinite; and a recovery section)" in result.output

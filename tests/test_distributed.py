@@ -57,8 +57,17 @@ def results_of(outdir: Path, name: str, world: int) -> list[dict[str, Any]]:
     return [json.loads((outdir / name / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-DDP_SCENARIOS = ["ddp_clip", "ddp_no_sync", "ddp_unused", "ddp_nan_one_rank", "ddp_skip_one_rank", "ddp_metrics"]
-FSDP2_SCENARIOS = ["fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard"]
+DDP_SCENARIOS = [
+    "ddp_clip",
+    "ddp_no_sync",
+    "ddp_unused",
+    "ddp_nan_one_rank",
+    "ddp_skip_one_rank",
+    "ddp_metrics",
+    "ddp_loss_spike_one_rank",
+    "ddp_rerun_transient_one_rank",
+]
+FSDP2_SCENARIOS = ["fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard", "fsdp2_loss_spike_one_rank"]
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +171,32 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ddp_runs: Path) -> None
         assert result["counters"]["nonfinite"]["skip_step_on_nonfinite"] == 1
         assert result["counters"]["nonfinite"]["inf"] == 1
     assert results[0]["digests"] == results[1]["digests"]
+
+
+@pytest.mark.parametrize("runs", ["ddp_runs", "fsdp2_runs"])
+def test_a_loss_spike_on_one_rank_skips_the_step_on_every_rank(runs: str, request: pytest.FixtureRequest) -> None:
+    """The ranks judge the mean of their losses (one collective in the step): rank 1's 50x loss is a spike of the
+    mean, and both ranks skip the same step, with the same parameters after."""
+    name = "ddp_loss_spike_one_rank" if runs == "ddp_runs" else "fsdp2_loss_spike_one_rank"
+    results = results_of(request.getfixturevalue(runs), name, 2)
+    for result in results:
+        assert result["halt"] is None
+        assert result["skipped"] == [{"step": scenarios.BAD_STEP, "unchanged": True}]
+        assert result["counters"]["loss"] == {"spike": 1}
+    assert results[0]["final"] == results[1]["final"] or runs == "fsdp2_runs"
+
+
+def test_a_transient_fault_on_one_rank_is_computed_again_on_both_and_both_go_on(ddp_runs: Path) -> None:
+    """The rerun section under DDP: rank 1's first computation of the step is NaN; the verdict is agreed, both ranks
+    compute the step again, agree that it was transient (naming rank 1), and go on with identical replicas."""
+    results = results_of(ddp_runs, "ddp_rerun_transient_one_rank", 2)
+    for result in results:
+        assert result["steps"] == scenarios.STEPS
+        assert result["counters"]["rerun"] == {"transient": 1}
+        (rerun,) = result["reruns"]
+        assert (rerun["step"], rerun["verdict"]) == (scenarios.BAD_STEP, "transient")
+        assert 1 in rerun["ranks"]
+    assert results[0]["final"] == results[1]["final"]
 
 
 def test_under_ddp_each_rank_serves_its_own_metrics_labelled_with_its_rank(ddp_runs: Path) -> None:

@@ -92,6 +92,9 @@ def _loop(
     spike_at: tuple[int, ...] = (),
     recovery: dict[str, Any] | None = None,
     fp16: bool = False,
+    loss: dict[str, Any] | None = None,
+    loss_nan_at: tuple[int, ...] = (),
+    vector_backward_at: tuple[int, ...] = (),
 ) -> None:
     torch.manual_seed(0)
     model = Wide()
@@ -100,6 +103,8 @@ def _loop(
     data: dict[str, Any] = {"version": 1, "rules": rules}
     if recovery is not None:
         data["recovery"] = recovery
+    if loss is not None:
+        data["loss"] = loss
     with GradGuard(model, Policy.from_dict(data), logger=None, audit_log=log, summary_every=10, scaler=scaler):
         try:
             for step in range(steps):
@@ -107,8 +112,12 @@ def _loop(
                 if step in nan_at:
                     x[0, 0] = float("nan")
                 optimizer.zero_grad()
-                if scaler is None:
-                    model(x).pow(2).mean().backward()
+                if step in vector_backward_at:
+                    model(x).backward(torch.ones(4, 4))
+                    optimizer.step()
+                elif scaler is None:
+                    value = model(x).pow(2).mean()
+                    (value + float("nan") if step in loss_nan_at else value).backward()
                     optimizer.step()
                 else:
                     with torch.autocast("cpu", dtype=torch.float16):
@@ -118,6 +127,41 @@ def _loop(
                     scaler.update()
         except GradientHalt:
             pass
+
+
+def _reruns(closures: Path, plain: Path) -> None:
+    """A transient NaN in a closure step (``rerun``), and one in a plain loop (``rerun_unavailable``)."""
+    rules = [_rule("halt", "*", {"action": "halt_on_nonfinite"})]
+    policy = Policy.from_dict({"version": 1, "rules": rules, "rerun": {}})
+    for log, closure in ((closures, True), (plain, False)):
+        torch.manual_seed(0)
+        model = Wide()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        with GradGuard(model, policy, logger=None, audit_log=log):
+            for step in range(4):
+                calls = [0]
+
+                def compute(
+                    step: int = step,
+                    calls: list[int] = calls,
+                    model: nn.Module = model,
+                    optimizer: torch.optim.Optimizer = optimizer,
+                ) -> torch.Tensor:
+                    calls[0] += 1
+                    optimizer.zero_grad()
+                    loss = model(torch.randn(4, 4)).pow(2).mean()
+                    loss = loss * float("nan") if step == 2 and calls[0] == 1 else loss
+                    loss.backward()
+                    return loss
+
+                try:
+                    if closure:
+                        optimizer.step(compute)
+                    else:
+                        compute()
+                        optimizer.step()
+                except GradientHalt:
+                    break
 
 
 def _every_kind(tmp_path: Path) -> list[Path]:
@@ -155,6 +199,15 @@ def _every_kind(tmp_path: Path) -> list[Path]:
         log("unhalted"), [_rule("group", "*", {"action": "clip_norm", "max_norm": 0.5, "scope": "group"})], nan_at=(5,)
     )
     _loop(log("halt"), [_rule("halt", "*", {"action": "halt_on_nonfinite"})], nan_at=(5,))
+    _reruns(log("rerun"), log("rerun-unavailable"))
+    _loop(
+        log("loss"),
+        [_rule("health", "*", {"action": "monitor", "stats": ["norm"], "every": 5})],
+        loss={"nonfinite": "skip", "spike": {"factor": 10, "window": 8, "warmup": 4}},
+        spike_at=(12,),
+        loss_nan_at=(15,),
+        vector_backward_at=(18,),
+    )
     recovery = {"snapshot_every": 5, "keep": 2, "min_age": 3, "skip_steps": 4}
     _loop(log("rewind"), [_rule("halt", "*", {"action": "halt_on_nonfinite"})], nan_at=(12,), recovery=recovery)
     _loop(

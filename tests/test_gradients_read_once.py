@@ -113,3 +113,20 @@ def test_the_loops_clip_under_the_guard_writes_nothing_when_its_coefficient_is_1
         total = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         assert float(total) > 1.0
         assert all(after == first + 1 for first, after in zip(before, versions(net), strict=True))
+
+
+def test_only_the_first_clip_after_the_guards_step_takes_its_norms() -> None:
+    """A change through ``.data`` shows in no version: a second clip of the step computes its own norms."""
+    net = model()
+    reference = copy.deepcopy(net)
+    with GradGuard(net, Policy.from_dict({"version": 1, "rules": PER_TENSOR[:1]}), logger=None):
+        backward(net, 5, 1.0)
+        first = torch.nn.utils.clip_grad_norm_(net.parameters(), 1e6)
+        for p in net.parameters():
+            p.grad.data.mul_(2.0)
+        second = torch.nn.utils.clip_grad_norm_(net.parameters(), 1e6)
+    backward(reference, 5, 1.0)
+    assert torch.equal(first, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e6))
+    for p in reference.parameters():
+        p.grad.data.mul_(2.0)
+    assert torch.equal(second, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e6))

@@ -324,7 +324,7 @@ def test_metrics_is_a_flat_dict_of_the_last_figures_and_the_counters(make_worklo
         metrics = guard.metrics()
         counters = guard.counters.snapshot()
     weights = [n for n in grads if n.endswith(".weight")]
-    expected_keys = {"gradguard/steps", "gradguard/g/norm", "gradguard/clip/clip_norm"}
+    expected_keys = {"gradguard/steps", "gradguard/g/norm", "gradguard/clip/clip_norm", "gradguard/loss"}
     expected_keys |= {f"gradguard/t/max_abs/{n}" for n in weights}
     assert set(metrics) == expected_keys
     assert metrics["gradguard/steps"] == 2.0

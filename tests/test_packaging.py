@@ -71,11 +71,43 @@ def _run_installed(built: Built, cwd: Path, *args: str) -> subprocess.CompletedP
 
 
 def test_the_package_list_names_every_package_of_the_source_tree():
-    """pyproject's explicit package list (needed beside package-dir) is every gradguard package plus policies."""
+    """pyproject's explicit package list is every gradguard package plus policies, all under the root."""
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
     found = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "gradguard").rglob("__init__.py")}
     assert sorted(config["packages"]) == sorted({*found, "gradguard.policies"})
-    assert config["package-dir"] == {"gradguard.policies": "policies"}
+    # Every package where its name puts it: the editable install is then a plain path entry (next test).
+    assert config["package-dir"] == {"": "."}
+    assert (ROOT / "gradguard" / "policies").resolve() == (ROOT / "policies").resolve()
+
+
+def test_the_editable_install_is_a_plain_path_entry(tmp_path: Path):
+    """`pip install -e .` builds a wheel whose .pth puts the checkout on sys.path: no import hook to outrank."""
+    source, out = tmp_path / "source", tmp_path / "dist"
+    shutil.copytree(ROOT, source, ignore=_NOT_COPIED, symlinks=True)
+    hook = f"from setuptools import build_meta as b; b.build_editable({str(out)!r})"
+    done = subprocess.run(
+        [sys.executable, "-c", hook], cwd=source, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    (wheel,) = out.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        top_level = [name for name in archive.namelist() if "/" not in name]
+        (pth,) = top_level
+        assert pth.endswith(".pth"), top_level
+        assert archive.read(pth).decode().strip() == str(source)
+
+
+def test_gradguard_imports_from_a_directory_that_holds_a_folder_named_gradguard(tmp_path: Path):
+    """Beside a clone (or any folder called gradguard), `import gradguard` finds the installed package."""
+    (tmp_path / "gradguard").mkdir()
+    script = "import gradguard; print(gradguard.GradGuard.__module__, gradguard.__file__)"
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    module, file = done.stdout.split()
+    assert module == "gradguard.guard"
+    assert Path(file).resolve() == Path(gradguard.__file__).resolve()
 
 
 def test_the_wheel_holds_every_file_of_policies_and_the_version(built: Built):
@@ -88,11 +120,12 @@ def test_the_wheel_holds_every_file_of_policies_and_the_version(built: Built):
 
 
 def test_the_sdist_holds_every_file_of_policies(built: Built):
-    """The sdist keeps policies/ where the repository has it, so a build from it maps it again."""
+    """The sdist holds policies/ as gradguard/policies/, plain files, so a build from it finds them there."""
     with tarfile.open(built.sdist) as archive:
         names = set(archive.getnames())
+        assert all(member.isfile() for member in archive.getmembers() if "/policies/" in member.name)
     top = f"gradguard-{gradguard.__version__}"
-    assert {f"{top}/policies/{name}" for name in SHIPPED_FILES} <= names
+    assert {f"{top}/gradguard/policies/{name}" for name in SHIPPED_FILES} <= names
     assert f"{top}/pyproject.toml" in names
 
 

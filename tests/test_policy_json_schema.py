@@ -57,7 +57,7 @@ def test_the_schema_is_draft_2020_12_with_a_title_and_the_policy_fields():
     assert schema["type"] == "object"
     assert schema["required"] == ["version", "rules"]
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == {"$schema", "version", "rules", "recovery"}
+    assert set(schema["properties"]) == {"$schema", "version", "rules", "loss", "recovery", "rerun"}
     assert schema["properties"]["version"]["const"] == 1
     assert schema["properties"]["rules"]["minItems"] == 1
 
@@ -108,7 +108,7 @@ def test_the_recovery_section_and_max_scaler_skips_are_in_the_schema_with_their_
     assert recovery["required"] == ["snapshot_every"]
     assert recovery["additionalProperties"] is False
     fields = recovery["properties"]
-    assert list(fields) == ["snapshot_every", "keep", "min_age", "skip_steps", "max_rewinds", "lr_factor"]
+    assert list(fields) == ["snapshot_every", "keep", "min_age", "skip_steps", "max_rewinds", "lr_factor", "memory"]
     assert {key: field.get("default") for key, field in fields.items()} == {
         "snapshot_every": None,
         "keep": 2,
@@ -116,7 +116,9 @@ def test_the_recovery_section_and_max_scaler_skips_are_in_the_schema_with_their_
         "skip_steps": 10,
         "max_rewinds": 3,
         "lr_factor": 1.0,
+        "memory": "auto",
     }
+    assert fields["memory"]["enum"] == ["device", "host", "auto"]
     assert fields["snapshot_every"]["minimum"] == 1
     assert fields["keep"]["minimum"] == 1
     assert fields["min_age"]["minimum"] == fields["skip_steps"]["minimum"] == fields["max_rewinds"]["minimum"] == 0
@@ -331,3 +333,15 @@ def test_the_schema_command_does_not_import_torch():
     )
     assert "torch imported: False" in done.stderr
     assert json.loads(done.stdout)["title"] == "gradguard policy"
+
+
+def test_the_loss_and_rerun_sections_are_in_the_schema_with_their_bounds_and_defaults():
+    schema = json.loads(schema_output())
+    spike = schema["$defs"]["LossSpike"]["properties"]
+    assert spike["factor"]["exclusiveMinimum"] == 1
+    assert spike["factor"]["default"] == 10.0
+    assert spike["window"]["minimum"] == 1
+    assert schema["$defs"]["Loss"]["properties"]["nonfinite"]["enum"] == ["halt", "skip", "ignore"]
+    rerun = schema["$defs"]["Rerun"]["properties"]
+    assert rerun["transient"]["enum"] == ["continue", "halt"]
+    assert rerun["tolerance"]["minimum"] == 0

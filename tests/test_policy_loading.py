@@ -199,6 +199,7 @@ def test_a_recovery_section_loads_from_every_format_with_its_defaults(tmp_path):
         "skip_steps": 10,
         "max_rewinds": 3,
         "lr_factor": 1.0,
+        "memory": "auto",
     }
     assert from_dict != Policy.from_dict({"version": 1, "rules": [skip]})  # recovery is part of the policy
     halt = Policy.from_dict(

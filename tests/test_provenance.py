@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from gradguard import GradGuard, GradientHalt, Policy
@@ -718,3 +719,124 @@ def test_an_inf_passed_back_into_the_first_layer_is_named_as_one_of_the_two_read
     assert "in the gradient of its output that boom passed back (the modules from head on kept finite" in message
     # Inf times activations of both signs summed: inf - inf, so NaN and Inf both, "non-finite"
     assert "for boom to have made it, its backward must have turned finite gradients non-finite." in message
+
+
+# --- the loss and the model's own code: never a module named (model) -----------------------------------
+
+
+class OwnCode(nn.Module):
+    """Two Linear layers with the model's own code between them: a log of a negative, when ``log`` is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = False
+        self.inp = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        out: torch.Tensor = self.head(torch.log(h - 100.0) if self.log else h)
+        return out
+
+
+def _origins(model: nn.Module, mode: str, fault: Any, tmp_path: Any) -> list[dict[str, Any]]:
+    """The skips' origins of three steps, ``fault(step, loss)`` making step 0 and 2 non-finite (step 0's skip arms
+    the full trace under first_fault, so step 2 shows the full trace's words)."""
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    log = tmp_path / f"{mode}.jsonl"
+    with GradGuard(model, Policy.from_dict(SKIP), logger=None, audit_log=log, provenance=mode):
+        for step in range(3):
+            x, y = batch(step)
+            opt.zero_grad()
+            fault(step, nn.functional.mse_loss(model(x), y)).backward()
+            opt.step()
+    skips = [e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "skip"]
+    assert [e["step"] for e in skips] == [0, 2]
+    return [e["origin"] for e in skips]
+
+
+def test_a_nan_made_by_the_loss_is_blamed_on_the_loss_by_both_traces_and_on_no_module(tmp_path):
+    """loss * nan: the light trace and the full one (provenance="always", or armed by a first fault) both say
+    that the forward was finite and the loss made it; neither names a module, least of all "(model)"."""
+    poison = lambda step, loss: loss * math.nan if step in (0, 2) else loss  # noqa: E731
+    light, armed = _origins(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), "first_fault", poison, tmp_path)
+    full = _origins(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), "always", poison, tmp_path)
+    for origin in (light, armed, *full):
+        assert origin["module"] is None, origin
+        assert origin["note"].startswith("its forward was finite and "), origin
+        assert "the loss" in origin["note"], origin
+        assert "(model)" not in json.dumps(origin)
+    assert "as backward began: the loss made it" in armed["note"]  # the full trace can rule out code after backward
+
+
+def test_a_nan_made_by_the_models_own_code_between_its_modules_is_said_so_without_naming_a_module(tmp_path):
+    """The model's own forward code (not a module) takes a log of a negative: under the full trace the origin
+    says so in words, names head as the module that received it, and no module "(model)"."""
+    model = OwnCode()
+
+    def fault(step: int, loss: torch.Tensor) -> torch.Tensor:
+        model.log = step in (1, 2)  # for the next step's forward
+        return loss
+
+    model.log = True
+    first, second = _origins(model, "always", fault, tmp_path)
+    for origin in (first, second):
+        assert (origin["phase"], origin["module"], origin["seen_in"]) == ("forward", None, "head")
+        assert "the model's own code, outside its modules, made it in forward: head received a nan" in origin["note"]
+        assert "(model)" not in json.dumps(origin)
+
+
+# --- a large output: a vocabulary head watched through its input and weight ---------------------------
+
+
+class WideHead(nn.Module):
+    """A small trunk and a head 16 times wider than its input, its logits handed out as float64 (a widening
+    cast, as models that upcast their logits do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.inp(x))).double()
+
+
+class _Reductions(TorchDispatchMode):
+    """The sizes of the tensors that sums read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read: list[int] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.overloadpacket in (torch.ops.aten.sum, torch.ops.aten.linalg_vector_norm):
+            self.read.append(args[0].numel())
+        return func(*args, **(kwargs or {}))
+
+
+def test_first_fault_watches_a_wide_linear_head_through_its_input_and_weight_and_still_names_it():
+    """The light trace reads neither the head's logits nor their upcast copy (their finiteness is that of the
+    head's input, weight and bias, read instead), and a NaN in the head's weight is still named at the head."""
+    torch.manual_seed(0)
+    model = WideHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 4), torch.randn(64, 256, dtype=torch.float64)
+    logits = 64 * 256
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="first_fault"):
+        with _Reductions() as reductions:
+            loss = nn.functional.mse_loss(model(x), y)
+        assert reductions.read
+        assert logits not in reductions.read  # neither the logits nor their float64 copy
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            model.head.weight[3, 1] = math.nan
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        with pytest.raises(GradientHalt) as info:
+            opt.step()
+    origin = info.value.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["kind"]) == ("forward", "head", "nan")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy, PolicyError
+from gradguard.enforce import snapshot_memory
 
 STEPS = 40
 FAULT = 23
@@ -47,6 +48,25 @@ def implementation(request: pytest.FixtureRequest) -> Any:
     _implementation.clear()
 
 
+MEMORY: dict[str, tuple[int, int] | None] = {
+    "device": None,  # the CPU's figures (none): device buffers, copied directly
+    "host": (2**40, 2**40),  # a roomy device: host memory through the staging buffer (the side stream's path)
+    "auto": (0, 2**40),  # a full device: auto falls back to host memory, copied directly
+}
+_memory: list[str] = []
+
+
+@pytest.fixture(autouse=True, params=list(MEMORY))
+def memory(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Every scenario with each ``recovery.memory``, the device's memory figures faked so that each path runs."""
+    figures = MEMORY[request.param]
+    if figures is not None:
+        monkeypatch.setattr(snapshot_memory, "device_memory", lambda device: figures)
+    _memory[:] = [request.param]
+    yield request.param
+    _memory.clear()
+
+
 def adamw(params: Any, lr: float = 1e-2) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, **_implementation)
 
@@ -58,7 +78,7 @@ def sgd(params: Any, lr: float, momentum: float = 0.0) -> torch.optim.SGD:
 def policy(rules: list[dict[str, Any]] | None = None, recovery: dict[str, Any] | None = RECOVERY) -> Policy:
     data: dict[str, Any] = {"version": 1, "rules": rules or STATEFUL}
     if recovery is not None:
-        data["recovery"] = recovery
+        data["recovery"] = {"memory": _memory[0], **recovery} if _memory else recovery
     return Policy.from_dict(data)
 
 
@@ -527,3 +547,14 @@ def test_a_run_resumed_inside_a_skip_window_holds_its_schedule_as_the_uninterrup
     straight, resumed = run(None), run(25)
     assert resumed[1].last_epoch == straight[1].last_epoch == STEPS - 8
     assert all(torch.equal(a, b) for a, b in zip(straight[0].parameters(), resumed[0].parameters(), strict=True))
+
+
+def test_each_memory_case_runs_the_copy_path_it_names(memory: str) -> None:
+    """device: device buffers; host (a roomy device): through the staging buffer; auto (a full device): host, direct."""
+    placement = train("plain", list(range(12)))[2]._enforcer.recovery.placement
+    assert placement is not None
+    assert (placement.memory, placement.where, placement.staged) == {
+        "device": ("device", "device", False),
+        "host": ("host", "host", True),
+        "auto": ("auto", "host", False),
+    }[memory]

@@ -79,7 +79,8 @@ def assert_every_rank_rewound_together(results: list[dict[str, Any]]) -> None:
         assert rewind["skip_until"] == scenarios.SKIP_UNTIL
         assert rewind["rewinds"] == 1
         assert (rewind["rule"], rewind["kind"], rewind["params"]) == ("nonfinite", "nan", ["body.weight"])
-        assert run["counters"] == {"nonfinite": {"nan": 1, "rewind": 1}}
+        window = scenarios.SKIP_UNTIL - scenarios.FAULT - 1  # the window's steps, counted as skipped
+        assert run["counters"] == {"nonfinite": {"nan": 1, "rewind": 1}, "recovery": {"skip": window}}
         assert run["metrics"]["gradguard/recovery/rewinds"] == 1.0
         assert run["guard_steps"] == scenarios.STEPS
         assert run["fault_seconds"] < 1.0  # agreed at once: no rank waits for a collective's timeout

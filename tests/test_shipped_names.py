@@ -35,6 +35,26 @@ def test_an_unknown_name_lists_the_shipped_policies_with_a_suggestion() -> None:
         GradGuard(torch.nn.Linear(3, 2), "defualt", logger=None)
 
 
+def test_an_unknown_name_is_no_such_policy_and_says_that_a_path_works_where_the_name_was_given() -> None:
+    """Not "invalid policy" (nothing was read), and not Policy.from_file: GradGuard takes a file's path as it is."""
+    with pytest.raises(PolicyError) as caught:
+        GradGuard(torch.nn.Linear(3, 2), "defualt", logger=None)
+    message = str(caught.value)
+    assert message.startswith("no such policy:\n"), message
+    assert "Policy.from_file" not in message
+    assert "give its path where you gave the name (GradGuard(model, 'my-policy.yaml'))" in message
+
+
+def test_a_missing_policy_file_says_where_it_was_looked_for(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A path that is not there: the error names the file it looked for, resolved from the working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PolicyError) as caught:
+        GradGuard(torch.nn.Linear(3, 2), "configs/my-policy.yaml", logger=None)
+    message = str(caught.value)
+    assert message.startswith("no such policy:\n"), message
+    assert f"no such file (looked for {tmp_path / 'configs' / 'my-policy.yaml'})" in message
+
+
 def test_validate_and_explain_take_a_shipped_name_and_refuse_an_unknown_one_with_a_suggestion(tmp_path: Path) -> None:
     from click.testing import CliRunner
 

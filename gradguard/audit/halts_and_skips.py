@@ -9,7 +9,7 @@ from gradguard.audit.counters import CounterCheck
 from gradguard.audit.fields import number_or_none
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
-from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
+from gradguard.audit.run_state import LOSS_RULE, SCALER_KEY, LastIntervention, RunState
 from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, RewindRow, SkipOrigin, StepTally, unlearned_stretch
 from gradguard.events.definitions import Halt, Intervention, Rewind, ScalerSkip, Skip, SpikeSkip
 
@@ -41,12 +41,16 @@ class HaltSkipCollector:
         self.largest_spike: tuple[float, int | None] | None = None
         self.skip_origins: list[SkipOrigin] = []
         self.scaler = StepTally()
-        self.rewinds: dict[tuple[Any, ...], RewindRow] = {}
+        self.rewinds: list[RewindRow] = []
         """Every rewind shown, one row for all the ranks that made it (a run makes at most ``max_rewinds``)."""
+        self._same_rewind: dict[tuple[Any, ...], list[RewindRow]] = {}
+        """The rows of each (step, to_step, skip_until, rule, kind): one per run of the log that made it."""
 
     def halt(self, event: Halt, run: RunState, record: Record) -> None:
         rule, params, step, reason, kind = event.rule, event.params, event.step, event.reason, event.kind
-        if kind == "spike":
+        if rule == LOSS_RULE and not params and kind != "overflow":
+            run.count(rule, "halt")  # the loss section's (a rule of that name halts on named parameters)
+        elif kind == "spike":
             run.count(rule, "halt_on_spike")  # skip_step_on_spike past its limits
         elif kind == "overflow":
             run.count(rule, "halt_on_nonfinite")  # GradScaler skipped more than max_scaler_skips steps in a row
@@ -96,14 +100,15 @@ class HaltSkipCollector:
             run.rewound.append(stretch)
         if not self._shown(step, rule) or not self._params_shown(params):
             return
-        key = (step, to_step, skip_until, rule, kind)
-        row = self.rewinds.get(key)
-        if row is not None:  # another rank of the same rewind
-            if run.run not in row.runs:
+        rows = self._same_rewind.setdefault((step, to_step, skip_until, rule, kind), [])
+        for row in rows:
+            if run.run in row.runs:
+                return
+            if run.rank not in row.ranks:  # another rank of the same rewind (a rank seen is another run's)
                 row.runs.append(run.run)
                 row.ranks.append(run.rank)
-            return
-        self.rewinds[key] = RewindRow(
+                return
+        row = RewindRow(
             step=step,
             to_step=to_step,
             skip_until=skip_until,
@@ -120,6 +125,8 @@ class HaltSkipCollector:
             ts=event.ts,
             origin=event.origin,
         )
+        rows.append(row)
+        self.rewinds.append(row)
 
     def _params_shown(self, params: list[str]) -> bool:
         """Whether ``--param`` leaves a halt or rewind shown (one without parameters, an overflow, is not narrowed)."""

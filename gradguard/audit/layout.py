@@ -69,9 +69,10 @@ def short_path(path: str) -> str:
 
 
 def origin_text(origin: Mapping[str, Any]) -> str:
-    """Where a NaN/Inf started, in words, as a halt says it; a foreign or hand-edited origin as it is."""
+    """Where a NaN/Inf started, in words, as a halt says it (without its ``Origin:``: the audit's line has the
+    label); a foreign or hand-edited origin as it is."""
     try:
-        return origin_sentence(origin)
+        return origin_sentence(origin).removeprefix("Origin: ")
     except (AttributeError, TypeError, ValueError):
         return str(origin)
 

@@ -1,6 +1,8 @@
 """``gradguard audit --plot FILE.png``: a picture of the run (matplotlib, an optional extra).
 
-Where the log has monitors' ``stats``, a first panel draws the recorded gradient norm (as it
+Where the ``stats`` events carry the step's loss, a first panel draws it (as the guard saw it), with the
+``loss`` section's spikes (and their threshold, ``factor x reference``) and non-finite losses marked. Where
+the log has monitors' ``stats``, a panel draws the recorded gradient norm (as it
 arrived, before any action) per rule (group scope), per module, or for the loudest parameters, on a
 log scale, with the clip thresholds (``max_norm``), the vanishing/exploding thresholds, and the
 interventions (ticks), skips and halts marked. Then the gradient norm before (solid, dots) and after
@@ -118,6 +120,11 @@ class PlotCollector:
         self.halts: list[tuple[int, str]] = []
         self.rewinds: list[tuple[int, int, int]] = []
         """(fault step, snapshot step, first step applied again) of the first rewinds."""
+        self.loss = _Bins()
+        """The step's loss the ``stats`` events carry (finite ones)."""
+        self.loss_spikes: list[tuple[int, float, float, str]] = []
+        """(step, loss, threshold ``factor x reference``, action) of the first ``loss_spike`` events."""
+        self.loss_nonfinite = _Bins()
 
     def add_all(self, records: Iterable[Record]) -> None:
         for record in records:
@@ -135,6 +142,19 @@ class PlotCollector:
             return
         if isinstance(event, ev.Stats):
             self._stats(step, event)
+            if event.loss is not None:
+                loss = as_float(event.loss)
+                if math.isfinite(loss):
+                    self.loss.add(step, loss)
+        elif isinstance(event, ev.LossSpike) and len(self.loss_spikes) < 200:
+            loss, threshold = as_float(event.loss), as_float(event.factor) * as_float(event.reference)
+            self.loss_spikes.append((step, loss, threshold, event.action))
+            if event.action == "skip":
+                self.skips.add(step, 0.0)
+        elif isinstance(event, ev.LossNonfinite):
+            self.loss_nonfinite.add(step, 0.0)
+            if event.action == "skip":
+                self.skips.add(step, 0.0)
         elif isinstance(event, ev.AdaptiveClip):
             if type(event.before) is list:
                 for name, before, after in zip(event.params, event.before, _listed(event.after), strict=False):
@@ -258,15 +278,15 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
     from matplotlib.figure import Figure
 
     health = any(bins.cells for bins in collector.health.values())
+    lossy = bool(collector.loss.cells or collector.loss_spikes or collector.loss_nonfinite.cells)
+    ratios = [2.0] * lossy + [3.0] * health + [3.0, 1.4]
+    figure = Figure(figsize=(12, 7.5 + sum(ratios[:-2])), layout="constrained")
+    axes: tuple[Any, ...] = tuple(figure.subplots(len(ratios), 1, sharex=True, height_ratios=ratios))
+    top, bottom = axes[-2], axes[-1]
+    if lossy:
+        _draw_loss(axes[0], collector)
     if health:
-        figure = Figure(figsize=(12, 10.5), layout="constrained")
-        monitored, top, bottom = figure.subplots(3, 1, sharex=True, height_ratios=[3, 3, 1.4])
-        _draw_health(monitored, collector, summary)
-        axes: tuple[Any, ...] = (monitored, top, bottom)
-    else:
-        figure = Figure(figsize=(12, 7.5), layout="constrained")
-        top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
-        axes = (top, bottom)
+        _draw_health(axes[int(lossy)], collector, summary)
     drawn = False
     for index, key in enumerate(collector.series):
         xs, before, after, _ = collector.norms[key].points()
@@ -354,6 +374,36 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
         fontsize=11,
     )
     figure.savefig(path, dpi=110)
+
+
+def _draw_loss(axis: Any, collector: PlotCollector) -> None:
+    """The step's loss (the largest of each bin), the loss section's spikes and thresholds, non-finite losses."""
+    xs, values, _, _ = collector.loss.points()
+    if xs:
+        axis.plot(xs, values, "-", color="C0", linewidth=1.2, label="loss")
+    by_action: dict[str, list[tuple[int, float, float, str]]] = {}
+    for spike in collector.loss_spikes:
+        by_action.setdefault(spike[3], []).append(spike)
+    for action, spikes in sorted(by_action.items()):
+        colour = "red" if action == "halt" else "darkorange"
+        axis.plot([s[0] for s in spikes], [s[1] for s in spikes], "v", color=colour, label=f"loss spike ({action})")
+        axis.plot([s[0] for s in spikes], [s[2] for s in spikes], "_", color=colour, markersize=12)
+    if values and min(values) > 0 and all(spike[1] > 0 for spike in collector.loss_spikes):
+        axis.set_yscale("log")
+    nonfinite, _, _, _ = collector.loss_nonfinite.points()
+    if nonfinite:
+        axis.plot(
+            nonfinite,
+            [0.03] * len(nonfinite),
+            "x",
+            color="red",
+            markersize=8,
+            transform=axis.get_xaxis_transform(),
+            label="non-finite loss",
+        )
+    axis.set_ylabel("loss")
+    axis.set_title("the step's loss as the guard saw it (dash: a spike's threshold, factor x reference)")
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
 
 
 def _draw_health(axis: Any, collector: PlotCollector, summary: AuditSummary) -> None:

@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, Final, Union
 
 import msgspec
 
+from gradguard.audit.plausible import CHECKED_EVENTS, INT_LIMIT, invalid_text, out_of_range
 from gradguard.events.definitions import EVENT_DECODER, EVENTS, FOREIGN_DECODER, ForeignEvent, GuardEvent
 
 __all__ = [
@@ -120,13 +121,18 @@ def read_line(raw: bytes, error: Exception | None = None) -> AnyEvent | str | No
     ``error``: what decoding it raised already (the readers decode every line once, and come here only
     for a line that did not fit). Why a line is not JSON is told in the standard library's words
     (``parse_line``), a line that is JSON but does not fit its event's
-    definition in msgspec's (the field and what was expected).
+    definition in msgspec's (the field and what was expected). A line no gradguard writer could have
+    written (invalid UTF-8, a 400-digit integer: ``gradguard.audit.plausible``) is not one, wherever it is.
     """
+    if not raw.isascii() and (why := invalid_text(raw)) is not None:
+        return why
     if error is None:
         try:
-            return EVENT_DECODER.decode(raw)
+            event: AnyEvent = EVENT_DECODER.decode(raw)
         except _DECODE_ERRORS as exc:
             error = exc
+        else:
+            return out_of_range(event) or event
     checked = parse_line(raw)
     if not isinstance(checked, dict):
         return checked
@@ -256,16 +262,23 @@ class _FileState:
         self.splitter = LineSplitter()
         self.last_step = -1
         self.events = 0
+        self._ascii_before = True
         stats.lines.setdefault(self.name, 0)
         stats.events.setdefault(self.name, 0)
 
     def feed(self, chunk: bytes) -> list[Record]:
         first_number, lines = self.splitter.feed(chunk)
         self.stats.lines[self.name] = self.splitter.lines_done
-        return self.records(first_number, lines)
+        ascii_only = chunk.isascii()
+        screen = not ascii_only or not self._ascii_before  # a line held from the chunk before is checked too
+        self._ascii_before = ascii_only
+        return self.records(first_number, lines, screen=screen)
 
-    def records(self, first_number: int, lines: Sequence[bytes | None]) -> list[Record]:
-        """The events among ``lines`` (numbered from ``first_number``); the rest are reported to the stats."""
+    def records(self, first_number: int, lines: Sequence[bytes | None], *, screen: bool = True) -> list[Record]:
+        """The events among ``lines`` (numbered from ``first_number``); the rest are reported to the stats.
+
+        ``screen``: whether a line may hold a non-ASCII byte (then each such line is checked to be UTF-8).
+        """
         out: list[Record] = []
         append = out.append
         index = self.index
@@ -274,6 +287,9 @@ class _FileState:
         for number, raw in enumerate(lines, first_number):
             if raw is None:
                 self.stats.bad_line(self.name, number, _OVERLONG)
+                continue
+            if screen and not raw.isascii() and (why := invalid_text(raw)) is not None:
+                self.stats.bad_line(self.name, number, why, raw)
                 continue
             try:
                 event: AnyEvent = decode(raw)
@@ -286,6 +302,16 @@ class _FileState:
                     continue
                 event = checked
             step = getattr(event, "step", None)
+            # Inline for speed: a step, rank or group size past 64 bits, or an event with other integers or
+            # containers (the rare ones), is checked through (gradguard.audit.plausible).
+            if (
+                type(event) in CHECKED_EVENTS
+                or (step is not None and step >= INT_LIMIT)
+                or not 0 <= event.rank < INT_LIMIT
+                or (getattr(event, "n_params", None) or 0) >= INT_LIMIT
+            ) and (why := out_of_range(event)) is not None:
+                self.stats.bad_line(self.name, number, why, raw)
+                continue
             if step is not None:
                 last_step = step
             append(Record(last_step, index, number, event))

@@ -16,6 +16,7 @@ from gradguard.audit.health_report import health_section
 from gradguard.audit.layout import Section, Table, num, short_path, step_list, steps_range
 from gradguard.audit.layout import name_list as _names
 from gradguard.audit.layout import plural as _plural
+from gradguard.audit.loss_report import loss_section
 from gradguard.audit.stops_report import halts_section, rewinds_section, skips_section
 from gradguard.audit.summary import AuditSummary
 
@@ -174,6 +175,8 @@ def audit_sections(summary: AuditSummary, top: int = 10) -> list[Section]:
     if summary.rewinds_total:
         sections.append(rewinds_section(summary))
     sections.append(skips_section(summary))
+    if summary.loss or summary.loss_unseen:
+        sections.append(loss_section(summary))
     if summary.health or summary.health_flags:
         sections.append(health_section(summary, top))
     if summary.other_events:
@@ -219,6 +222,8 @@ def _runs(summary: AuditSummary) -> Section:
             after.append(
                 f"run {run.run}: rules that matched no parameter at attach: {', '.join(run.rules_matching_nothing)}"
             )
+        if run.snapshot_memory:
+            after.append(f"run {run.run}: recovery snapshots in {run.snapshot_memory}")
         if len(run.files) > 1:
             after.append(
                 f"run {run.run} is spread over {len(run.files)} files: {', '.join(map(short_path, run.files))}"

@@ -12,7 +12,15 @@ from typing import Final
 from gradguard.audit.summary import Counts
 from gradguard.events.definitions import Intervention
 
-__all__ = ["RECOMPUTABLE_ACTIONS", "SCALER_KEY", "LastIntervention", "RunState", "recomputable"]
+__all__ = [
+    "LOSS_KEYS",
+    "LOSS_RULE",
+    "RECOMPUTABLE_ACTIONS",
+    "SCALER_KEY",
+    "LastIntervention",
+    "RunState",
+    "recomputable",
+]
 
 RECOMPUTABLE_ACTIONS: Final = frozenset(
     {
@@ -23,6 +31,10 @@ RECOMPUTABLE_ACTIONS: Final = frozenset(
 """Actions whose counts the per-event lines reproduce (``scale``, ``zero`` and ``drop`` are not logged per step)."""
 SCALER_KEY: Final = ("grad_scaler", "skip")
 """The counter of steps GradScaler skipped; one ``scaler_skip`` event each."""
+LOSS_RULE: Final = "loss"
+"""The rule name the policy's ``loss`` section counts and logs under."""
+LOSS_KEYS: Final = frozenset({(LOSS_RULE, "spike"), (LOSS_RULE, "nonfinite"), (LOSS_RULE, "halt")})
+"""The ``loss`` section's counters: one ``loss_spike``, ``loss_nonfinite`` or ``halt`` event each."""
 
 LastIntervention = tuple[int | None, str, str, str | int, float | None] | Intervention
 """(step, rule, action, parameter or group size, value before) of an intervention, or the ``intervention`` event
@@ -31,7 +43,7 @@ of one tensor's clip itself (kept as it is: most lines are one, and few are ever
 
 def recomputable(key: tuple[str, str]) -> bool:
     """Whether the events reproduce the counter ``key`` = (rule, action)."""
-    return key[1] in RECOMPUTABLE_ACTIONS or key == SCALER_KEY
+    return key[1] in RECOMPUTABLE_ACTIONS or key == SCALER_KEY or key in LOSS_KEYS
 
 
 class RunState:
@@ -46,6 +58,8 @@ class RunState:
         self.params: int | None = None
         self.rule_order: list[str] | None = None
         self.rules_matched: dict[str, int] = {}
+        self.snapshot_memory: str | None = None
+        """Where recovery's snapshots lived and their bytes, from the attach event."""
         self.first_step: int | None = None
         self.last_step: int | None = None
         self.steps: int | None = None

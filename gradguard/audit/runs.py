@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from gradguard.audit.counters import CounterCheck, reproduced_counters
 from gradguard.audit.reader import AnyEvent, Record
@@ -12,7 +13,7 @@ from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import RunInfo, joined_stretches
 from gradguard.events.definitions import Attach, Detach
 
-__all__ = ["RunTable", "seconds_between"]
+__all__ = ["RunTable", "seconds_between", "snapshot_memory"]
 
 
 class RunTable:
@@ -54,6 +55,7 @@ class RunTable:
         run.model, run.policy, run.params = event.model, event.policy, event.params
         run.rule_order = list(event.rules)
         run.rules_matched = dict(event.rules)
+        run.snapshot_memory = snapshot_memory(event.recovery)
 
     def detach(self, event: Detach, run: RunState, record: Record) -> None:
         run.detach_reason = event.reason
@@ -98,9 +100,20 @@ class RunTable:
             counters_complete=complete,
             snapshots=run.snapshots,
             rules_matching_nothing=[name for name, n in run.rules_matched.items() if n == 0],
+            snapshot_memory=run.snapshot_memory,
             rewinds=run.rewinds,
             unlearned_steps=joined_stretches(run.rewound),
         )
+
+
+def snapshot_memory(recovery: dict[str, Any] | None) -> str | None:
+    """``device memory (cuda:0, memory: auto), 3,864 bytes for 2 snapshots``, from the attach event's ``recovery``."""
+    if not recovery or "where" not in recovery:
+        return None
+    staged = ", staged through the device" if recovery.get("staged") else ""
+    needed = recovery.get("needed_bytes")
+    held = f", {needed:,} bytes for {recovery.get('keep')} snapshots" if isinstance(needed, int) else ""
+    return f"{recovery['where']} memory ({recovery.get('device')}, memory: {recovery.get('memory')}{staged}){held}"
 
 
 def seconds_between(start: str | None, end: str | None) -> float | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from gradguard.audit.layout import Section, origin_text, short_path, step_list, steps_range
 from gradguard.audit.layout import name_list as _names
 from gradguard.audit.layout import plural as _plural
+from gradguard.audit.loss_report import loss_skip_causes
 from gradguard.audit.summary import AuditSummary
 
 __all__ = ["halts_section", "rewinds_section", "skips_section"]
@@ -104,15 +105,42 @@ def skips_section(summary: AuditSummary) -> Section:
             largest = summary.largest_spike
             at = f" (largest z {largest[0]:.3g} at step {largest[1]})" if largest is not None else ""
             why.append(f"gradient norm spikes{at}: {params}")
+        why.extend(loss_skip_causes(summary))
         lines.append(
             f"{_plural(summary.skips.events, 'step')} skipped by the guard (rule {rules}) at steps "
             f"{step_list(summary.skips)}; {'; '.join(why)}"
         )
     for skip in summary.skip_origins:
         lines.append(f"    step {skip.step} (run {skip.run}, rank {skip.rank}) origin: {origin_text(skip.origin)}")
+    lines.extend(_rewind_skip_lines(summary))
     if summary.scaler_skips.events:
         lines.append(
             f"{_plural(summary.scaler_skips.events, 'step')} skipped by GradScaler (its loss-scale search; not a "
             f"finding) at steps {step_list(summary.scaler_skips)}"
         )
     return Section("Skipped steps", lines or ["none"])
+
+
+def _rewind_skip_lines(summary: AuditSummary) -> list[str]:
+    """The steps rewinds took no update at (each fault, then its window), one line per rewind after the total."""
+    stretches = summary.rewind_skips
+    if not stretches:
+        return []
+    n = sum(last - first + 1 for first, last in stretches)
+    shown = ", ".join(steps_range(first, last) for first, last in stretches[:10])
+    more = f" and {len(stretches) - 10:,} more stretches" if len(stretches) > 10 else ""
+    lines = [f"{_plural(n, 'step')} without an update after a rewind (never learned from): {shown}{more}"]
+    seen: set[tuple[int | None, int | None, str, str]] = set()
+    for row in summary.rewinds:
+        if (
+            row.step is None
+            or row.skip_until is None
+            or (key := (row.step, row.skip_until, row.rule, row.kind)) in seen
+        ):
+            continue
+        seen.add(key)
+        window = (
+            f", {steps_range(row.step + 1, row.skip_until - 1)} its window" if row.skip_until > row.step + 1 else ""
+        )
+        lines.append(f"    step {row.step}: the fault (rule {row.rule!r} rewound on {row.kind}){window}")
+    return lines

@@ -23,6 +23,7 @@ from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.halts_and_skips import KEPT_HALTS, HaltSkipCollector
 from gradguard.audit.health import HealthCollector
 from gradguard.audit.interventions import InterventionCollector
+from gradguard.audit.loss_report import LossCollector, loss_findings
 from gradguard.audit.nonfinite import NonfiniteCollector
 from gradguard.audit.reader import AnyEvent, ReadStats, Record
 from gradguard.audit.run_state import RunState
@@ -92,6 +93,7 @@ class Summarizer:
         self.halts_and_skips = HaltSkipCollector(self.paths, event_filter, self.counters)
         self.other = OtherEventCollector(event_filter)
         self.health = HealthCollector(event_filter)
+        self.loss = LossCollector(event_filter, self.halts_and_skips)
         self._run_of = self.runs.run_of
         self._handlers: dict[type[AnyEvent], Callable[[Any, RunState, Record], None]] = {
             ev.Attach: self.runs.attach,
@@ -111,6 +113,9 @@ class Summarizer:
             ev.Vanishing: self.health.flag,
             ev.Exploding: self.health.flag,
             ev.Recovered: self.health.flag,
+            ev.LossSpike: self.loss.spike,
+            ev.LossNonfinite: self.loss.nonfinite,
+            ev.LossUnseen: self.loss.unseen,
         }
 
     def add(self, record: Record) -> None:
@@ -245,12 +250,17 @@ class Summarizer:
             group_norm_nonfinite=nonfinite.group_norm.done(),
             halts=list(stops.halts),
             halts_total=stops.halts_total,
-            rewinds=list(stops.rewinds.values())[:KEPT_HALTS],
+            rewinds=stops.rewinds[:KEPT_HALTS],
             rewinds_total=len(stops.rewinds),
             unlearned_steps=joined_stretches(
                 stretch
-                for row in stops.rewinds.values()
+                for row in stops.rewinds
                 if (stretch := unlearned_stretch(row.step, row.to_step, row.skip_until)) is not None
+            ),
+            rewind_skips=joined_stretches(
+                (row.step, row.skip_until)
+                for row in stops.rewinds
+                if row.step is not None and row.skip_until is not None
             ),
             skips=stops.skips.done(),
             skips_by_rule=dict(stops.skips_by_rule),
@@ -269,8 +279,10 @@ class Summarizer:
             series_counts=dict(self.interventions.series),
             health=health,
             health_flags=health_flags,
+            loss=self.loss.rows(),
+            loss_unseen=list(self.loss.unseen_lines),
         )
-        summary.findings = findings_of(summary)
+        summary.findings = findings_of(summary) + loss_findings(summary)
         return summary
 
     def _notes(self, runs: list[RunInfo]) -> list[str]:

@@ -21,6 +21,7 @@ __all__ = [
     "FlagRow",
     "HaltRow",
     "HealthRow",
+    "LossRow",
     "Mismatch",
     "NonfiniteRow",
     "ParamRow",
@@ -82,6 +83,8 @@ class RunInfo:
     unlearned_steps: list[list[int]] = field(default_factory=list)
     """The stretches ``[first, last]`` of steps whose batches the run never learned from (rewinds' undone,
     faulty and skipped steps, overlapping stretches joined)."""
+    snapshot_memory: str | None = None
+    """Where recovery's snapshots lived and the bytes they held (the attach event's ``recovery``), or ``None``."""
 
 
 @dataclass
@@ -290,6 +293,25 @@ class FlagRow:
 
 
 @dataclass
+class LossRow:
+    """The ``loss`` section's verdicts of one kind and action (``loss_spike``, ``loss_nonfinite`` events)."""
+
+    kind: str
+    """``spike`` or ``nonfinite``."""
+    action: str
+    """``skip``, ``halt`` (a rewind under recovery) or ``ignore``."""
+    steps: StepList
+    largest_ratio: float | None = None
+    """The largest ``loss / reference`` of the spikes, and its step, loss, reference and factor."""
+    largest_step: int | None = None
+    largest_loss: float | None = None
+    largest_reference: float | None = None
+    factor: float | None = None
+    values: dict[str, int] = field(default_factory=dict)
+    """Of a ``nonfinite`` row: how many were ``nan``, ``inf`` and ``-inf``."""
+
+
+@dataclass
 class AuditSummary:
     """Everything ``gradguard audit`` reports; ``as_json`` is its ``--format json``."""
 
@@ -349,6 +371,13 @@ class AuditSummary:
     rewinds_total: int = 0
     unlearned_steps: list[list[int]] = field(default_factory=list)
     """The stretches ``[first, last]`` of steps the shown rewinds left unlearned, joined across runs."""
+    rewind_skips: list[list[int]] = field(default_factory=list)
+    """The stretches ``[first, last]`` of steps the shown rewinds took no update at: each fault and its window
+    (``step`` .. ``skip_until - 1``), joined across runs. The guard counts the window as ``recovery``/``skip``."""
+    loss: list[LossRow] = field(default_factory=list)
+    """The ``loss`` section's spikes and non-finite losses, one row per kind and action."""
+    loss_unseen: list[str] = field(default_factory=list)
+    """What the ``loss`` section could not judge (``loss_unseen`` events: each run says it once)."""
 
     @property
     def exit_code(self) -> int:

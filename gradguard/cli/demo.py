@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
@@ -111,6 +112,27 @@ class DemoResult:
     log_path: Path
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _on_one_thread(run: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run on one torch thread, then give the process its threads back: a model this small trains several
+    times faster on one (4.0 s against 16.8 s on 2 busy cores) than split across every core."""
+
+    @functools.wraps(run)
+    def one_thread(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return run(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return one_thread
+
+
+@_on_one_thread
 def run_demo(
     *,
     log_path: Path,
@@ -121,7 +143,7 @@ def run_demo(
     say: Callable[[str], None] = print,
     seed: int = 0,
 ) -> DemoResult:
-    """Train ``TinyDecoder`` with the guard on; return what happened."""
+    """Train ``TinyDecoder`` with the guard on (on one torch thread); return what happened."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     vocab, length = 32, 24

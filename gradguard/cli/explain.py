@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from gradguard.audit.render import Section, Table, short_path
+from gradguard.enforce.snapshot_memory import memory_text, memory_where, readable_bytes
 from gradguard.errors import GradGuardError, PolicyError
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import bind, canonical_name, rule_matches
@@ -234,6 +235,7 @@ class Explanation:
             for i, rule in enumerate(rules)
             if can_halt(rule)
         ]
+        out["where"] = memory_where(recovery.memory)
         snapshot = self.snapshot
         if snapshot is not None:
             out["snapshot_bytes"] = {
@@ -449,12 +451,7 @@ def _halting_actions(rule: Rule) -> list[str]:
 
 def _bytes(n: int) -> str:
     """``1.6 MiB (1,667,072 bytes)``."""
-    size, unit = float(n), "bytes"
-    for name in ("KiB", "MiB", "GiB", "TiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, name
-    return f"{n:,} bytes" if unit == "bytes" else f"{size:.3g} {unit} ({n:,} bytes)"
+    return readable_bytes(n)
 
 
 def _recovery_section(expl: Explanation) -> Section | None:
@@ -494,7 +491,9 @@ def _recovery_section(expl: Explanation) -> Section | None:
         )
         lines.append(
             f"plus each optimizer's state: with Adam or AdamW {_bytes(snapshot.adam_state)} more per snapshot, "
-            f"{_bytes((snapshot.model + snapshot.adam_state) * keep)} in all; held in host memory (pinned for a "
-            "CUDA model); the attach event and guard.metrics() give the real figure"
+            f"{_bytes((snapshot.model + snapshot.adam_state) * keep)} in all; the attach event and guard.metrics() "
+            "give the real figure and where"
         )
+    per_snapshot = None if snapshot is None else snapshot.model + snapshot.adam_state
+    lines.append(memory_text(recovery.memory, keep, per_snapshot))  # where they live (recovery.memory)
     return Section("Recovery (a halt becomes a rewind to an in-memory snapshot; the run goes on)", lines)

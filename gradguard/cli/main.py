@@ -15,11 +15,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from gradguard.cli.common import POLICY, fail, load_policy, output_option, run_as_process, unreadable
 from gradguard.cli.tuning import replay, suggest
+
+if TYPE_CHECKING:
+    from gradguard.policy.document import Policy
 
 __all__ = ["main", "run"]
 
@@ -93,10 +97,22 @@ def validate(policies: tuple[Path, ...]) -> None:
             continue
         names = ", ".join(rule.name for rule in policy.rules)
         count = len(policy.rules)
-        click.echo(f"{path}: ok ({count} rule{'s' if count != 1 else ''}: {names})")
+        click.echo(f"{path}: ok ({count} rule{'s' if count != 1 else ''}: {names}{_also_sections(policy)})")
     if len(checked) > 1:
         click.echo(f"{len(checked) - invalid} of {len(checked)} policy files valid")
     sys.exit(1 if invalid else 0)
+
+
+def _also_sections(policy: Policy) -> str:
+    """``; and a recovery section`` (``; and loss and recovery sections``): the top-level sections besides rules."""
+    from gradguard.cli.explain_policy import top_level_sections
+
+    sections = top_level_sections(policy)
+    if not sections:
+        return ""
+    if len(sections) == 1:
+        return f"; and a {sections[0]} section"
+    return f"; and {', '.join(sections[:-1])} and {sections[-1]} sections"
 
 
 def _is_json_schema(path: Path) -> bool:
@@ -111,23 +127,32 @@ def _is_json_schema(path: Path) -> bool:
 @click.option(
     "--model",
     "model_spec",
-    required=True,
     metavar="MODULE:CALLABLE",
     help="A callable that takes no arguments and returns the nn.Module, e.g. mypkg.models:build_model or "
-    "path/to/models.py:build_model (modules are imported from the working directory first).",
+    "path/to/models.py:build_model (modules are imported from the working directory first). Without it, "
+    "the policy alone is explained: its rules and top-level sections.",
 )
 @click.option("--format", "fmt", type=_FORMATS, default="table", show_default=True, help="Output format.")
-def explain(policy_path: Path, model_spec: str, fmt: str) -> None:
+def explain(policy_path: Path, model_spec: str | None, fmt: str) -> None:
     """Show which rules and actions of POLICY (a file, or a shipped policy's name) each parameter of a model gets.
 
     A table of every parameter (name, shape, dtype, rules, actions in the order they apply), the
     parameters no rule covers, the rules that match nothing, the tied parameters, and the problems
     GradGuard would raise when attaching. Exit 1 if there are such problems (e.g. a rule that matches
-    nothing without allow_no_match).
+    nothing without allow_no_match). Without --model: the policy's rules, its recovery section and any other
+    top-level section in words, and what a model would add.
     """
     policy = load_policy(policy_path)
 
     from gradguard.audit.render import render
+
+    if model_spec is None:
+        from gradguard.cli.explain_policy import policy_header, policy_json, policy_sections
+
+        sections = policy_sections(policy)
+        click.echo(render(fmt, "gradguard explain", policy_header(policy), sections, policy_json(policy)), nl=False)
+        sys.exit(0)
+
     from gradguard.cli.explain import ModelSpecError, explain, explain_header, explain_sections, load_model
 
     try:

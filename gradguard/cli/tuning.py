@@ -42,7 +42,15 @@ __all__ = ["replay", "suggest"]
     metavar="FACTOR",
     help="Merge families whose median norms lie within this factor of each other (1: never merge).",
 )
-def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float, merge_within: float) -> None:
+@click.option(
+    "--loss",
+    is_flag=True,
+    help="Also propose a loss section (a NaN/Inf loss or a loss spike skips the step) whose spike.factor comes "
+    "from the recorded losses, as the norms' thresholds do.",
+)
+def suggest(
+    logs: tuple[Path, ...], output: Path | None, budget: float, z: float, merge_within: float, loss: bool
+) -> None:
     """Propose a policy from the gradient norms a run recorded: a clip per family of parameters.
 
     \b
@@ -60,7 +68,7 @@ def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float
     skip_the_exit_collection()
 
     try:
-        suggestion = suggest_files(list(logs), budget=budget, z=z, merge_within=merge_within)
+        suggestion = suggest_files(list(logs), budget=budget, z=z, merge_within=merge_within, loss=loss)
     except NoNorms as exc:
         fail(str(exc))
     except OSError as exc:
@@ -76,7 +84,8 @@ def suggest(logs: tuple[Path, ...], output: Path | None, budget: float, z: float
     families = len(suggestion.thresholds)
     click.echo(
         f"policy written to {output}: {families} famil{'ies' if families != 1 else 'y'} with a clip, "
-        f"{suggestion.params} parameters, from {suggestion.recording.steps:,} recorded steps",
+        f"{suggestion.params} parameters, from {suggestion.recording.steps:,} recorded steps"
+        + (f"; loss spike factor {suggestion.loss.factor:g}" if suggestion.loss is not None else ""),
         err=True,
     )
 

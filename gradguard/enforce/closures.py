@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from gradguard.enforce.rerun import ClosureRerun, RerunRequested
 from gradguard.errors import UnsupportedOptimizerError
 
 __all__ = ["TreatAfterClosure", "closure_of", "refuse_reevaluating", "with_closure"]
@@ -38,13 +39,18 @@ def with_closure(args: tuple[Any, ...], kwargs: dict[str, Any], closure: Callabl
 
 
 class TreatAfterClosure:
-    """Stands in for the closure of ``optimizer.step(closure)``: runs it once, then ``treat()``."""
+    """Stands in for the closure of ``optimizer.step(closure)``: runs it once, then ``treat()`` (and, where the guard
+    asks, once more with the random number generators put back: ``gradguard.enforce.rerun``)."""
 
-    def __init__(self, closure: Callable[[], Any], treat: Callable[[], None], optimizer: Optimizer) -> None:
+    def __init__(
+        self, closure: Callable[[], Any], treat: Callable[[], None], optimizer: Optimizer, rerun: ClosureRerun | None
+    ) -> None:
         self.closure = closure
         self.treat = treat
         self.optimizer_name = type(optimizer).__name__
         self.calls = 0
+        self.rerun = rerun
+        """Where the policy has a ``rerun`` section: the RNG states kept before the closure, to compute it again."""
 
     def __call__(self) -> Any:
         self.calls += 1
@@ -55,8 +61,16 @@ class TreatAfterClosure:
                 "the guard treated. gradguard cannot treat a step that makes several gradients: use an optimizer "
                 "that evaluates the closure once per step, or leave its parameters out of the guarded model."
             )
-        loss = self.closure()
-        self.treat()
+        if self.rerun is None:
+            loss = self.closure()
+            self.treat()
+            return loss
+        try:
+            loss = self.rerun.first(self.closure)
+            self.treat()
+        except RerunRequested:  # at the treat, or at a boundary inside the closure (Lightning's)
+            loss = self.rerun.again(self.closure)  # the same batch, the same random numbers: a second computation
+            self.treat()
         return loss
 
 

@@ -26,10 +26,12 @@ from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
 from gradguard.enforce.distributed import Collective, local_tensor
 from gradguard.enforce.health import Health
 from gradguard.enforce.known_norms import KnownNorms, remember_step_norms
+from gradguard.enforce.loss import LossWatch
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
 from gradguard.enforce.provenance import Provenance
-from gradguard.enforce.recovery import Recovery, RewindRequested
+from gradguard.enforce.recovery import HaltReport, Recovery, RewindRequested
+from gradguard.enforce.rerun import Figures, Reruns
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf, stepped_when_skipped
 from gradguard.enforce.statistics import Statistics
 from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
@@ -77,20 +79,19 @@ class Enforcer:
         """The monitors' figures, warnings and metrics across steps."""
         self.statistics = Statistics()
         """The adaptive actions' statistics across steps (changed only by applied steps)."""
-        self.recovery = Recovery(self.statistics, self.skip_limits)
+        self.recovery = Recovery(self.statistics, self.skip_limits, counters)
         """Snapshots and rewinds (the policy's ``recovery`` section)."""
         self.verdicts = Verdicts(counters, events, self.skip_limits, self.recovery)
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
-        """``(weakref to grad, version, held)`` after the last pass, per tensor: a gradient already
-        treated, and unchanged since, is not treated again (a second ``step()`` on the same gradient).
-        ``held`` marks a gradient treated at an explicit boundary: the optimizer's step pre-hook leaves
-        it alone even if changed since (a framework's own clip), until ``seal_explicit`` runs after
-        the optimizer step."""
+        """``(weakref to grad, version, held)`` per tensor: a gradient treated and unchanged since is not treated
+        again; ``held`` (an explicit boundary's): the optimizer's step pre-hook leaves it alone even if changed
+        since (a framework's own clip), until ``seal_explicit`` runs after the optimizer step."""
         self._explicit_marks = False
         self.scaler_skip_at_boundary = False
         """This step's GradScaler skip was already recorded at an explicit boundary (one-shot)."""
-        self.known_norms = KnownNorms()
-        """The norms of the gradients as the last applied step left them, for the loop's own clip."""
+        self.known_norms = KnownNorms()  # the last applied step's norms, for the loop's own clip
+        self.loss_watch = self.recovery.live.loss = LossWatch()  # the loss section's; rewound with the statistics
+        self.reruns = Reruns()  # the rerun section's
 
     @torch.no_grad()
     def run(self, plan: Plan, context: StepContext) -> bool:
@@ -101,15 +102,15 @@ class Enforcer:
         """
         grads, wrapped = self._gather(plan, context)
         self.last_run_treated = bool(grads)
-        if grads:
-            self.known_norms.clear()
         if not grads:
             return True
+        self.known_norms.clear()
 
         step = self._begin_step(grads)
         self.recovery.config = self.binding.policy.recovery  # a reload may have changed it
         if self.recovery.active and self.recovery.begin_step(step):
             self.verdicts.clear(context)  # a rewind's window: this update is skipped, its gradients unread
+            self.loss_watch.discard()
             return False
         collective = self.collective if self.collective.active() else None
         sharded = collective is not None and bool(wrapped)  # wrapped holds the DTensor (FSDP2) gradients
@@ -128,8 +129,10 @@ class Enforcer:
             raw_ids = sorted(index for index in plan.raw_norm_params if index in grads)
         if raw_ids:
             work.raw = watch_raw_norms(work, plan, raw_ids)
-        if plan.observers:
-            self._observe(plan, work, everyone)
+        sampled = bool(plan.observers) and observe(plan, work, everyone)
+        judged = self.binding.policy.loss is not None
+        watched = judged or sampled or self.binding.policy.rerun is not None
+        self.loss_watch.begin(work, watched, self.events, judged=judged)
         self._apply_actions(plan, work, everyone)
         if self.provenance is not None:
             self.provenance.report(work)  # last: its reader sees the step's non-finite verdict
@@ -138,13 +141,13 @@ class Enforcer:
         work.writes.apply()  # the changes the read showed are needed, to those tensors only
         clear_overflows(work, plan.fragile)
         outcome = work.outcome
+        rerun_or_compare(self, work, context)  # a suspect step may be computed again before anything is said
         if outcome.observed and not outcome.scaler_found_inf:
-            self.health.report(outcome.observed, step)  # figures of the gradient as it arrived, before a verdict
+            self.health.report(outcome.observed, step, outcome.loss)  # the gradient as it arrived, before a verdict
         rules = self.binding.policy.rules
         try:
             if outcome.scaler_found_inf:
-                # Seen: a second boundary of this step does not count a new step. Held where the scaler still calls
-                # the optimizer's step() (fused), which seals them; else the next backward must be treated.
+                # Seen (not a new step at a second boundary); held where the scaler still calls a fused step().
                 held = context.explicit and stepped_when_skipped(context.scaled_optimizers)
                 self._explicit_marks |= held
                 self._mark_treated(grads, wrapped, held=held)
@@ -152,7 +155,10 @@ class Enforcer:
                 fused = context.optimizer is not None and not context.explicit
                 self.record_scaler_skip((), step=step, fused=fused, loss_scale=outcome.loss_scale)
                 return True  # the scaler (or the fused kernel it drives) skips the update itself
-            self.verdicts.report(rules, outcome, plan.names, step)
+            loss = self.loss_watch.verdict(self.binding.policy.loss, outcome, step)
+            self.verdicts.report(rules, outcome, plan.names, step)  # a gradient's halt comes first
+            if loss is not None and self.verdicts.loss(loss, step, context):
+                return False
             if outcome.skipped_by or outcome.spikes:
                 self.verdicts.skip(rules, outcome, plan.names, step, context)
                 return False
@@ -160,13 +166,13 @@ class Enforcer:
             self.verdicts.rewound(request, context)
             return False
         except GradientHalt:
-            # The other gradients were treated: a retry after the user dropped the bad ones must not
-            # treat them again. The offending ones stay untreated, so a retry checks them again.
+            # The others were treated (a retry must not treat them again); the offending ones are checked again.
             for index, local in grads.items():
                 if index not in outcome.halted_by and index not in outcome.skipped_by:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
         self.skip_limits.step_applied()
+        self.loss_watch.accept(self.binding.policy.loss, outcome.loss)
         remember_step_norms(self.known_norms, work, wrapped)
         work.statistics_step.commit()  # only an applied step's norms enter the adaptive statistics
         if self.summary_every and (step + 1) % self.summary_every == 0:
@@ -208,21 +214,6 @@ class Enforcer:
             grads[entry.index] = local
         return grads, wrapped
 
-    def _observe(self, plan: Plan, work: StepWork, everyone: int) -> None:
-        """Every observing action (``monitor``) that samples this step, on the gradients as they arrived."""
-        grads, step = work.grads, work.step
-        for position, action in plan.observers:
-            bound, members = plan.rules[position]
-            kernel = kernel_for(action)
-            if not bound.rule.active_at(step) or not kernel.samples(action, step):
-                continue
-            if len(grads) == everyone:
-                ids = list(plan.member_ids[position])
-            else:
-                ids = [entry.index for entry in members if entry.index in grads]
-            if ids:
-                kernel.observe(work, bound, action, ids)
-
     def _apply_actions(self, plan: Plan, work: StepWork, everyone: int) -> None:
         """Each active rule's actions, in policy order, through their kernels."""
         grads, step, micro_batch = work.grads, work.step, self.micro_batch
@@ -247,11 +238,8 @@ class Enforcer:
         work.final = frozenset()
 
     def seal_explicit(self) -> None:
-        """The optimizer has stepped: gradients treated at an explicit boundary become plain "treated".
-
-        From now on they count as treated only while unchanged, so the next backward (which
-        accumulates into them in place, after ``zero_grad(set_to_none=False)``) is treated again.
-        """
+        """The optimizer has stepped: gradients treated at an explicit boundary count as treated only while unchanged,
+        so the next backward (into them in place, after ``zero_grad(set_to_none=False)``) is treated again."""
         if not self._explicit_marks:
             return
         self._explicit_marks = False
@@ -287,6 +275,8 @@ class Enforcer:
         window) follows training steps, not optimizer calls.
         """
         ids = set(indices)
+        if self.reruns.step is not None:
+            return self.reruns.step  # the step's second computation is the same step
         if not self._in_step or ids & self._in_step:
             self.step += 1
             self._in_step = set()
@@ -298,10 +288,8 @@ class Enforcer:
     def record_scaler_skip(
         self, indices: Iterable[int], *, step: int | None = None, fused: bool = False, loss_scale: float | None = None
     ) -> None:
-        """GradScaler found inf/NaN and skipped the step: its business, so no halt and no clip; say so.
-
-        Counted once per training step, however many optimizers the scaler skipped in it.
-        """
+        """GradScaler found inf/NaN and skipped the step: its business (no halt, no clip); said and counted once
+        per training step, however many optimizers the scaler skipped in it."""
         if step is None:
             step = self._begin_step(indices)
         if self._scaler_skip_noted:
@@ -320,8 +308,7 @@ class Enforcer:
             self.scaler_skip_at_boundary = False  # already recorded by guard.step() after unscale_
             return
         plan = plan_of_optimizer()
-        if plan is not None:
-            # A skipped step has no other sync: the optimizer's step never ran.
+        if plan is not None:  # a skipped step has no other sync: the optimizer's step never ran
             scale = float(context.loss_scales[0]) if context.loss_scales else None
             try:
                 self.record_scaler_skip((entry.index for entry in plan.params), loss_scale=scale)
@@ -330,7 +317,7 @@ class Enforcer:
 
     def pass_step(self) -> bool:
         """``guard.pass_step()``: the coming step lies in a rewind's window; count it without its gradients."""
-        if not self.recovery.skipping(self.step):
+        if not self.recovery.pass_step(self.step):
             return False
         self.step += 1
         self._in_step = set()
@@ -339,15 +326,14 @@ class Enforcer:
     def state_dict(self) -> dict[str, Any]:
         """What decides future steps: the step number, every rule's skip history, every adaptive statistic (and the
         monitors' flags, so a resumed run does not warn again about what is still vanishing or exploding)."""
-        rules = self.binding.policy.rules
         return {
             "step": self.step,
-            "skips": self.skip_limits.state_dict(rules),
+            "skips": self.skip_limits.state_dict(self.binding.policy.rules),
             "scaler_skips": self.skip_limits.scaler_skips,
             "statistics": self.statistics.state_dict(),
             "health": self.health.state_dict(),
             "recovery": self.recovery.state_dict(),
-        }
+        } | ({"loss": self.loss_watch.state_dict()} if self.binding.policy.loss is not None else {})
 
     def load_state_dict(self, state: dict[str, Any]) -> list[str]:
         """Take over a saved ``state_dict``; returns the rule names it held that this policy lacks."""
@@ -357,6 +343,7 @@ class Enforcer:
         unknown = self.skip_limits.load_state_dict(dict(state.get("skips", {})), rules)
         self.skip_limits.scaler_skips = int(state.get("scaler_skips", 0))
         self.recovery.load_state_dict(dict(state.get("recovery", {})))
+        self.loss_watch.load_state_dict(dict(state.get("loss", {})))
         names = [rule.name for rule in rules]
         unknown += self.statistics.load_state_dict(dict(state.get("statistics", {})), names)
         self.health.load_state_dict(list(state.get("health", [])), set(names))
@@ -367,6 +354,68 @@ class Enforcer:
         self.events.emit("info", "counters", step=self.step - 1, steps=self.step, counters=self.counters.snapshot())
 
 
+def observe(plan: Plan, work: StepWork, everyone: int) -> bool:
+    """Every observing action (``monitor``) that samples this step, on the gradients as they arrived; whether
+    one did."""
+    grads, step, sampled = work.grads, work.step, False
+    for position, action in plan.observers:
+        bound, members = plan.rules[position]
+        kernel = kernel_for(action)
+        if not bound.rule.active_at(step) or not kernel.samples(action, step):
+            continue
+        if len(grads) == everyone:
+            ids = list(plan.member_ids[position])
+        else:
+            ids = [entry.index for entry in members if entry.index in grads]
+        if ids:
+            kernel.observe(work, bound, action, ids)
+            sampled = True
+    return sampled
+
+
 def _passive(kernel: ActionKernel) -> bool:
     """The kernel never acts in policy order: it watches (halt, skip) or observes (monitor)."""
     return kernel.watches or kernel.observes
+
+
+def rerun_or_compare(enforcer: Enforcer, work: StepWork, context: StepContext) -> None:
+    """The ``rerun`` section at a step's verdict: ask for a second computation (``RerunRequested``), or, on the second,
+    compare the two and say so; a transient fault under ``transient: halt`` halts here."""
+    policy, outcome, reruns, step = enforcer.binding.policy, work.outcome, enforcer.reruns, work.step
+    config = policy.rerun
+    if config is None or outcome.scaler_found_inf:
+        return
+    norms = {work.names[index]: value for index, value in work.raw_host.items()}
+    if reruns.first is not None and reruns.step == step:
+        asked = reruns.asked
+        first_loss = reruns.first.loss
+        device = next(iter(work.grads.values())).device
+        result = reruns.compare(config, Figures(outcome.loss, norms), work.collective, device)
+        enforcer.counters.add("rerun", result.verdict)
+        fields: dict[str, Any] = {"loss_first": first_loss, "loss_second": outcome.loss}
+        fields |= {"max_rel_diff": result.max_rel_diff}
+        fields |= {"params": result.params, "ranks": result.ranks}
+        enforcer.events.emit("warning", "rerun", step=step, verdict=result.verdict, asked=asked, **fields)
+        if result.verdict == "reproducible":
+            outcome.note = f"computed again, the fault repeated (reproducible; asked by {asked})"
+        elif config.transient == "halt":
+            why = f"a transient fault: computed again, step {step} differed (max relative difference "
+            why += f"{result.max_rel_diff:.3g}; ranks {result.ranks}); drain the node"
+            # Not a rewind: the state is sound, the device is not.
+            enforcer.counters.add("rerun", "halt")
+            fields = HaltReport(step, "rerun", [], {}, "transient", why, None).fields()
+            enforcer.events.emit("error", "halt", **fields, counters=enforcer.counters.snapshot())
+            enforcer.events.flush()
+            raise GradientHalt(step=step, params=[], kind="transient", rule="rerun", reason=why)
+        return
+    loss_peek = enforcer.loss_watch.peek(policy.loss, outcome.loss)
+    asked = reruns.trigger(config, outcome, loss_peek)
+    if asked is None:
+        return
+    if context.rerunnable:
+        reruns.request(step, asked, Figures(outcome.loss, norms))
+    if not reruns.noted:
+        reruns.noted = True
+        why = "the loop has no closure for the guard to run again (optimizer.step(closure), or Lightning's automatic "
+        why += f"optimization); the verdict ({asked}) stands"
+        enforcer.events.emit("warning", "rerun_unavailable", step=step, why=why)

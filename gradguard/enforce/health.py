@@ -36,8 +36,9 @@ class Health:
         self._flagged: dict[tuple[str, str, str], str] = {}
         """(rule, scope, name) -> ``vanishing`` or ``exploding`` while it stays out of its thresholds."""
 
-    def report(self, observed: Sequence[Observation], step: int) -> None:
-        """Log the step's figures, warn about names that crossed a threshold, keep them for metrics."""
+    def report(self, observed: Sequence[Observation], step: int, loss: float | None = None) -> None:
+        """Log the step's figures (and its ``loss``, where seen), warn about names that crossed a threshold, keep
+        them for metrics."""
         if not observed:
             return
         latest: dict[str, float] = {}
@@ -47,7 +48,8 @@ class Health:
                 stat: values[0] if group else dict(zip(seen.names, values, strict=True))
                 for stat, values in seen.figures.items()
             }
-            self.events.emit("info", "stats", step=step, rule=seen.rule, scope=seen.scope, figures=figures)
+            extra = {} if loss is None else {"loss": loss}
+            self.events.emit("info", "stats", step=step, rule=seen.rule, scope=seen.scope, figures=figures, **extra)
             for stat, values in seen.figures.items():
                 if group:
                     latest[metric_key(seen.rule, stat)] = values[0]
@@ -108,13 +110,15 @@ class Health:
         """``(rule, name) -> "vanishing" | "exploding"`` for the names out of their thresholds now."""
         return {(rule, name): state for (rule, _, name), state in self._flagged.items()}
 
-    def metrics(self, counters: dict[str, dict[str, int]], steps: int) -> dict[str, float]:
+    def metrics(self, counters: dict[str, dict[str, int]], steps: int, loss: float | None = None) -> dict[str, float]:
         """The last sampled figures and the counters, flat: ``gradguard/<rule>/<stat>[/<name>]``,
-        ``gradguard/<rule>/<action>`` and ``gradguard/steps``."""
+        ``gradguard/<rule>/<action>``, ``gradguard/steps`` and the last step's ``gradguard/loss`` (where seen)."""
         with self._lock:
             out: dict[str, float] = dict(self._last)
         for rule, by_action in counters.items():
             for action, count in by_action.items():
                 out[f"gradguard/{rule}/{action}"] = float(count)
         out["gradguard/steps"] = float(steps)
+        if loss is not None:
+            out["gradguard/loss"] = loss
         return out

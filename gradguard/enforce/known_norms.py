@@ -43,15 +43,25 @@ class KnownNorms:
         self._entries: dict[
             int, tuple[weakref.ReferenceType[torch.Tensor], int, torch.Tensor | None, float | None]
         ] = {}
+        self._fresh = False
 
     def clear(self) -> None:
         self._entries = {}
+        self._fresh = False
 
     def record(self, entries: Sequence[tuple[torch.Tensor, int, torch.Tensor | None, float | None]]) -> None:
         """``(gradient, its version, its norm on the device or None, the norm's value or None)`` per tensor: a
         gradient the guard multiplied has a known value (its norm times the factor) but no device norm."""
         ref = weakref.ref
         self._entries = {id(grad): (ref(grad), version, norm, host) for grad, version, norm, host in entries}
+        self._fresh = True
+
+    def take(self) -> bool:
+        """Whether norms of the step just treated are held, for one clip: the first after the step uses them, later
+        ones compute their own (code between may have changed a gradient through ``.data``, which no version
+        shows)."""
+        held, self._fresh = self._fresh, False
+        return held
 
     def lookup(self, grad: torch.Tensor) -> tuple[torch.Tensor | None, float | None] | None:
         entry = self._entries.get(id(grad))
@@ -144,7 +154,7 @@ def clip_with_known_norms(
 ) -> torch.Tensor | None:
     """What torch's ``name`` returns, computed from the known norms; None: run torch's own function."""
     short = name.rsplit(".", 1)[-1]
-    if short not in ("clip_grad_norm_", "clip_grad_norm", "get_total_norm"):
+    if short not in ("clip_grad_norm_", "clip_grad_norm", "get_total_norm") or not known.take():
         return None
     signature = _SIGNATURES.get(name)
     if signature is None:

@@ -29,6 +29,7 @@ __all__ = [
     "forward_origin",
     "kind_of",
     "owner_of",
+    "unrooted",
 ]
 
 ROOT: Final = "(model)"
@@ -136,13 +137,26 @@ def forward_origin(tree: ModuleTree, values: list[float], meta: ForwardMeta) -> 
             # The batch itself: name the first module whose output it made non-finite.
             later = range(position, len(values))
             bad = (meta[k][0] for k in later if meta[k][1] == OUTPUT and not math.isfinite(values[k]))
-            seen_in = next((names[i] for i in bad), None)
+            seen_in = next((names[i] for i in bad if i > 0), None)
             return origin | {"module": seen_in, "seen_in": seen_in}
-        if role == INPUT:
+        if role == INPUT and tree.parent[index] > 0:
             # Non-finite on entry, yet no module before produced it: the code around this module made it.
             return origin | {"module": names[tree.parent[index]], "seen_in": names[index]}
+        if role == INPUT or index == 0:
+            # The model's own code, outside its modules (never named as a module: it has no name).
+            seen_in = names[index] if index > 0 else None
+            return origin | {"module": None, "seen_in": seen_in, "note": _own_code_note(seen_in, kind_of(value))}
         return origin | {"module": names[index], "seen_in": names[index]}
     return None
+
+
+def _own_code_note(seen_in: str | None, kind: str) -> str:
+    if seen_in is not None:
+        return f"the model's own code, outside its modules, made it in forward: {seen_in} received a {kind} input"
+    return (
+        f"its modules' outputs were finite and the model's output went {kind}: the model's own code, outside its "
+        "modules, made it (a loss computed in the model's forward, say)"
+    )
 
 
 def backward_origin(
@@ -155,23 +169,48 @@ def backward_origin(
         producer, consumers, recorded = meta[position]
         if recorded >= 0:
             consumers = tree.next_module(producer, forward[recorded + 1 :])
-        # The tensor's gradient comes from the modules that took it as input: the innermost of them.
+        # The tensor's gradient comes from the modules that took it as input: the innermost of them. The model
+        # itself (0) among them: the model handed the tensor out, so its gradient came from the loss.
         inner = [c for c in consumers if not any(d != c and tree.within(d, c) for d in consumers)]
-        if inner:
+        outside = producer >= 0 and (inner == [0] or (not inner and producer == 0))
+        if inner and inner != [0]:
             module: str | None = names[inner[0]]
-        elif producer > 0:
+        elif producer > 0 and tree.parent[producer] > 0 and not inner:
             module = names[tree.parent[producer]]  # the code around the module that consumed its output
         else:
-            module = None  # the gradient of the model's output: the loss, or code after the model
-        seen_in = names[producer] if producer >= 0 else module
-        origin: dict[str, Any] = {"phase": "backward", "module": module, "kind": kind_of(value)}
+            module = None  # the loss (the model's output), or the model's own code outside its modules
+        kind = kind_of(value)
+        seen_in = names[producer] if producer > 0 else (module if producer < 0 else None)
+        own_code = f"{seen_in}'s output" if seen_in else "the input batch"
+        origin: dict[str, Any] = {"phase": "backward", "module": module, "kind": kind}
         origin |= {"input_nonfinite": False, "seen_in": seen_in}
         if len(inner) > 1:
             origin["consumers"] = [names[c] for c in inner]
-        if module is None:
-            origin["note"] = "the gradient of the model's output was already non-finite: the loss made it"
+        if outside:
+            origin["note"] = (
+                f"its forward was finite and the gradient of the model's output was already {kind} as backward "
+                "began: the loss made it"
+            )
+        elif module is None:
+            origin["note"] = (
+                f"the model's own code, outside its modules, made it in the backward pass: the gradient of "
+                f"{own_code}, which no module took as input, went {kind} first"
+            )
         return origin
     return None
+
+
+def unrooted(origin: dict[str, Any]) -> dict[str, Any]:
+    """Never a module named ``(model)``: a fault placed in the model's own code or parameters (outside its
+    modules, which have names) is said in words, with ``module`` None."""
+    if origin.get("module") != ROOT:
+        return origin
+    first = ", ".join(origin.get("first_params") or ())
+    origin["module"] = None
+    origin["seen_in"] = None if origin.get("seen_in") == ROOT else origin.get("seen_in")
+    origin["note"] = f"it started in the {origin['phase']} pass, in the model's own code or parameters, outside its "
+    origin["note"] += f"modules ({first})" if first else "modules"
+    return origin
 
 
 def boundary_origin(

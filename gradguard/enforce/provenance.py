@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -42,7 +42,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.figures import STRIDED, linear_figure, mark, passed_on, tensors, total
+from gradguard.enforce.figures import peak as _peak
 from gradguard.enforce.origins import (
     DATA,
     INPUT,
@@ -57,6 +58,7 @@ from gradguard.enforce.origins import (
     forward_origin,
     kind_of,
     owner_of,
+    unrooted,
 )
 from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.enforce.tensors import stack_on
@@ -86,8 +88,7 @@ MAX_ENTRIES: Final = 4096
 cannot grow them without bound)."""
 FIRST_PARAMS_SHOWN: Final = 16
 UNTRACED_HINT: Final = "To trace a first fault: GradGuard(..., provenance='first_fault')."
-_HALF = (torch.float16, torch.bfloat16)
-_STRIDED = torch.strided  # sparse tensors (Embedding(sparse=True) gradients) are left out: no norm kernel
+_STRIDED = STRIDED
 
 
 class _Seen:
@@ -101,42 +102,11 @@ class _Seen:
         self.consumers = consumers
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The floating-point tensors with elements in a module's arguments or outputs (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        if (value.is_floating_point() or value.is_complex()) and value.layout is _STRIDED and value.numel():
-            yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from _tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors(item)
-
-
-def _peak(tensor: torch.Tensor) -> torch.Tensor:
-    """The 2-norm (in float32 at least): NaN if any element is NaN, else Inf if any is infinite (or if it
-    overflows: elements beyond ~1e19). One kernel, no sync; the max-abs norm would be exact about overflow,
-    but on CPU it runs 20x slower than the 2-norm."""
-    local = local_tensor(tensor).detach()
-    norm: torch.Tensor = torch.linalg.vector_norm(local, dtype=torch.float32 if local.dtype in _HALF else None)
-    return norm
-
-
-def _sum(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum (in float32 at least): NaN if any element is NaN or if both infinities are present, else
-    Inf if any is infinite or if the sum overflows (a finite tensor whose elements add up beyond ~3e38,
-    far rarer than the 2-norm's overflow). Half the cost of the 2-norm on CPU; no sync."""
-    local = local_tensor(tensor).detach()
-    total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
-    return total
-
-
 @dataclass(frozen=True)
 class Tracing:
     """How the light trace (``first_fault``) records: the benchmark's arms vary these."""
 
-    reduce: Callable[[torch.Tensor], torch.Tensor] = _sum
+    reduce: Callable[[torch.Tensor], torch.Tensor] = total
     backward: bool = True
     """Tensor hooks on the recorded outputs (their gradients in backward)."""
     depth: int | None = None
@@ -145,6 +115,9 @@ class Tracing:
     """Hook only the modules without children."""
     budget: int | None = None
     """Hook at most this many modules: the model's shallowest levels, as many whole levels as fit (None: all)."""
+    linear: bool = True
+    """A plain Linear's output (a vocabulary head's logits) watched through its input and parameters when they are
+    less than half its size (``_linear_figure``): on a 50k-vocabulary head the trace then never reads the logits."""
 
 
 LIGHT: Final = Tracing(backward=False, budget=32)
@@ -287,10 +260,10 @@ class Provenance:
         self._acc_meta: list[int] = []
         """Guarded tensor index, per accumulated-gradient figure."""
         self._seen: dict[int, _Seen] = {}
-        self._last: tuple[weakref.ReferenceType[torch.Tensor] | None, int] = (None, -1)
-        """The light trace's last recorded tensor and its version: a container passing it on is not read again.
-        Held weakly and compared by identity: an id alone is reused as soon as Python frees a tensor, and
-        the next module's output would then be taken for it (and left out of the trace)."""
+        self._last: tuple[weakref.ReferenceType[torch.Tensor] | None, int, object] = (None, -1, None)
+        """The light trace's last recorded tensor, its version and marker (``figures.mark``): a container passing
+        it on (or a cast of it) is not read again. Held weakly and compared by identity: an id alone is reused
+        as soon as Python frees a tensor, and the next module's output would then be taken for it."""
 
     # --- hooks (no host sync in any of them) -------------------------------------------------------
 
@@ -305,23 +278,25 @@ class Provenance:
 
     def _data(self, module: nn.Module, args: Any) -> None:
         if self._recording():
-            for tensor in _tensors(args):
+            for tensor in tensors(args):
                 self._record(tensor, 0, DATA)
 
     def _forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         if not self._recording():
             return
         seen = self._seen
-        for tensor in _tensors(args):
+        for tensor in tensors(args):
             known = seen.get(id(tensor))
             if known is not None and known.ref() is tensor and known.version == tensor._version:
                 known.consumers.append(index)
             else:
                 self._record(tensor, index, INPUT)
-        for tensor in _tensors(output):
+        for tensor in tensors(output):
             known = seen.get(id(tensor))
             if known is None or known.ref() is not tensor or known.version != tensor._version:
                 self._record(tensor, index, OUTPUT)  # not a container passing its last child's output on
+            elif index == 0:
+                known.consumers.append(0)  # the model hands it out: its gradient comes from the loss
 
     def _record(self, tensor: torch.Tensor, index: int, role: int) -> None:
         self._fwd.append(_peak(tensor))
@@ -339,7 +314,7 @@ class Provenance:
 
     def _light_data(self, module: nn.Module, args: Any) -> None:
         if self._recording():
-            for tensor in _tensors(args):
+            for tensor in tensors(args):
                 self._fwd.append(self._tracing.reduce(tensor))
                 self._fwd_meta.append((0, DATA))
 
@@ -348,19 +323,27 @@ class Provenance:
             return
         if isinstance(output, torch.Tensor):
             if (output.is_floating_point() or output.is_complex()) and output.layout is _STRIDED and output.numel():
-                self._light_record(output, index)
+                figure = linear_figure(module, args, output, self._passed_on(args)) if self._tracing.linear else None
+                self._light_record(output, index, figure)
         else:
-            for tensor in _tensors(output):
+            for tensor in tensors(output):
                 self._light_record(tensor, index)
 
-    def _light_record(self, tensor: torch.Tensor, index: int) -> None:
+    def _passed_on(self, args: Any) -> bool:
+        """Whether a module's first argument is the last recorded tensor, or a widening cast of it."""
+        last, version, marker = self._last
+        tensor = args[0] if args else None
+        if last is None or not isinstance(tensor, torch.Tensor) or torch.compiler.is_compiling():
+            return False  # dynamo cannot compare ids
+        return passed_on(tensor, last(), version, marker)
+
+    def _light_record(self, tensor: torch.Tensor, index: int, figure: torch.Tensor | None = None) -> None:
         if not torch.compiler.is_compiling():  # dynamo cannot compare ids: there a container's output is read twice
-            last, version = self._last
-            if last is not None and last() is tensor and version == tensor._version:
-                return  # a container passing its last child's output on
-            self._last = (weakref.ref(tensor), tensor._version)
+            if self._passed_on((tensor,)):
+                return  # a container passing its last child's output on (or a widening cast of it)
+            self._last = (weakref.ref(tensor), tensor._version, mark(tensor))
         position = len(self._fwd)
-        self._fwd.append(self._tracing.reduce(tensor))
+        self._fwd.append(self._tracing.reduce(tensor) if figure is None else figure)
         self._fwd_meta.append((index, OUTPUT))
         if tensor.requires_grad and self._tracing.backward:
             tensor.register_hook(functools.partial(self._light_backward, index, position))  # type: ignore[no-untyped-call]
@@ -451,7 +434,7 @@ class Provenance:
         if origin["spread"]:
             origin["clip"] = outcome.clipped_before
         origin["first_params"] = first[:FIRST_PARAMS_SHOWN] if singled_out else []
-        outcome.origin = origin
+        outcome.origin = unrooted(origin)
 
     @property
     def _retrace(self) -> str:

@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.snapshot_memory import HOST, Placement, Stager, choose_placement, state_to_come
 from gradguard.enforce.snapshots import (
     LiveState,
     Snapshot,
@@ -39,9 +40,13 @@ from gradguard.enforce.snapshots import (
 )
 from gradguard.enforce.statistics import Statistics
 from gradguard.errors import GuardWarning
+from gradguard.events.counters import Counters
 from gradguard.policy.schema import Recovery as RecoveryConfig
 
-__all__ = ["HaltReport", "Recovery", "RewindRequested"]
+__all__ = ["RECOVERY_RULE", "HaltReport", "Recovery", "RewindRequested"]
+
+RECOVERY_RULE = "recovery"
+"""The counters' pseudo-rule of the steps a rewind's window skipped (``{"recovery": {"skip": n}}``)."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,10 @@ def _plain(value: Any) -> Any:
 class Recovery:
     """Snapshots, rewinds and skip windows for one guard; inactive while the policy has no ``recovery``."""
 
-    def __init__(self, statistics: Statistics, skip_limits: SkipLimits) -> None:
+    def __init__(self, statistics: Statistics, skip_limits: SkipLimits, counters: Counters | None = None) -> None:
+        self.counters = counters if counters is not None else Counters()
+        """The guard's counters: each step of a rewind's window counts as ``RECOVERY_RULE``/``skip``."""
+        self._counted_step: int | None = None
         self.config: RecoveryConfig | None = None
         """The policy's ``recovery`` section (set by the engine at every step: a reload may change it)."""
         self.live = LiveState(weakref.ref(nn.Module()), statistics, skip_limits)
@@ -163,6 +171,11 @@ class Recovery:
         self._checked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._buffers_at: tuple[int, TensorCopies] | None = None
         """The model's buffers at the start of a step a snapshot is due at (and the step), or a spare copy."""
+        self.placement: Placement | None = None
+        """Where snapshots live (``recovery.memory``): chosen at attach, again when a reload changes memory or keep."""
+        self._stager: Stager | None = None
+        self._chosen_for: tuple[str, int] | None = None
+        self._optimizers_given = False
 
     # --- what the guard tells it ------------------------------------------------------------------
 
@@ -182,7 +195,20 @@ class Recovery:
         self.live.scaler = scaler
         for scheduler in schedulers:
             self.add_scheduler(scheduler)
+        self._optimizers_given = optimizers is not None
+        if config is not None:
+            self.place(config)  # device memory asked for and not fitting: an error now, not an OOM mid-run
         self.at_step_start(start_step)
+
+    def place(self, config: RecoveryConfig) -> Placement:
+        """Where snapshots go, chosen once for the section's ``memory`` and ``keep`` (docs/recovery.md)."""
+        if self.placement is None or self._chosen_for != (config.memory, config.keep):
+            held = self.nbytes if self.placement is not None and self.placement.where == "device" else 0
+            held += self._stager.nbytes if self._stager is not None else 0
+            self.placement = _choose(config, self.live, self._optimizers_given, held)
+            self._stager = Stager(self.placement.device) if self.placement.staged else None
+            self._chosen_for = (config.memory, config.keep)
+        return self.placement
 
     def add_scheduler(self, scheduler: Any) -> None:
         """A scheduler of the loop (an integration finds it after attach): rewound with the snapshots from now on.
@@ -254,6 +280,19 @@ class Recovery:
         """Whether ``step``'s update is skipped: it lies in a rewind's window."""
         return self.skip_until is not None and step < self.skip_until
 
+    def pass_step(self, step: int) -> bool:
+        """``guard.pass_step()``: whether ``step`` lies in a rewind's window, counted as skipped if it does."""
+        if not self.skipping(step):
+            return False
+        self._count_skip(step)
+        return True
+
+    def _count_skip(self, step: int) -> None:
+        """Count a step of the window once, however many optimizers (or ``pass_step`` calls) meet it."""
+        if step != self._counted_step:
+            self._counted_step = step
+            self.counters.add(RECOVERY_RULE, "skip")
+
     def begin_step(self, step: int) -> bool:
         """The first boundary of ``step``: hold what the window must not move, snapshot if due.
 
@@ -265,6 +304,7 @@ class Recovery:
             if step >= self.skip_until:
                 self._held = None
         if self.skipping(step):
+            self._count_skip(step)
             return True
         config = self.config
         if config is not None and step % config.snapshot_every == 0 and not self._holds_step(step):
@@ -281,7 +321,9 @@ class Recovery:
         buffers = None
         if self._buffers_at is not None and self._buffers_at[0] == step:
             buffers = self._buffers_at[1]
-        replaced = snapshot.take(step, self.lr_scale, self.live, buffers)
+        config = self.config
+        assert config is not None
+        replaced = snapshot.take(step, self.lr_scale, self.live, buffers, self.place(config), self._stager)
         self._buffers_at = None if replaced is None else (-1, replaced)
         self.snapshots.append(snapshot)
 
@@ -292,7 +334,7 @@ class Recovery:
         if config is None or step % config.snapshot_every or self.skipping(step):
             return
         kept = self._buffers_at[1] if self._buffers_at is not None else TensorCopies()
-        kept.take(self.live.buffers())
+        kept.take(self.live.buffers(), self.placement or HOST)
         self._buffers_at = (step, kept)
 
     def drop_snapshots(self) -> None:
@@ -348,10 +390,14 @@ class Recovery:
         """``guard.metrics()``'s part: the snapshots' bytes and count, the rewinds so far."""
         if not self.active:
             return {}
+        held, on_device = self.nbytes, self.placement is not None and self.placement.where == "device"
+        staging = self._stager.nbytes if self._stager is not None else 0
         return {
-            "gradguard/recovery/snapshot_bytes": float(self.nbytes),
+            "gradguard/recovery/snapshot_bytes": float(held),
             "gradguard/recovery/snapshots": float(len(self.snapshots)),
             "gradguard/recovery/rewinds": float(self.rewinds),
+            "gradguard/recovery/device_bytes": float(held if on_device else staging),
+            "gradguard/recovery/host_bytes": float(0 if on_device else held),
         }
 
     def estimated_bytes(self) -> int:
@@ -378,3 +424,20 @@ class Recovery:
         self.lr_scale = float(state.get("lr_scale", 1.0))
         held = state.get("held")
         self._held = None if held is None or self.skip_until is None else _Held.from_state_dict(held, self.live)
+
+
+def _choose(config: RecoveryConfig, live: LiveState, optimizers_given: bool, held: int) -> Placement:
+    """``choose_placement`` with the bytes of one snapshot (with the optimizer state still to come) and of what the
+    run will still allocate on the device (gradients not made yet, that state)."""
+    model = live.model()
+    params = list(model.parameters()) if model is not None else []
+    device = local_tensor(params[0]).device if params else torch.device("cpu")
+    state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
+    now = sum(_nbytes(local_tensor(t)) for t in [*state, *live.tensors()] if isinstance(t, torch.Tensor))
+    coming = state_to_come(live.optimizers() if optimizers_given else None, params)
+    grads = sum(_nbytes(local_tensor(p)) for p in params if p.requires_grad and p.grad is None)
+    return choose_placement(config.memory, device, config.keep, now + coming, grads + coming, held)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.snapshot_memory import HOST, Flat, Placement, Stager, copy_into, wait_for
 from gradguard.enforce.statistics import Series, Statistics
 from gradguard.errors import GuardStateError
 
@@ -51,22 +52,22 @@ _SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
 
 
 class TensorCopies:
-    """Copies of a list of tensors, in buffers reused while shapes and dtypes stay the same."""
+    """Copies of a list of tensors, in flat buffers reused while shapes, dtypes and placement stay the same."""
 
     def __init__(self) -> None:
         self.buffers: list[torch.Tensor] = []
+        self._flat: Flat | None = None
 
-    def take(self, sources: Sequence[torch.Tensor]) -> None:
-        old = self.buffers
-        fresh = []
-        for position, source in enumerate(sources):
-            reuse = old[position] if position < len(old) else None
-            if reuse is not None and reuse.shape == source.shape and reuse.dtype == source.dtype:
-                fresh.append(reuse)
-            else:
-                fresh.append(torch.empty_like(source, device="cpu", pin_memory=source.is_cuda))
-        self.buffers = fresh
-        _copy(fresh, list(sources))
+    def take(self, sources: Sequence[torch.Tensor], where: Placement = HOST, stager: Stager | None = None) -> None:
+        """Copy ``sources`` into buffers ``where`` says; with ``stager``, queue the copy (its ``flush`` does it)."""
+        flat = self._flat
+        if flat is None or not flat.fits(sources, where.where):
+            flat = Flat(sources, where.where, where.empty)
+        self._flat, self.buffers = flat, flat.views
+        if stager is not None:
+            stager.add(flat, sources)
+        else:
+            _copy(flat.views, list(sources))
 
     def restore(self, targets: Sequence[torch.Tensor]) -> None:
         buffers = self.buffers
@@ -82,10 +83,7 @@ class TensorCopies:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
 
 
-def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    if targets:
-        # Non-blocking only matters across devices (device to pinned host, pinned host to device).
-        torch._foreach_copy_(targets, sources, non_blocking=True)
+_copy = copy_into
 
 
 @dataclass
@@ -100,8 +98,10 @@ class _OptimizerCopy:
     outside: TensorCopies = field(default_factory=TensorCopies)
     """Its parameters outside the model (a temperature, another module's), which it alone moves."""
 
-    def take(self, optimizer: Optimizer, model_ids: set[int]) -> None:
-        self.outside.take(_outside(optimizer, model_ids))
+    def take(
+        self, optimizer: Optimizer, model_ids: set[int], where: Placement = HOST, stager: Stager | None = None
+    ) -> None:
+        self.outside.take(_outside(optimizer, model_ids), where, stager)
         sources: list[torch.Tensor] = []
         self.state = []
         for param in _params_of(optimizer):
@@ -121,7 +121,7 @@ class _OptimizerCopy:
             {key: detached_copy(value) for key, value in group.items() if key != "params"}
             for group in optimizer.param_groups
         ]
-        self.tensors.take(sources)
+        self.tensors.take(sources, where, stager)
 
     def restore(self, optimizer: Optimizer, model_ids: set[int]) -> None:
         self.outside.restore(_outside(optimizer, model_ids))
@@ -180,46 +180,68 @@ class Snapshot:
     statistics: dict[tuple[str, int], Series] = field(default_factory=dict)
     saved_statistics: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
     skips: SkipLimits = field(default_factory=SkipLimits)
+    loss: dict[str, Any] = field(default_factory=dict)
+    """The loss section's reference and skip history (``LossWatch.state_dict``)."""
+    where: Placement = HOST
+    """Where its tensors live (the policy's ``recovery.memory``, as chosen at attach)."""
+    copied: Any = None
+    """Host mode on CUDA: the event after its copy to the host, which a restore's copies wait for (on the device)."""
 
     @property
     def nbytes(self) -> int:
-        """Host bytes of the tensors it holds (the guard's statistics, on the device, are not counted)."""
+        """Bytes of the tensors it holds (the guard's statistics, on the device, are not counted)."""
         return self.model.nbytes + self.buffers.nbytes + sum(opt.nbytes for opt in self.optimizers)
 
     def take(
-        self, step: int, lr_scale: float, live: LiveState, buffers: TensorCopies | None = None
+        self,
+        step: int,
+        lr_scale: float,
+        live: LiveState,
+        buffers: TensorCopies | None = None,
+        where: Placement = HOST,
+        stager: Stager | None = None,
     ) -> TensorCopies | None:
-        """Copy the live state; ``buffers``: the model's buffers taken at the start of the step (before its
-        forward), used instead of the live ones. Returns the buffers object it replaced, for reuse."""
-        self.step, self.lr_scale = step, lr_scale
-        self.model.take(live.params())
+        """Copy the live state ``where`` says (through ``stager``: host mode's side stream); ``buffers``: the model's
+        buffers taken at the start of the step (before its forward), used instead of the live ones. Returns the
+        buffers object it replaced, for reuse."""
+        self.step, self.lr_scale, self.where = step, lr_scale, where
+        self.model.take(live.params(), where, stager)
         replaced = None
         if buffers is not None:
             replaced, self.buffers = self.buffers, buffers
         else:
-            self.buffers.take(live.buffers())
+            self.buffers.take(live.buffers(), where)
         kept = {id(opt.ref()): opt for opt in self.optimizers}
         self.optimizers = []
         for optimizer in live.optimizers():
-            self.add_optimizer(optimizer, live.model_ids(), kept.get(id(optimizer)))
+            self.add_optimizer(optimizer, live.model_ids(), kept.get(id(optimizer)), stager)
+        self.copied = stager.flush() if stager is not None else None
         self.scaler = {key: detached_copy(value) for key, value in live.scaler_tensors().items()}
         self.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in live.schedulers]
         self.statistics = {key: _series_copy(series) for key, series in live.statistics.series.items()}
         self.saved_statistics = copy.deepcopy(live.statistics._saved)
         self.skips = copy.deepcopy(live.skip_limits)
+        self.loss = live.loss.state_dict() if live.loss is not None else {}
         return replaced
 
-    def add_optimizer(self, optimizer: Optimizer, model_ids: set[int], reuse: _OptimizerCopy | None = None) -> None:
+    def add_optimizer(
+        self,
+        optimizer: Optimizer,
+        model_ids: set[int],
+        reuse: _OptimizerCopy | None = None,
+        stager: Stager | None = None,
+    ) -> None:
         entry = reuse if reuse is not None else _OptimizerCopy(weakref.ref(optimizer))
         entry.ref = weakref.ref(optimizer)
-        entry.take(optimizer, model_ids)
+        entry.take(optimizer, model_ids, self.where, stager)
         self.optimizers.append(entry)
 
     def holds(self, optimizer: Optimizer) -> bool:
         return any(entry.ref() is optimizer for entry in self.optimizers)
 
     def restore(self, live: LiveState) -> None:
-        """Put every copy back into the live objects, in place."""
+        """Put every copy back into the live objects, in place (after its copy to the host, on the device's queue)."""
+        wait_for(self.copied, self.where.device)
         self.model.restore(live.params())
         self.buffers.restore(live.buffers())
         model_ids = live.model_ids()
@@ -233,6 +255,8 @@ class Snapshot:
         live.statistics._saved = copy.deepcopy(self.saved_statistics)
         live.skip_limits.history = copy.deepcopy(self.skips.history)
         live.skip_limits.scaler_skips = self.skips.scaler_skips
+        if live.loss is not None and self.loss:
+            live.loss.load_state_dict(self.loss)
 
     def restore_scaler(self, live: LiveState) -> None:
         scaler = live.scaler
@@ -255,6 +279,8 @@ class LiveState:
     model: weakref.ReferenceType[nn.Module]
     statistics: Statistics
     skip_limits: SkipLimits
+    loss: Any = None
+    """The guard's ``LossWatch`` (its reference is rewound with the statistics), where known."""
     known_optimizers: list[weakref.ReferenceType[Optimizer]] = field(default_factory=list)
     scaler: torch.amp.GradScaler | None = None
     schedulers: list[Any] = field(default_factory=list)

@@ -41,6 +41,8 @@ class StepContext:
     GradScaler still held them scaled): it may have spread a NaN to every gradient it clipped."""
     loss_scales: Sequence[torch.Tensor] = ()
     """The GradScaler's loss scale(s) with ``found_inf``: a skip at or below a floor halts."""
+    rerunnable: bool = False
+    """The guard holds the step's computation (a closure) and can run it again (the ``rerun`` section)."""
     scaled_optimizers: Sequence[Any] = ()
     """The optimizers whose gradients a GradScaler unscaled before this explicit boundary: if all are fused, a
     skipping scaler still calls their ``step()`` (the kernel skips on ``found_inf``), which is not a new step."""
@@ -197,6 +199,12 @@ class StepOutcome:
     """Where the step's NaN/Inf started (``gradguard.enforce.provenance``), when it was traced."""
     clipped_before: str | None = None
     """``StepContext.clipped_before``: a clip that ran over these gradients before the guard's step."""
+    loss: float | None = None
+    """The step's loss, where the policy watches it and the guard saw it (the mean over ranks)."""
+    loss_skip: bool = False
+    """The ``loss`` section skips this step."""
+    note: str | None = None
+    """Said with a halt of this step (a re-run found the fault reproducible)."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any

@@ -20,6 +20,9 @@ put back when the last guard goes, unless someone else wrapped them on top of ou
 before the swap (``from torch.nn.utils import clip_grad_norm_`` before gradguard attached) keeps the
 original function and is not intercepted.
 
+It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls) to hand each backward's root to the
+guards whose policy watches the loss (the ``loss`` section), unscaled where ``GradScaler.scale`` made it.
+
 And it wraps ``torch.amp.GradScaler.scale`` and ``unscale_`` (class attributes, the same way), so a
 guard acting at a clip knows whether the gradients are still scaled (a scaler has scaled a loss and not
 unscaled this optimizer yet: the guard then waits for the optimizer's step) or were unscaled, with which
@@ -40,6 +43,8 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from gradguard.enforce.loss import LossWatch, root_of
 
 __all__ = [
     "CLIPS",
@@ -66,6 +71,8 @@ class GuardHooks(Protocol):
     def _before_clip(self, call: ClipCall) -> bool: ...
 
     def _after_clip(self) -> None: ...
+
+    def _loss_watch(self) -> LossWatch | None: ...
 
     def _clip_instead(
         self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -196,6 +203,11 @@ def _wrap_all() -> None:
             wrapper = made[id(original)] = _clip_wrapper(original, f"{module_name}.{attribute}", of_grads, first)
         setattr(owner, attribute, wrapper)
         _wrapped.append((owner, attribute, original, wrapper))
+    autograd = importlib.import_module("torch.autograd")
+    original_backward = autograd.backward
+    backward = _backward_wrapper(original_backward)
+    setattr(autograd, "backward", backward)  # noqa: B010 (a module attribute, swapped like the clips)
+    _wrapped.append((autograd, "backward", original_backward, backward))
     for attribute, make in (("scale", _scale_wrapper), ("unscale_", _unscale_wrapper)):
         original = getattr(torch.amp.GradScaler, attribute)
         wrapper = make(original)
@@ -276,9 +288,47 @@ def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         if self.is_enabled():
             with _scaler_lock:
                 _scaled[self] = (id(self._per_optimizer_states), threading.get_ident())
-        return original(self, outputs)
+        result = original(self, outputs)
+        if self.is_enabled() and isinstance(outputs, torch.Tensor) and isinstance(result, torch.Tensor):
+            with _scaler_lock:  # the loss this root scaled, for the guards' loss section
+                _unscaled_roots[id(result)] = (weakref.ref(result), outputs.detach())
+        return result
 
     return scale
+
+
+_unscaled_roots: dict[int, tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = {}
+"""``id(scaled loss) -> (the scaled loss, the loss)``: what ``GradScaler.scale`` returned, until its backward."""
+
+
+def _backward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if _guards:
+            _saw_backward(args, kwargs)
+        return original(*args, **kwargs)
+
+    return backward
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _saw_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Hand a backward's root (the loss, unscaled where a GradScaler scaled it) to the guards that watch it."""
+    watches = [watch for guard in _live() if (watch := guard._loss_watch()) is not None]
+    if not watches:
+        return
+    root, why = root_of(args, kwargs)
+    if root is not None:
+        with _scaler_lock:
+            scaled = _unscaled_roots.pop(id(root), None)
+            for key, (ref, _) in list(_unscaled_roots.items()):
+                if ref() is None:
+                    del _unscaled_roots[key]
+        if scaled is not None and scaled[0]() is root:
+            root = scaled[1]
+    if root is not None or why is not None:
+        for watch in watches:
+            watch.saw(root, why)
 
 
 def _unscale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
+from gradguard.enforce.loss import LossVerdict
 from gradguard.enforce.recovery import HaltReport, Recovery, RewindRequested
 from gradguard.enforce.step import StepContext, StepOutcome
 from gradguard.errors import GradientHalt, GuardWarning
@@ -67,8 +68,10 @@ class Verdicts:
             counts = [rules[r].name for r in sorted(set(outcome.halted_by.values()))]
             params = first_first([names[i] for i in offenders], outcome.origin)
             kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
-            self.halt(HaltReport(step, rule, params, kinds, kind, None, outcome.origin), counts, "halt_on_nonfinite")
-        if outcome.skipped_by or outcome.spikes:
+            self.halt(
+                HaltReport(step, rule, params, kinds, kind, outcome.note, outcome.origin), counts, "halt_on_nonfinite"
+            )
+        if outcome.skipped_by or outcome.spikes or outcome.loss_skip:
             return  # the step will not happen: its interventions did not either
         self.counters.add_many(outcome.counts)
         for event, fields in outcome.events:
@@ -130,6 +133,28 @@ class Verdicts:
                 if why is not None:
                     report = HaltReport(step, rule.name, [], {}, "overflow", why, None)
                     self.halt(report, [rule.name], "halt_on_nonfinite")
+
+    def loss(self, verdict: LossVerdict, step: int, context: StepContext) -> bool:
+        """The ``loss`` section's verdict: counted and logged; a halt (a rewind under recovery) raises, a skip clears
+        the step's gradients and returns True; ``ignore`` returns False."""
+        self.counters.add("loss", verdict.kind)
+        if verdict.kind == "spike":
+            fields = {"reference": verdict.reference, "factor": verdict.factor}
+            self.events.emit("warning", "loss_spike", step=step, loss=verdict.loss, action=verdict.action, **fields)
+        else:
+            self.events.emit("warning", "loss_nonfinite", step=step, loss=verdict.loss, action=verdict.action)
+        if verdict.action == "halt":
+            if verdict.kind == "spike":
+                why = f"loss {verdict.loss:.6g} above {verdict.factor:g} x the reference {verdict.reference:.6g}"
+            else:
+                why = f"the loss is {verdict.loss}"
+            if verdict.escalation is not None:
+                why = f"{why}; skip limit exceeded: {verdict.escalation}"
+            self.halt(HaltReport(step, "loss", [], {}, verdict.halt_kind, why, None), ["loss"], "halt")
+        if verdict.action == "skip":
+            self.clear(context)
+            return True
+        return False
 
     def rewound(self, request: RewindRequested, context: StepContext) -> None:
         """Recovery turned a halt into a rewind: restore, skip this update, say so as loudly as a halt."""

@@ -37,6 +37,9 @@ __all__ = [
     "GuardEvent",
     "Halt",
     "Intervention",
+    "LossNonfinite",
+    "LossSpike",
+    "LossUnseen",
     "Nonfinite",
     "NonfiniteGroupNorm",
     "NonfiniteUnhalted",
@@ -46,6 +49,8 @@ __all__ = [
     "PolicyReloadFailed",
     "Rebind",
     "Recovered",
+    "Rerun",
+    "RerunUnavailable",
     "Rewind",
     "ScalerSkip",
     "Skip",
@@ -226,6 +231,49 @@ class SpikeSkip(StepEvent, tag="spike_skip", kw_only=True):
     samples: Number
 
 
+class LossSpike(StepEvent, tag="loss_spike", kw_only=True):
+    """The step's loss above ``factor`` x ``reference`` (the median of recent applied steps' losses)."""
+
+    LEVEL: ClassVar[str] = "warning"
+    loss: Number
+    reference: Number
+    factor: Number
+    action: str
+
+
+class LossNonfinite(StepEvent, tag="loss_nonfinite", kw_only=True):
+    LEVEL: ClassVar[str] = "warning"
+    loss: Number
+    action: str
+
+
+class LossUnseen(StepEvent, tag="loss_unseen", kw_only=True):
+    """The ``loss`` section cannot judge what the guard saw (``why``), said once: nothing is judged then."""
+
+    LEVEL: ClassVar[str] = "warning"
+    why: str
+
+
+class Rerun(StepEvent, tag="rerun", kw_only=True):
+    """A suspect step computed again (the policy's ``rerun`` section): ``transient`` if the two differ."""
+
+    LEVEL: ClassVar[str] = "warning"
+    verdict: str
+    asked: str
+    loss_first: Number | None = None
+    loss_second: Number | None = None
+    max_rel_diff: Number
+    params: list[str]
+    ranks: list[int]
+
+
+class RerunUnavailable(StepEvent, tag="rerun_unavailable", kw_only=True):
+    """Once: a suspect step that could not be computed again (``why``); its verdict stood."""
+
+    LEVEL: ClassVar[str] = "warning"
+    why: str
+
+
 class ScalerSkip(StepEvent, tag="scaler_skip", kw_only=True):
     fused: bool
 
@@ -270,6 +318,8 @@ class Stats(StepEvent, tag="stats", kw_only=True):
     rule: str
     scope: str
     figures: dict[str, Union[dict[str, Number], Number]]  # noqa: UP007
+    loss: Number | None = None
+    """The step's loss, where the guard saw it."""
 
 
 class _HealthFlag(StepEvent, kw_only=True):
@@ -322,6 +372,11 @@ GuardEvent = Union[  # noqa: UP007
     Skip,
     AdaptiveClip,
     SpikeSkip,
+    LossSpike,
+    LossNonfinite,
+    LossUnseen,
+    Rerun,
+    RerunUnavailable,
     ScalerSkip,
     NormOverflow,
     UnexpectedOptimizer,

@@ -34,6 +34,8 @@ from typing import Any, Final
 
 import structlog
 
+from gradguard.errors import origin_sentence
+
 __all__ = ["CONSOLE_NAMES", "DEFAULT_LOGGER", "EVENT_SCHEMA_VERSION", "EventLog", "JsonLinesFile", "console_fields"]
 
 EVENT_SCHEMA_VERSION: Final = 1
@@ -42,8 +44,6 @@ _LEVELS: Final = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
 CONSOLE_NAMES: Final = 5
 """Names (list items) the application's logger is shown per field; the audit log has them all."""
-_CONSOLE_ORIGIN: Final = ("phase", "module", "seen_in", "kind", "input_nonfinite", "spread", "note", "hint")
-"""The keys of an ``origin`` the application's logger is shown (``first_params`` are ``params``' first)."""
 
 _BATCH_BYTES: Final = 1 << 20
 """A batch of lines is written once it reaches this size, so a burst never builds one huge buffer."""
@@ -148,12 +148,13 @@ def console_fields(event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
 
     A list longer than ``CONSOLE_NAMES`` keeps its first items and says how many more there are
     (``params`` also gets its ``count``); ``kinds`` (a kind per parameter) becomes a tally per kind;
-    ``origin`` keeps where it started (not its list of first parameters, which lead ``params``); a
-    halt's cumulative ``counters`` are left to the audit log (and ``guard.counters``).
+    ``origin`` becomes the sentence a halt says (``It started in the forward pass: ...``); a field
+    without a value (``reason=None``) and a halt's cumulative ``counters`` are left to the audit log (and
+    ``guard.counters``).
     """
     out: dict[str, Any] = {}
     for key, value in fields.items():
-        if key == "counters" and event == "halt":
+        if value is None or (key == "counters" and event == "halt"):
             continue
         if key == "kinds" and isinstance(value, Mapping):
             tally: dict[str, int] = {}
@@ -161,13 +162,21 @@ def console_fields(event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
                 tally[kind] = tally.get(kind, 0) + 1
             value = tally
         elif key == "origin" and isinstance(value, Mapping):
-            value = {k: value[k] for k in _CONSOLE_ORIGIN if value.get(k) not in (None, False, "")}
+            value = _origin_words(value)
         elif isinstance(value, list | tuple) and len(value) > CONSOLE_NAMES:
             value = [*value[:CONSOLE_NAMES], f"... and {len(value) - CONSOLE_NAMES} more"]
         out[key] = value
         if key == "params" and isinstance(fields[key], list | tuple):
             out["count"] = len(fields[key])
     return out
+
+
+def _origin_words(origin: Mapping[str, Any]) -> Any:
+    """Where a NaN/Inf started, in words (``origin_sentence``); an origin it cannot read, as it is."""
+    try:
+        return origin_sentence(origin).removeprefix("Origin: ")
+    except (AttributeError, TypeError, ValueError):
+        return dict(origin)
 
 
 def _add_level(_: Any, method_name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:

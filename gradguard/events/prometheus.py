@@ -59,6 +59,7 @@ SPIKE_SKIP_ACTION, SPIKE_HALT = "skip_step_on_spike", "halt_on_spike"
 HALT_ACTIONS = frozenset({HALT_ACTION, SPIKE_HALT})
 SKIP_ACTIONS = frozenset({SKIP_ACTION, SPIKE_SKIP_ACTION})
 SCALER_RULE, SCALER_SKIP = "grad_scaler", "skip"
+RECOVERY_RULE = "recovery"  # the steps of a rewind's window (gradguard.enforce.recovery.RECOVERY_RULE)
 WATCH_ACTIONS = frozenset({HALT_ACTION, SKIP_ACTION})
 COUNTER_NAMES = frozenset({*NONFINITE_KINDS, *HALT_ACTIONS, *SKIP_ACTIONS, SCALER_SKIP})
 """Counter keys that are not interventions (with the action names, what ``gradguard/<rule>/<x>`` may count)."""
@@ -185,7 +186,7 @@ class _GuardCollector:
                     nonfinite.add_metric([rule, action, rank], count)
                 elif action in HALT_ACTIONS:
                     halted = (halted or 0) + count
-                elif action in SKIP_ACTIONS or (rule == SCALER_RULE and action == SCALER_SKIP):
+                elif action in SKIP_ACTIONS or (rule in (SCALER_RULE, RECOVERY_RULE) and action == SCALER_SKIP):
                     skips = (skips or 0) + count
                 else:
                     interventions.add_metric([rule, action, rank], count)

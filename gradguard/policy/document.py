@@ -22,13 +22,16 @@ class Policy(PolicyFields):
     """
 
     def __eq__(self, other: object) -> bool:
-        """Policies are equal when their rules and recovery are: a file and the dict it holds give equal policies."""
+        """Policies are equal when their rules and sections are (a file, and the dict it holds)."""
         if not isinstance(other, Policy):
             return NotImplemented
-        return self.version == other.version and self.rules == other.rules and self.recovery == other.recovery
+        return self._sections() == other._sections()
 
     def __hash__(self) -> int:
-        return hash((self.version, self.rules, self.recovery))
+        return hash(self._sections())
+
+    def _sections(self) -> tuple[Any, ...]:
+        return (self.version, self.rules, self.loss, self.recovery, self.rerun)
 
     @property
     def source(self) -> str:

@@ -49,9 +49,12 @@ from gradguard.policy.schema import (
     ClipValue,
     Drop,
     HaltOnNonfinite,
+    Loss,
+    LossSpike,
     Monitor,
     PolicyFields,
     Recovery,
+    Rerun,
     Rule,
     Scale,
     SkipStepOnNonfinite,
@@ -101,6 +104,9 @@ _FIELDS_BY_ACTION: dict[str, tuple[str, ...]] = {
 _RULE_FIELDS = tuple(Rule.model_fields)
 _POLICY_FIELDS = tuple(PolicyFields.model_fields)
 _RECOVERY_FIELDS = tuple(Recovery.model_fields)
+_LOSS_FIELDS = tuple(Loss.model_fields)
+_LOSS_SPIKE_FIELDS = tuple(LossSpike.model_fields)
+_RERUN_FIELDS = tuple(Rerun.model_fields)
 
 
 def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
@@ -186,7 +192,9 @@ def _read(source: str) -> str:
         with open(source, "rb") as file:
             raw = file.read(MAX_FILE_BYTES + 1)  # stat can be wrong (pipes, /proc): never read on without bound
     except FileNotFoundError:
-        raise refuse("no such file; check the path") from None
+        looked = os.path.abspath(source)
+        issue = PolicyIssue(source, None, "", f"no such file (looked for {looked}); check the path")
+        raise PolicyError([issue], head="no such policy") from None
     except OSError as exc:
         raise refuse(f"cannot read the file: {exc}") from None
     if len(raw) > MAX_FILE_BYTES:
@@ -435,6 +443,12 @@ def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[
         return _RULE_FIELDS
     if tuple(parent) == ("recovery",):
         return _RECOVERY_FIELDS
+    if tuple(parent) == ("loss",):
+        return _LOSS_FIELDS
+    if tuple(parent) == ("loss", "spike"):
+        return _LOSS_SPIKE_FIELDS
+    if tuple(parent) == ("rerun",):
+        return _RERUN_FIELDS
     if len(parent) == 4 and parent[2] == "actions":
         try:
             action = data["rules"][parent[1]]["actions"][parent[3]]["action"]

@@ -6,14 +6,10 @@ A policy is data, validated once when it is loaded; nothing here touches torch, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationInfo,
@@ -22,7 +18,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from gradguard.policy.fields import Finite, PositiveFinite
+from gradguard.policy.fields import Strict as _Strict
 from gradguard.policy.patterns import check_pattern
+from gradguard.policy.sections import Loss, LossSpike, Rerun, loss_can_halt
 
 __all__ = [
     "MONITOR_STATS",
@@ -33,9 +32,12 @@ __all__ = [
     "ClipValue",
     "Drop",
     "HaltOnNonfinite",
+    "Loss",
+    "LossSpike",
     "Monitor",
     "PolicyFields",
     "Recovery",
+    "Rerun",
     "Rule",
     "Scale",
     "SkipStepOnNonfinite",
@@ -46,13 +48,14 @@ __all__ = [
 
 EMPTY_STEP_WINDOW = "empty_step_window"
 """Error type of a window with ``until_step <= from_step``; the file loader re-checks it on the raw data."""
+RESERVED_RULE_NAMES = {
+    "loss": "the policy's loss section",
+    "rerun": "the policy's rerun section",
+    "grad_scaler": "GradScaler's skipped steps",
+}
+"""Names the guard counts under besides the rules' (``guard.counters``): no rule may take them."""
 DUPLICATE_RULE_NAME = "duplicate_rule_name"
 """Error type of a rule name used twice; the file loader re-checks it on the raw data."""
-
-
-class _Strict(BaseModel):
-    # Attribute docstrings become field descriptions in the JSON Schema (`gradguard schema`).
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, use_attribute_docstrings=True)
 
 
 class _StepWindow(_Strict):
@@ -77,18 +80,6 @@ class _StepWindow(_Strict):
         if self.from_step is not None and step < self.from_step:
             return False
         return self.until_step is None or step < self.until_step
-
-
-def _finite(value: float, info: ValidationInfo) -> float:
-    if not math.isfinite(value):
-        raise ValueError(f"{info.field_name} must be a finite number, got {value!r}")
-    return value
-
-
-Finite = Annotated[float, AfterValidator(_finite)]
-"""A float field that must be finite (``.inf`` and ``.nan`` parse as floats): the error names the field."""
-PositiveFinite = Annotated[float, Field(gt=0, strict=True), AfterValidator(_finite)]
-"""A finite float above 0, for optional fields (the bound belongs to the number, not to ``None``)."""
 
 
 class ClipNorm(_StepWindow):
@@ -379,6 +370,14 @@ class Rule(_StepWindow):
     allow_no_match: bool = Field(default=False, strict=True)
     """If true, a rule that matches no parameter of the model is not an error."""
 
+    @field_validator("name")
+    @classmethod
+    def _name_is_not_reserved(cls, value: str) -> str:
+        if value in RESERVED_RULE_NAMES:
+            owner = RESERVED_RULE_NAMES[value]
+            raise ValueError(f"{value!r} is the counter key of {owner}; give the rule another name")
+        return value
+
     @field_validator("match", "exclude", mode="before")
     @classmethod
     def _one_pattern_is_a_list(cls, value: Any) -> Any:
@@ -415,6 +414,10 @@ class Recovery(_Strict):
     lr_factor: Finite = Field(default=1.0, gt=0, le=1, strict=True)
     """Each param group's LR (and a known scheduler's base LRs) is multiplied by it at every rewind. 1.0:
     the rewind and new data alone (PaLM's recipe); lowering the LR changes the rest of the run for good."""
+    memory: Literal["device", "host", "auto"] = "auto"
+    """Where snapshots live. ``device``: preallocated buffers on the parameters' device (a device-to-device copy;
+    an error at attach if ``keep`` snapshots do not fit). ``host``: pinned host memory, copied on a side stream
+    that overlaps the next steps. ``auto``: ``device`` when they fit with a margin, else ``host``."""
 
 
 def can_halt(rule: Rule) -> bool:
@@ -436,18 +439,24 @@ class PolicyFields(_Strict):
     """The policy format's version: 1."""
     rules: tuple[Rule, ...] = Field(min_length=1)
     """The rules, applied in this order; a parameter matched by several gets all their actions."""
+    loss: Loss | None = None
+    """The step's loss as a trigger: a NaN/Inf loss, a loss spike (``None``: the loss is not watched)."""
     recovery: Recovery | None = None
     """Rewind to an in-memory snapshot instead of halting (``None``: a halt ends the run)."""
+    rerun: Rerun | None = None
+    """Compute a suspect step again to tell a transient fault from the model's (``None``: never)."""
 
     @field_validator("recovery")
     @classmethod
     def _recovery_can_fire(cls, value: Recovery | None, info: ValidationInfo) -> Recovery | None:
         rules = info.data.get("rules")
-        if value is not None and rules is not None and not any(can_halt(rule) for rule in rules):
+        loss = info.data.get("loss")
+        rules_halt = rules is None or any(can_halt(rule) for rule in rules)
+        if value is not None and not rules_halt and (loss is None or not loss_can_halt(loss)):
             raise ValueError(
                 "no rule can halt, so recovery would never rewind: add a rule with "
                 "{action: halt_on_nonfinite}, or give a skip action max_consecutive_skips or max_skips, "
-                "or remove the recovery section"
+                "or a loss section that halts, or remove the recovery section"
             )
         return value
 

@@ -1,11 +1,9 @@
 """The policies gradguard ships, read from the installed package wherever the code runs.
 
-The files live in the repository's top-level ``policies/`` and install as the data package
-``gradguard.policies`` (``[tool.setuptools.package-dir]`` in ``pyproject.toml``), so a wheel, an sdist
-install and a zip import all find them through ``importlib.resources.files``. An editable install maps
-``gradguard`` onto the checkout's ``gradguard/`` only (setuptools' editable finder cannot map a data
-package without an ``__init__.py`` nested in a regular one), so there the checkout's ``policies/`` is
-read instead: the same files.
+The files live in the repository's top-level ``policies/``, which ``gradguard/policies`` links to, and
+install as the data package ``gradguard.policies``, so a wheel, an sdist install, an editable install
+and a zip import all find them through ``importlib.resources.files``. A checkout without the link (git
+on Windows without symbolic links) reads the checkout's ``policies/`` instead: the same files.
 
 ``Policy.shipped(name)`` loads one; ``gradguard policies`` lists them and prints one to start a
 policy of one's own.
@@ -91,7 +89,7 @@ def policies_folder() -> Traversable:
     installed = importlib.resources.files("gradguard").joinpath("policies")
     if installed.is_dir():
         return installed
-    return Path(__file__).resolve().parents[2] / "policies"  # an editable install: the checkout's own
+    return Path(__file__).resolve().parents[2] / "policies"  # a checkout without the link: its own
 
 
 def shipped_policies() -> tuple[ShippedPolicy, ...]:
@@ -117,6 +115,7 @@ def shipped_policy(name: str) -> ShippedPolicy:
     message = (
         f"no shipped policy is called {name!r}{did_you_mean(name, names)}; the shipped policies are: "
         f"{', '.join(names)} "
-        "(`gradguard policies` lists them; for a file of your own, use Policy.from_file(path))"
+        "(`gradguard policies` lists them; for a file of your own, give its path where you gave the name "
+        "(GradGuard(model, 'my-policy.yaml')))"
     )
-    raise PolicyError([PolicyIssue(f"<shipped policy {name!r}>", None, "", message)])
+    raise PolicyError([PolicyIssue(f"<shipped policy {name!r}>", None, "", message)], head="no such policy")

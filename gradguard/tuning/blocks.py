@@ -12,6 +12,12 @@ or new, a non-finite norm (the watches decide it). Rules and actions that start 
 
 A policy with an adaptive action (``zclip``, ``autoclip``, ``skip_step_on_spike``: statistics carried from
 step to step), ``clip_value``, a ``clip_norm`` by ``inf`` or ``agc`` is replayed step by step.
+
+A policy's ``loss`` section keeps statistics too (the median of recent losses), but they follow only the losses
+and which steps are applied: ``Replayer.feed`` judges each step's loss as the step arrives
+(``gradguard.tuning.loss_replay``), a step in a block is applied and its loss enters the reference at once, and a
+step whose loss the section flags (a spike, a NaN: it may skip or halt) is decided on its own in its place. So
+a loss section alone does not stop the blocks; its verdicts are those of a replay one step at a time.
 """
 
 from __future__ import annotations

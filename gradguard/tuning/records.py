@@ -6,7 +6,9 @@ any rule). ``recorded_steps`` streams those events out of one or more audit logs
 by ``gradguard.audit.reader``) and hands them back one step at a time: memory holds one step's
 figures, whatever the log's length. ``max_abs`` and ``grad_to_weight`` figures at tensor scope are
 kept too (``gradguard replay`` uses them for ``clip_value`` and ``agc``); group and module scopes, and
-the other figures, are counted and left out.
+the other figures, are counted and left out. The step's loss, which every ``stats`` event of a step carries
+where the guard saw it (any scope), is kept as the step's ``loss`` (``suggest`` and ``replay`` of the policy's
+``loss`` section).
 
 Each line is read once into its typed event (``gradguard.events.definitions``);
 no torch.
@@ -40,6 +42,8 @@ class RecordedStep:
     norm: dict[str, float] = field(default_factory=dict)
     max_abs: dict[str, float] = field(default_factory=dict)
     grad_to_weight: dict[str, float] = field(default_factory=dict)
+    loss: float | None = None
+    """The step's loss (the guard's, as its ``stats`` events carry it), or ``None`` where none was recorded."""
 
 
 @dataclass
@@ -63,6 +67,8 @@ class Recording:
     """The ``params`` of the log's last ``attach`` event: how many tensors the guard watched."""
     step_back: tuple[int, int] | None = None
     """The first place the steps went back, ``(from, to)``: the log holds several runs (read as one)."""
+    loss_steps: int = 0
+    """Recorded steps with a loss."""
 
 
 def no_norms_message(paths: Sequence[Path], recording: Recording) -> str:
@@ -79,6 +85,8 @@ def no_norms_message(paths: Sequence[Path], recording: Recording) -> str:
 def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[RecordedStep]:
     """The recorded figures of every step, in step order (several files merged; a name's first value wins)."""
     current: RecordedStep | None = None
+    loss_at: tuple[int, float] | None = None
+    """The last loss a ``stats`` event carried, and its step (an event at another scope may come first)."""
     for record in read_merged(paths, recording.read):
         event = record.event
         if isinstance(event, Attach):
@@ -88,6 +96,8 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
             continue
         recording.stats_events += 1
         step, figures, scope = event.step, event.figures, event.scope
+        if event.loss is not None and (loss_at is None or loss_at[0] != step):
+            loss_at = (step, as_float(event.loss))
         if scope != "tensor" or "norm" not in figures:
             key = scope if scope != "tensor" else "tensor, without norm"
             recording.other_scopes[key] = recording.other_scopes.get(key, 0) + 1
@@ -102,6 +112,9 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
             recording.steps += 1
             recording.first_step = step if recording.first_step is None else min(recording.first_step, step)
             recording.last_step = step if recording.last_step is None else max(recording.last_step, step)
+        if current.loss is None and loss_at is not None and loss_at[0] == step:
+            current.loss = loss_at[1]
+            recording.loss_steps += 1
         if _take(figures, current):
             recording.tensor_events += 1
         else:

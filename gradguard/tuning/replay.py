@@ -19,6 +19,12 @@ What a log cannot decide is said, not guessed (``Undecidable``): ``clip_value`` 
 ``clip_value`` the replay keeps the tensor's 2-norm as it was (an upper bound: the clamp's effect on
 the norm is not in the log). A halt ends the replay, as it ends the run.
 
+The policy's ``loss`` section is judged on each recorded step's loss (``gradguard.tuning.loss_replay``) with the
+guard's own ``LossWatch``, in the guard's order: a gradient's halt first, then the loss's verdict (a loss skip
+takes the step before any gradient skip, and keeps it out of every statistic), then the gradient skips. Its
+verdicts are listed as rule ``loss``, actions ``spike`` and ``nonfinite`` (the guard's counters). Where the
+monitor sampled every ``k`` steps, the reference is the median of the last ``window`` sampled losses.
+
 A policy without adaptive actions is decided a block of steps at a time (``gradguard.tuning.blocks``),
 with the same formulas and verdicts. Memory holds one block's norms (``BLOCK_STEPS`` steps), the adaptive
 statistics (bounded by their windows) and the steps each action acted on.
@@ -36,6 +42,7 @@ import torch
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, has_active
 from gradguard.enforce.actions.spikes import spike_decide
+from gradguard.enforce.loss import LossVerdict
 from gradguard.policy.document import Policy
 from gradguard.policy.patterns import rule_matches
 from gradguard.policy.schema import (
@@ -70,6 +77,7 @@ from gradguard.tuning.blocks import (
     gradient_actions,
     windowed,
 )
+from gradguard.tuning.loss_replay import LOSS_RULE, NO_LOSS, LossReplay, loss_reason
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
 
 __all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]
@@ -171,6 +179,7 @@ class Replayer:
         self.in_blocks = decides_in_blocks(self.rules)
         """Whether steps are decided a block at a time (``feed``); False decides each on its own."""
         self.windowed = windowed(self.rules)
+        self.loss = LossReplay(policy.loss)
         self._pending: list[RecordedStep] = []
         """Steps gathered for a block (``feed``)."""
         self._activity: tuple[bool, ...] = ()
@@ -217,11 +226,14 @@ class Replayer:
         """
         if self.halt is not None:
             return False
+        verdict = self.loss.judge(recorded)
         if self.in_blocks:
             # Every known name recorded, in order, and every norm finite in float32 (their magnitudes' sum at
-            # most float32's largest bounds each one; NaN fails the comparison): no watch can fire.
+            # most float32's largest bounds each one; NaN fails the comparison): no watch can fire. A step whose
+            # loss the loss section flags is decided on its own.
             norms = recorded.norm
-            if norms and list(norms) == self.names and sum(map(abs, norms.values())) <= F32_MAX:
+            if verdict is None and norms and list(norms) == self.names and sum(map(abs, norms.values())) <= F32_MAX:
+                self.loss.applied(recorded)  # no watch fires: the step is applied
                 activity = tuple(item.active_at(recorded.step) for item in self.windowed)
                 if activity != self._activity:
                     self._decide_pending()
@@ -231,7 +243,7 @@ class Replayer:
                     self._decide_pending()
                 return True
             self._decide_pending()
-        return self._feed_one(recorded)
+        return self._feed_one(recorded, verdict)
 
     def _decide_pending(self) -> None:
         """The gathered steps, as one matrix under one activity of the rules (none of them can skip or halt)."""
@@ -248,7 +260,7 @@ class Replayer:
                 if changed:
                     self.entries[key].steps.append(recorded.step)
 
-    def _feed_one(self, recorded: RecordedStep) -> bool:
+    def _feed_one(self, recorded: RecordedStep, verdict: LossVerdict | None = None) -> bool:
         self._learn(recorded.norm)
         step = recorded.step
         self.steps += 1
@@ -273,6 +285,13 @@ class Replayer:
             reason = f"non-finite gradient norm of {self.names[offender]!r}"
             self.halt = Halt(step, rule.name, "halt_on_nonfinite", reason)
             return False
+        if verdict is not None:
+            self.loss.given(verdict, step)
+            if verdict.action == "halt":
+                self.halt = Halt(step, LOSS_RULE, verdict.kind, loss_reason(verdict))
+                return False
+            if verdict.action == "skip":
+                return True  # the loss section skips the step before any gradient skip: no statistic moves
         if skipped_by or spikes:
             causes: list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]
             causes = [(r, SkipStepOnNonfinite) for r in sorted(set(skipped_by.values()))]
@@ -287,6 +306,7 @@ class Replayer:
                     return False
             return True
         self.skip_limits.step_applied()
+        self.loss.applied(recorded)
         for key, cols, tensors, slot in proposals:
             stats = self.stats[key]
             for name, value in tensors.items():
@@ -429,6 +449,11 @@ class Replayer:
             Undecidable(self.rules[r].name, self.rules[r].actions[p].action, reason)
             for (r, p), reason in sorted(undecidable.items())
         ]
+        for position, (kind, steps) in enumerate(self.loss.steps.items()):
+            if recording.loss_steps:
+                actions.append(ActionSteps(LOSS_RULE, kind, position, steps))
+            else:
+                listed.append(Undecidable(LOSS_RULE, kind, NO_LOSS))
         return ReplayResult(self.policy.source, actions, listed, self.halt, recording, list(self.names), self.steps)
 
 

@@ -22,8 +22,12 @@ is a spike however wide the spread, so a step whose family's norms are 20x their
 acted on.
 
 Every parameter gets a ``skip_step_on_nonfinite`` rule, and a ``monitor`` keeps recording norms for the
-next run. The second pass replays the suggested policy on the same logs
-(``gradguard.tuning.replay``), so each rule's comment says on which recorded steps it would have acted.
+next run. With ``loss=True`` (``--loss``), where the log holds the step's loss (the ``stats`` events carry it), a
+``loss`` section with a
+``spike.factor`` learned the same way from ``ln(loss / reference)``, the reference a running median of the
+recorded losses as the guard's is (``gradguard.tuning.loss_factor``). The second pass replays the suggested
+policy on the same logs (``gradguard.tuning.replay``), so each rule's comment (and the loss section's) says on
+which recorded steps it would have acted.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from gradguard.policy.loading import load_policy_text
 from gradguard.tuning.blocks import stacked
 from gradguard.tuning.families import Family, family_key, family_pattern, merge_alike
 from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram
+from gradguard.tuning.loss_factor import LossFactor, LossRatios, loss_factor, loss_lines
 from gradguard.tuning.records import Recording, no_norms_message, recorded_steps
 from gradguard.tuning.replay import ReplayResult, replay_files
 
@@ -192,6 +197,8 @@ class Suggestion:
     params: int
     budget: float
     z: float
+    loss: LossFactor | None = None
+    """The proposed ``loss.spike.factor`` and its figures, or ``None`` (too few recorded losses)."""
 
     @property
     def policy(self) -> Policy:
@@ -199,13 +206,17 @@ class Suggestion:
 
 
 def suggest_files(
-    paths: Sequence[Path], *, budget: float = 0.01, z: float = 6.0, merge_within: float = 1.5
+    paths: Sequence[Path], *, budget: float = 0.01, z: float = 6.0, merge_within: float = 1.5, loss: bool = False
 ) -> Suggestion:
-    """Learn a policy from the norms recorded in ``paths``; ``NoNorms`` if there are none."""
+    """Learn a policy from the norms recorded in ``paths`` (and a ``loss`` section from the losses, with ``loss``);
+    ``NoNorms`` if there are none."""
     recording = Recording()
     summary = NormSummary()
+    ratios = LossRatios()
     for recorded in recorded_steps(paths, recording):
         summary.add(recorded.norm)
+        if loss and recorded.loss is not None:
+            ratios.add(recorded.step, recorded.loss, SPIKE_FACTOR)
     summary.flush()
     if not summary.names:
         raise NoNorms(no_norms_message(paths, recording))
@@ -216,14 +227,27 @@ def suggest_files(
     thresholds = [_threshold(family, names, len(merged), budget, z) for family in merged]
     thresholds.sort(key=lambda t: -t.median)
     _unique_rule_names(thresholds)
+    found = None
+    if ratios.ratios.total >= MIN_SAMPLES:
+        bounds = {"min_spread": MIN_SPREAD, "min_factor": MIN_FACTOR, "spike_factor": SPIKE_FACTOR}
+        found = loss_factor(ratios, budget=budget, z=z, **bounds)
     draft = _render(paths, thresholds, sparse, recording, len(names), budget, z, None)
+    if loss:
+        draft += "\n".join(loss_lines(found, ratios, None, z=z, spike_factor=SPIKE_FACTOR, least=MIN_SAMPLES)) + "\n"
     replay = replay_files(load_policy_text(Policy, draft, "yaml", "<suggested>"), paths)
     by_rule = {entry.rule: entry.steps for entry in replay.actions}
     for threshold in thresholds:
         threshold.steps = by_rule.get(threshold.rule, [])
     text = _render(paths, thresholds, sparse, recording, len(names), budget, z, replay)
+    if found is not None:
+        verdicts = {entry.action: entry.steps for entry in replay.actions if entry.rule == "loss"}
+        found.spikes, found.nonfinite = verdicts.get("spike", []), verdicts.get("nonfinite", [])
+        flagged = _steps(sorted(found.spikes + found.nonfinite), recording.loss_steps).replace("acts on", "skips", 1)
+        text += "\n".join(loss_lines(found, ratios, flagged, z=z, spike_factor=SPIKE_FACTOR, least=MIN_SAMPLES)) + "\n"
+    elif loss:
+        text += "\n".join(loss_lines(None, ratios, None, z=z, spike_factor=SPIKE_FACTOR, least=MIN_SAMPLES)) + "\n"
     load_policy_text(Policy, text, "yaml", "<suggested>")  # what is printed loads: a failure here is a bug
-    return Suggestion(text, thresholds, sparse, replay, recording, len(names), budget, z)
+    return Suggestion(text, thresholds, sparse, replay, recording, len(names), budget, z, found)
 
 
 def _threshold(family: Family, names: list[str], families: int, budget: float, z: float) -> Threshold:

@@ -1,0 +1,115 @@
+"""``gradguard explain POLICY`` without ``--model``: the policy itself in words, and what a model would add.
+
+Its rules in the order they apply (patterns, actions, steps), its ``recovery`` section and any other
+top-level section, read as the guard reads them; which parameter gets what, and the problems of
+attaching, need a model (``--model MODULE:CALLABLE``). ``top_level_sections`` is also what ``gradguard
+validate`` names. Importing this module does not import torch (``validate`` does not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradguard.audit.layout import Section, Table
+from gradguard.policy.document import Policy
+from gradguard.policy.schema import can_halt
+
+__all__ = ["MODEL_ADDS", "policy_header", "policy_json", "policy_sections", "top_level_sections"]
+
+MODEL_ADDS = (
+    "with --model MODULE:CALLABLE: each parameter of the model (shape, dtype) and the rules and actions it gets, "
+    "the parameters no rule covers, the rules that match nothing (an error when the guard attaches, unless "
+    "allow_no_match), the tied parameters, what recovery's snapshots would hold, and every problem GradGuard "
+    "would raise when attaching"
+)
+"""What ``explain`` adds when it is given a model."""
+
+
+def top_level_sections(policy: Policy) -> list[str]:
+    """The top-level sections a policy gives besides ``version`` and ``rules`` (``recovery``, ...), in schema order."""
+    return [name for name in type(policy).model_fields if name not in ("version", "rules") and getattr(policy, name)]
+
+
+def policy_header(policy: Policy) -> list[str]:
+    rules = len(policy.rules)
+    sections = ["rules", *top_level_sections(policy)]
+    return [
+        f"policy {policy.source}: version {policy.version}, {rules} rule{'s' if rules != 1 else ''}; "
+        f"top-level sections: {', '.join(sections)}",
+        "no model given: the policy alone (which parameters each rule covers needs --model)",
+    ]
+
+
+def policy_sections(policy: Policy) -> list[Section]:
+    """The rules, each further top-level section, and what a model would add."""
+    from gradguard.cli.explain import action_text, window_text
+
+    rows = [
+        [
+            rule.name,
+            ", ".join(rule.match) + (f" (except {', '.join(rule.exclude)})" if rule.exclude else ""),
+            "; ".join(action_text(action) for action in rule.actions),
+            window_text(rule) or "all",
+            "allow_no_match" if rule.allow_no_match else "",
+        ]
+        for rule in policy.rules
+    ]
+    sections = [
+        Section(
+            "Rules (in the order they apply; a parameter several match gets all their actions)",
+            [],
+            Table(["rule", "match", "actions", "steps", "note"], rows, frozenset()),
+        )
+    ]
+    for name in top_level_sections(policy):
+        sections.append(Section(f"The {name} section", _section_lines(policy, name)))
+    sections.append(Section("What a model adds", [MODEL_ADDS]))
+    sections.append(Section("Findings", ["none: the policy is valid (exit 0)"]))
+    return sections
+
+
+def _section_lines(policy: Policy, name: str) -> list[str]:
+    value = getattr(policy, name)
+    settings = ", ".join(f"{key} {_word(item)}" for key, item in value.model_dump().items())
+    lines = [f"{name}: {settings}"]
+    if name == "recovery":
+        lines.append(
+            f"a halt becomes a rewind to the newest snapshot (one every {value.snapshot_every} steps, the newest "
+            f"{value.keep} kept) at least {value.min_age} steps older than the fault; the fault's update and "
+            f"those of the next {value.skip_steps} steps are skipped; at most {value.max_rewinds} rewinds, then "
+            "the next halt restores the snapshot and halts"
+        )
+        halting = [rule.name for rule in policy.rules if can_halt(rule)]
+        lines.append(
+            "rules that can halt, and so rewind: " + (", ".join(halting) if halting else "none (only its loss section)")
+        )
+    return lines
+
+
+def _word(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key} {_word(item)}" for key, item in value.items()) + "}"
+    return "none" if value is None else str(value)
+
+
+def policy_json(policy: Policy) -> dict[str, Any]:
+    """``--format json`` without a model: the policy as the guard reads it, and ``model: null``."""
+    return {
+        "policy": policy.source,
+        "model": None,
+        "sections": ["rules", *top_level_sections(policy)],
+        "rules": [
+            {
+                "name": rule.name,
+                "match": list(rule.match),
+                "exclude": list(rule.exclude),
+                "actions": [action.model_dump(exclude_defaults=True) for action in rule.actions],
+                "steps": [rule.from_step, rule.until_step],
+                "allow_no_match": rule.allow_no_match,
+            }
+            for rule in policy.rules
+        ],
+        **{name: getattr(policy, name).model_dump() for name in top_level_sections(policy)},
+        "model_adds": MODEL_ADDS,
+        "exit_code": 0,
+    }

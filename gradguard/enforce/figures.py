@@ -1,0 +1,121 @@
+"""The figures the provenance traces record: one per tensor, computed on the device with no host sync,
+non-finite when the tensor has a non-finite element (a 2-norm, a sum, or for a plain Linear's output a
+figure taken from its input and parameters), and which tensors a module's arguments and outputs hold."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradguard.enforce.distributed import local_tensor
+
+__all__ = ["MARK", "STRIDED", "linear_figure", "mark", "passed_on", "peak", "tensors", "total"]
+
+_HALF = (torch.float16, torch.bfloat16)
+STRIDED = torch.strided  # sparse tensors (Embedding(sparse=True) gradients) are left out: no norm kernel
+
+
+def tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The floating-point tensors with elements in a module's arguments or outputs (tuples, lists, dicts)."""
+    if isinstance(value, torch.Tensor):
+        if (value.is_floating_point() or value.is_complex()) and value.layout is STRIDED and value.numel():
+            yield value
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from tensors(item)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from tensors(item)
+
+
+def peak(tensor: torch.Tensor) -> torch.Tensor:
+    """The 2-norm (in float32 at least): NaN if any element is NaN, else Inf if any is infinite (or if it
+    overflows: elements beyond ~1e19). One kernel, no sync; the max-abs norm would be exact about overflow,
+    but on CPU it runs 20x slower than the 2-norm."""
+    local = local_tensor(tensor).detach()
+    norm: torch.Tensor = torch.linalg.vector_norm(local, dtype=torch.float32 if local.dtype in _HALF else None)
+    return norm
+
+
+def total(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum (in float32 at least): NaN if any element is NaN or if both infinities are present, else
+    Inf if any is infinite or if the sum overflows (a finite tensor whose elements add up beyond ~3e38,
+    far rarer than the 2-norm's overflow). Half the cost of the 2-norm on CPU; no sync."""
+    local = local_tensor(tensor).detach()
+    total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
+    return total
+
+
+_PROXY_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+"""Outputs a plain Linear's figure may be taken from its input and parameters for: not float16, whose
+outputs overflow (beyond 65,504) from finite inputs and weights in real training."""
+
+
+def linear_figure(module: nn.Module, args: Any, output: torch.Tensor, seen: bool) -> torch.Tensor | None:
+    """A plain ``nn.Linear``'s output figure from what it was computed from, when that is less than half its
+    output (a vocabulary head: its weight is 0.05-0.13x its logits): the sum of its weight, bias and (unless
+    ``seen``: the trace's figure of the tensor it came from already covers it) input, non-finite when any of
+    their elements is, as its output then is (and only then, but for an output beyond ~3e38 from finite ones,
+    which float32 and bfloat16 do not reach in training). None when the module is not a plain Linear, another
+    forward hook may have changed its output, or the output is the smaller read."""
+    if (
+        type(module).forward is not nn.Linear.forward
+        or len(module._forward_hooks) != 1
+        or output.dtype not in _PROXY_DTYPES
+    ):
+        return None
+    x, weight, bias = args[0] if args else None, module.weight, module.bias
+    if (
+        not isinstance(x, torch.Tensor)
+        or not isinstance(weight, torch.Tensor)
+        or not isinstance(bias, torch.Tensor | None)
+    ):
+        return None
+    if x.layout is not STRIDED or weight.layout is not STRIDED:
+        return None
+    weight = local_tensor(weight).detach()
+    if 2 * (weight.numel() + (0 if seen else x.numel())) >= output.numel():
+        return None
+    dtype = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
+    figure = weight.sum(dtype=dtype)
+    if bias is not None:
+        figure = figure + local_tensor(bias).detach().sum(dtype=dtype)
+    return figure if seen else figure + local_tensor(x).detach().sum(dtype=dtype)
+
+
+MARK = "gradguard.last_recorded"
+"""The key, in the autograd node's metadata of the light trace's last recorded tensor, of that record's marker:
+a cast made after the tensor itself was freed (``head(x).float()`` in a model's forward) still points there."""
+
+
+def passed_on(tensor: torch.Tensor, last: torch.Tensor | None, version: int, marker: object) -> bool:
+    """Whether ``tensor`` is the light trace's last recorded tensor (``last``, alive, its ``version``; ``marker``
+    in its node's metadata), unchanged, or a cast of it to a floating dtype at least as wide (a model's
+    ``logits.float()``): finite exactly when it is, so not read again."""
+    if last is tensor:
+        return version == tensor._version
+    node = tensor.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or not tensor.dtype.is_floating_point:
+        return False
+    source = node.next_functions[0][0]
+    token, itemsize = _metadata(source).get(MARK, (None, 0)) if source is not None else (None, 0)
+    return token is not None and token is marker and tensor.dtype.itemsize >= itemsize
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    """An autograd node's metadata dict (a property at run time; torch's stubs call it a method)."""
+    metadata: dict[str, Any] = node.metadata
+    return metadata
+
+
+def mark(tensor: torch.Tensor) -> object:
+    """Mark ``tensor``'s autograd node as the last recorded (see ``passed_on``); the marker, or None."""
+    node = tensor.grad_fn
+    if node is None:
+        return None
+    marker = object()
+    _metadata(node)[MARK] = (marker, tensor.dtype.itemsize)
+    return marker

@@ -1,0 +1,240 @@
+"""The loss as a trigger: the policy's ``loss`` section, judged on the step's loss at the step boundary.
+
+The guard learns the loss with no change to the loop: while it is attached, every ``backward()`` of the
+process passes its root through ``gradguard.enforce.torch_hooks``, which hands it to the guards whose policy
+has a ``loss`` section (``LossWatch.saw``). A root ``GradScaler.scale`` made is replaced by the loss it
+scaled; the roots of one step (an accumulating loop's micro-batches, each already divided by their number)
+are summed on the device. At the boundary the sum joins the step's one read (``LossWatch.read``); under a
+process group every rank adds its own and the mean over the ranks that saw one is judged, so every rank
+takes the same verdict.
+
+A NaN/Inf loss is ``loss.nonfinite``'s to act on; a loss above ``factor`` x the median of the last
+``window`` applied steps' losses is a spike. Spiked, skipped and rewound steps never enter the median.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from gradguard.enforce.step import StepOutcome, StepWork
+from gradguard.events.log import EventLog
+from gradguard.policy.schema import Loss, Monitor, PolicyFields
+
+__all__ = ["LossVerdict", "LossWatch", "watches_loss"]
+
+
+@lru_cache(maxsize=32)
+def watches_loss(policy: PolicyFields) -> bool:
+    """Whether a guard under ``policy`` learns the loss: to judge it (a ``loss`` section), to compare a step's two
+    computations (``rerun``), or to record it beside the norms a ``monitor`` writes (``stats`` events)."""
+    monitors = any(isinstance(action, Monitor) for rule in policy.rules for action in rule.actions)
+    return policy.loss is not None or policy.rerun is not None or monitors
+
+
+@dataclass(frozen=True)
+class LossVerdict:
+    """What the ``loss`` section says of a step's loss."""
+
+    kind: str
+    """``nonfinite`` or ``spike``."""
+    action: str
+    """``halt``, ``skip`` or ``ignore``."""
+    loss: float
+    reference: float | None = None
+    factor: float | None = None
+    escalation: str | None = None
+    """Why a skip became a halt (its limits), or None."""
+
+    @property
+    def halt_kind(self) -> str:
+        """The halt's ``kind``: ``nan``, ``inf`` or ``spike``."""
+        if self.kind == "spike":
+            return "spike"
+        return "nan" if self.loss != self.loss else "inf"
+
+
+class LossWatch:
+    """One guard's view of the loss: the roots seen since the last step, and the reference across steps."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sum: torch.Tensor | None = None
+        self._unseen: str | None = None
+        self.warned = False
+        """A ``loss_unseen`` event was written (once per guard)."""
+        self.history: deque[float] = deque()
+        """The losses of the last applied steps (at most the spike's ``window``)."""
+        self.seen = 0
+        """How many applied steps' losses have entered the history."""
+        self.consecutive = 0
+        self.recent: deque[int] = deque()
+        self.value: float | None = None
+        """The last step's loss as read (for ``stats`` and ``guard.metrics()``)."""
+        self.first_step: int | None = None
+        """The first step this guard watched (a guard attached after that step's backward saw no root of it)."""
+
+    # --- the roots of backward (any thread) -----------------------------------------------------------
+
+    def saw(self, root: torch.Tensor | None, why: str | None = None) -> None:
+        """A ``backward()`` of ``root`` (the unscaled loss), or of something that is not a loss (``why``)."""
+        if root is None:
+            with self._lock:
+                self._unseen = self._unseen or why
+            return
+        value = root.detach().reshape(()).float()
+        with self._lock:
+            self._sum = value if self._sum is None else self._sum + value
+
+    def discard(self) -> None:
+        """The step is not judged (a skip window, a scaler skip): its roots are forgotten."""
+        with self._lock:
+            self._sum, self._unseen = None, None
+
+    def begin(self, work: StepWork, watched: bool, events: EventLog, *, judged: bool = False) -> None:
+        """Queue the step's loss into the step's read (it lands in ``work.outcome.loss``) where it is ``watched``: a
+        ``loss`` section judges it, or a ``monitor`` samples this step and records it.
+
+        Under a process group every rank takes part every step (a collective run by some ranks only hangs
+        the others): the sum of the ranks' losses and how many ranks had one; the mean is judged.
+        """
+        if not watched:
+            self.discard()  # the loss is neither judged nor recorded at this step
+            return
+        with self._lock:
+            total, unseen = self._sum, self._unseen
+            self._sum, self._unseen = None, None
+        first, self.first_step = self.first_step is None, work.step if self.first_step is None else self.first_step
+        if total is None and unseen is None and not first and judged:
+            unseen = (
+                "no backward() was seen for this step (a backward called through a name bound before the guard "
+                "attached, torch.func, or a framework's own autograd)"
+            )
+        if unseen is not None and not self.warned:
+            self.warned = True
+            events.emit("warning", "loss_unseen", step=work.step, why=f"{unseen}: such steps' losses are not judged")
+        if work.collective is not None:
+            device = next(iter(work.grads.values())).device
+            if total is None:
+                mine = torch.zeros(2, device=device)
+            else:
+                mine = torch.stack([total.to(device), torch.ones((), device=device)])
+            total = work.collective.sum_(mine)  # the ranks' losses and how many ranks had one
+        elif total is not None:
+            total = torch.stack([total, torch.ones_like(total)])
+        if total is None:
+            return
+        outcome = work.outcome
+
+        def take(values: list[float]) -> None:
+            outcome.loss = values[0] / values[1] if values[1] else None  # the mean over the ranks that saw one
+
+        work.pending.add(total, take)
+
+    # --- the verdict (the step's thread, after the read) ----------------------------------------------
+
+    def verdict(self, config: Loss | None, outcome: StepOutcome, step: int) -> LossVerdict | None:
+        """The section's verdict on the step's loss (``outcome.loss_skip`` set for a skip), or None: it is fine."""
+        self.value = outcome.loss
+        if config is None or outcome.loss is None:
+            return None
+        verdict = self.judge(config, outcome.loss, step)
+        outcome.loss_skip = verdict is not None and verdict.action == "skip"
+        return verdict
+
+    def judge(self, config: Loss, loss: float, step: int) -> LossVerdict | None:
+        """The section's verdict on ``loss``, or None: the step's loss is fine."""
+        verdict = self.peek(config, loss)
+        return None if verdict is None else self._escalated(verdict, config, step)
+
+    def peek(self, config: Loss | None, loss: float | None) -> LossVerdict | None:
+        """The verdict on ``loss`` before its skip limits, changing nothing (for the ``rerun`` section)."""
+        if config is None or loss is None:
+            return None
+        if not math.isfinite(loss):
+            return LossVerdict("nonfinite", config.nonfinite, loss)
+        spike = config.spike
+        if spike is None or self.seen < max(spike.warmup, 1) or not self.history:
+            return None
+        reference = statistics.median(self.history)
+        if reference <= 0 or loss <= spike.factor * reference:
+            return None  # a spike is a loss far above a positive reference
+        return LossVerdict("spike", spike.action, loss, reference, spike.factor)
+
+    def _escalated(self, verdict: LossVerdict, config: Loss, step: int) -> LossVerdict:
+        """A skip past the spike section's limits (``max_consecutive_skips``, ``max_skips``) is a halt."""
+        if verdict.action != "skip":
+            return verdict
+        self.consecutive += 1
+        self.recent.append(step)
+        spike = config.spike
+        if spike is None:
+            return verdict
+        reason = None
+        if spike.max_consecutive_skips is not None and self.consecutive > spike.max_consecutive_skips:
+            reason = f"{self.consecutive} consecutive loss skips (max_consecutive_skips: {spike.max_consecutive_skips})"
+        if spike.max_skips is not None and spike.window_steps is not None:
+            while self.recent and self.recent[0] <= step - spike.window_steps:
+                self.recent.popleft()
+            if len(self.recent) > spike.max_skips:
+                reason = f"{len(self.recent)} loss skips within the last {spike.window_steps} steps "
+                reason += f"(max_skips: {spike.max_skips})"
+        if reason is None:
+            return verdict
+        return LossVerdict(verdict.kind, "halt", verdict.loss, verdict.reference, verdict.factor, reason)
+
+    def accept(self, config: Loss | None, loss: float | None) -> None:
+        """An applied step: its loss (where seen and finite) enters the reference; skips are no longer in a row."""
+        self.consecutive = 0
+        if config is None:
+            return
+        if loss is None or not math.isfinite(loss):
+            return
+        window = config.spike.window if config.spike is not None else 1
+        self.history.append(loss)
+        while len(self.history) > window:
+            self.history.popleft()
+        self.seen += 1
+
+    # --- state ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": list(self.history),
+            "seen": self.seen,
+            "consecutive": self.consecutive,
+            "recent": list(self.recent),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = deque(float(value) for value in state.get("history", ()))
+        self.seen = int(state.get("seen", len(self.history)))
+        self.consecutive = int(state.get("consecutive", 0))
+        self.recent = deque(int(step) for step in state.get("recent", ()))
+
+
+def root_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor | None, str | None]:
+    """The loss of a ``torch.autograd.backward(tensors, grad_tensors, ...)`` call, or why it is not one."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    given = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+    if isinstance(tensors, Sequence) and not isinstance(tensors, torch.Tensor):
+        if len(tensors) != 1:
+            return None, f"a backward() of {len(tensors)} roots at once"
+        tensors = tensors[0]
+    if not isinstance(tensors, torch.Tensor):
+        return None, None  # not ours to judge (torch says what is wrong)
+    if tensors.numel() != 1:
+        return None, f"a backward() of a tensor of shape {tuple(tensors.shape)}, not a scalar loss"
+    if given is not None:
+        grad = given[0] if isinstance(given, Sequence) and not isinstance(given, torch.Tensor) else given
+        if isinstance(grad, torch.Tensor) and grad.numel() == 1:
+            return tensors.detach() * grad.detach().reshape(tensors.shape).to(tensors.dtype), None
+    return tensors, None

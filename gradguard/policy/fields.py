@@ -1,0 +1,29 @@
+"""What every policy model shares: strict models, and the finite floats their fields take."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
+
+__all__ = ["Finite", "PositiveFinite", "Strict"]
+
+
+class Strict(BaseModel):
+    """A policy model: unknown keys refused, frozen."""
+
+    # Attribute docstrings become field descriptions in the JSON Schema (`gradguard schema`).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, use_attribute_docstrings=True)
+
+
+def _finite(value: float, info: ValidationInfo) -> float:
+    if not math.isfinite(value):
+        raise ValueError(f"{info.field_name} must be a finite number, got {value!r}")
+    return value
+
+
+Finite = Annotated[float, AfterValidator(_finite)]
+"""A float field that must be finite (``.inf`` and ``.nan`` parse as floats): the error names the field."""
+PositiveFinite = Annotated[float, Field(gt=0, strict=True), AfterValidator(_finite)]
+"""A finite float above 0, for optional fields (the bound belongs to the number, not to ``None``)."""

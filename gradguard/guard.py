@@ -9,7 +9,6 @@ import warnings
 import weakref
 from collections.abc import Iterable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -65,10 +64,7 @@ class GradGuard(ServesMetrics):
     ``clip_grad_norm_`` (or ``clip_grad_value_``, ``get_total_norm``): then just before that clip, so
     the clip cannot spread one NaN to every gradient first. ``optimizer=opt`` limits the optimizers
     to the given one(s); loops without a torch optimizer call [`step`][gradguard.GradGuard.step] themselves before their
-    update.
-
-    Use it as a context manager, or call [`remove`][gradguard.GradGuard.remove]; a guard that is garbage-collected while
-    attached removes its hooks and warns.
+    update. Use it as a context manager, or call [`remove`][gradguard.GradGuard.remove].
 
     Args:
         model: the module whose parameters are guarded (DDP-, torch.compile- and checkpoint-wrapped
@@ -104,6 +100,7 @@ class GradGuard(ServesMetrics):
             there would (docs/clip-interception.md); ``False`` leaves the step at the optimizer's ``step()``.
         lr_scheduler: the loop's LR scheduler(s), for a policy's ``recovery``: a rewind takes them back to the
             snapshot with the weights, and ``lr_factor`` holds through their later steps (docs/recovery.md).
+        averages: averaged copies of the model (an EMA) that a ``recovery`` rewind restores with it (docs/recovery.md).
     """
 
     def __init__(
@@ -128,6 +125,7 @@ class GradGuard(ServesMetrics):
         provenance: str | None = "first_fault",
         before_clip: bool = True,
         lr_scheduler: Any = None,
+        averages: Iterable[nn.Module] = (),
     ) -> None:
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
@@ -161,7 +159,6 @@ class GradGuard(ServesMetrics):
             self._events = events
             self._expected: list[Optimizer] | None = optimizers
             self._warned_unexpected = False
-
             self._attachment = Attachment(self._enforcer, events, self._model_ref)
             path = None if isinstance(policy, Policy) else self.policy.file_path
             self._reloader = Reloader(
@@ -176,8 +173,8 @@ class GradGuard(ServesMetrics):
             self._scaler = scaler
             if scaler is not None:
                 self._attachment.handles.append(_scaler_watch(scaler, weakref.ref(self)))
-            schedulers = schedulers_given(lr_scheduler)
-            self._enforcer.recovery.track(model, optimizers, scaler, schedulers, self.policy.recovery, start_step)
+            recovery, schedulers = self._enforcer.recovery, schedulers_given(lr_scheduler)
+            recovery.track(model, optimizers, scaler, schedulers, self.policy.recovery, start_step, averages)
             self._last_step_skipped = False
             # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
             self._attachment.handles.append(enlist(self))
@@ -221,7 +218,7 @@ class GradGuard(ServesMetrics):
 
     def pass_step(self) -> bool:
         """In a rewind's window: count the coming step as skipped and return True (``if guard.pass_step(): continue``
-        skips its forward, backward and update); else False, and nothing happens (docs/recovery.md)."""
+        skips its forward, backward and update); else False. Once a training step, not a micro-batch (docs/recovery)."""
         with self._lock:
             return self._enforcer.pass_step()
 
@@ -229,6 +226,11 @@ class GradGuard(ServesMetrics):
     def last_step_skipped(self) -> bool:
         """Whether the last step the guard saw was skipped by a ``skip_step_on_nonfinite`` rule."""
         return self._last_step_skipped
+
+    @property
+    def applied_steps(self) -> int:
+        """Updates applied, not skipped nor undone by a rewind: the step number for a scheduler (docs/recovery.md)."""
+        return self._enforcer.recovery.applied
 
     def step(self, optimizer: Optimizer | None = None) -> bool:
         """Enforce the policy now: an explicit step boundary, placed by the loop.
@@ -279,8 +281,9 @@ class GradGuard(ServesMetrics):
         return self._events.flush(timeout)
 
     def remove(self) -> None:
-        """Remove every hook and close the audit log; safe to call more than once, from any thread (a step
-        in flight on another thread finishes first; later steps of the model are not treated)."""
+        """Remove every hook and close the audit log (a guard garbage-collected while attached does it, and warns); safe
+        to call more than once, from any thread (a step in flight on another thread finishes first; later steps of the
+        model are not treated)."""
         with self._lock:
             if self._finalizer.detach() is not None:
                 self._attachment.close("removed")
@@ -289,16 +292,13 @@ class GradGuard(ServesMetrics):
     def __enter__(self) -> GradGuard:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.remove()
 
     def __repr__(self) -> str:
         attaching = "_attachment" not in self.__dict__  # another thread may show a guard still being made
         state = "attaching" if attaching else "attached" if self.attached else "removed"
-        steps = 0 if attaching else self.step_count
-        params = len(self._plans.binding.params)
+        steps, params = 0 if attaching else self.step_count, len(self._plans.binding.params)
         return f"<GradGuard {state} policy={self.policy.source!r} params={params} steps={steps}>"
 
     # --- the process-wide hooks (gradguard.enforce.torch_hooks) dispatch here ------------------------
@@ -306,17 +306,15 @@ class GradGuard(ServesMetrics):
     # Called for every step and clip of the process, on its thread; another training's returns at once,
     # without the lock (an optimizer known to step none of the model, a clip of none of its tensors).
 
-    def _on_optimizer_step(
-        self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> StepArgs | None:
+    def _on_optimizer_step(self, opt: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
         if not self.attached:
             return None
-        if self._plans.steps_none(optimizer):
-            if (recovery := self._enforcer.recovery).active and recovery.unchecked(optimizer):
+        if self._plans.steps_none(opt):
+            if (recovery := self._enforcer.recovery).active and recovery.unchecked(opt):
                 with self._lock:
-                    recovery.met_unguarded(optimizer)
+                    recovery.met_unguarded(opt)
             return None
-        return _optimizer_step_begins(self, optimizer, args, kwargs)
+        return _optimizer_step_begins(self, opt, args, kwargs)
 
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
         # Only this model's: another thread's optimizer stepping meanwhile must not make its treated gradients new.

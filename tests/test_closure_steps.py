@@ -257,7 +257,7 @@ def test_state_dict_carries_the_step_and_skip_history_into_a_new_guard(make_work
         "scaler_skips": 0,
         "statistics": {},
         "health": [],
-        "recovery": {"rewinds": 0, "skip_until": None, "lr_scale": 1.0},
+        "recovery": {"rewinds": 0, "skip_until": None, "lr_scale": 1.0, "applied": 0},
     }
     with GradGuard(work.model, policy, logger=None) as second:
         second.load_state_dict(state)

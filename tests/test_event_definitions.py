@@ -3,6 +3,7 @@ and every line real guarded runs write fits its definition exactly, for every ki
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import warnings
@@ -15,6 +16,8 @@ from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy
 from gradguard.events.definitions import EVENT_DECODER, EVENTS, LEVELS, fields_of
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "log-events.md"
 COMMON = {"ts", "level", "event", "run", "rank"}
@@ -271,7 +274,30 @@ def _every_kind(tmp_path: Path) -> list[Path]:
             state = guard.state_dict()
         with GradGuard(linear, second, logger=None, audit_log=log("resumed")) as resumed:
             resumed.load_state_dict(state)
+    _resumed_without_state(log("state-missing"), tmp_path)
     return logs
+
+
+def _resumed_without_state(audit: Path, tmp_path: Path) -> None:
+    """The Hugging Face callback starting a run the Trainer resumed at step 3 from a checkpoint with no guard state."""
+    if not HAS_TRANSFORMERS:
+        return
+    import transformers
+
+    from gradguard.integrations.transformers import GradGuardCallback
+
+    callback = GradGuardCallback(
+        Policy.from_dict({"version": 1, "rules": [_rule("halt", "*", {"action": "halt_on_nonfinite"})]}),
+        logger=None,
+        audit_log=audit,
+    )
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        callback.on_train_begin(
+            args, transformers.TrainerState(global_step=3), transformers.TrainerControl(), model=nn.Linear(4, 2)
+        )
+    callback.remove()
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +309,8 @@ def real_lines(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, int,
 def test_real_runs_write_every_kind_of_event(real_lines: list[tuple[str, int, str]]) -> None:
     """The runs above make every event the guard writes happen at least once."""
     seen = {json.loads(line)["event"] for _, _, line in real_lines}
+    if not HAS_TRANSFORMERS:
+        seen.add("state_missing")  # written by the Hugging Face callback only
     assert seen == set(EVENTS), (
         f"never written: {sorted(set(EVENTS) - seen)}; not defined: {sorted(seen - set(EVENTS))}"
     )

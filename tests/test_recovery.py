@@ -217,7 +217,7 @@ def test_a_nan_at_step_23_rewinds_to_20_and_ends_equal_to_the_run_that_never_saw
     assert rewind["level"] == "warning"
     assert rewind["params"]
     assert got[2].counters.snapshot()["nonfinite"]["rewind"] == 1
-    assert got[2].state_dict()["recovery"] == {"rewinds": 1, "skip_until": 28, "lr_scale": 1.0}
+    assert got[2].state_dict()["recovery"] == {"rewinds": 1, "skip_until": 28, "lr_scale": 1.0, "applied": 32}
     assert not events(log, "halt")
 
 
@@ -431,7 +431,7 @@ def test_a_hot_reload_keeps_the_snapshots(tmp_path: Path) -> None:
         assert guard.reload()
         loop.step(22, False)  # the new policy takes over here
         loop.step(FAULT, True)
-        assert guard.state_dict()["recovery"] == {"rewinds": 1, "skip_until": 25, "lr_scale": 1.0}
+        assert guard.state_dict()["recovery"] == {"rewinds": 1, "skip_until": 25, "lr_scale": 1.0, "applied": 20}
 
 
 def test_replacing_the_models_parameters_drops_the_snapshots_of_the_old_ones() -> None:

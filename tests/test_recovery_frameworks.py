@@ -233,7 +233,8 @@ def test_lightnings_lambda_lr_gives_half_the_scheduled_lr_after_a_rewind_with_lr
     trainer = lightning_fit(module, list(range(STEPS)), callback)
 
     assert callback.guard is not None
-    assert callback.guard.state_dict()["recovery"] == {"rewinds": 1, "skip_until": RESUME, "lr_scale": 0.5}
+    recovery = {"rewinds": 1, "skip_until": RESUME, "lr_scale": 0.5, "applied": len(KEPT)}
+    assert callback.guard.state_dict()["recovery"] == recovery
     assert trainer.global_step == STEPS
     assert_lr_factor_holds(module.applied, lambda step: module.lr * decay(step), 0.5)
 

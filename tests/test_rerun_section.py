@@ -217,3 +217,19 @@ def test_the_rerun_cost_benchmark_runs_and_prints_its_table(capsys: pytest.Captu
     printed = capsys.readouterr().out
     assert "| guard + rerun |" in printed
     assert "| suspect |" in printed
+
+
+def test_the_audit_lists_the_re_runs_and_the_ranks_whose_faults_were_transient(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from gradguard.cli import main
+
+    log = tmp_path / "run.jsonl"
+    train(lambda step, call: step == FAULT and call == 1, {}, log)
+    result = CliRunner().invoke(main, ["audit", str(log)])
+    assert result.exit_code == 0, result.output
+    assert "Re-runs (the rerun section)" in result.output
+    assert "transient faults by rank (a rank with many is a suspect device): rank 0 1 (steps 30)" in result.output
+    data = json.loads(CliRunner().invoke(main, ["audit", str(log), "--format", "json"]).output)
+    assert data["reruns"][0]["verdict"] == "transient"
+    assert "mismatches" not in data or not data["mismatches"]

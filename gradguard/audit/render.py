@@ -17,6 +17,7 @@ from gradguard.audit.layout import Section, Table, num, short_path, step_list, s
 from gradguard.audit.layout import name_list as _names
 from gradguard.audit.layout import plural as _plural
 from gradguard.audit.loss_report import loss_section
+from gradguard.audit.rerun_report import rerun_section
 from gradguard.audit.stops_report import halts_section, rewinds_section, skips_section
 from gradguard.audit.summary import AuditSummary
 
@@ -177,6 +178,8 @@ def audit_sections(summary: AuditSummary, top: int = 10) -> list[Section]:
     sections.append(skips_section(summary))
     if summary.loss or summary.loss_unseen:
         sections.append(loss_section(summary))
+    if summary.reruns or summary.rerun_notes:
+        sections.append(rerun_section(summary))
     if summary.health or summary.health_flags:
         sections.append(health_section(summary, top))
     if summary.other_events:

@@ -63,6 +63,8 @@ class RunState:
         self.first_step: int | None = None
         self.last_step: int | None = None
         self.steps: int | None = None
+        self.start_step = 0
+        """The step the guard attached at (a resumed run's): its own steps are counted from there."""
         self.first_ts: str | None = None
         self.last_ts: str | None = None
         self.events = 0

@@ -53,6 +53,7 @@ class RunTable:
 
     def attach(self, event: Attach, run: RunState, record: Record) -> None:
         run.model, run.policy, run.params = event.model, event.policy, event.params
+        run.start_step = event.start_step
         run.rule_order = list(event.rules)
         run.rules_matched = dict(event.rules)
         run.snapshot_memory = snapshot_memory(event.recovery)
@@ -77,9 +78,11 @@ class RunTable:
             ended = f"halted at step {run.halted_at[-1]}; no detach event"
         else:
             ended = "no detach event: still running, or the process died"
-        steps = run.steps
+        steps = run.steps  # the guard's step count: a resumed run's began at its start_step, not 0
         if steps is None and run.last_step is not None:
             steps = run.last_step + 1
+        if steps is not None:
+            steps = max(steps - run.start_step, 0)  # the steps this run ran
         return RunInfo(
             run=run.run,
             rank=run.rank,

@@ -26,6 +26,7 @@ from gradguard.audit.interventions import InterventionCollector
 from gradguard.audit.loss_report import LossCollector, loss_findings
 from gradguard.audit.nonfinite import NonfiniteCollector
 from gradguard.audit.reader import AnyEvent, ReadStats, Record
+from gradguard.audit.rerun_report import RerunCollector
 from gradguard.audit.run_state import RunState
 from gradguard.audit.runs import RunTable, seconds_between
 from gradguard.audit.summary import (
@@ -94,6 +95,7 @@ class Summarizer:
         self.other = OtherEventCollector(event_filter)
         self.health = HealthCollector(event_filter)
         self.loss = LossCollector(event_filter, self.halts_and_skips)
+        self.reruns = RerunCollector(event_filter)
         self._run_of = self.runs.run_of
         self._handlers: dict[type[AnyEvent], Callable[[Any, RunState, Record], None]] = {
             ev.Attach: self.runs.attach,
@@ -116,6 +118,8 @@ class Summarizer:
             ev.LossSpike: self.loss.spike,
             ev.LossNonfinite: self.loss.nonfinite,
             ev.LossUnseen: self.loss.unseen,
+            ev.Rerun: self.reruns.rerun,
+            ev.RerunUnavailable: self.reruns.unavailable,
         }
 
     def add(self, record: Record) -> None:
@@ -281,6 +285,9 @@ class Summarizer:
             health_flags=health_flags,
             loss=self.loss.rows(),
             loss_unseen=list(self.loss.unseen_lines),
+            reruns=self.reruns.rows(),
+            rerun_ranks={rank: steps.done() for rank, steps in sorted(self.reruns.by_rank.items())},
+            rerun_notes=list(self.reruns.notes),
         )
         summary.findings = findings_of(summary) + loss_findings(summary)
         return summary

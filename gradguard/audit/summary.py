@@ -26,6 +26,7 @@ __all__ = [
     "NonfiniteRow",
     "ParamRow",
     "ParamTally",
+    "RerunRow",
     "RewindRow",
     "RuleActionRow",
     "RunInfo",
@@ -312,6 +313,17 @@ class LossRow:
 
 
 @dataclass
+class RerunRow:
+    """The ``rerun`` section's re-runs of one verdict (``rerun`` events)."""
+
+    verdict: str
+    """``transient`` or ``reproducible``."""
+    steps: StepList
+    asked: dict[str, int] = field(default_factory=dict)
+    """What made the steps suspect (``nonfinite``, ``spike``, ``loss``), and how often."""
+
+
+@dataclass
 class AuditSummary:
     """Everything ``gradguard audit`` reports; ``as_json`` is its ``--format json``."""
 
@@ -378,6 +390,12 @@ class AuditSummary:
     """The ``loss`` section's spikes and non-finite losses, one row per kind and action."""
     loss_unseen: list[str] = field(default_factory=list)
     """What the ``loss`` section could not judge (``loss_unseen`` events: each run says it once)."""
+    reruns: list[RerunRow] = field(default_factory=list)
+    """The ``rerun`` section's re-runs, one row per verdict."""
+    rerun_ranks: dict[int, StepList] = field(default_factory=dict)
+    """Rank -> the steps at which its computation of a re-run step differed (transient faults)."""
+    rerun_notes: list[str] = field(default_factory=list)
+    """Suspect steps that could not be computed again (``rerun_unavailable``), in words."""
 
     @property
     def exit_code(self) -> int:

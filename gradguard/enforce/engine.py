@@ -25,7 +25,7 @@ from gradguard.enforce.actions.clipping import clear_overflows
 from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
 from gradguard.enforce.distributed import Collective, local_tensor
 from gradguard.enforce.health import Health
-from gradguard.enforce.known_norms import KnownNorms, remember_step_norms
+from gradguard.enforce.known_norms import KnownNorms
 from gradguard.enforce.loss import LossWatch
 from gradguard.enforce.micro_batch import MicroBatchHooks, handled_in_hooks
 from gradguard.enforce.plan import Plan
@@ -166,15 +166,18 @@ class Enforcer:
             self.verdicts.rewound(request, context)
             return False
         except GradientHalt:
+            self.health.commit(step)  # the run stops here: its figures are the last ones
             # The others were treated (a retry must not treat them again); the offending ones are checked again.
             for index, local in grads.items():
                 if index not in outcome.halted_by and index not in outcome.skipped_by:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
         self.skip_limits.step_applied()
+        self.recovery.applied_step(step)  # guard.applied_steps
         self.loss_watch.accept(self.binding.policy.loss, outcome.loss)
-        remember_step_norms(self.known_norms, work, wrapped)
+        self.known_norms.hold(work, wrapped)
         work.statistics_step.commit()  # only an applied step's norms enter the adaptive statistics
+        self.health.commit(step)  # and only its figures are the monitors' current ones
         if self.summary_every and (step + 1) % self.summary_every == 0:
             self.emit_summary()
         self._explicit_marks |= context.explicit
@@ -240,6 +243,7 @@ class Enforcer:
     def seal_explicit(self) -> None:
         """The optimizer has stepped: gradients treated at an explicit boundary count as treated only while unchanged,
         so the next backward (into them in place, after ``zero_grad(set_to_none=False)``) is treated again."""
+        self.known_norms.clear()  # the step's gradients are not held past the update
         if not self._explicit_marks:
             return
         self._explicit_marks = False
@@ -342,6 +346,7 @@ class Enforcer:
         rules = self.binding.policy.rules
         unknown = self.skip_limits.load_state_dict(dict(state.get("skips", {})), rules)
         self.skip_limits.scaler_skips = int(state.get("scaler_skips", 0))
+        self.recovery.applied = self.step  # a state without the count of applied updates: the step's
         self.recovery.load_state_dict(dict(state.get("recovery", {})))
         self.loss_watch.load_state_dict(dict(state.get("loss", {})))
         names = [rule.name for rule in rules]

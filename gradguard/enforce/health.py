@@ -3,7 +3,9 @@
 Each sampled monitor writes one ``stats`` event per step (its figures per name); a 2-norm below
 ``vanishing_below`` or above ``exploding_above`` is warned about (``vanishing`` / ``exploding``) and
 counted once per name, and not again until the norm comes back inside the thresholds (``recovered``).
-The last figures of every monitor are kept for ``Health.metrics``, a flat dict for loggers.
+The last figures of every monitor are kept for ``Health.metrics``, a flat dict for loggers: those of steps whose
+update was applied, or that halted the run (``commit``); the NaN figures of a step that was skipped or rewound are
+logged in its ``stats`` event but not shown as the current ones for the steps after it, where the run goes on.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class Health:
         self.events = events
         self._lock = threading.Lock()
         self._last: dict[str, float] = {}
+        self._pending: tuple[int, dict[str, float]] | None = None
+        """The figures of a step reported but not yet applied (its step), for ``commit``."""
         self._flagged: dict[tuple[str, str, str], str] = {}
         """(rule, scope, name) -> ``vanishing`` or ``exploding`` while it stays out of its thresholds."""
 
@@ -57,8 +61,14 @@ class Health:
                     latest.update({metric_key(seen.rule, stat, n): v for n, v in zip(seen.names, values, strict=True)})
             if seen.norms is not None:
                 self._check(seen, step)
-        with self._lock:
-            self._last.update(latest)
+        self._pending = (step, latest)
+
+    def commit(self, step: int) -> None:
+        """``step``'s update was applied (or it halted the run): its figures, if any, become the current ones."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == step:
+            with self._lock:
+                self._last.update(pending[1])
 
     def _check(self, seen: Observation, step: int) -> None:
         low, high = seen.action.vanishing_below, seen.action.exploding_above

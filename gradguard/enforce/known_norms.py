@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +27,7 @@ from torch.utils._foreach_utils import (
 
 from gradguard.enforce.step import StepWork
 
-__all__ = ["KnownNorms", "clip_with_known_norms", "remember_step_norms"]
+__all__ = ["KnownNorms", "clip_with_known_norms"]
 
 _EXACT = (torch.float32, torch.float64)
 MARGIN = 1e-3
@@ -37,37 +36,57 @@ out: the device's float32 reduction differs from the host's float64 sum by far l
 
 
 class KnownNorms:
-    """The 2-norms of the gradients as the guard's last step left them (device tensors, and host floats where read)."""
+    """The 2-norms of the gradients as the guard's last step left them (device tensors, and host floats where read).
+
+    Held as the step left them (``hold``), and looked at only when a clip asks (most steps none does): the step's
+    gradients are held until the optimizer has stepped (``clear`` runs then, and at the next step), never longer.
+    """
 
     def __init__(self) -> None:
-        self._entries: dict[
-            int, tuple[weakref.ReferenceType[torch.Tensor], int, torch.Tensor | None, float | None]
-        ] = {}
-        self._fresh = False
+        self._work: tuple[StepWork, dict[int, torch.Tensor]] | None = None
+        self._entries: dict[int, tuple[torch.Tensor, int, torch.Tensor | None, float | None]] | None = None
 
     def clear(self) -> None:
-        self._entries = {}
-        self._fresh = False
+        self._work, self._entries = None, None
 
-    def record(self, entries: Sequence[tuple[torch.Tensor, int, torch.Tensor | None, float | None]]) -> None:
-        """``(gradient, its version, its norm on the device or None, the norm's value or None)`` per tensor: a
-        gradient the guard multiplied has a known value (its norm times the factor) but no device norm."""
-        ref = weakref.ref
-        self._entries = {id(grad): (ref(grad), version, norm, host) for grad, version, norm, host in entries}
-        self._fresh = True
+    def hold(self, work: StepWork, wrapped: dict[int, torch.Tensor]) -> None:
+        """Keep an applied step's figures for the one clip that may follow it."""
+        self._work, self._entries = (work, wrapped) if work.raw_host else None, None
 
     def take(self) -> bool:
         """Whether norms of the step just treated are held, for one clip: the first after the step uses them, later
         ones compute their own (code between may have changed a gradient through ``.data``, which no version
         shows)."""
-        held, self._fresh = self._fresh, False
-        return held
+        if self._work is None:
+            return False
+        self._entries = _entries(*self._work)
+        self._work = None
+        return True
 
     def lookup(self, grad: torch.Tensor) -> tuple[torch.Tensor | None, float | None] | None:
-        entry = self._entries.get(id(grad))
-        if entry is None or entry[0]() is not grad or entry[1] != grad._version:
+        entry = self._entries.get(id(grad)) if self._entries is not None else None
+        if entry is None or entry[0] is not grad or entry[1] != grad._version:
             return None
         return entry[2], entry[3]
+
+
+def _entries(
+    work: StepWork, wrapped: dict[int, torch.Tensor]
+) -> dict[int, tuple[torch.Tensor, int, torch.Tensor | None, float | None]]:
+    """``id(gradient) -> (gradient, version, its norm on the device or None, the norm's value)``: the raw norm of each
+    gradient still as it arrived, and the value (not the tensor) of each one the step multiplied once after its
+    read."""
+    grads, versions, host, factors = work.grads, work.raw_versions, work.raw_host, work.writes.factors
+    out: dict[int, tuple[torch.Tensor, int, torch.Tensor | None, float | None]] = {}
+    for index, norm in work.raw.items():
+        grad = grads.get(index)
+        if grad is None or index in wrapped:
+            continue
+        if grad._version == versions[index]:
+            out[id(grad)] = (grad, grad._version, norm, host[index])
+        elif index in factors and grad._version == versions[index] + 1:  # one deferred multiply, nothing else
+            out[id(grad)] = (grad, grad._version, None, host[index] * factors[index])
+    return out
 
 
 def _torch_takes_foreach(grads: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
@@ -169,21 +188,3 @@ def clip_with_known_norms(
     from torch.nn.utils.clip_grad import _clip_grads_with_norm_
 
     return _clip_norm(known, _clip_grads_with_norm_, values.pop("parameters"), values.pop("max_norm"), **values)
-
-
-def remember_step_norms(known: KnownNorms, work: StepWork, wrapped: dict[int, torch.Tensor]) -> None:
-    """Keep an applied step's norms for the loop's own clip: the raw norm of each gradient still as it arrived,
-    and the value (not the tensor) of each one the step multiplied once after its read."""
-    if not work.raw_host:
-        return
-    grads, versions, host, factors = work.grads, work.raw_versions, work.raw_host, work.writes.factors
-    entries: list[tuple[torch.Tensor, int, torch.Tensor | None, float | None]] = []
-    for index, norm in work.raw.items():
-        grad = grads.get(index)
-        if grad is None or index in wrapped:
-            continue
-        if grad._version == versions[index]:
-            entries.append((grad, grad._version, norm, host[index]))
-        elif index in factors and grad._version == versions[index] + 1:  # one deferred multiply, nothing else
-            entries.append((grad, grad._version, None, host[index] * factors[index]))
-    known.record(entries)

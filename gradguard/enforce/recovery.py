@@ -27,7 +27,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
+from gradguard.enforce.averages import averages_given
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.schedulers import check_copyable
+from gradguard.enforce.snapshot_fit import misfit_reason, misfits
 from gradguard.enforce.snapshot_memory import HOST, Placement, Stager, choose_placement, state_to_come
 from gradguard.enforce.snapshots import (
     LiveState,
@@ -39,7 +42,7 @@ from gradguard.enforce.snapshots import (
     scheduler_optimizer,
 )
 from gradguard.enforce.statistics import Statistics
-from gradguard.errors import GuardWarning
+from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.policy.schema import Recovery as RecoveryConfig
 
@@ -99,8 +102,9 @@ class _Held:
     """What a skipped step must not move, as it was right after a rewind, put back at each boundary of the window.
 
     The GradScaler's scale and the known schedulers' state with their optimizers' hyper-parameters (LRs,
-    momentum, betas: ``OneCycleLR`` cycles them) until the first step applied again, included; the model's
-    buffers until the last skipped step, so the first applied step's forward starts from the snapshot's.
+    momentum, betas: ``OneCycleLR`` cycles them) and the averages (an EMA the loop updates after each step) until
+    the first step applied again, included; the model's buffers until the last skipped step, so the first applied
+    step's forward starts from the snapshot's.
     """
 
     def __init__(self, live: LiveState) -> None:
@@ -108,6 +112,7 @@ class _Held:
         self.snapshot.scaler = {key: detached_copy(value) for key, value in live.scaler_tensors().items()}
         self.snapshot.schedulers = [detached_copy(scheduler.state_dict()) for scheduler in live.schedulers]
         self.snapshot.buffers.take(live.buffers())
+        self.snapshot.averages.take(live.average_tensors())
         self.groups = [_hyper_parameters(scheduler) for scheduler in live.schedulers]
 
     def put_back(self, live: LiveState, *, buffers: bool) -> None:
@@ -119,6 +124,7 @@ class _Held:
                 restore_groups(optimizer.param_groups, saved)
         if buffers:
             self.snapshot.buffers.restore(live.buffers())
+        self.snapshot.averages.restore(live.average_tensors())  # after the buffers: an EMA in the model holds its own
 
     def state_dict(self) -> dict[str, Any]:
         """Plain values (the buffers are not carried: a resumed run's window forwards may move BatchNorm's)."""
@@ -135,6 +141,7 @@ class _Held:
         held.snapshot.schedulers = detached_copy(list(state.get("schedulers", [])))
         held.groups = detached_copy(list(state.get("groups", [])))
         held.snapshot.buffers.take(live.buffers())
+        held.snapshot.averages.take(live.average_tensors())
         return held
 
 
@@ -167,6 +174,9 @@ class Recovery:
         """The first step applied again after a rewind; steps before it (and after the fault) are skipped."""
         self.lr_scale = 1.0
         """The product of every rewind's ``lr_factor`` so far."""
+        self.applied = 0
+        """Updates applied (not skipped, not undone by a rewind): ``guard.applied_steps``, a scheduler's step number."""
+        self._applied_at: int | None = None
         self._held: _Held | None = None
         self._checked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._buffers_at: tuple[int, TensorCopies] | None = None
@@ -187,15 +197,18 @@ class Recovery:
         schedulers: list[Any],
         config: RecoveryConfig | None,
         start_step: int,
+        averages: Any = None,
     ) -> None:
         """What the guard attaches to; nothing of ``start_step`` has run yet (its buffers are a snapshot's)."""
         self.config = config
         self.live.model = weakref.ref(model)
+        self.live.averages = averages_given(averages, model)
         self.live.known_optimizers = [weakref.ref(opt) for opt in optimizers or ()]
         self.live.scaler = scaler
         for scheduler in schedulers:
             self.add_scheduler(scheduler)
         self._optimizers_given = optimizers is not None
+        self.applied = start_step  # a resumed run's loop counted the first run's steps (a state_dict says better)
         if config is not None:
             self.place(config)  # device memory asked for and not fitting: an error now, not an OOM mid-run
         self.at_step_start(start_step)
@@ -217,6 +230,8 @@ class Recovery:
         """
         if any(known is scheduler for known in self.live.schedulers):
             return
+        if self.config is not None:
+            check_copyable(scheduler)  # refused now, naming it, not at the first snapshot
         self.live.schedulers.append(scheduler)
         optimizer = scheduler_optimizer(scheduler)
         if optimizer is not None:
@@ -287,6 +302,11 @@ class Recovery:
         self._count_skip(step)
         return True
 
+    def applied_step(self, step: int) -> None:
+        """``step``'s update goes through (counted once, however many optimizers step in it)."""
+        if step != self._applied_at:
+            self._applied_at, self.applied = step, self.applied + 1
+
     def _count_skip(self, step: int) -> None:
         """Count a step of the window once, however many optimizers (or ``pass_step`` calls) meet it."""
         if step != self._counted_step:
@@ -324,6 +344,7 @@ class Recovery:
         config = self.config
         assert config is not None
         replaced = snapshot.take(step, self.lr_scale, self.live, buffers, self.place(config), self._stager)
+        snapshot.applied = self.applied
         self._buffers_at = None if replaced is None else (-1, replaced)
         self.snapshots.append(snapshot)
 
@@ -354,6 +375,8 @@ class Recovery:
             why = f"recovery: no snapshot at least {config.min_age} steps older than step {step} (held: {held})"
             return Decision(False, None, why)
         target = old_enough[-1]
+        if found := misfits(target, self.live):  # all or nothing: the halt goes through with the last good step's
+            return Decision(False, None, misfit_reason(target, found))
         if self.rewinds >= config.max_rewinds:
             why = f"recovery: max_rewinds ({config.max_rewinds}) reached; restored to step {target.step}'s snapshot"
             return Decision(False, target, why)
@@ -370,7 +393,10 @@ class Recovery:
 
     def restore(self, snapshot: Snapshot, lr_scale: float) -> None:
         """Put ``snapshot`` back, drop the newer ones, and leave every LR at ``lr_scale`` times its own."""
+        if found := misfits(snapshot, self.live):  # checked before any tensor is restored (``decide`` says it first)
+            raise GuardStateError(misfit_reason(snapshot, found))
         snapshot.restore(self.live)
+        self.applied, self._applied_at = snapshot.applied, None  # the updates it undid were not applied
         factor = lr_scale / snapshot.lr_scale
         if factor != 1.0:
             scale_lrs(self.live.optimizers(), self.live.schedulers, factor)
@@ -412,6 +438,7 @@ class Recovery:
     def state_dict(self) -> dict[str, Any]:
         """The rewinds so far and any skip window in progress (not the snapshots: a checkpoint holds its own state)."""
         state: dict[str, Any] = {"rewinds": self.rewinds, "skip_until": self.skip_until, "lr_scale": self.lr_scale}
+        state["applied"] = self.applied
         held = self._held.state_dict() if self._held is not None else {}
         if held.get("scaler") or held.get("schedulers"):
             state["held"] = held  # the scaler and schedulers a window in progress holds
@@ -422,6 +449,8 @@ class Recovery:
         skip_until = state.get("skip_until")
         self.skip_until = None if skip_until is None else int(skip_until)
         self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.applied = int(state.get("applied", self.applied))  # without it (an older state): the caller's step
+        self._applied_at = None
         held = state.get("held")
         self._held = None if held is None or self.skip_until is None else _Held.from_state_dict(held, self.live)
 

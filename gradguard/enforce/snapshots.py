@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.schedulers import scale_scheduler_lrs
 from gradguard.enforce.snapshot_memory import HOST, Flat, Placement, Stager, copy_into, wait_for
 from gradguard.enforce.statistics import Series, Statistics
 from gradguard.errors import GuardStateError
@@ -45,10 +46,8 @@ __all__ = [
     "scheduler_optimizer",
 ]
 
-LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
-"""A param group's learning rates: the LR itself and what schedulers compute it from (``OneCycleLR``)."""
-_SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
-"""A scheduler's learning rates (``LambdaLR`` and HF's schedules recompute the LR from ``base_lrs``)."""
+LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "swa_lr")
+"""A param group's learning rates: the LR itself and what schedulers compute it from (``OneCycleLR``, ``SWALR``)."""
 
 
 class TensorCopies:
@@ -81,6 +80,11 @@ class TensorCopies:
     @property
     def nbytes(self) -> int:
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers)
+
+    @property
+    def layout(self) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
+        """Each copied tensor's shape, dtype and device when it was taken (what a restore's target must match)."""
+        return [] if self._flat is None else list(self._flat.layout)
 
 
 _copy = copy_into
@@ -170,11 +174,15 @@ class Snapshot:
     step: int = -1
     lr_scale: float = 1.0
     """The product of the ``lr_factor`` of every rewind before this snapshot was taken (its LRs include it)."""
+    applied: int = 0
+    """``Recovery.applied`` when it was taken: the updates applied before its step."""
     model: TensorCopies = field(default_factory=TensorCopies)
     """The model's parameters."""
     buffers: TensorCopies = field(default_factory=TensorCopies)
     """The model's buffers (BatchNorm's running statistics) at the start of the step, before its forward."""
     optimizers: list[_OptimizerCopy] = field(default_factory=list)
+    averages: TensorCopies = field(default_factory=TensorCopies)
+    """The averaged copies' parameters and buffers (``GradGuard(averages=...)``: an EMA of the weights)."""
     scaler: dict[str, torch.Tensor | None] = field(default_factory=dict)
     schedulers: list[dict[str, Any]] = field(default_factory=list)
     statistics: dict[tuple[str, int], Series] = field(default_factory=dict)
@@ -190,7 +198,7 @@ class Snapshot:
     @property
     def nbytes(self) -> int:
         """Bytes of the tensors it holds (the guard's statistics, on the device, are not counted)."""
-        return self.model.nbytes + self.buffers.nbytes + sum(opt.nbytes for opt in self.optimizers)
+        return self.model.nbytes + self.buffers.nbytes + self.averages.nbytes + sum(o.nbytes for o in self.optimizers)
 
     def take(
         self,
@@ -215,6 +223,7 @@ class Snapshot:
         self.optimizers = []
         for optimizer in live.optimizers():
             self.add_optimizer(optimizer, live.model_ids(), kept.get(id(optimizer)), stager)
+        self.averages.take(live.average_tensors(), where, stager)
         self.copied = stager.flush() if stager is not None else None
         self.scaler = {key: detached_copy(value) for key, value in live.scaler_tensors().items()}
         self.schedulers = [copy.deepcopy(scheduler.state_dict()) for scheduler in live.schedulers]
@@ -249,6 +258,7 @@ class Snapshot:
             optimizer = entry.ref()
             if optimizer is not None:
                 entry.restore(optimizer, model_ids)
+        self.averages.restore(live.average_tensors())  # after the buffers: an EMA inside the model holds its own
         self.restore_scaler(live)
         self.restore_schedulers(live)
         live.statistics.series = {key: _series_copy(series) for key, series in self.statistics.items()}
@@ -285,6 +295,8 @@ class LiveState:
     scaler: torch.amp.GradScaler | None = None
     schedulers: list[Any] = field(default_factory=list)
     """``torch.optim.lr_scheduler.LRScheduler`` (or anything with ``state_dict``/``load_state_dict``)."""
+    averages: list[weakref.ReferenceType[nn.Module]] = field(default_factory=list)
+    """Averaged copies of the model (``GradGuard(averages=...)``: an EMA), snapshotted and rewound with it."""
 
     def optimizers(self) -> list[Optimizer]:
         return [opt for ref in self.known_optimizers if (opt := ref()) is not None]
@@ -303,10 +315,15 @@ class LiveState:
         return set() if model is None else {id(p) for p in model.parameters()}
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor a snapshot copies: parameters, buffers, and the known optimizers' outside the model."""
+        """Every tensor a snapshot copies: parameters, buffers, the optimizers' outside the model, the averages'."""
         model_ids = self.model_ids()
         outside = [t for opt in self.optimizers() for t in _outside(opt, model_ids)]
-        return [*self.params(), *self.buffers(), *outside]
+        return [*self.params(), *self.buffers(), *outside, *self.average_tensors()]
+
+    def average_tensors(self) -> list[torch.Tensor]:
+        """The averages' parameters and buffers (``AveragedModel``'s ``n_averaged`` too), each average's in order."""
+        averages = [average for ref in self.averages if (average := ref()) is not None]
+        return [local_tensor(t.detach()) for a in averages for t in (*a.parameters(), *a.buffers()) if t is not None]
 
     def scaler_tensors(self) -> dict[str, torch.Tensor | None]:
         scaler = self.scaler
@@ -335,14 +352,7 @@ def scale_lrs(optimizers: Iterable[Optimizer], schedulers: Iterable[Any], factor
                     value.mul_(factor)
                 elif isinstance(value, int | float) and not isinstance(value, bool):
                     group[key] = value * factor
-    for scheduler in schedulers:
-        for key in _SCHEDULER_LRS:
-            value = getattr(scheduler, key, None)
-            if isinstance(value, list):
-                setattr(scheduler, key, [v * factor if isinstance(v, int | float) else v for v in value])
-            elif isinstance(value, int | float) and not isinstance(value, bool):
-                setattr(scheduler, key, value * factor)
-        scale_lrs((), getattr(scheduler, "_schedulers", ()), factor)  # SequentialLR, ChainedScheduler
+    scale_scheduler_lrs(schedulers, factor)  # each once, a composite's parts too (gradguard.enforce.schedulers)
 
 
 def _params_of(optimizer: Optimizer) -> list[torch.Tensor]:

@@ -108,11 +108,12 @@ class DeferredWrites:
     """Half-precision gradients and their float32 factors as 0-dim device tensors: multiplied as torch's
     ``clip_grads_with_norm_`` multiplies them (a host float would be rounded to half precision first)."""
 
-    def scale(self, index: int, grad: torch.Tensor, factor: float, on_device: torch.Tensor) -> None:
-        """Multiply ``grad`` by ``factor`` (whose float32 value ``on_device`` holds on the gradient's device)."""
+    def scale(self, index: int, grad: torch.Tensor, factor: float, on_device: Callable[[], torch.Tensor]) -> None:
+        """Multiply ``grad`` by ``factor`` (``on_device()``: its float32 value on the gradient's device, taken only
+        for half precision)."""
         if grad.dtype in LOW_PRECISION:
             self.low_precision[0].append(grad)
-            self.low_precision[1].append(on_device)
+            self.low_precision[1].append(on_device())
         else:
             tensors, factors = self.scales.setdefault((grad.device, grad.dtype), ([], []))
             tensors.append(grad)

@@ -56,6 +56,7 @@ __all__ = [
     "Skip",
     "SpikeSkip",
     "StateLoaded",
+    "StateMissing",
     "Stats",
     "StepEvent",
     "UnexpectedOptimizer",
@@ -361,6 +362,13 @@ class StateLoaded(StepEvent, tag="state_loaded", kw_only=True):
     """``guard.load_state_dict`` resumed the guard at ``step``."""
 
 
+class StateMissing(StepEvent, tag="state_missing", kw_only=True):
+    """A framework resumed a run at ``step`` from a checkpoint that holds no guard state: the guard starts afresh."""
+
+    LEVEL: ClassVar[str] = "warning"
+    why: str
+
+
 GuardEvent = Union[  # noqa: UP007
     Attach,
     Intervention,
@@ -390,6 +398,7 @@ GuardEvent = Union[  # noqa: UP007
     Counters,
     Detach,
     StateLoaded,
+    StateMissing,
 ]
 """Any event the guard writes."""
 

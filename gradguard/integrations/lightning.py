@@ -49,18 +49,21 @@ __all__ = ["GradGuardCallback"]
 _GUARD_STATE = "guard"
 
 
-def _hand_recovery(guard: GradGuard, trainer: pl.Trainer) -> None:
-    """Tell the guard's recovery the trainer's LR schedulers (the precision plugin's GradScaler is its ``scaler``).
+def _with_trainers(given: Any, trainer: pl.Trainer) -> list[Any]:
+    """``lr_scheduler=`` given to the callback and the trainer's LR schedulers, for the guard's recovery (the
+    precision plugin's GradScaler is its ``scaler``); given at attach, so the attach event counts them.
 
     A rewind takes them back to the snapshot's step with the weights and holds them through the skip
     window (Lightning's ``scheduler.step()`` at the end of a skipped batch is undone), and ``lr_factor``
-    lowers what they recompute the LR from, so it holds through their later steps. Known ones are left alone.
+    lowers what they recompute the LR from, so it holds through their later steps.
     """
-    recovery = guard._enforcer.recovery
+    schedulers = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
     for config in trainer.lr_scheduler_configs:
         scheduler = config.scheduler
-        if all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
-            recovery.add_scheduler(scheduler)
+        held = all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict"))
+        if held and not any(known is scheduler for known in schedulers):
+            schedulers.append(scheduler)
+    return schedulers
 
 
 class GradGuardCallback(Callback):
@@ -124,9 +127,9 @@ class GradGuardCallback(Callback):
             checkpoint_step = self._checkpoint_step
             options["start_step"] = checkpoint_step if checkpoint_step is not None else trainer.global_step
         self._checkpoint_step = None
+        options["lr_scheduler"] = _with_trainers(options.get("lr_scheduler"), trainer)
         guard = GradGuard(pl_module, self.policy, **options)
         self.guard = guard
-        _hand_recovery(guard, trainer)
         if state is not None:
             guard.load_state_dict(state)  # skip histories; logged as a state_loaded event
 

@@ -27,9 +27,10 @@ from typing import Any
 
 try:
     import transformers
+    from transformers.trainer_callback import ExportableState
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
-    from gradguard.integrations.accelerate import AcceleratorBoundary, InstancePatch, hand_schedulers
+    from gradguard.integrations.accelerate import AcceleratorBoundary, InstancePatch, unwrap_scheduler
 except ImportError as exc:  # pragma: no cover - exercised by a test that hides transformers
     raise ImportError(
         "gradguard.integrations.transformers needs transformers and accelerate: pip install 'gradguard[transformers]'"
@@ -43,10 +44,16 @@ from gradguard import GradGuard, GuardWarning, Policy
 __all__ = ["STATE_FILE", "GradGuardCallback", "guard_trainer"]
 
 STATE_FILE = "gradguard_state.json"
-"""The guard's ``state_dict()``, written into each checkpoint folder the Trainer saves."""
+"""The guard's ``state_dict()``, written into each checkpoint folder the Trainer saves (also in its
+``trainer_state.json``, which a resume reads first)."""
+
+_GIVEN = "gradguard: the callback given to the Trainer"
+"""``state()``'s ``args``: with ``restore_callback_states_from_checkpoint`` the Trainer rebuilds each stateful callback
+from them; this one is rebuilt as the live callback itself (its policy and options are not in the checkpoint)."""
+_ALIVE: weakref.WeakSet[GradGuardCallback] = weakref.WeakSet()
 
 
-class GradGuardCallback(transformers.TrainerCallback):
+class GradGuardCallback(transformers.TrainerCallback, ExportableState):
     """Attaches a [`GradGuard`][gradguard.GradGuard] to the Trainer's model for each ``trainer.train()``.
 
     On its own (``Trainer(..., callbacks=[GradGuardCallback(policy)])``, the Hugging Face convention) the
@@ -66,8 +73,11 @@ class GradGuardCallback(transformers.TrainerCallback):
     holds through the scheduler's later steps. It is removed at ``on_train_end``;
     [`guard`][gradguard.integrations.transformers.GradGuardCallback.guard] keeps the last run's guard, detached, so its
     counters can be read. At every checkpoint, ``guard.state_dict()`` (step number, skip histories, recovery's rewind
-    count) is written to ``<checkpoint>/gradguard_state.json`` and read back when a run resumes from that
-    checkpoint.
+    count, a skip window in progress) goes into the checkpoint's ``trainer_state.json`` (the Trainer's own
+    ``stateful_callbacks``, through [`state`][gradguard.integrations.transformers.GradGuardCallback.state]) and
+    into ``<checkpoint>/gradguard_state.json``; a run resumed from that checkpoint, wherever it was copied to
+    (``resume_from_checkpoint="elsewhere/checkpoint-65"`` or ``True``), reads it back. A resume whose checkpoint holds
+    none (a run saved without the guard) warns and logs a ``state_missing`` event: the guard starts afresh.
 
     Args:
         policy: a [`Policy`][gradguard.Policy] or the path of a policy file (loaded, and checked, now).
@@ -75,7 +85,23 @@ class GradGuardCallback(transformers.TrainerCallback):
             ``summary_every``, ``scaler``, ...); ``start_step`` comes from the Trainer.
     """
 
+    def __new__(cls, policy: Policy | str | os.PathLike[str], **guard_options: Any) -> GradGuardCallback:
+        if not (isinstance(policy, str) and policy == _GIVEN):
+            return super().__new__(cls)
+        # The Trainer rebuilds its stateful callbacks from state()'s args (restore_callback_states_from_checkpoint):
+        # the one it holds is the only one alive, and keeps its policy, options and identity.
+        alive = [callback for callback in list(_ALIVE) if type(callback) is cls]
+        if len(alive) != 1:
+            raise TypeError(
+                f"restore_callback_states_from_checkpoint=True rebuilds {cls.__name__} from the checkpoint, which "
+                f"cannot say which of the {len(alive)} {cls.__name__}s alive it was; leave it False: the callback "
+                "restores its guard's state from trainer_state.json by itself"
+            )
+        return alive[0]
+
     def __init__(self, policy: Policy | str | os.PathLike[str], **guard_options: Any) -> None:
+        if isinstance(policy, str) and policy == _GIVEN:
+            return  # the live callback, given back by __new__: unchanged
         if "start_step" in guard_options:
             raise TypeError(
                 "GradGuardCallback sets start_step from the Trainer's state.global_step (a resumed run carries on "
@@ -89,6 +115,7 @@ class GradGuardCallback(transformers.TrainerCallback):
         self._resume_from: str | None = None
         self._boundary: AcceleratorBoundary | None = None
         self._log_patch: InstancePatch | None = None
+        _ALIVE.add(self)
 
     # --- Trainer events ---------------------------------------------------------------------------
 
@@ -109,13 +136,12 @@ class GradGuardCallback(transformers.TrainerCallback):
         options = dict(self.guard_options)
         if trainer is not None:
             options.setdefault("scaler", trainer.accelerator.scaler)
+        # For recovery: the scheduler and the scale go back to the snapshot's step with the weights, held through
+        # the skip window, and lr_factor holds through the scheduler's later steps. Given at attach, so the attach
+        # event counts it.
+        options["lr_scheduler"] = _with_trainers(options.get("lr_scheduler"), kwargs.get("lr_scheduler"))
         guard = GradGuard(model, self.policy, start_step=state.global_step, **options)
         self.guard = guard
-        # For recovery: the scheduler and the scale go back to the snapshot's step with the weights, held through
-        # the skip window, and lr_factor holds through the scheduler's later steps.
-        scheduler = kwargs.get("lr_scheduler")
-        if scheduler is not None:
-            hand_schedulers(guard, [scheduler])
         scaler = getattr(kwargs.get("optimizer"), "scaler", None)  # the prepared AcceleratedOptimizer's (fp16)
         if guard._enforcer.recovery.live.scaler is None and isinstance(scaler, torch.amp.GradScaler):
             guard._enforcer.recovery.set_scaler(scaler)
@@ -165,6 +191,13 @@ class GradGuardCallback(transformers.TrainerCallback):
 
     # --- public -----------------------------------------------------------------------------------
 
+    def state(self) -> dict[str, Any]:
+        """What the Trainer saves of this callback in each checkpoint's ``trainer_state.json``
+        (``transformers.trainer_callback.ExportableState``): the guard's ``state_dict()`` as ``attributes``."""
+        guard = self.guard
+        saved = guard.state_dict() if guard is not None and guard.attached else None
+        return {"args": {"policy": _GIVEN}, "attributes": {"guard_state": saved}}
+
     def remove(self) -> None:
         """Detach the guard (kept in [`guard`][gradguard.integrations.transformers.GradGuardCallback.guard] for its
         counters) and undo every wrapper; idempotent."""
@@ -202,17 +235,24 @@ class GradGuardCallback(transformers.TrainerCallback):
     def _load_saved_state(
         self, guard: GradGuard, args: transformers.TrainingArguments, state: transformers.TrainerState
     ) -> None:
-        """A resumed run: take the skip histories saved beside the checkpoint; the step stays global_step."""
+        """A resumed run: take the guard state its checkpoint holds (``trainer_state.json`` first, else the
+        ``gradguard_state.json`` beside it); the step stays global_step."""
         folder = self._resume_from
         self._resume_from = None
-        if folder is None:
-            if state.global_step == 0:
-                return
-            folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        path = Path(folder) / STATE_FILE
-        if not path.is_file():
+        name = type(self).__name__
+        stateful: Any = state.stateful_callbacks  # a dict once the TrainerState exists (its __post_init__)
+        saved = _saved_in(stateful.get(name))
+        stateful.setdefault(name, self.state())  # the Trainer's next save updates this entry, and never adds it
+        path: Path | str = "trainer_state.json"
+        if saved is None and (folder is not None or state.global_step > 0):
+            if folder is None:
+                folder = os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            path = Path(folder) / STATE_FILE
+            saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        if saved is None:
+            if state.global_step > 0:
+                _warn_missing(guard, state.global_step)
             return
-        saved = json.loads(path.read_text(encoding="utf-8"))
         if isinstance(saved, dict) and saved.get("step") != state.global_step:
             warnings.warn(
                 f"{path} holds the guard's state at step {saved.get('step')}, but the Trainer resumes at global step "
@@ -223,6 +263,37 @@ class GradGuardCallback(transformers.TrainerCallback):
         if isinstance(saved, dict):
             saved = {**saved, "step": state.global_step}
         guard.load_state_dict(saved)
+
+
+def _with_trainers(given: Any, scheduler: Any) -> list[Any]:
+    """``lr_scheduler=`` given to the callback, and the Trainer's (unwrapped), where it can be held (DeepSpeed's
+    ``DummyScheduler`` cannot)."""
+    schedulers = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
+    scheduler = unwrap_scheduler(scheduler)
+    held = all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict"))
+    if scheduler is not None and held and not any(known is scheduler for known in schedulers):
+        schedulers.append(scheduler)
+    return schedulers
+
+
+def _saved_in(entry: Any) -> dict[str, Any] | None:
+    """The guard state in ``trainer_state.json``'s entry for the callback (a list where several were saved)."""
+    entries = entry if isinstance(entry, list) else [entry]
+    for one in entries:
+        saved = one.get("attributes", {}).get("guard_state") if isinstance(one, dict) else None
+        if isinstance(saved, dict):
+            return saved
+    return None
+
+
+def _warn_missing(guard: GradGuard, step: int) -> None:
+    why = (
+        f"the Trainer resumes at global step {step} from a checkpoint that holds no guard state (none in its "
+        f"trainer_state.json, no {STATE_FILE}): the guard starts afresh, with no rewind count, skip window or "
+        "statistics carried over"
+    )
+    guard._events.emit("warning", "state_missing", step=step, why=why)
+    warnings.warn(why, GuardWarning, stacklevel=4)
 
 
 def guard_trainer(

@@ -62,6 +62,7 @@ DEDICATED_EXAMPLES: dict[str, str] = {
     "hf-trainer": "tests/test_integration_transformers.py",
     "lightning": "tests/test_integration_lightning.py",
     "metrics": "tests/test_live_metrics.py",
+    "timm": "tests/test_recovery_schedulers.py",
 }
 """Each ``<!-- example: NAME -->`` block and the test file that runs it (and checks what it does)."""
 

@@ -8,6 +8,7 @@ a float64 norm (``clear_overflows``).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -112,8 +113,8 @@ def _clip_tensors(
         totals = torch.linalg.vector_norm(per_tensor.unsqueeze(1), action.norm_type, dim=1)
         coefs = clip_coefficients(totals, action.max_norm)
         now = [row for row, k in enumerate(positions) if ids[k] not in final]
-        rows = coefs.unbind()
         if now:  # a later action of this step acts on these: the clip must be on the device before it
+            rows = coefs.unbind()
             torch._foreach_mul_([gs[positions[row]] for row in now], [rows[row] for row in now])
         deferred = [
             (row, device_ids[row], gs[positions[row]]) for row in range(len(positions)) if ids[positions[row]] in final
@@ -123,14 +124,14 @@ def _clip_tensors(
             values: list[float],
             device_ids: list[int] = device_ids,
             deferred: list[tuple[int, int, torch.Tensor]] = deferred,
-            rows: tuple[torch.Tensor, ...] = rows,
+            coefs: torch.Tensor = coefs,
         ) -> None:
             count = len(device_ids)
             if min(values[count:]) >= 1.0 and math.isfinite(sum(values[:count])):
                 return  # nothing clipped, every norm finite (coefficients are never NaN)
             for row, index, grad in deferred:
-                if values[count + row] < 1.0:
-                    writes.scale(index, grad, values[count + row], rows[row])
+                if values[count + row] < 1.0:  # the 0-dim coefficient is only taken for half precision
+                    writes.scale(index, grad, values[count + row], partial(coefs.select, 0, row))
             for index, norm, coef in zip(device_ids, values[:count], values[count:], strict=False):
                 if norm != norm or abs(norm) == float("inf"):
                     outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
@@ -162,7 +163,7 @@ def _clip_group(
         norm, factor = values
         if deferred and factor < 1.0:
             for index, grad in zip(ids, gs, strict=True):
-                writes.scale(index, grad, factor, coef if coef.device == grad.device else coef.to(grad.device))
+                writes.scale(index, grad, factor, partial(coef.to, grad.device))
         if norm != norm or abs(norm) == float("inf"):
             kind = "nan" if norm != norm else "inf"
             outcome.events.append(

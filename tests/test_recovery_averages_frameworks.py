@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 
 import test_recovery_frameworks as frameworks
 import transformers
+from support.training import hf_poison_at
 from test_recovery_frameworks import (
     FAULT,
     KEPT,
@@ -28,7 +29,6 @@ from test_recovery_frameworks import (
     STEPS,
     JumpGuard,
     JumpTrainerGuard,
-    PoisonAt,
     assert_rewound_once,
     lightning_fit,
     policy,
@@ -85,7 +85,7 @@ def hf_train_with_ema(tmp_path: Path, steps: list[int], guard: TrainerCallback |
     if guard is None:  # the rewinding run: its callback is made here, where the EMA exists
         audit = tmp_path / "audit.jsonl"
         guard = TrainerCallback(policy(recovery=RECOVERY), logger=None, audit_log=audit, averages=[ema])
-        callbacks += [PoisonAt(FAULT)]
+        callbacks += [hf_poison_at(FAULT)]
     trainer = transformers.Trainer(
         model=model,
         args=hf_training_args(

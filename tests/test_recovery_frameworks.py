@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.training import assert_same, events_of, hf_training_args, model_state
+from support.training import assert_same, events_of, hf_poison_at, hf_training_args, model_state
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -319,23 +319,6 @@ def regression_examples(steps: list[int]) -> list[dict[str, torch.Tensor]]:
     return [every[step * HF_BATCH + i] for step in steps for i in range(HF_BATCH)]
 
 
-class PoisonAt(transformers.TrainerCallback):
-    """A NaN in one element of ``second.weight``'s gradient during the backward of global step ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            if state.global_step != self.step:
-                return grad
-            grad = grad.clone()
-            grad.view(-1)[0] = float("nan")
-            return grad
-
-        dict(model.named_parameters())[NAN_PARAM].register_hook(hook)
-
-
 class AppliedLRs(transformers.TrainerCallback):
     """The LR of the first group at every optimizer step of the Trainer."""
 
@@ -383,7 +366,9 @@ def test_a_trainer_fit_with_the_callback_alone_rewinds_and_ends_bitwise_equal_to
 ):
     audit = tmp_path / "audit.jsonl"
     callback = TrainerCallback(policy(recovery=RECOVERY), logger=None, audit_log=audit)
-    trainer = hf_train(tmp_path / "a", list(range(STEPS)), [callback, PoisonAt(FAULT)], lr_scheduler_type="constant")
+    trainer = hf_train(
+        tmp_path / "a", list(range(STEPS)), [callback, hf_poison_at(FAULT)], lr_scheduler_type="constant"
+    )
     guarded = TrainerCallback(policy(), logger=None)
     reference = hf_train(tmp_path / "b", KEPT, [guarded, JumpTrainerGuard(guarded)], lr_scheduler_type="constant")
 
@@ -400,7 +385,7 @@ def test_a_trainer_fit_with_the_callback_alone_rewinds_and_ends_bitwise_equal_to
 def test_a_trainer_linear_schedule_gives_half_its_lr_after_a_rewind_with_lr_factor_one_half(tmp_path):
     callback = TrainerCallback(policy(recovery={**RECOVERY, "lr_factor": 0.5}), logger=None)
     lrs = AppliedLRs()
-    trainer = hf_train(tmp_path, list(range(STEPS)), [callback, PoisonAt(FAULT), lrs], lr_scheduler_type="linear")
+    trainer = hf_train(tmp_path, list(range(STEPS)), [callback, hf_poison_at(FAULT), lrs], lr_scheduler_type="linear")
 
     assert callback.guard is not None
     assert callback.guard.state_dict()["recovery"]["rewinds"] == 1

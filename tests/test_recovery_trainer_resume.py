@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.training import assert_same, events_of, hf_training_args, model_state
+from support.training import assert_same, events_of, hf_poison_at, hf_training_args, model_state
 from torch import nn
 
 from gradguard import GuardWarning, Policy
@@ -87,23 +87,6 @@ def examples() -> list[dict[str, torch.Tensor]]:
     ]
 
 
-class PoisonAt(transformers.TrainerCallback):
-    """A NaN in one element of ``second.weight``'s gradient during the backward of global step ``step``."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            if state.global_step != self.step:
-                return grad
-            grad = grad.clone()
-            grad.view(-1)[0] = float("nan")
-            return grad
-
-        model.second.weight.register_hook(hook)
-
-
 class StopAt(transformers.TrainerCallback):
     def __init__(self, step: int) -> None:
         self.step = step
@@ -138,7 +121,7 @@ def stopped_inside_the_window(folder: Path, **overrides: Any) -> Path:
     """Train with the guard and a NaN at step 23, stop at step 25 after a checkpoint: that checkpoint's folder."""
     callback = GradGuardCallback(recovering_policy(), logger=None)
     trainer = trainer_of(
-        folder, [callback, PoisonAt(FAULT), StopAt(SAVED)], save_strategy="steps", save_steps=SAVED, **overrides
+        folder, [callback, hf_poison_at(FAULT), StopAt(SAVED)], save_strategy="steps", save_steps=SAVED, **overrides
     )
     trainer.train()
     assert callback.guard is not None
@@ -151,7 +134,7 @@ def test_a_trainer_resumed_from_a_copy_of_a_checkpoint_saved_in_the_skip_window_
 ):
     """Callback alone, the checkpoint copied elsewhere and resumed with another output_dir: bitwise equal."""
     whole_callback = GradGuardCallback(recovering_policy(), logger=None)
-    whole = trainer_of(tmp_path / "whole", [whole_callback, PoisonAt(FAULT)])
+    whole = trainer_of(tmp_path / "whole", [whole_callback, hf_poison_at(FAULT)])
     whole.train()
 
     saved = stopped_inside_the_window(tmp_path / "stopped")
@@ -256,7 +239,7 @@ def test_the_trainers_logs_show_no_nan_health_figures_in_the_steps_after_a_rewin
     ]
     spec = {"version": 1, "rules": rules, "recovery": copy.deepcopy(RECOVERY)}
     callback = GradGuardCallback(Policy.from_dict(spec), logger=None)
-    trainer = trainer_of(tmp_path, [callback, PoisonAt(FAULT)], max_steps=30, logging_steps=1)
+    trainer = trainer_of(tmp_path, [callback, hf_poison_at(FAULT)], max_steps=30, logging_steps=1)
     trainer.train()
     entries = [entry for entry in trainer.state.log_history if "loss" in entry]
     norms = [

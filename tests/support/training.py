@@ -161,3 +161,22 @@ def hf_training_args(tmp_path: Path, **overrides: Any) -> Any:
     }
     options.update(overrides)
     return transformers.TrainingArguments(**options)
+
+
+def hf_poison_at(step: int, param: str = "second.weight") -> Any:
+    """A Hugging Face ``TrainerCallback``: a NaN in one element of ``param``'s gradient during the backward of global
+    step ``step`` (shared by the Trainer recovery tests)."""
+    import transformers
+
+    class PoisonAt(transformers.TrainerCallback):  # type: ignore[misc]
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                if state.global_step != step:
+                    return grad
+                grad = grad.clone()
+                grad.view(-1)[0] = float("nan")
+                return grad
+
+            dict(model.named_parameters())[param].register_hook(hook)
+
+    return PoisonAt()

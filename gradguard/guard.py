@@ -332,7 +332,8 @@ class GradGuard(ServesMetrics):
             return _clip_begins(self, call) if self.attached else False
 
     def _clip_instead(self, *call: Any) -> Any:  # the loop's clip from this step's norms; None: torch's own runs
-        return clip_with_known_norms(self._enforcer.known_norms, *call)
+        core = self._enforcer  # only where this very clip ran the guard's step: nothing came between
+        return clip_with_known_norms(core.known_norms, *call) if core.last_run_treated else None
 
     def _loss_watch(self) -> LossWatch | None:  # where backward's roots go, if the policy watches the loss
         return self._enforcer.loss_watch if self.attached and watches_loss(self.policy) else None

@@ -108,3 +108,26 @@ def test_a_nan_from_step_6_halts_at_step_22_saying_17_skips_whatever_the_optimiz
     assert "skipped 17 steps in a row" in message
     assert guard.step_count == 23
     assert guard.counters.snapshot()["grad_scaler"]["skip"] == 17
+
+
+@pytest.mark.parametrize("order", ["step", "unscale-clip-step"])
+def test_a_run_that_halted_under_a_scaler_does_not_stop_the_next_runs_clip_from_being_its_boundary(order: str) -> None:
+    """A halt between ``scale()`` and ``update()`` leaves that scaler scaled; a notebook's next run (a new guard, no
+    scaler) still has its loop's clip run the guard's step first."""
+    model = make_model()
+    opt = OPTIMIZERS["adamw-fused"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    guard = GradGuard(model, Policy.shipped("default"), logger=None, scaler=scaler)
+
+    def run() -> None:
+        for step in range(40):
+            train_step(order, model, opt, scaler, guard, step, step >= 6)
+
+    with pytest.raises(GradientHalt):
+        run()
+    guard.remove()
+    fresh = make_model()
+    with GradGuard(fresh, Policy.shipped("default"), logger=None) as second:
+        fresh(torch.randn(4, 8)).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(fresh.parameters(), 1.0)
+        assert second.step_count == 1, "the clip ran the new guard's step"

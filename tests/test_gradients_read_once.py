@@ -130,3 +130,43 @@ def test_only_the_first_clip_after_the_guards_step_takes_its_norms() -> None:
     for p in reference.parameters():
         p.grad.data.mul_(2.0)
     assert torch.equal(second, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e6))
+
+
+def test_a_clip_after_an_explicit_guard_step_computes_its_own_norms() -> None:
+    """Code may run between ``guard.step()`` and the loop's clip (a change through ``.data`` shows in no version):
+    only a clip that ran the guard's step itself takes its norms."""
+    net = model()
+    reference = copy.deepcopy(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    with GradGuard(net, Policy.from_dict({"version": 1, "rules": PER_TENSOR[:1]}), logger=None) as guard:
+        backward(net, 6, 1.0)
+        assert guard.step(opt)
+        for p in net.parameters():
+            p.grad.data.mul_(100.0)
+        got = torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0, foreach=True)
+    backward(reference, 6, 1.0)
+    for p in reference.parameters():
+        p.grad.data.mul_(100.0)
+    assert torch.equal(got, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0, foreach=True))
+    for p, q in zip(net.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_per_tensor_clip_over_float32_and_float64_tensors_is_torchs_for_each() -> None:
+    """The norms of each dtype are stacked apart: a float32 tensor's coefficient is computed in float32, as
+    ``clip_grad_norm_([p])`` computes it."""
+    rules = [{"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.1}]}]
+    for seed in range(40):
+        torch.manual_seed(seed)
+        net = nn.Module()
+        net.a = nn.Parameter(torch.randn(7, 5))
+        net.b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+        ga, gb = torch.randn(7, 5) * 3, torch.randn(3, dtype=torch.float64)
+        net.a.grad, net.b.grad = ga.clone(), gb.clone()
+        with GradGuard(net, Policy.from_dict({"version": 1, "rules": rules}), logger=None) as guard:
+            guard.step()
+        for param, grad in ((net.a, ga), (net.b, gb)):
+            want = nn.Parameter(torch.zeros_like(grad))
+            want.grad = grad.clone()
+            torch.nn.utils.clip_grad_norm_([want], 0.1)
+            assert torch.equal(param.grad, want.grad), seed

@@ -411,3 +411,30 @@ def test_a_step_whose_backward_the_guard_cannot_see_is_said_once(tmp_path: Path)
 def test_a_rule_may_not_take_a_name_the_guard_counts_under(name: str) -> None:
     with pytest.raises(PolicyError, match=rf"rules\[0\]\.name: '{name}' is the counter key of"):
         Policy.from_dict({"version": 1, "rules": [HALT | {"name": name}]})
+
+
+def test_each_guard_judges_only_its_own_models_loss_when_two_models_train_in_one_loop() -> None:
+    """A GAN-like loop: two guarded models, each with its own backward; B's NaN loss is B's alone, and an unguarded
+    third model's backward is nobody's."""
+    models = {name: net() for name in ("a", "b", "free")}
+    opts = {name: torch.optim.SGD(model.parameters(), lr=0.05) for name, model in models.items()}
+    guards = {name: GradGuard(models[name], policy(), logger=None) for name in ("a", "b")}
+    try:
+        for step in range(4):
+            x, y = batch(step)
+            losses = {}
+            for name, model in models.items():
+                opts[name].zero_grad()
+                bad = math.nan if name != "a" and step == 3 else 0.0  # added: the gradients stay finite
+                losses[name] = nn.functional.mse_loss(model(x), y) + bad
+                losses[name].backward()
+            opts["a"].step()
+            assert guards["a"].metrics()["gradguard/loss"] == pytest.approx(float(losses["a"].detach()))
+            if step < 3:
+                opts["b"].step()
+                assert guards["b"].metrics()["gradguard/loss"] == pytest.approx(float(losses["b"].detach()))
+        with pytest.raises(GradientHalt, match="non-finite loss"):
+            opts["b"].step()
+    finally:
+        for guard in guards.values():
+            guard.remove()

@@ -90,7 +90,7 @@ class Enforcer:
         self.scaler_skip_at_boundary = False
         """This step's GradScaler skip was already recorded at an explicit boundary (one-shot)."""
         self.known_norms = KnownNorms()  # the last applied step's norms, for the loop's own clip
-        self.loss_watch = self.recovery.live.loss = LossWatch()  # the loss section's; rewound with the statistics
+        self.loss_watch = self.recovery.live.loss = LossWatch(lambda: self.binding.params)  # rewound with the stats
         self.reruns = Reruns()  # the rerun section's
 
     @torch.no_grad()

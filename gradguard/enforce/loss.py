@@ -18,7 +18,7 @@ import math
 import statistics
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -27,9 +27,14 @@ import torch
 
 from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.events.log import EventLog
+from gradguard.policy.matching import GuardedParam
 from gradguard.policy.schema import Loss, Monitor, PolicyFields
 
-__all__ = ["LossVerdict", "LossWatch", "watches_loss"]
+__all__ = ["PROBES", "LossVerdict", "LossWatch", "watches_loss"]
+
+PROBES = 16
+"""How many of a model's parameters are looked at to tell whether a backward reached it (spread over the model: a
+backward that reaches none of 16 of them is another model's)."""
 
 
 @lru_cache(maxsize=32)
@@ -65,7 +70,9 @@ class LossVerdict:
 class LossWatch:
     """One guard's view of the loss: the roots seen since the last step, and the reference across steps."""
 
-    def __init__(self) -> None:
+    def __init__(self, params: Callable[[], Sequence[GuardedParam]] = tuple) -> None:
+        self._params = params
+        """The guarded parameters (the binding's, as it is now): a backward is this guard's if it reaches them."""
         self._lock = threading.Lock()
         self._sum: torch.Tensor | None = None
         self._unseen: str | None = None
@@ -83,6 +90,29 @@ class LossWatch:
         """The first step this guard watched (a guard attached after that step's backward saw no root of it)."""
 
     # --- the roots of backward (any thread) -----------------------------------------------------------
+
+    def probe(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+        """Up to ``PROBES`` guarded parameters spread over the model, with their gradients as they are now."""
+        params = [entry for entry in self._params() if (param := entry.ref()) is not None and param.requires_grad]
+        picks = params[:: max(1, len(params) // PROBES)][:PROBES]
+        out: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        for entry in picks:
+            param = entry.ref()
+            if param is not None:
+                grad = param.grad
+                out.append((param, grad, -1 if grad is None else grad._version))
+        return out
+
+    @staticmethod
+    def reached(probe: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> bool:
+        """Whether a backward changed a probed gradient (made it, or added into it); no probe: assume it did."""
+        if not probe:
+            return True
+        for param, grad, version in probe:
+            now = param.grad
+            if now is not grad or (now is not None and now._version != version):
+                return True
+        return False
 
     def saw(self, root: torch.Tensor | None, why: str | None = None) -> None:
         """A ``backward()`` of ``root`` (the unscaled loss), or of something that is not a loss (``why``)."""

@@ -17,6 +17,7 @@ __all__ = [
     "EPS",
     "LOW_PRECISION",
     "by_device",
+    "by_device_and_dtype",
     "clamp_",
     "clip_coefficients",
     "device_constant",
@@ -102,6 +103,20 @@ def clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
     """
     coef = torch.clamp(max_norm / (totals + EPS), max=1.0)
     return torch.where(torch.isfinite(totals), coef, torch.ones_like(coef))
+
+
+def by_device_and_dtype(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
+    """``by_device``, with each dtype apart too: a float32 norm stacked with a float64 one would be promoted, and
+    its clip coefficient would no longer be the one ``clip_grad_norm_([p])`` computes."""
+    first = tensors[0]
+    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+        return [(list(ids), list(range(len(ids))))]
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[int]]] = {}
+    for position, (index, tensor) in enumerate(zip(ids, tensors, strict=False)):
+        bucket = groups.setdefault((tensor.device, tensor.dtype), ([], []))
+        bucket[0].append(index)
+        bucket[1].append(position)
+    return list(groups.values())
 
 
 def by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:

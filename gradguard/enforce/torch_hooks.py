@@ -112,10 +112,11 @@ _wrapped: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
 """(owner, attribute, original, wrapper) of every swap in force."""
 _steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 _steps_lock = threading.Lock()
-_scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[int, int]] = weakref.WeakKeyDictionary()
-"""Scalers that scaled a loss, with the identity of their per-optimizer state table at that moment
-(``update()`` replaces the table: a different identity means the scaler has finished that step) and the
-thread that scaled it (a loss scaled on another thread is another training's)."""
+_scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[Any, int]] = weakref.WeakKeyDictionary()
+"""Scalers that scaled a loss, with their per-optimizer state table at that moment (``update()`` replaces the
+table: another table means the scaler has finished that step; the table itself is held, not its ``id``, which a
+new table could take once the old one is freed) and the thread that scaled it (another thread's is another
+training's)."""
 _unscaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, dict[int, weakref.ReferenceType[Optimizer]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -149,6 +150,12 @@ def enlist(guard: GuardHooks) -> Enlisted:
         _guards = (*(r for r in _guards if r() is not None), ref)
         if not _wrapped:
             _wrap_all()
+    with _scaler_lock:
+        # A scaler this thread left scaled (a run that halted between scale() and update()) is a finished
+        # training's: a guard attached now starts a new one, whose clip must not wait for that scaler.
+        here = threading.get_ident()
+        for scaler in [scaler for scaler, (_, thread) in list(_scaled.items()) if thread == here]:
+            del _scaled[scaler]
     return Enlisted(ref)
 
 
@@ -287,7 +294,7 @@ def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def scale(self: torch.amp.GradScaler, outputs: Any) -> Any:
         if self.is_enabled():
             with _scaler_lock:
-                _scaled[self] = (id(self._per_optimizer_states), threading.get_ident())
+                _scaled[self] = (self._per_optimizer_states, threading.get_ident())
         result = original(self, outputs)
         if self.is_enabled() and isinstance(outputs, torch.Tensor) and isinstance(result, torch.Tensor):
             with _scaler_lock:  # the loss this root scaled, for the guards' loss section
@@ -304,20 +311,30 @@ _unscaled_roots: dict[int, tuple[weakref.ReferenceType[torch.Tensor], torch.Tens
 def _backward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def backward(*args: Any, **kwargs: Any) -> Any:
-        if _guards:
-            _saw_backward(args, kwargs)
-        return original(*args, **kwargs)
+        if not _guards:
+            return original(*args, **kwargs)
+        seen = _before_backward(args, kwargs)
+        result = original(*args, **kwargs)
+        if seen:
+            _after_backward(seen)  # only a backward that ran, and only to the guards whose model it reached
+        return result
 
     return backward
 
 
+_Seen = list[tuple["LossWatch", Any, torch.Tensor | None, str | None]]
+
+
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _saw_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Hand a backward's root (the loss, unscaled where a GradScaler scaled it) to the guards that watch it."""
+def _before_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
+    """A backward's root (the loss, unscaled where a GradScaler scaled it), and each watching guard's probe of its
+    model's gradients as they are before it."""
     watches = [watch for guard in _live() if (watch := guard._loss_watch()) is not None]
     if not watches:
-        return
+        return []
     root, why = root_of(args, kwargs)
+    if root is None and why is None:
+        return []
     if root is not None:
         with _scaler_lock:
             scaled = _unscaled_roots.pop(id(root), None)
@@ -326,8 +343,15 @@ def _saw_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
                     del _unscaled_roots[key]
         if scaled is not None and scaled[0]() is root:
             root = scaled[1]
-    if root is not None or why is not None:
-        for watch in watches:
+    return [(watch, watch.probe(), root, why) for watch in watches]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _after_backward(seen: _Seen) -> None:
+    """Each root goes to the guards whose model's gradients the backward changed (another model's loss is not
+    theirs: two guarded models in one loop, or an unguarded one beside)."""
+    for watch, probe, root, why in seen:
+        if watch.reached(probe):
             watch.saw(root, why)
 
 
@@ -368,7 +392,7 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
         in_flight = []
         for scaler, (table, thread) in list(_scaled.items()):
             states = scaler._per_optimizer_states  # read once: update() replaces it (on its own thread)
-            if id(states) == table and scaler.is_enabled():
+            if states is table and scaler.is_enabled():
                 in_flight.append((scaler, thread == here, dict(states)))  # a copy: its thread may add to it
         unscaled = {s: dict(records) for s, records in _unscaled.items()}
     ids = {id(p) for p in params}
@@ -378,7 +402,10 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     covered: set[int] = set()
     ours = False
     for scaler, on_this_thread, states in in_flight:
-        known = {key: opt for key, ref in unscaled.get(scaler, {}).items() if (opt := ref()) is not None}
+        records = unscaled.get(scaler, {})
+        known = {key: opt for key, ref in records.items() if (opt := ref()) is not None}
+        if records and not known:
+            continue  # every optimizer it unscaled is gone: a finished (halted) training's scaler, not in flight
         ours |= on_this_thread and not known
         for key, optimizer in known.items():
             held = _param_ids(optimizer) & ids

@@ -14,7 +14,15 @@ import torch
 
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.step import StepWork
-from gradguard.enforce.tensors import EPS, by_device, clamp_, clip_coefficients, in_torch_order, stack_on
+from gradguard.enforce.tensors import (
+    EPS,
+    by_device,
+    by_device_and_dtype,
+    clamp_,
+    clip_coefficients,
+    in_torch_order,
+    stack_on,
+)
 from gradguard.policy.matching import Binding, BoundRule
 from gradguard.policy.schema import Action, ClipNorm, ClipValue
 
@@ -106,7 +114,7 @@ def _clip_tensors(
         work.final,
         work.writes,
     )
-    for device_ids, positions in by_device(ids, norms):
+    for device_ids, positions in by_device_and_dtype(ids, norms):
         device = norms[positions[0]].device
         per_tensor = pending.stack([norms[k] for k in positions], device)
         # clip_grad_norm_([p]) takes the norm of the one-element stack of norms; so do we, row-wise.

@@ -26,6 +26,7 @@ from torch.utils._foreach_utils import (
 )
 
 from gradguard.enforce.step import StepWork
+from gradguard.enforce.tensors import EPS
 
 __all__ = ["KnownNorms", "clip_with_known_norms"]
 
@@ -145,7 +146,7 @@ def _clip_norm(
     if found is None:
         return None
     total, estimate = found
-    if estimate is None or estimate * (1.0 + MARGIN) + 1e-6 >= float(max_norm):
+    if estimate is None or estimate * (1.0 + MARGIN) + EPS >= float(max_norm):  # torch's coefficient: max / (n + EPS)
         multiply(params, max_norm, total, foreach)  # torch's own multiply, by torch's coefficient
     return total
 

@@ -138,6 +138,7 @@ class Enforcer:
             self.provenance.report(work)  # last: its reader sees the step's non-finite verdict
 
         work.pending.sync()  # the step's one host sync
+        self.recovery.after_read()  # a snapshot's copy to the host goes on in a chunk that ends before the next read
         work.writes.apply()  # the changes the read showed are needed, to those tensors only
         clear_overflows(work, plan.fragile)
         outcome = work.outcome

@@ -331,6 +331,11 @@ class Recovery:
             self._take(step, config.keep)
         return False
 
+    def after_read(self) -> None:
+        """The step's one read is done: host mode's copy in flight may queue its next chunk (``host_copy``)."""
+        if self._stager is not None:
+            self._stager.pump()
+
     def _holds_step(self, step: int) -> bool:
         return bool(self.snapshots) and self.snapshots[-1].step == step
 

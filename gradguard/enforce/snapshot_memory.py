@@ -3,12 +3,14 @@
 - ``device``: in buffers on the parameters' device, allocated at the first snapshot and reused; a snapshot is one
   ``torch._foreach_copy_`` device to device on the current (compute) stream, the floor of what a copy costs.
 - ``host``: in pinned host memory. On CUDA (when one snapshot fits on the device) the compute stream copies device
-  to device into one staging buffer, then a side stream copies the staging buffer to the host while the next
-  steps run: the step waits for the device copy only. CUDA events order it: the side stream waits for the staging
-  copy; the next staging waits for the side stream's copy (so the staging buffer is not overwritten while it is
-  read); a restore waits for the copy of the snapshot it reads. A fault before that copy completes rewinds to that
-  snapshot all the same: the restore's copies are queued behind the copy's event, so the device (never the host)
-  waits for the rest of one copy, once per rewind. Without staging room the copy runs on the compute stream.
+  to device into one staging buffer, then a side stream copies the staging buffer to the host in chunks, one after
+  each of the next steps' reads (``host_copy``: a read queued behind a whole snapshot's copy waits for all of it):
+  the step waits for the device copy only. CUDA events order it: the side stream waits for the staging copy; the
+  next staging waits for the side stream's copy (so the staging buffer is not overwritten while it is read); a
+  restore waits for the copy of the snapshot it reads. A fault before that copy completes rewinds to that snapshot
+  all the same: the rest of its chunks are queued at once and the restore's copies behind them, so the device
+  (never the host) waits for the rest of one copy, once per rewind. Without staging room the copy runs on the
+  compute stream.
 - ``auto``: ``device`` when ``keep`` snapshots fit in the device's free memory, less what the run will still
   allocate (gradients, optimizer state) and a margin of ``MEMORY_MARGIN`` of the device's total memory for the
   activations the guard cannot see at attach; else ``host``.
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.host_copy import ChunkSizer, HostCopy
 from gradguard.errors import GuardStateError
 
 __all__ = [
@@ -243,15 +246,17 @@ def copy_into(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
 
 class Stager:
     """Host mode on a device: one snapshot's copies are queued (``add``), then ``flush`` copies them device to device
-    into staging buffers on the compute stream and on to the host on a side stream; returns the copy's event."""
+    into staging buffers on the compute stream and returns their copy to the host (a ``HostCopy``, on a side stream),
+    which ``pump`` moves on a chunk after each of the step's reads."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stages: list[Flat] = []
         self._queued: list[tuple[Flat, list[torch.Tensor]]] = []
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None  # type: ignore[no-untyped-call]
-        self._copied: Any = None
-        """The event recorded after the last copy to the host (CUDA), which the next staging waits for."""
+        self._copy: HostCopy | None = None
+        """The last snapshot's copy to the host (CUDA): the next staging waits for all of it."""
+        self._sizer = ChunkSizer()
 
     def add(self, host: Flat, sources: Sequence[torch.Tensor]) -> None:
         self._queued.append((host, list(sources)))
@@ -260,8 +265,8 @@ class Stager:
     def nbytes(self) -> int:
         return sum(_nbytes(view) for stage in self.stages for view in stage.views)
 
-    def flush(self) -> Any:
-        """Copy what was queued; the event a reader of the host copies waits for (None off CUDA: already done)."""
+    def flush(self) -> HostCopy | None:
+        """Copy what was queued into the staging buffers; their copy to the host (None off CUDA: already done)."""
         queued, self._queued = self._queued, []
         old = self.stages
         self.stages = [
@@ -269,44 +274,39 @@ class Stager:
             for i, (_, sources) in enumerate(queued)
         ]
         side = self._side
-        if side is not None and self._copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._copied)  # the stage's last reader is done
+        if side is not None and self._copy is not None:
+            # The stage's last reader: the rest of the previous snapshot's copy is queued now, and waited for.
+            torch.cuda.current_stream(self.device).wait_event(self._copy.finish())
         copy_into([v for stage in self.stages for v in stage.views], [s for _, sources in queued for s in sources])
         pairs = [
             (host.storage[key], stage.storage[key])
             for (host, _), stage in zip(queued, self.stages, strict=True)
             for key in host.storage
         ]
+        on_device = [(target, source) for target, source in pairs if source.device.type == "cuda"]
+        for target, source in pairs:
+            if side is None or source.device.type != "cuda":
+                target.copy_(source)  # off CUDA, or state kept on the host (a for-loop AdamW's step counts)
         if side is None:
-            for target, source in pairs:
-                target.copy_(source)
             return None
-        return self._to_host(pairs, side)
-
-    def _to_host(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], side: Any) -> Any:
-        """CUDA: the side stream waits for the staging copy, copies to pinned host memory, and records an event."""
         staged = torch.cuda.Event()  # type: ignore[no-untyped-call]
         staged.record(torch.cuda.current_stream(self.device))
-        for target, source in pairs:
-            if source.device.type != "cuda":
-                target.copy_(source)  # state kept on the host (a for-loop AdamW's step counts): a plain copy
-        with torch.cuda.stream(side):
-            side.wait_event(staged)
-            for target, source in pairs:
-                if source.device.type == "cuda":
-                    target.copy_(source, non_blocking=True)
-                    source.record_stream(side)  # a freed stage is not reused before the side stream read it
-            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            copied.record(side)
-        self._copied = copied
-        return copied
+        self._copy = HostCopy(on_device, side, staged)
+        return self._copy
+
+    def pump(self) -> None:
+        """The step's read is done: queue the next chunk of the copy in flight (it has until the next read)."""
+        self._sizer.read_done()
+        if self._copy is not None:
+            self._copy.pump(self._sizer)
 
 
 def _on_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=device)
 
 
-def wait_for(event: Any, device: torch.device) -> None:
-    """Queue the current stream's next work behind ``event`` (a host copy in flight): the device waits, not the host."""
-    if event is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).wait_event(event)
+def wait_for(copy: HostCopy | None, device: torch.device) -> None:
+    """Queue the current stream's next work behind ``copy`` (a host copy in flight, the rest of it queued now): the
+    device waits, not the host."""
+    if copy is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).wait_event(copy.finish())

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.host_copy import HostCopy
 from gradguard.enforce.schedulers import scale_scheduler_lrs
 from gradguard.enforce.snapshot_memory import HOST, Flat, Placement, Stager, copy_into, wait_for
 from gradguard.enforce.statistics import Series, Statistics
@@ -192,8 +193,8 @@ class Snapshot:
     """The loss section's reference and skip history (``LossWatch.state_dict``)."""
     where: Placement = HOST
     """Where its tensors live (the policy's ``recovery.memory``, as chosen at attach)."""
-    copied: Any = None
-    """Host mode on CUDA: the event after its copy to the host, which a restore's copies wait for (on the device)."""
+    copied: HostCopy | None = None
+    """Host mode on CUDA: its copy to the host (in chunks), whose end a restore's copies wait for (on the device)."""
 
     @property
     def nbytes(self) -> int:

@@ -317,12 +317,16 @@ class RecoveryCase:
     implementation: str  # a key of IMPLEMENTATIONS
     scaler: bool
     memory: str | None
+    in_flight: bool = False
+    """Host mode with its chunks never pumped: every snapshot's copy to the host is still in flight when the next
+    staging or the fault's restore comes, which queue the rest at once (the device waits)."""
 
     @property
     def name(self) -> str:
         what = "GradScaler fp16, NaN at 21-23" if self.scaler else "NaN at 23"
         memory = f", memory: {self.memory}" if self.memory else ""
-        return f"{self.optimizer} {self.implementation}, {what}{memory}"
+        flight = ", each host copy still in flight" if self.in_flight else ""
+        return f"{self.optimizer} {self.implementation}, {what}{memory}{flight}"
 
     def poisoned(self, i: int) -> bool:
         return 21 <= i <= FAULT if self.scaler else i == FAULT
@@ -409,11 +413,25 @@ def read_events(log: Path, kind: str) -> list[dict[str, Any]]:
     return [e for line in log.read_text().splitlines() if line.strip() and (e := json.loads(line))["event"] == kind]
 
 
+@contextlib.contextmanager
+def held_back_copies() -> Iterator[None]:
+    """Host mode's chunks are not pumped after the step's reads (``RecoveryCase.in_flight``)."""
+    from gradguard.enforce.snapshot_memory import Stager
+
+    pump = Stager.pump
+    Stager.pump = lambda self: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Stager.pump = pump  # type: ignore[method-assign]
+
+
 def recovery_case(ctx: Context, case: RecoveryCase, log: Path) -> tuple[str, str, dict[str, Any]]:
     device = ctx.device
     data = recovery_batches(device)
     recovery = {**RECOVERY, **({"memory": case.memory} if case.memory else {})}
-    got = recovery_train(device, case, data, list(range(STEPS)), recovery=recovery, poison=case.poisoned, log=log)
+    with held_back_copies() if case.in_flight else contextlib.nullcontext():
+        got = recovery_train(device, case, data, list(range(STEPS)), recovery=recovery, poison=case.poisoned, log=log)
     kept = [i for i in range(STEPS) if i not in NEVER_LEARNED]
     jump = (NEVER_LEARNED.stop, NEVER_LEARNED.stop)
 
@@ -473,6 +491,8 @@ def section_recovery(ctx: Context) -> None:
         cases += [RecoveryCase("adamw", impl, False, memory) for impl in IMPLEMENTATIONS]
         cases.append(RecoveryCase("sgd", "fused", False, memory))
         cases += [RecoveryCase("adamw", impl, True, memory) for impl in IMPLEMENTATIONS]
+        if memory == "host":
+            cases += [RecoveryCase("adamw", "fused", scaler, memory, in_flight=True) for scaler in (False, True)]
     if memories == [None]:
         ctx.report.add(
             Row("recovery", "recovery.memory", "INFO", "the policy has no recovery.memory key: default only")

@@ -850,9 +850,9 @@ class Size:
 
 
 SIZES = {
-    "7M": Size("7M", vocab=8192, width=256, depth=4, heads=4, batch=16, length=256, rounds=10, steps=10),
-    "163M": Size("163M", vocab=50304, width=768, depth=12, heads=12, batch=16, length=1024, rounds=6, steps=10),
-    "1.4B": Size("1.4B", vocab=50304, width=2048, depth=24, heads=16, batch=8, length=1024, rounds=3, steps=10),
+    "7M": Size("7M", vocab=8192, width=256, depth=4, heads=4, batch=16, length=256, rounds=30, steps=10),
+    "163M": Size("163M", vocab=50304, width=768, depth=12, heads=12, batch=16, length=1024, rounds=16, steps=10),
+    "1.4B": Size("1.4B", vocab=50304, width=2048, depth=24, heads=16, batch=8, length=1024, rounds=5, steps=10),
 }
 TINY = Size("tiny", vocab=256, width=32, depth=2, heads=2, batch=2, length=16, rounds=2, steps=2)
 """The stand-in on the CPU (``--device cpu``): exercises the code, measures nothing worth reading."""
@@ -1045,7 +1045,7 @@ def overhead_size(ctx: Context, size: Size, left: float) -> None:
 def section_overhead(ctx: Context) -> None:
     sizes = sizes_for(ctx, ["7M", "163M", "1.4B"])
     shares = {"7M": 0.15, "163M": 0.35, "1.4B": 0.5, "tiny": 1.0}
-    reserve = 60.0 if "snapshot" in ctx.selected and ctx.device.type == "cuda" and not ctx.quick else 0.0
+    reserve = 110.0 if "snapshot" in ctx.selected and ctx.device.type == "cuda" and not ctx.quick else 0.0
     for index, size in enumerate(sizes):
         available = ctx.budget.left() - reserve
         later = sum(shares[s.name] for s in sizes[index:])

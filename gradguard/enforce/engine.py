@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -42,6 +44,8 @@ from gradguard.events.log import EventLog
 from gradguard.policy.matching import Binding
 
 __all__ = ["SCALER_RULE", "Enforcer"]
+
+_VERSION = attrgetter("_version")
 
 SCALER_RULE = "grad_scaler"
 """Counter key for steps GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
@@ -186,36 +190,38 @@ class Enforcer:
         return True
 
     def _mark_treated(self, grads: dict[int, torch.Tensor], wrapped: dict[int, torch.Tensor], *, held: bool) -> None:
-        # A weak reference, not id(): a new gradient may reuse a freed one's id and version.
-        ref = weakref.ref
-        self.applied_versions.update(
-            {i: (ref(wrapped.get(i, local)), local._version, held) for i, local in grads.items()}
-        )
+        # A weak reference, not id(): a new gradient may reuse a freed one's id and version. Built with map and zip,
+        # which loop in C: this runs for every tensor at every step.
+        local = grads.values()
+        owners = [wrapped.get(i, grad) for i, grad in grads.items()] if wrapped else local
+        entries = zip(map(weakref.ref, owners), map(_VERSION, local), repeat(held))
+        self.applied_versions.update(zip(grads, entries, strict=True))
 
     def _gather(self, plan: Plan, context: StepContext) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
         """The gradients to treat: ``(index -> local gradient, index -> the DTensor it came from)``."""
         grads: dict[int, torch.Tensor] = {}
         wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
-        applied, plain, strided = self.applied_versions, torch.Tensor, torch.strided  # locals: a loop per tensor
+        seen_at, plain, strided = self.applied_versions.get, torch.Tensor, torch.strided  # locals: a loop per tensor
         honour_explicit = not context.explicit
-        for entry in plan.params:
-            param = entry.ref()
+        for index, ref in plan.refs:
+            param = ref()
             grad = param.grad if param is not None else None
             if grad is None:
                 continue
-            local = grad if type(grad) is plain else local_tensor(grad)
-            if local is not grad:
-                wrapped[entry.index] = grad
+            if type(grad) is plain:
+                local = grad
+            elif (local := local_tensor(grad)) is not grad:
+                wrapped[index] = grad
             if local.layout is not strided:
                 raise GuardStateError(
-                    f"parameter {entry.name!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
+                    f"parameter {plan.names[index]!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
                     "sparse=True)), which gradguard's actions cannot treat. Exclude it from the policy's rules, "
                     "or compute a dense gradient."
                 )
-            seen = applied.get(entry.index)
+            seen = seen_at(index)
             if seen is not None and seen[0]() is grad and (seen[1] == local._version or (honour_explicit and seen[2])):
                 continue  # already treated (and unchanged since, or at this step's explicit boundary)
-            grads[entry.index] = local
+            grads[index] = local
         return grads, wrapped
 
     def _apply_actions(self, plan: Plan, work: StepWork, everyone: int) -> None:

@@ -44,7 +44,8 @@ def total(tensor: torch.Tensor) -> torch.Tensor:
     """The sum (in float32 at least): NaN if any element is NaN or if both infinities are present, else
     Inf if any is infinite or if the sum overflows (a finite tensor whose elements add up beyond ~3e38,
     far rarer than the 2-norm's overflow). Half the cost of the 2-norm on CPU; no sync."""
-    local = local_tensor(tensor).detach()
+    # A plain tensor (every one but FSDP2's) skips the DTensor test: this runs for every hooked module at every step.
+    local = (tensor if type(tensor) is torch.Tensor else local_tensor(tensor)).detach()
     total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
     return total
 

@@ -8,8 +8,11 @@ tensors an action could make finite (judged by their max-abs before any action).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+from torch import nn
 
 from gradguard.enforce.actions import kernel_for
 from gradguard.policy.matching import Binding, BoundRule, GuardedParam
@@ -39,6 +42,9 @@ class Plan:
     """Per rule, the indices of its members: its tensors to treat when every tensor has a gradient."""
     observers: tuple[tuple[int, Action], ...] = ()
     """``(position in rules, action)`` of every observing action (``monitor``), in policy order."""
+    refs: tuple[tuple[int, weakref.ReferenceType[nn.Parameter]], ...] = ()
+    """``(index, weak reference)`` per tensor of ``params``: what the engine looks at for every tensor at every step,
+    without an attribute lookup on each entry."""
     later_writers: dict[tuple[int, int], tuple[tuple[int, Action, frozenset[int]], ...]] = field(default_factory=dict)
     """``(position in rules, action index)`` of a changing action -> the changing actions after it in policy order
     that share tensors with it: ``(position, action, shared tensor indices)``. A tensor none of them acts on in a
@@ -110,6 +116,7 @@ class Plan:
             later_writers=later_writers,
             names={entry.index: entry.name for entry in ordered},
             params=ordered,
+            refs=tuple((entry.index, entry.ref) for entry in ordered),
             rules=rules,
             raw_norm_params=frozenset(raw),
             fragile=frozenset(fragile),

@@ -89,6 +89,9 @@ cannot grow them without bound)."""
 FIRST_PARAMS_SHOWN: Final = 16
 UNTRACED_HINT: Final = "To trace a first fault: GradGuard(..., provenance='first_fault')."
 _STRIDED = STRIDED
+_LINEAR_FORWARD = nn.Linear.forward
+_grad_enabled, _compiling = torch.is_grad_enabled, torch.compiler.is_compiling
+_graph_task = torch._C._current_graph_task_id
 
 
 class _Seen:
@@ -268,13 +271,7 @@ class Provenance:
     # --- hooks (no host sync in any of them) -------------------------------------------------------
 
     def _recording(self) -> bool:
-        # Not under no_grad (evaluation), and not the recomputation that activation checkpointing runs
-        # inside backward (it repeats the forward the first figures already describe).
-        # Under torch.compile (dynamo inlines the hooks) the graph task id is not traceable: every hooked module
-        # would break the graph; a compiled region is not a checkpoint's recomputation.
-        if not torch.is_grad_enabled() or len(self._fwd) >= MAX_ENTRIES:
-            return False
-        return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
+        return _recording(self._fwd) is not None
 
     def _data(self, module: nn.Module, args: Any) -> None:
         if self._recording():
@@ -319,15 +316,17 @@ class Provenance:
                 self._fwd_meta.append((0, DATA))
 
     def _light_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        if not self._recording():
+        if (compiling := _recording(self._fwd)) is None:
             return
         if isinstance(output, torch.Tensor):
             if (output.is_floating_point() or output.is_complex()) and output.layout is _STRIDED and output.numel():
-                figure = linear_figure(module, args, output, self._passed_on(args)) if self._tracing.linear else None
-                self._light_record(output, index, figure)
+                # Only a Linear asks whether its input was passed on: ``linear_figure`` alone uses the answer.
+                linear = type(module).forward is _LINEAR_FORWARD and self._tracing.linear
+                figure = linear_figure(module, args, output, self._passed_on(args)) if linear else None
+                self._light_record(output, index, figure, compiling)
         else:
             for tensor in tensors(output):
-                self._light_record(tensor, index)
+                self._light_record(tensor, index, None, compiling)
 
     def _passed_on(self, args: Any) -> bool:
         """Whether a module's first argument is the last recorded tensor, or a widening cast of it."""
@@ -337,9 +336,10 @@ class Provenance:
             return False  # dynamo cannot compare ids
         return passed_on(tensor, last(), version, marker)
 
-    def _light_record(self, tensor: torch.Tensor, index: int, figure: torch.Tensor | None = None) -> None:
-        if not torch.compiler.is_compiling():  # dynamo cannot compare ids: there a container's output is read twice
-            if self._passed_on((tensor,)):
+    def _light_record(self, tensor: torch.Tensor, index: int, figure: torch.Tensor | None, compiling: bool) -> None:
+        if not compiling:  # dynamo cannot compare ids: there a container's output is read twice
+            last, version, marker = self._last
+            if last is not None and passed_on(tensor, last(), version, marker):
                 return  # a container passing its last child's output on (or a widening cast of it)
             self._last = (weakref.ref(tensor), tensor._version, mark(tensor))
         position = len(self._fwd)
@@ -444,6 +444,19 @@ class Provenance:
         if self.mode in ("after_fault", "first_fault"):
             self._arm_modules()
             self._armed_until = step + ARMED_STEPS
+
+
+def _recording(entries: list[torch.Tensor]) -> bool | None:
+    """Whether the hooks record now: None if not, else whether dynamo is compiling (a function of its own, not a
+    method: it runs in every hook, for every hooked module at every forward)."""
+    # Not under no_grad (evaluation), and not the recomputation that activation checkpointing runs
+    # inside backward (it repeats the forward the first figures already describe).
+    # Under torch.compile (dynamo inlines the hooks) the graph task id is not traceable: every hooked module
+    # would break the graph; a compiled region is not a checkpoint's recomputation.
+    if not _grad_enabled() or len(entries) >= MAX_ENTRIES:
+        return None
+    compiling = _compiling()
+    return compiling if compiling or _graph_task() == -1 else None
 
 
 def attach_provenance(

@@ -54,6 +54,8 @@ class Pending:
 
     parts: list[torch.Tensor] = field(default_factory=list)
     readers: list[Callable[[list[float]], None]] = field(default_factory=list)
+    _spans: list[int] = field(default_factory=list)
+    """How many of ``parts`` each reader reads."""
     raw_stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
     """The raw norms and their stack, so a clip over exactly those norms does not stack them again."""
 
@@ -64,26 +66,36 @@ class Pending:
             return memo[1]
         return stack_on(norms, device)
 
-    def add(self, values: torch.Tensor, reader: Callable[[list[float]], None]) -> None:
-        self.parts.append(values.reshape(-1))
+    def add(self, values: torch.Tensor, reader: Callable[[list[float]], None], *more: torch.Tensor) -> None:
+        """Read ``values`` (and ``more``, after them: no ``cat`` of its own) in the sync; ``reader`` gets them as
+        one flat list."""
+        parts = self.parts
+        for tensor in (values, *more):
+            parts.append(tensor if tensor.dim() == 1 else tensor.reshape(-1))  # a reshape is a dispatch even as a no-op
         self.readers.append(reader)
+        self._spans.append(1 + len(more))
 
     def sync(self) -> None:
-        if not self.parts:
+        """The one read (run under ``no_grad``, as the engine is: no part needs detaching)."""
+        parts = self.parts
+        if not parts:
             return
-        device = self.parts[0].device
-        if all(part.device == device for part in self.parts):
+        device = parts[0].device
+        if len(parts) == 1:
+            host = parts[0].to("cpu").tolist()  # one copy without a cat (a kernel of its own on a GPU)
+        elif all(part.device == device for part in parts):
             # Joined on the device first: one device-to-host copy, so one sync (a copy per part would
             # be a sync each on a GPU). cat promotes to the widest part's type exactly, and tolist gives every
             # float as a Python float exactly: no conversion to float64 on the device (a pass of its own).
-            host = torch.cat([part.detach() for part in self.parts]).to("cpu").tolist()
+            host = torch.cat(parts).to("cpu").tolist()
         else:
-            host = torch.cat([part.detach().to("cpu", torch.float64) for part in self.parts]).tolist()
-        offset = 0
-        for part, reader in zip(self.parts, self.readers, strict=False):
-            size = part.numel()
+            host = torch.cat([part.to("cpu", torch.float64) for part in parts]).tolist()
+        offset, first = 0, 0
+        for reader, span in zip(self.readers, self._spans, strict=True):
+            size = parts[first].numel() if span == 1 else sum(part.numel() for part in parts[first : first + span])
             reader(host[offset : offset + size])
             offset += size
+            first += span
 
 
 @dataclass

@@ -8,8 +8,10 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
+from operator import attrgetter
 
 import torch
 
@@ -27,12 +29,13 @@ __all__ = [
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+_DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")  # for map(): the per-tensor checks below loop in C
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon; the same value keeps results bitwise equal.
 
 
 def norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """Per-tensor norms, in float32 for half-precision gradients, in one ``_foreach_norm`` per dtype."""
-    if all(g.dtype not in LOW_PRECISION for g in grads):
+    if set(map(_DTYPE, grads)).isdisjoint(LOW_PRECISION):
         return list(torch._foreach_norm(list(grads), norm_type))
     out: list[torch.Tensor | None] = [None] * len(grads)
     low = [i for i, g in enumerate(grads) if g.dtype in LOW_PRECISION]
@@ -56,7 +59,7 @@ def device_constant(
 
 
 def stack_on(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    if all(norm.device == device for norm in norms):
+    if _one_value(map(_DEVICE, norms), device):
         return torch.stack(list(norms))  # the common case: no per-tensor ``.to`` (a no-op, but a dispatch)
     return torch.stack([norm.to(device) for norm in norms])
 
@@ -102,14 +105,22 @@ def clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
     its norm taken in float64 (``gradguard.enforce.actions.clipping.clear_overflows``).
     """
     coef = torch.clamp(max_norm / (totals + EPS), max=1.0)
-    return torch.where(torch.isfinite(totals), coef, torch.ones_like(coef))
+    # Norms are never negative, so ``< inf`` is ``isfinite`` (False for NaN and +Inf) in one kernel instead of
+    # isfinite's four; and a kept 1 in place of ``ones_like`` (or of a host 1.0, filled on the device) is none.
+    return torch.where(totals < math.inf, coef, _one(coef.dtype, coef.device))
+
+
+@lru_cache(maxsize=64)
+def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim 1 on ``device``, made once (``device_constant``'s reasons); never written to."""
+    return torch.ones((), dtype=dtype, device=device)
 
 
 def by_device_and_dtype(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
     """``by_device``, with each dtype apart too: a float32 norm stacked with a float64 one would be promoted, and
     its clip coefficient would no longer be the one ``clip_grad_norm_([p])`` computes."""
     first = tensors[0]
-    if all(t.device == first.device and t.dtype == first.dtype for t in tensors):
+    if _one_value(map(_DEVICE, tensors), first.device) and _one_value(map(_DTYPE, tensors), first.dtype):
         return [(list(ids), list(range(len(ids))))]
     groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[int]]] = {}
     for position, (index, tensor) in enumerate(zip(ids, tensors, strict=False)):
@@ -125,7 +136,7 @@ def by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple
     One group in the common single-device case, found without building anything per tensor.
     """
     first = tensors[0].device
-    if all(t.device == first for t in tensors):
+    if _one_value(map(_DEVICE, tensors), first):
         return [(list(ids), list(range(len(ids))))]
     groups: dict[torch.device, tuple[list[int], list[int]]] = {}
     for position, (index, tensor) in enumerate(zip(ids, tensors, strict=False)):
@@ -133,3 +144,8 @@ def by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple
         bucket[0].append(index)
         bucket[1].append(position)
     return list(groups.values())
+
+
+def _one_value(values: Iterator[object], value: object) -> bool:
+    """Whether every one of ``values`` equals ``value`` (none: True), compared in C, not in a Python loop."""
+    return set(values) <= {value}

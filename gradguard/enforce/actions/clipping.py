@@ -45,10 +45,10 @@ class ClipNormKernel(ActionKernel):
 
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         assert isinstance(action, ClipNorm)
-        gs = [work.grads[i] for i in ids]
+        gs = list(map(work.grads.__getitem__, ids))  # map: a loop in C, over every tensor at every step
         raw, touched = work.raw, work.touched
-        reuse = action.norm_type == 2.0 and all(i in raw and i not in touched for i in ids)
-        norms = [raw[i] for i in ids] if reuse else work.norms(gs, action.norm_type)
+        reuse = action.norm_type == 2.0 and all(map(raw.__contains__, ids)) and touched.isdisjoint(ids)
+        norms = list(map(raw.__getitem__, ids)) if reuse else work.norms(gs, action.norm_type)
         if action.scope == "tensor":
             _clip_tensors(work, bound, action, ids, gs, norms)
         else:
@@ -116,17 +116,25 @@ def _clip_tensors(
     )
     for device_ids, positions in by_device_and_dtype(ids, norms):
         device = norms[positions[0]].device
-        per_tensor = pending.stack([norms[k] for k in positions], device)
+        whole = len(positions) == len(ids)  # one group (the common case): positions are 0, 1, ... in order
+        per_tensor = pending.stack(norms if whole else [norms[k] for k in positions], device)
         # clip_grad_norm_([p]) takes the norm of the one-element stack of norms; so do we, row-wise.
         totals = torch.linalg.vector_norm(per_tensor.unsqueeze(1), action.norm_type, dim=1)
         coefs = clip_coefficients(totals, action.max_norm)
-        now = [row for row, k in enumerate(positions) if ids[k] not in final]
+        if final.issuperset(device_ids):  # every change waits for the read (the common case): no loop in Python
+            now: list[int] = []
+            group = gs if whole else [gs[k] for k in positions]
+            deferred = list(zip(range(len(positions)), device_ids, group, strict=True))
+        else:
+            now = [row for row, k in enumerate(positions) if ids[k] not in final]
+            deferred = [
+                (row, device_ids[row], gs[positions[row]])
+                for row in range(len(positions))
+                if ids[positions[row]] in final
+            ]
         if now:  # a later action of this step acts on these: the clip must be on the device before it
             rows = coefs.unbind()
             torch._foreach_mul_([gs[positions[row]] for row in now], [rows[row] for row in now])
-        deferred = [
-            (row, device_ids[row], gs[positions[row]]) for row in range(len(positions)) if ids[positions[row]] in final
-        ]
 
         def read(
             values: list[float],
@@ -146,7 +154,7 @@ def _clip_tensors(
                 elif coef < 1.0:
                     outcome.norm_clipped(step, bound.name, names[index], action, norm, coef)
 
-        pending.add(torch.cat([totals, coefs]), read)
+        pending.add(totals, read, coefs)
 
 
 def _clip_group(
@@ -184,7 +192,7 @@ def _clip_group(
             params = [names[i] for i in ids]
             outcome.norm_clipped(step, bound.name, None, action, norm, factor, params=params, n_params=len(ids))
 
-    work.pending.add(torch.stack([total, coef]), read)
+    work.pending.add(total, read, coef)
 
 
 def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:

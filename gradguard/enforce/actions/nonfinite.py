@@ -1,16 +1,19 @@
 """The non-finite watch: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite``.
 
 Neither changes a gradient. Their verdict comes from the 2-norms of the gradients as they arrived
-(shared with the clips that can reuse them) and NaN/Inf flags that every rank agrees on, read in the
-step's one sync; the engine then halts (before any optimizer state changes) or skips the step.
+(shared with the clips that can reuse them), read in the step's one sync: on one rank their values say
+NaN or Inf themselves; across ranks, NaN/Inf flags summed over the ranks say it, so that every rank agrees.
+The engine then halts (before any optimizer state changes) or skips the step.
 Skip limits escalate to a halt after too many skips in a row or within a window of steps.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +36,8 @@ class Watched(Protocol):
 
 __all__ = ["HaltKernel", "SkipKernel", "SkipLimits", "has_active", "joined_kind", "watch_raw_norms"]
 
+_VERSION = attrgetter("_version")
+
 
 class HaltKernel(ActionKernel):
     """``halt_on_nonfinite``: raise ``GradientHalt`` before the optimizer step."""
@@ -51,27 +56,67 @@ class SkipKernel(ActionKernel):
 def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[int, torch.Tensor]:
     """2-norms of the untouched gradients, and the non-finite verdict every rank agrees on."""
     grads, pending, outcome, step, collective = work.grads, work.pending, work.outcome, work.step, work.collective
-    local = norms([grads[i] for i in raw_ids], 2.0)
+    gs = [grads[i] for i in raw_ids]
+    local = norms(gs, 2.0)
     device = local[0].device
     pending.raw_stack = (local, stack_on(local, device))
     stacked = pending.raw_stack[1].float()
     evidence = stacked
-    fragile = [position for position, index in enumerate(raw_ids) if index in plan.fragile]
+    fragile = [position for position, index in enumerate(raw_ids) if index in plan.fragile] if plan.fragile else []
     if fragile:
         # A 2-norm can overflow while every element is finite; the max-abs norm cannot. Tensors an
         # action may make finite are judged by it now, the others are re-checked after the sync.
-        peaks = norms([grads[raw_ids[k]] for k in fragile], float("inf"))
+        peaks = norms([gs[k] for k in fragile], float("inf"))
         work.raw_peaks = {raw_ids[k]: peak for k, peak in zip(fragile, peaks, strict=True)}
         # One stack of 0-dim tensors, not an index tensor made from a Python list (a host-to-device copy).
         chosen = list(local)
         for k, peak in zip(fragile, peaks, strict=True):
             chosen[k] = peak
         evidence = stack_on(chosen, device).float()
-    flags = torch.stack([torch.isnan(evidence), torch.isinf(evidence)]).float().reshape(-1)
     count = len(raw_ids)
+    binding = work.binding
+    rules = binding.policy.rules
+
+    def judge(index: int, kind: str) -> None:
+        watchers = [r for r in plan.watchers_by_param.get(index, ()) if rules[r].active_at(step)]
+        halts = [r for r in watchers if has_active(rules[r].actions, HaltOnNonfinite, step)]
+        skips = [r for r in watchers if has_active(rules[r].actions, SkipStepOnNonfinite, step)]
+        if halts:
+            outcome.halted_by[index] = halts[0]
+        elif skips:
+            outcome.skipped_by[index] = skips[0]
+        reported_under = (halts or skips or [binding.params[index].rules[0]])[0]
+        outcome.nonfinite.setdefault(index, (kind, reported_under))
+
+    def read_evidence(values: list[float]) -> None:
+        # The evidence itself, read: NaN or Inf on the host exactly where isnan/isinf on the device would be.
+        if math.isfinite(sum(values)):
+            return  # nothing non-finite (the common case, without a loop in Python)
+        for index, value in zip(raw_ids, values, strict=True):
+            if not math.isfinite(value):
+                judge(index, "nan" if value != value else "inf")
+
+    def read_norms(values: list[float]) -> None:
+        # The norms' values: the loop's own clip after this step can then tell, without another read, that its
+        # coefficient is 1 (gradguard.enforce.known_norms).
+        work.raw_host = dict(zip(raw_ids, values, strict=True))
+
     if collective is None:
-        result = local
-    elif work.sharded:
+        # One rank: the evidence's values decide on the host; no flags are made on the device.
+        work.raw_versions = dict(zip(raw_ids, map(_VERSION, gs), strict=True))
+        if evidence is stacked:
+
+            def read_both(values: list[float]) -> None:
+                read_evidence(values)
+                read_norms(values)
+
+            pending.add(stacked, read_both)
+        else:
+            pending.add(evidence, read_evidence)
+            pending.add(stacked, read_norms)
+        return dict(zip(raw_ids, local, strict=True))
+    flags = torch.stack([torch.isnan(evidence), torch.isinf(evidence)]).float().reshape(-1)
+    if work.sharded:
         # One collective: the shards' squared norms (summed into full norms) and every rank's flags.
         payload = collective.sum_(torch.cat([stacked.square(), flags]))
         result = list(payload[:count].sqrt().unbind())
@@ -80,36 +125,18 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
         # Replicas hold the same averaged gradient; a NaN injected on one rank must stop them all.
         flags = collective.sum_(flags)
         result = local
-    binding = work.binding
-    rules = binding.policy.rules
 
     def read(values: list[float]) -> None:
         if not any(values):
             return  # every flag is 0: nothing non-finite (the common case, without a loop in Python)
         for position, index in enumerate(raw_ids):
             has_nan, has_inf = values[position] > 0, values[count + position] > 0
-            if not has_nan and not has_inf:
-                continue
-            kind = "nan" if has_nan else "inf"
-            watchers = [r for r in plan.watchers_by_param.get(index, ()) if rules[r].active_at(step)]
-            halts = [r for r in watchers if has_active(rules[r].actions, HaltOnNonfinite, step)]
-            skips = [r for r in watchers if has_active(rules[r].actions, SkipStepOnNonfinite, step)]
-            if halts:
-                outcome.halted_by[index] = halts[0]
-            elif skips:
-                outcome.skipped_by[index] = skips[0]
-            reported_under = (halts or skips or [binding.params[index].rules[0]])[0]
-            outcome.nonfinite.setdefault(index, (kind, reported_under))
+            if has_nan or has_inf:
+                judge(index, "nan" if has_nan else "inf")
 
     pending.add(flags, read)
     if not work.sharded:
-        # The norms' values ride the same read: the loop's own clip after this step can then tell, without
-        # another read, that its coefficient is 1 (gradguard.enforce.known_norms).
-        work.raw_versions = {index: grads[index]._version for index in raw_ids}
-
-        def read_norms(values: list[float]) -> None:
-            work.raw_host = dict(zip(raw_ids, values, strict=True))
-
+        work.raw_versions = dict(zip(raw_ids, map(_VERSION, gs), strict=True))
         pending.add(stacked, read_norms)
     return dict(zip(raw_ids, result, strict=True))
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradguard.enforce.figures import STRIDED, linear_figure, mark, passed_on, tensors, total
+from gradguard.enforce.figures import STRIDED, HeldOutputs, linear_figure, mark, passed_on, tensors, total
 from gradguard.enforce.figures import peak as _peak
 from gradguard.enforce.origins import (
     DATA,
@@ -118,6 +118,8 @@ class Tracing:
     """Hook only the modules without children."""
     budget: int | None = None
     """Hook at most this many modules: the model's shallowest levels, as many whole levels as fit (None: all)."""
+    hold: bool = True
+    """Small outputs held and reduced together at the end of the forward (``figures.HeldOutputs``), not one by one."""
     linear: bool = True
     """A plain Linear's output (a vocabulary head's logits) watched through its input and parameters when they are
     less than half its size (``_linear_figure``): on a 50k-vocabulary head the trace then never reads the logits."""
@@ -144,6 +146,7 @@ class Provenance:
         check_mode(mode)
         self.mode = mode
         self._tracing = tracing
+        self._held = HeldOutputs()
         self.gradients = mode is not None and (mode == "always" or GRADIENT_FLAGS_BY_DEFAULT)
         """Whether the gradient flags are on from the start (else they are armed with the module hooks)."""
         if gradients is not None:
@@ -255,6 +258,7 @@ class Provenance:
         self._reset()
 
     def _reset(self) -> None:
+        self._held.drop()
         self._fwd: list[torch.Tensor] = []
         self._fwd_meta: ForwardMeta = []
         self._bwd: list[torch.Tensor] = []
@@ -264,9 +268,8 @@ class Provenance:
         """Guarded tensor index, per accumulated-gradient figure."""
         self._seen: dict[int, _Seen] = {}
         self._last: tuple[weakref.ReferenceType[torch.Tensor] | None, int, object] = (None, -1, None)
-        """The light trace's last recorded tensor, its version and marker (``figures.mark``): a container passing
-        it on (or a cast of it) is not read again. Held weakly and compared by identity: an id alone is reused
-        as soon as Python frees a tensor, and the next module's output would then be taken for it."""
+        """The light trace's last recorded tensor, its version and marker (``figures.mark``): a container passing it on
+        (or a cast of it) is not read again. Held weakly, compared by identity: a freed tensor's id is reused."""
 
     # --- hooks (no host sync in any of them) -------------------------------------------------------
 
@@ -327,6 +330,8 @@ class Provenance:
         else:
             for tensor in tensors(output):
                 self._light_record(tensor, index, None, compiling)
+        if index == 0:
+            self._held.reduce(self._fwd)  # the model's forward is done: the outputs held are reduced together
 
     def _passed_on(self, args: Any) -> bool:
         """Whether a module's first argument is the last recorded tensor, or a widening cast of it."""
@@ -343,7 +348,8 @@ class Provenance:
                 return  # a container passing its last child's output on (or a widening cast of it)
             self._last = (weakref.ref(tensor), tensor._version, mark(tensor))
         position = len(self._fwd)
-        self._fwd.append(self._tracing.reduce(tensor) if figure is None else figure)
+        if figure is not None or compiling or not self._tracing.hold or not self._held.hold(self._fwd, tensor, index):
+            self._fwd.append(self._tracing.reduce(tensor) if figure is None else figure)
         self._fwd_meta.append((index, OUTPUT))
         if tensor.requires_grad and self._tracing.backward:
             tensor.register_hook(functools.partial(self._light_backward, index, position))  # type: ignore[no-untyped-call]
@@ -363,6 +369,7 @@ class Provenance:
 
     def report(self, work: StepWork) -> None:
         """Queue this step's figures into the step's one read; the reader names the origin and arms."""
+        self._held.reduce(self._fwd)  # a forward the model's own hook did not end (another entry point, an error)
         fwd, bwd, acc = self._fwd, self._bwd, self._acc
         metas = (self._fwd_meta, self._bwd_meta, self._acc_meta)
         armed = self.armed

@@ -27,6 +27,13 @@ def wait_for(predicate: object, timeout: float = 20.0) -> bool:
     return False
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT back to its default in the follower: a test run started in the background (``nohup .ci/run &``)
+    ignores it, the follower inherits that, and Python then installs no KeyboardInterrupt handler: the follower
+    would rightly go on, as ``tail -f`` run so does (round 6: faulthandler showed it still polling 60 s after)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_follow_updates_the_summary_as_lines_arrive_and_stops_on_ctrl_c(tmp_path: Path) -> None:
     """A follower started on a growing log shows new events, and SIGINT ends it with a summary, no traceback."""
     log_path = tmp_path / "live.jsonl"
@@ -42,6 +49,7 @@ def test_follow_updates_the_summary_as_lines_arrive_and_stops_on_ctrl_c(tmp_path
             stderr=err,
             # faulthandler: a follower still alive long after Ctrl-C is made to print every thread's stack (below).
             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
+            preexec_fn=_ctrl_c_as_in_a_terminal,
         )
     try:
         assert wait_for(lambda: re.search(r"embed +clip_norm +1 ", out_path.read_text())), out_path.read_text()
@@ -54,7 +62,6 @@ def test_follow_updates_the_summary_as_lines_arrive_and_stops_on_ctrl_c(tmp_path
     finally:
         follower.send_signal(signal.SIGINT)
         try:
-            # Once in a CI run (round 6) the follower had printed its final summary and was still alive 20 s later.
             code = follower.wait(timeout=60)
         except subprocess.TimeoutExpired:
             follower.send_signal(signal.SIGABRT)  # faulthandler writes where each thread is to err.txt

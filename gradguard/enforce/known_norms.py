@@ -16,7 +16,9 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from operator import attrgetter, is_, itemgetter, mul
+from typing import Any, cast
 
 import torch
 from torch.utils._foreach_utils import (
@@ -31,6 +33,15 @@ from gradguard.enforce.tensors import EPS
 __all__ = ["KnownNorms", "clip_with_known_norms"]
 
 _EXACT = (torch.float32, torch.float64)
+_EXACT_SET = frozenset(_EXACT)
+_PLAIN, _STRIDED = {torch.Tensor}, {torch.strided}
+_LAYOUT = attrgetter("layout")
+_VERSION = attrgetter("_version")
+_NORM, _VALUE = itemgetter(0), itemgetter(1)
+_Hit = tuple[torch.Tensor | None, float | None, torch.Tensor]
+_IS_NONE = partial(is_, None)
+
+
 MARGIN = 1e-3
 """Relative margin between the host's sum of the read norms and ``max_norm`` under which the multiply is left
 out: the device's float32 reduction differs from the host's float64 sum by far less."""
@@ -45,10 +56,14 @@ class KnownNorms:
 
     def __init__(self) -> None:
         self._work: tuple[StepWork, dict[int, torch.Tensor]] | None = None
-        self._entries: dict[int, tuple[torch.Tensor, int, torch.Tensor | None, float | None]] | None = None
+        self._entries: dict[tuple[int, int], tuple[torch.Tensor | None, float | None, torch.Tensor]] | None = None
+        """``(id(gradient), its version) -> (its norm on the device or None, the norm's value, the gradient)``: the
+        gradient is held, so no other live tensor has its id, and the key alone tells it is the same, unchanged."""
+        self.stacked: tuple[list[torch.Tensor], torch.Tensor] | None = None
+        """The step's raw norms and their stack (``Pending.raw_stack``): a clip over exactly those stacks none again."""
 
     def clear(self) -> None:
-        self._work, self._entries = None, None
+        self._work, self._entries, self.stacked = None, None, None
 
     def hold(self, work: StepWork, wrapped: dict[int, torch.Tensor]) -> None:
         """Keep an applied step's figures for the one clip that may follow it."""
@@ -61,32 +76,33 @@ class KnownNorms:
         if self._work is None:
             return False
         self._entries = _entries(*self._work)
+        self.stacked = self._work[0].pending.raw_stack
         self._work = None
         return True
 
-    def lookup(self, grad: torch.Tensor) -> tuple[torch.Tensor | None, float | None] | None:
-        entry = self._entries.get(id(grad)) if self._entries is not None else None
-        if entry is None or entry[0] is not grad or entry[1] != grad._version:
-            return None
-        return entry[2], entry[3]
+    def lookup(self, grads: list[torch.Tensor]) -> list[tuple[torch.Tensor | None, float | None, torch.Tensor] | None]:
+        """Each gradient's entry (None: not known, or changed since), found with map and zip: loops in C."""
+        entries = self._entries
+        if entries is None:
+            return [None] * len(grads)
+        return list(map(entries.get, zip(map(id, grads), map(_VERSION, grads), strict=True)))
 
 
 def _entries(
     work: StepWork, wrapped: dict[int, torch.Tensor]
-) -> dict[int, tuple[torch.Tensor, int, torch.Tensor | None, float | None]]:
-    """``id(gradient) -> (gradient, version, its norm on the device or None, the norm's value)``: the raw norm of each
-    gradient still as it arrived, and the value (not the tensor) of each one the step multiplied once after its
-    read."""
+) -> dict[tuple[int, int], tuple[torch.Tensor | None, float | None, torch.Tensor]]:
+    """``KnownNorms._entries``: the raw norm of each gradient still as it arrived, and the value (not the tensor) of
+    each one the step multiplied once after its read."""
     grads, versions, host, factors = work.grads, work.raw_versions, work.raw_host, work.writes.factors
-    out: dict[int, tuple[torch.Tensor, int, torch.Tensor | None, float | None]] = {}
+    out: dict[tuple[int, int], tuple[torch.Tensor | None, float | None, torch.Tensor]] = {}
     for index, norm in work.raw.items():
         grad = grads.get(index)
         if grad is None or index in wrapped:
             continue
         if grad._version == versions[index]:
-            out[id(grad)] = (grad, grad._version, norm, host[index])
+            out[id(grad), grad._version] = (norm, host[index], grad)
         elif index in factors and grad._version == versions[index] + 1:  # one deferred multiply, nothing else
-            out[id(grad)] = (grad, grad._version, None, host[index] * factors[index])
+            out[id(grad), grad._version] = (None, host[index] * factors[index], grad)
     return out
 
 
@@ -103,11 +119,12 @@ def _known_total(
     estimate where every norm's value was read; None where torch would compute it another way."""
     if not grads:
         return None
-    device = grads[0].device
-    plain = torch.Tensor
-    if any(type(g) is not plain or g.dtype not in _EXACT or g.device != device or g.is_sparse for g in grads):
+    # Checked with map and sets (loops in C): this runs after the step's read, while the device waits for the host.
+    if set(map(type, grads)) != _PLAIN or set(map(_LAYOUT, grads)) != _STRIDED:
         return None
     groups = _group_tensors_by_device_and_dtype([list(grads)])
+    if len({device for device, _ in groups}) != 1 or not {dtype for _, dtype in groups} <= _EXACT_SET:
+        return None
     norms: list[torch.Tensor] = []
     squares = 0.0
     complete = True
@@ -115,7 +132,18 @@ def _known_total(
         group = [g for g in listed if g is not None]
         if not _torch_takes_foreach(group, group_device, foreach):
             return None
-        found = [known.lookup(g) for g in group]
+        found = known.lookup(group)
+        if None not in found:  # a tuple against None: no tensor is compared
+            hits = cast(list[_Hit], found)
+            found_norms = list(map(_NORM, hits))
+            if not any(map(_IS_NONE, found_norms)):  # every norm known (the common case): no loop in Python
+                norms += found_norms
+                values = list(map(_VALUE, hits))
+                if complete and None not in values and math.isfinite(total := sum(map(mul, values, values))):
+                    squares += total
+                else:
+                    complete = False
+                continue
         missing = [g for g, hit in zip(group, found, strict=True) if hit is None or hit[0] is None]
         fresh = iter(torch._foreach_norm(missing, 2.0)) if missing else iter(())
         for hit in found:
@@ -125,7 +153,12 @@ def _known_total(
                 complete = False
             else:
                 squares += hit[1] * hit[1]
-    total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+    stacked = known.stacked
+    if stacked is not None and len(stacked[0]) == len(norms) and all(map(is_, stacked[0], norms)):
+        stack = stacked[1]  # the step's own stack of these very norms, in this order: the same tensor torch stacks
+    else:
+        stack = torch.stack(norms)
+    total = torch.linalg.vector_norm(stack, 2.0)
     return total, (math.sqrt(squares) if complete else None)
 
 

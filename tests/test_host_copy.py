@@ -160,3 +160,12 @@ def test_chunks_start_on_whole_mebibytes_whatever_the_budget() -> None:
     copy = HostCopy(pairs, FakeStream(), FakeEvent())
     copy.pump(Sizer(MiB + 12_345))
     assert copied_mib(targets) == 2  # rounded up to whole MiB
+
+
+def test_a_copy_with_nothing_on_the_device_is_done_at_once_and_has_no_event_to_wait_for() -> None:
+    side = FakeStream()
+    copy = HostCopy([], side, FakeEvent())
+    copy.pump(Sizer(MiB))
+    assert copy.done
+    assert copy.finish() is None
+    assert side.log == []  # nothing queued, not even the wait for the staging copy

@@ -85,7 +85,7 @@ class HostCopy:
             self._queue(sizer.next_bytes(), sizer if self._timing is None else None)
 
     def finish(self) -> Any:
-        """Queue whatever is left at once; the event after the last chunk."""
+        """Queue whatever is left at once; the event after the last chunk (None: there was nothing to copy)."""
         if not self.done:
             self._queue(None, None)
         return self.event

@@ -276,7 +276,7 @@ class Stager:
         side = self._side
         if side is not None and self._copy is not None:
             # The stage's last reader: the rest of the previous snapshot's copy is queued now, and waited for.
-            torch.cuda.current_stream(self.device).wait_event(self._copy.finish())
+            wait_for(self._copy, self.device)
         copy_into([v for stage in self.stages for v in stage.views], [s for _, sources in queued for s in sources])
         pairs = [
             (host.storage[key], stage.storage[key])
@@ -308,5 +308,6 @@ def _on_device(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 def wait_for(copy: HostCopy | None, device: torch.device) -> None:
     """Queue the current stream's next work behind ``copy`` (a host copy in flight, the rest of it queued now): the
     device waits, not the host."""
-    if copy is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).wait_event(copy.finish())
+    event = copy.finish() if copy is not None and device.type == "cuda" else None
+    if event is not None:  # None: nothing of it was on the device (no chunk to wait for)
+        torch.cuda.current_stream(device).wait_event(event)

@@ -84,11 +84,13 @@ from torch import nn
 from torch.nn import functional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support: the models tests/test_provenance.py runs
 
 from step_overhead import Decoder, per_tensor_policy
 
 import gradguard
 from gradguard import GradGuard, GradientHalt, Policy
+from tests.support.faulty_models import Net
 
 SECTIONS = ("recovery", "sync", "provenance", "compile", "overhead", "snapshot")
 CORRECTNESS = frozenset({"recovery", "sync", "provenance", "compile"})
@@ -540,84 +542,6 @@ PROVENANCE_HALT: dict[str, Any] = {
 }
 
 
-class Faults:
-    """Which fault is on now (switched at a chosen step)."""
-
-    def __init__(self) -> None:
-        self.forward_nan = False
-        self.backward_inf = False
-
-
-class EmitsNaN(nn.Module):
-    """Identity, except that its output is NaN while ``faults.forward_nan`` is on."""
-
-    def __init__(self, faults: Faults) -> None:
-        super().__init__()
-        self.faults = faults
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * float("nan") if self.faults.forward_nan else x * 1.0
-
-
-class _InfInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, on: bool) -> torch.Tensor:
-        ctx.on = on
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (torch.full_like(grad, float("inf")) if ctx.on else grad), None
-
-
-class InfInBackward(nn.Module):
-    """Identity in forward; its backward (a custom autograd function) emits Inf while the fault is on."""
-
-    def __init__(self, faults: Faults) -> None:
-        super().__init__()
-        self.faults = faults
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _InfInBackward.apply(x, self.faults.backward_inf)  # type: ignore[no-untyped-call]
-        return out
-
-
-class FaultBlock(nn.Module):
-    def __init__(self, faults: Faults, width: int = 8) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(width, width)
-        self.act = EmitsNaN(faults)
-        self.boom = InfInBackward(faults)
-        self.fc2 = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.fc2(torch.relu(self.boom(self.act(self.fc1(x)))))
-        return out
-
-
-class FaultNet(nn.Module):
-    """tests/test_provenance.py's ``Net``: three blocks; only ``blocks.1`` carries faults."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.faults = Faults()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList([FaultBlock(Faults()), FaultBlock(self.faults), FaultBlock(Faults())])
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        out: torch.Tensor = self.head(h)
-        return out
-
-    def block(self, index: int) -> FaultBlock:
-        block = self.blocks[index]
-        assert isinstance(block, FaultBlock)
-        return block
-
-
 def fault_batch(step: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(step)
     return torch.randn(6, 4, generator=gen).to(device), torch.randn(6, 2, generator=gen).to(device)
@@ -627,13 +551,13 @@ def halt_of(
     device: torch.device,
     provenance: str | None,
     at: int,
-    fault: Callable[[FaultNet, int], None],
+    fault: Callable[[Net, int], None],
     *,
     clip: bool = False,
 ) -> tuple[GradientHalt | None, str]:
-    """Train a FaultNet until step ``at`` (``fault(model, step)`` switches its fault); the halt, or why none."""
+    """Train a Net until step ``at`` (``fault(model, step)`` switches its fault); the halt, or why none."""
     torch.manual_seed(0)
-    model = FaultNet().to(device)
+    model = Net().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     with GradGuard(model, Policy.from_dict(PROVENANCE_HALT), logger=None, provenance=provenance):
         for step in range(at + 1):
@@ -675,20 +599,20 @@ def origin_check(
 def section_provenance(ctx: Context) -> None:
     device = ctx.device
 
-    def forward_nan(model: FaultNet, step: int) -> None:
+    def forward_nan(model: Net, step: int) -> None:
         model.faults.forward_nan = step == 3
 
-    def backward_inf(model: FaultNet, step: int) -> None:
+    def backward_inf(model: Net, step: int) -> None:
         model.faults.backward_inf = step == 2
 
-    def nan_weight(model: FaultNet, step: int) -> None:
+    def nan_weight(model: Net, step: int) -> None:
         if step == 2:
             with torch.no_grad():
                 model.block(1).fc1.weight[0, 0] = float("nan")
 
     hooked: dict[str, Any] = {}
 
-    def nan_gradient(model: FaultNet, step: int) -> None:
+    def nan_gradient(model: Net, step: int) -> None:
         if "handle" not in hooked:
             weight = model.block(2).fc1.weight
             poison = lambda g: g * float("nan") if hooked["on"] else g  # noqa: E731

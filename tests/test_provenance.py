@@ -12,99 +12,15 @@ import torch
 from click.testing import CliRunner
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import checkpoint
 
 from gradguard import GradGuard, GradientHalt, Policy
 from gradguard.cli import main
+from tests.support.faulty_models import EmitsNaN, Faults, InfInBackward, Net
 from tests.support.host_syncs import count_host_syncs
 from tests.support.training import SmallMLP
 
 HALT = {"version": 1, "rules": [{"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
 SKIP = {"version": 1, "rules": [{"name": "skip", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]}]}
-
-
-class Faults:
-    """Which fault is on now (tests switch them at a chosen step)."""
-
-    def __init__(self) -> None:
-        self.forward_nan = False
-        self.backward_inf = False
-        self.log_negative = False
-        self.sqrt_negative = False
-
-
-class EmitsNaN(nn.Module):
-    """Identity, except that its output is NaN while ``faults.forward_nan`` is on."""
-
-    def __init__(self, faults: Faults) -> None:
-        super().__init__()
-        self.faults = faults
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * float("nan") if self.faults.forward_nan else x * 1.0
-
-
-class _InfInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, on: bool) -> torch.Tensor:
-        ctx.on = on
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (torch.full_like(grad, float("inf")) if ctx.on else grad), None
-
-
-class InfInBackward(nn.Module):
-    """Identity in forward; its backward (a custom autograd function) emits Inf while the fault is on."""
-
-    def __init__(self, faults: Faults) -> None:
-        super().__init__()
-        self.faults = faults
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _InfInBackward.apply(x, self.faults.backward_inf)
-        return out
-
-
-class Block(nn.Module):
-    """fc1 -> (fault points) -> fc2, with a residual; ``act`` and ``boom`` are the faulty modules."""
-
-    def __init__(self, faults: Faults, width: int = 8) -> None:
-        super().__init__()
-        self.faults = faults
-        self.fc1 = nn.Linear(width, width)
-        self.act = EmitsNaN(faults)
-        self.boom = InfInBackward(faults)
-        self.fc2 = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.boom(self.act(self.fc1(x)))
-        if self.faults.log_negative:
-            h = torch.log(h - 100.0)  # negative: NaN, made by the block's own code
-        if self.faults.sqrt_negative:
-            h = torch.sqrt(h - 100.0)
-        out: torch.Tensor = x + self.fc2(torch.relu(h))
-        return out
-
-
-class Net(nn.Module):
-    """Three blocks; only ``blocks.1`` carries faults (the others get a Faults that stays off)."""
-
-    def __init__(self, checkpointed: bool = False) -> None:
-        super().__init__()
-        self.faults = Faults()
-        self.inp = nn.Linear(4, 8)
-        self.blocks = nn.ModuleList([Block(Faults()), Block(self.faults), Block(Faults())])
-        self.head = nn.Linear(8, 2)
-        self.checkpointed = checkpointed
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
-        out: torch.Tensor = self.head(h)
-        return out
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from functools import lru_cache
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradguard.enforce.distributed import local_tensor
+from gradguard.enforce.tensors import device_constant
 
 __all__ = [
     "HELD_BYTES",
@@ -176,7 +176,7 @@ class HeldOutputs:
         held = index in self._unchanged
         if held:
             self._held.append((len(figures), index, tensor, tensor._version))
-            figures.append(_zero(tensor.device))
+            figures.append(device_constant(0.0, torch.float32, tensor.device))
         else:
             self._watched.append((index, tensor, tensor._version))
         self._bytes += size
@@ -205,9 +205,3 @@ class HeldOutputs:
 
     def drop(self) -> None:
         self._held, self._watched, self._bytes = [], [], 0
-
-
-@lru_cache(maxsize=64)
-def _zero(device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 0 on ``device``, made once (a finite figure): never written to."""
-    return torch.zeros((), device=device)

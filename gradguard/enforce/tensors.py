@@ -9,7 +9,7 @@ a non-finite norm never rescales anything (torch would turn every gradient of th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from functools import lru_cache
 from operator import attrgetter
 
@@ -30,6 +30,7 @@ __all__ = [
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")  # for map(): the per-tensor checks below loop in C
+_DEVICE_AND_DTYPE = attrgetter("device", "dtype")
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon; the same value keeps results bitwise equal.
 
 
@@ -50,11 +51,11 @@ def norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]
 
 @lru_cache(maxsize=256)
 def device_constant(
-    values: tuple[float, ...] | tuple[int, ...], dtype: torch.dtype, device: torch.device
+    values: float | tuple[float, ...] | tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Host values as a device tensor, made once per (values, dtype, device) and then reused: a tensor made from
-    Python data at every step is a copy from pageable host memory, which on a GPU waits for the device (a host
-    sync). Never written to: callers use it as an index or an operand only."""
+    """Host values as a device tensor (one value: a 0-dim tensor), made once per (values, dtype, device) and then
+    reused: a tensor made from Python data at every step is a copy from pageable host memory, which on a GPU waits
+    for the device (a host sync). Never written to: callers use it as an index or an operand only."""
     return torch.tensor(values, dtype=dtype, device=device)
 
 
@@ -107,27 +108,13 @@ def clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
     coef = torch.clamp(max_norm / (totals + EPS), max=1.0)
     # Norms are never negative, so ``< inf`` is ``isfinite`` (False for NaN and +Inf) in one kernel instead of
     # isfinite's four; and a kept 1 in place of ``ones_like`` (or of a host 1.0, filled on the device) is none.
-    return torch.where(totals < math.inf, coef, _one(coef.dtype, coef.device))
-
-
-@lru_cache(maxsize=64)
-def _one(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-dim 1 on ``device``, made once (``device_constant``'s reasons); never written to."""
-    return torch.ones((), dtype=dtype, device=device)
+    return torch.where(totals < math.inf, coef, device_constant(1.0, coef.dtype, coef.device))
 
 
 def by_device_and_dtype(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
     """``by_device``, with each dtype apart too: a float32 norm stacked with a float64 one would be promoted, and
     its clip coefficient would no longer be the one ``clip_grad_norm_([p])`` computes."""
-    first = tensors[0]
-    if _one_value(map(_DEVICE, tensors), first.device) and _one_value(map(_DTYPE, tensors), first.dtype):
-        return [(list(ids), list(range(len(ids))))]
-    groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[int]]] = {}
-    for position, (index, tensor) in enumerate(zip(ids, tensors, strict=False)):
-        bucket = groups.setdefault((tensor.device, tensor.dtype), ([], []))
-        bucket[0].append(index)
-        bucket[1].append(position)
-    return list(groups.values())
+    return _grouped(ids, tensors, _DEVICE_AND_DTYPE)
 
 
 def by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
@@ -135,12 +122,18 @@ def by_device(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple
 
     One group in the common single-device case, found without building anything per tensor.
     """
-    first = tensors[0].device
-    if _one_value(map(_DEVICE, tensors), first):
+    return _grouped(ids, tensors, _DEVICE)
+
+
+def _grouped(
+    ids: Sequence[int], tensors: Sequence[torch.Tensor], key: Callable[[torch.Tensor], Hashable]
+) -> list[tuple[list[int], list[int]]]:
+    keys = list(map(key, tensors))  # in C
+    if len(set(keys)) == 1:
         return [(list(ids), list(range(len(ids))))]
-    groups: dict[torch.device, tuple[list[int], list[int]]] = {}
-    for position, (index, tensor) in enumerate(zip(ids, tensors, strict=False)):
-        bucket = groups.setdefault(tensor.device, ([], []))
+    groups: dict[Hashable, tuple[list[int], list[int]]] = {}
+    for position, (index, group_key) in enumerate(zip(ids, keys, strict=False)):
+        bucket = groups.setdefault(group_key, ([], []))
         bucket[0].append(index)
         bucket[1].append(position)
     return list(groups.values())

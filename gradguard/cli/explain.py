@@ -449,11 +449,6 @@ def _halting_actions(rule: Rule) -> list[str]:
     return how
 
 
-def _bytes(n: int) -> str:
-    """``1.6 MiB (1,667,072 bytes)``."""
-    return readable_bytes(n)
-
-
 def _recovery_section(expl: Explanation) -> Section | None:
     """What the policy's ``recovery`` section will do, in words, and what its snapshots will hold for this model."""
     recovery = expl.policy.recovery
@@ -486,13 +481,13 @@ def _recovery_section(expl: Explanation) -> Section | None:
     snapshot = expl.snapshot
     if snapshot is not None:
         lines.append(
-            f"each snapshot holds the parameters and buffers: {_bytes(snapshot.model)}; {keep} of them: "
-            f"{_bytes(snapshot.model * keep)}"
+            f"each snapshot holds the parameters and buffers: {readable_bytes(snapshot.model)}; {keep} of them: "
+            f"{readable_bytes(snapshot.model * keep)}"
         )
         lines.append(
-            f"plus each optimizer's state: with Adam or AdamW {_bytes(snapshot.adam_state)} more per snapshot, "
-            f"{_bytes((snapshot.model + snapshot.adam_state) * keep)} in all; the attach event and guard.metrics() "
-            "give the real figure and where"
+            f"plus each optimizer's state: with Adam or AdamW {readable_bytes(snapshot.adam_state)} more per snapshot, "
+            f"{readable_bytes((snapshot.model + snapshot.adam_state) * keep)} in all; the attach event and "
+            "guard.metrics() give the real figure and where"
         )
     per_snapshot = None if snapshot is None else snapshot.model + snapshot.adam_state
     lines.append(memory_text(recovery.memory, keep, per_snapshot))  # where they live (recovery.memory)

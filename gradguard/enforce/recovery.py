@@ -31,7 +31,7 @@ from gradguard.enforce.averages import averages_given
 from gradguard.enforce.distributed import local_tensor
 from gradguard.enforce.schedulers import check_copyable
 from gradguard.enforce.snapshot_fit import misfit_reason, misfits
-from gradguard.enforce.snapshot_memory import HOST, Placement, Stager, choose_placement, state_to_come
+from gradguard.enforce.snapshot_memory import HOST, Placement, Stager, choose_placement, state_to_come, tensor_nbytes
 from gradguard.enforce.snapshots import (
     LiveState,
     Snapshot,
@@ -467,11 +467,7 @@ def _choose(config: RecoveryConfig, live: LiveState, optimizers_given: bool, hel
     params = list(model.parameters()) if model is not None else []
     device = local_tensor(params[0]).device if params else torch.device("cpu")
     state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
-    now = sum(_nbytes(local_tensor(t)) for t in [*state, *live.tensors()] if isinstance(t, torch.Tensor))
+    now = sum(tensor_nbytes(t) for t in [*state, *live.tensors()] if isinstance(t, torch.Tensor))
     coming = state_to_come(live.optimizers() if optimizers_given else None, params)
-    grads = sum(_nbytes(local_tensor(p)) for p in params if p.requires_grad and p.grad is None)
+    grads = sum(tensor_nbytes(p) for p in params if p.requires_grad and p.grad is None)
     return choose_placement(config.memory, device, config.keep, now + coming, grads + coming, held)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

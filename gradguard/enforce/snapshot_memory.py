@@ -44,6 +44,7 @@ __all__ = [
     "memory_where",
     "readable_bytes",
     "state_to_come",
+    "tensor_nbytes",
     "wait_for",
 ]
 
@@ -86,7 +87,7 @@ def state_to_come(optimizers: Sequence[torch.optim.Optimizer] | None, params: Se
     """Bytes of optimizer state not made yet (Adam makes its moments at its first step): for each parameter
     without state, its bytes times the state tensors its optimizer keeps; ``None`` (not given): Adam's two."""
     if optimizers is None:
-        return sum(_UNKNOWN_STATE * _nbytes(p) for p in params if p.requires_grad)
+        return sum(_UNKNOWN_STATE * tensor_nbytes(p) for p in params if p.requires_grad)
     total = 0
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -94,12 +95,13 @@ def state_to_come(optimizers: Sequence[torch.optim.Optimizer] | None, params: Se
             if type(optimizer).__name__ == "SGD" and not group.get("momentum"):
                 per = 0
             per += bool(group.get("amsgrad")) + bool(group.get("centered"))
-            total += sum(per * _nbytes(p) for p in group["params"] if p not in optimizer.state)
+            total += sum(per * tensor_nbytes(p) for p in group["params"] if p not in optimizer.state)
     return total
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    t = local_tensor(t)  # a shard's bytes under FSDP2
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements on this rank (a shard's under FSDP2)."""
+    t = local_tensor(t)
     return t.numel() * t.element_size()
 
 
@@ -263,7 +265,7 @@ class Stager:
 
     @property
     def nbytes(self) -> int:
-        return sum(_nbytes(view) for stage in self.stages for view in stage.views)
+        return sum(tensor_nbytes(view) for stage in self.stages for view in stage.views)
 
     def flush(self) -> HostCopy | None:
         """Copy what was queued into the staging buffers; their copy to the host (None off CUDA: already done)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable
 from itertools import repeat
-from operator import attrgetter
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from gradguard.enforce.rerun import Figures, Reruns
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf, stepped_when_skipped
 from gradguard.enforce.statistics import Statistics
 from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
+from gradguard.enforce.tensors import version_of
 from gradguard.enforce.verdicts import Verdicts
 from gradguard.errors import GradientHalt, GuardStateError
 from gradguard.events.counters import Counters
@@ -45,7 +45,6 @@ from gradguard.policy.matching import Binding
 
 __all__ = ["SCALER_RULE", "Enforcer"]
 
-_VERSION = attrgetter("_version")
 
 SCALER_RULE = "grad_scaler"
 """Counter key for steps GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
@@ -194,7 +193,7 @@ class Enforcer:
         # which loop in C: this runs for every tensor at every step.
         local = grads.values()
         owners = [wrapped.get(i, grad) for i, grad in grads.items()] if wrapped else local
-        entries = zip(map(weakref.ref, owners), map(_VERSION, local), repeat(held))
+        entries = zip(map(weakref.ref, owners), map(version_of, local), repeat(held))
         self.applied_versions.update(zip(grads, entries, strict=True))
 
     def _gather(self, plan: Plan, context: StepContext) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:

@@ -28,7 +28,7 @@ from torch.utils._foreach_utils import (
 )
 
 from gradguard.enforce.step import StepWork
-from gradguard.enforce.tensors import EPS
+from gradguard.enforce.tensors import EPS, version_of
 
 __all__ = ["KnownNorms", "clip_with_known_norms"]
 
@@ -36,7 +36,6 @@ _EXACT = (torch.float32, torch.float64)
 _EXACT_SET = frozenset(_EXACT)
 _PLAIN, _STRIDED = {torch.Tensor}, {torch.strided}
 _LAYOUT = attrgetter("layout")
-_VERSION = attrgetter("_version")
 _NORM, _VALUE = itemgetter(0), itemgetter(1)
 _Hit = tuple[torch.Tensor | None, float | None, torch.Tensor]
 _IS_NONE = partial(is_, None)
@@ -85,7 +84,7 @@ class KnownNorms:
         entries = self._entries
         if entries is None:
             return [None] * len(grads)
-        return list(map(entries.get, zip(map(id, grads), map(_VERSION, grads), strict=True)))
+        return list(map(entries.get, zip(map(id, grads), map(version_of, grads), strict=True)))
 
 
 def _entries(

@@ -26,11 +26,14 @@ __all__ = [
     "in_torch_order",
     "norms",
     "stack_on",
+    "version_of",
 ]
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 _DEVICE, _DTYPE = attrgetter("device"), attrgetter("dtype")  # for map(): the per-tensor checks below loop in C
 _DEVICE_AND_DTYPE = attrgetter("device", "dtype")
+version_of = attrgetter("_version")
+"""A tensor's version counter, for ``map``: the per-tensor reads of it loop in C."""
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon; the same value keeps results bitwise equal.
 
 

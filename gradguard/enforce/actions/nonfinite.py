@@ -13,14 +13,13 @@ import math
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
 from typing import Any, Protocol
 
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.step import StepWork
-from gradguard.enforce.tensors import norms, stack_on
+from gradguard.enforce.tensors import norms, stack_on, version_of
 from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
 
@@ -35,8 +34,6 @@ class Watched(Protocol):
 
 
 __all__ = ["HaltKernel", "SkipKernel", "SkipLimits", "has_active", "joined_kind", "watch_raw_norms"]
-
-_VERSION = attrgetter("_version")
 
 
 class HaltKernel(ActionKernel):
@@ -101,9 +98,10 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
         # coefficient is 1 (gradguard.enforce.known_norms).
         work.raw_host = dict(zip(raw_ids, values, strict=True))
 
+    if not work.sharded:  # which versions the read norms describe (known_norms: the loop's clip after the step)
+        work.raw_versions = dict(zip(raw_ids, map(version_of, gs), strict=True))
     if collective is None:
         # One rank: the evidence's values decide on the host; no flags are made on the device.
-        work.raw_versions = dict(zip(raw_ids, map(_VERSION, gs), strict=True))
         if evidence is stacked:
 
             def read_both(values: list[float]) -> None:
@@ -136,7 +134,6 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
 
     pending.add(flags, read)
     if not work.sharded:
-        work.raw_versions = dict(zip(raw_ids, map(_VERSION, gs), strict=True))
         pending.add(stacked, read_norms)
     return dict(zip(raw_ids, result, strict=True))
 

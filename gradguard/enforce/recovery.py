@@ -435,10 +435,7 @@ class Recovery:
         """What ``keep`` snapshots will hold, from the model and the optimizers' state known now."""
         if self.config is None:
             return 0
-        live = self.live
-        state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
-        tensors = [local_tensor(v) for v in state if isinstance(v, torch.Tensor)] + live.tensors()
-        return sum(t.numel() * t.element_size() for t in tensors) * self.config.keep
+        return _snapshot_bytes(self.live) * self.config.keep
 
     def state_dict(self) -> dict[str, Any]:
         """The rewinds so far and any skip window in progress (not the snapshots: a checkpoint holds its own state)."""
@@ -466,8 +463,13 @@ def _choose(config: RecoveryConfig, live: LiveState, optimizers_given: bool, hel
     model = live.model()
     params = list(model.parameters()) if model is not None else []
     device = local_tensor(params[0]).device if params else torch.device("cpu")
-    state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
-    now = sum(tensor_nbytes(t) for t in [*state, *live.tensors()] if isinstance(t, torch.Tensor))
+    now = _snapshot_bytes(live)
     coming = state_to_come(live.optimizers() if optimizers_given else None, params)
     grads = sum(tensor_nbytes(p) for p in params if p.requires_grad and p.grad is None)
     return choose_placement(config.memory, device, config.keep, now + coming, grads + coming, held)
+
+
+def _snapshot_bytes(live: LiveState) -> int:
+    """Bytes one snapshot of ``live`` holds now: its tensors and the optimizers' state made so far (local shards)."""
+    state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
+    return sum(tensor_nbytes(t) for t in [*state, *live.tensors()] if isinstance(t, torch.Tensor))

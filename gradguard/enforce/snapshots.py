@@ -67,7 +67,7 @@ class TensorCopies:
         if stager is not None:
             stager.add(flat, sources)
         else:
-            _copy(flat.views, list(sources))
+            copy_into(flat.views, list(sources))
 
     def restore(self, targets: Sequence[torch.Tensor]) -> None:
         buffers = self.buffers
@@ -76,7 +76,7 @@ class TensorCopies:
                 "the model's parameters or buffers changed shape or number since the recovery snapshot was "
                 "taken, so it cannot be restored into them; the run halts here as without recovery"
             )
-        _copy(list(targets), buffers)
+        copy_into(list(targets), buffers)
 
     @property
     def nbytes(self) -> int:
@@ -86,9 +86,6 @@ class TensorCopies:
     def layout(self) -> list[tuple[torch.Size, torch.dtype, torch.device]]:
         """Each copied tensor's shape, dtype and device when it was taken (what a restore's target must match)."""
         return [] if self._flat is None else list(self._flat.layout)
-
-
-_copy = copy_into
 
 
 @dataclass
@@ -151,7 +148,7 @@ class _OptimizerCopy:
                 else:  # gone or reshaped since: a copy of ours, never the snapshot's own buffer
                     device = _device_of(param)
                     live[key] = buffers[value.index].to(device, copy=True)
-        _copy(targets, sources)
+        copy_into(targets, sources)
         restore_groups(optimizer.param_groups, self.groups)
 
     @property

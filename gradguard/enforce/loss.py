@@ -66,6 +66,15 @@ class LossVerdict:
             return "spike"
         return "nan" if self.loss != self.loss else "inf"
 
+    @property
+    def reason(self) -> str:
+        """A halt's reason, in the guard's words (the live halt and ``gradguard replay`` say the same)."""
+        if self.kind == "spike":
+            why = f"loss {self.loss:.6g} above {self.factor:g} x the reference {self.reference:.6g}"
+        else:
+            why = f"the loss is {self.loss}"
+        return why if self.escalation is None else f"{why}; skip limit exceeded: {self.escalation}"
+
 
 class LossWatch:
     """One guard's view of the loss: the roots seen since the last step, and the reference across steps."""

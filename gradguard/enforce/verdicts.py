@@ -144,13 +144,7 @@ class Verdicts:
         else:
             self.events.emit("warning", "loss_nonfinite", step=step, loss=verdict.loss, action=verdict.action)
         if verdict.action == "halt":
-            if verdict.kind == "spike":
-                why = f"loss {verdict.loss:.6g} above {verdict.factor:g} x the reference {verdict.reference:.6g}"
-            else:
-                why = f"the loss is {verdict.loss}"
-            if verdict.escalation is not None:
-                why = f"{why}; skip limit exceeded: {verdict.escalation}"
-            self.halt(HaltReport(step, "loss", [], {}, verdict.halt_kind, why, None), ["loss"], "halt")
+            self.halt(HaltReport(step, "loss", [], {}, verdict.halt_kind, verdict.reason, None), ["loss"], "halt")
         if verdict.action == "skip":
             self.clear(context)
             return True

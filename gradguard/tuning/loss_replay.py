@@ -15,7 +15,7 @@ from gradguard.enforce.loss import LossVerdict, LossWatch
 from gradguard.policy.schema import Loss
 from gradguard.tuning.records import RecordedStep
 
-__all__ = ["LOSS_RULE", "NO_LOSS", "LossReplay", "loss_reason"]
+__all__ = ["LOSS_RULE", "NO_LOSS", "LossReplay"]
 
 LOSS_RULE: Final = "loss"
 """The rule name the ``loss`` section's verdicts are listed (and counted by the guard) under."""
@@ -52,12 +52,3 @@ class LossReplay:
     def given(self, verdict: LossVerdict, step: int) -> None:
         """Note the verdict at ``step`` (it takes effect: no gradient halt came first)."""
         self.steps[verdict.kind].append(step)
-
-
-def loss_reason(verdict: LossVerdict) -> str:
-    """A loss halt's reason, in the guard's words."""
-    if verdict.kind == "spike":
-        why = f"loss {verdict.loss:.6g} above {verdict.factor:g} x the reference {verdict.reference:.6g}"
-    else:
-        why = f"the loss is {verdict.loss}"
-    return why if verdict.escalation is None else f"{why}; skip limit exceeded: {verdict.escalation}"

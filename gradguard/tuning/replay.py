@@ -77,7 +77,7 @@ from gradguard.tuning.blocks import (
     gradient_actions,
     windowed,
 )
-from gradguard.tuning.loss_replay import LOSS_RULE, NO_LOSS, LossReplay, loss_reason
+from gradguard.tuning.loss_replay import LOSS_RULE, NO_LOSS, LossReplay
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
 
 __all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]
@@ -288,7 +288,7 @@ class Replayer:
         if verdict is not None:
             self.loss.given(verdict, step)
             if verdict.action == "halt":
-                self.halt = Halt(step, LOSS_RULE, verdict.kind, loss_reason(verdict))
+                self.halt = Halt(step, LOSS_RULE, verdict.kind, verdict.reason)
                 return False
             if verdict.action == "skip":
                 return True  # the loss section skips the step before any gradient skip: no statistic moves

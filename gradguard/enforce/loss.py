@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradguard.enforce.actions.nonfinite import SkipHistory
 from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.events.log import EventLog
 from gradguard.policy.matching import GuardedParam
@@ -91,8 +92,8 @@ class LossWatch:
         """The losses of the last applied steps (at most the spike's ``window``)."""
         self.seen = 0
         """How many applied steps' losses have entered the history."""
-        self.consecutive = 0
-        self.recent: deque[int] = deque()
+        self.skips = SkipHistory()
+        """The spike's skips: in a row, and at which recent steps (its ``max_consecutive_skips``, ``max_skips``)."""
         self.value: float | None = None
         """The last step's loss as read (for ``stats`` and ``guard.metrics()``)."""
         self.first_step: int | None = None
@@ -212,27 +213,18 @@ class LossWatch:
         """A skip past the spike section's limits (``max_consecutive_skips``, ``max_skips``) is a halt."""
         if verdict.action != "skip":
             return verdict
-        self.consecutive += 1
-        self.recent.append(step)
+        self.skips.note(step)
         spike = config.spike
         if spike is None:
             return verdict
-        reason = None
-        if spike.max_consecutive_skips is not None and self.consecutive > spike.max_consecutive_skips:
-            reason = f"{self.consecutive} consecutive loss skips (max_consecutive_skips: {spike.max_consecutive_skips})"
-        if spike.max_skips is not None and spike.window_steps is not None:
-            while self.recent and self.recent[0] <= step - spike.window_steps:
-                self.recent.popleft()
-            if len(self.recent) > spike.max_skips:
-                reason = f"{len(self.recent)} loss skips within the last {spike.window_steps} steps "
-                reason += f"(max_skips: {spike.max_skips})"
+        reason = self.skips.exceeded(spike, step, "loss skips")
         if reason is None:
             return verdict
         return LossVerdict(verdict.kind, "halt", verdict.loss, verdict.reference, verdict.factor, reason)
 
     def accept(self, config: Loss | None, loss: float | None) -> None:
         """An applied step: its loss (where seen and finite) enters the reference; skips are no longer in a row."""
-        self.consecutive = 0
+        self.skips.consecutive = 0
         if config is None:
             return
         if loss is None or not math.isfinite(loss):
@@ -249,15 +241,15 @@ class LossWatch:
         return {
             "history": list(self.history),
             "seen": self.seen,
-            "consecutive": self.consecutive,
-            "recent": list(self.recent),
+            "consecutive": self.skips.consecutive,
+            "recent": list(self.skips.recent),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.history = deque(float(value) for value in state.get("history", ()))
         self.seen = int(state.get("seen", len(self.history)))
-        self.consecutive = int(state.get("consecutive", 0))
-        self.recent = deque(int(step) for step in state.get("recent", ()))
+        recent = deque(int(step) for step in state.get("recent", ()))
+        self.skips = SkipHistory(int(state.get("consecutive", 0)), recent)
 
 
 def root_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor | None, str | None]:

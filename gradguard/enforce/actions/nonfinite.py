@@ -33,7 +33,7 @@ class Watched(Protocol):
     def watchers_by_param(self) -> dict[int, tuple[int, ...]]: ...
 
 
-__all__ = ["HaltKernel", "SkipKernel", "SkipLimits", "has_active", "joined_kind", "watch_raw_norms"]
+__all__ = ["HaltKernel", "SkipHistory", "SkipKernel", "SkipLimits", "has_active", "joined_kind", "watch_raw_norms"]
 
 
 class HaltKernel(ActionKernel):
@@ -138,17 +138,43 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     return dict(zip(raw_ids, result, strict=True))
 
 
+class _Limits(Protocol):
+    max_consecutive_skips: int | None
+    max_skips: int | None
+    window_steps: int | None
+
+
 @dataclass
-class _SkipHistory:
+class SkipHistory:
+    """Skips in a row and at which recent steps: a skip rule's, or the ``loss`` section's."""
+
     consecutive: int = 0
     recent: deque[int] = field(default_factory=deque)
+
+    def note(self, step: int) -> None:
+        self.consecutive += 1
+        self.recent.append(step)
+
+    def exceeded(self, limits: _Limits, step: int, skips: str) -> str | None:
+        """Why the skips noted so far exceed ``limits`` at ``step`` (``skips`` names them: ``skipped steps``), or
+        None. Forgets the skips that fell out of the window."""
+        reason = None
+        if limits.max_consecutive_skips is not None and self.consecutive > limits.max_consecutive_skips:
+            reason = f"{self.consecutive} consecutive {skips} (max_consecutive_skips: {limits.max_consecutive_skips})"
+        if limits.max_skips is not None and limits.window_steps is not None:
+            while self.recent and self.recent[0] <= step - limits.window_steps:
+                self.recent.popleft()
+            if len(self.recent) > limits.max_skips:
+                reason = f"{len(self.recent)} {skips} within the last {limits.window_steps} steps "
+                reason += f"(max_skips: {limits.max_skips})"
+        return reason
 
 
 class SkipLimits:
     """Each skip rule's history of skipped steps, and when it escalates to a halt."""
 
     def __init__(self) -> None:
-        self.history: dict[int, _SkipHistory] = {}
+        self.history: dict[int, SkipHistory] = {}
         """Rule index -> its skips: how many in a row, and at which recent steps."""
         self.scaler_skips = 0
         """GradScaler skips in a row (``halt_on_nonfinite``'s ``max_scaler_skips``)."""
@@ -160,24 +186,13 @@ class SkipLimits:
 
         The rule's history counts all its skips; the limits are those of its actions of type ``cause``.
         """
-        history = self.history.setdefault(rule_index, _SkipHistory())
-        history.consecutive += 1
-        history.recent.append(step)
+        history = self.history.setdefault(rule_index, SkipHistory())
+        history.note(step)
         for action in rule.actions:
-            if not isinstance(action, cause) or not action.active_at(step):
-                continue
-            reason = None
-            if action.max_consecutive_skips is not None and history.consecutive > action.max_consecutive_skips:
-                reason = f"{history.consecutive} consecutive skipped steps (max_consecutive_skips: "
-                reason += f"{action.max_consecutive_skips})"
-            if action.max_skips is not None and action.window_steps is not None:
-                while history.recent and history.recent[0] <= step - action.window_steps:
-                    history.recent.popleft()
-                if len(history.recent) > action.max_skips:
-                    reason = f"{len(history.recent)} skipped steps within the last {action.window_steps} steps "
-                    reason += f"(max_skips: {action.max_skips})"
-            if reason is not None:
-                return reason
+            if isinstance(action, cause) and action.active_at(step):
+                reason = history.exceeded(action, step, "skipped steps")
+                if reason is not None:
+                    return reason
         return None
 
     def step_applied(self) -> None:
@@ -202,7 +217,7 @@ class SkipLimits:
                 unknown.append(name)
                 continue
             recent = deque(int(step) for step in entry["recent"])
-            self.history[by_name[name]] = _SkipHistory(int(entry["consecutive"]), recent)
+            self.history[by_name[name]] = SkipHistory(int(entry["consecutive"]), recent)
         return unknown
 
 

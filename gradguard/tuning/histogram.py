@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-__all__ = ["BIN_WIDTH", "LogHistogram"]
+__all__ = ["BIN_WIDTH", "LogHistogram", "round_up", "yaml_float"]
 
 BIN_WIDTH: Final = 0.01
 """Width of a bin in ``ln(x)``."""
@@ -89,3 +89,22 @@ class LogHistogram:
             if seen >= half:
                 return distance
         return 0.0
+
+
+def round_up(value: float) -> float:
+    """``value`` rounded up to three significant digits (a threshold is never lowered by rounding)."""
+    text = f"{value:.3g}"
+    rounded = float(text)
+    if rounded < value:
+        exponent = math.floor(math.log10(value)) - 2
+        rounded = float(f"{rounded + 10.0**exponent:.3g}")
+    return rounded
+
+
+def yaml_float(value: float) -> str:
+    """A float as YAML reads it back as a float (PyYAML wants a dot and a signed exponent)."""
+    text = f"{value:.3g}"
+    mantissa, _, exponent = text.partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return f"{mantissa}e{exponent}" if exponent else mantissa

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Final
 
-from gradguard.tuning.histogram import LogHistogram
+from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram, round_up, yaml_float
 
 __all__ = ["LOSS_MAX_CONSECUTIVE_SKIPS", "LOSS_WINDOW", "LossFactor", "LossRatios", "loss_factor", "loss_lines"]
 
@@ -103,20 +103,12 @@ def loss_factor(
     quantile = histogram.quantile(level, upper=True, at_most=ordinary) if _any_below(histogram, ordinary) else 0.0
     bounds = {"spread": min(z * spread, ceiling), "factor": math.log(min_factor), "quantile": min(quantile, ceiling)}
     bound_by = max(bounds, key=lambda key: bounds[key])
-    factor = min(_round_up(math.exp(bounds[bound_by])), spike_factor)
+    factor = min(round_up(math.exp(bounds[bound_by])), spike_factor)
     return LossFactor(ratios, centre, spread, level, quantile, factor, bound_by)
 
 
 def _any_below(histogram: LogHistogram, at_most: float) -> bool:
-    return any(key * 0.01 <= at_most for key in histogram.counts)
-
-
-def _round_up(value: float) -> float:
-    text = f"{value:.3g}"
-    rounded = float(text)
-    if rounded < value:
-        rounded = float(f"{rounded + 10.0 ** (math.floor(math.log10(value)) - 2):.3g}")
-    return rounded
+    return any(key * BIN_WIDTH <= at_most for key in histogram.counts)
 
 
 def loss_lines(
@@ -160,15 +152,9 @@ def loss_lines(
         "loss:",
         "  nonfinite: skip",
         "  spike:",
-        f"    factor: {_yaml_float(found.factor)}",
+        f"    factor: {yaml_float(found.factor)}",
         f"    window: {window}",
         f"    warmup: {window}",
         "    action: skip",
         f"    max_consecutive_skips: {LOSS_MAX_CONSECUTIVE_SKIPS}",
     ]
-
-
-def _yaml_float(value: float) -> str:
-    """A float as YAML reads it back as a float (``2.0``, not ``2``)."""
-    text = f"{value:.3g}"
-    return text if any(mark in text for mark in ".en") else f"{text}.0"

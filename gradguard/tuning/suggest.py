@@ -46,7 +46,7 @@ from gradguard.policy.document import Policy
 from gradguard.policy.loading import load_policy_text
 from gradguard.tuning.blocks import stacked
 from gradguard.tuning.families import Family, family_key, family_pattern, merge_alike
-from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram
+from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram, round_up, yaml_float
 from gradguard.tuning.loss_factor import LossFactor, LossRatios, loss_factor, loss_lines
 from gradguard.tuning.records import Recording, no_norms_message, recorded_steps
 from gradguard.tuning.replay import ReplayResult, replay_files
@@ -267,7 +267,7 @@ def _threshold(family: Family, names: list[str], families: int, budget: float, z
     spread_bound = median + min(z * spread, ceiling)
     bounds = {"spread": spread_bound, "factor": median + math.log(MIN_FACTOR), "quantile": quantile}
     bound_by = max(bounds, key=lambda key: bounds[key])
-    max_norm = _round_up(math.exp(bounds[bound_by]))
+    max_norm = round_up(math.exp(bounds[bound_by]))
     members = family.members
     patterns = [family_pattern(key, {m for m in members if family_key(m) == key}, names) for key in family.keys]
     rule = family.keys[0] + (f"+{len(family.keys) - 1}" if len(family.keys) > 1 else "")
@@ -283,25 +283,6 @@ def _unique_rule_names(thresholds: list[Threshold]) -> None:
             name = f"{threshold.rule}#{count}"
         threshold.rule = name
         taken.add(name)
-
-
-def _round_up(value: float) -> float:
-    """``value`` rounded up to three significant digits (a threshold is never lowered by rounding)."""
-    text = f"{value:.3g}"
-    rounded = float(text)
-    if rounded < value:
-        exponent = math.floor(math.log10(value)) - 2
-        rounded = float(f"{rounded + 10.0**exponent:.3g}")
-    return rounded
-
-
-def _yaml_float(value: float) -> str:
-    """A float as YAML reads it back as a float (PyYAML wants a dot and a signed exponent)."""
-    text = f"{value:.3g}"
-    mantissa, _, exponent = text.partition("e")
-    if "." not in mantissa:
-        mantissa += ".0"
-    return f"{mantissa}e{exponent}" if exponent else mantissa
 
 
 def _g(ln_value: float) -> str:
@@ -396,7 +377,7 @@ def _render(
             f"    match: [{', '.join(json.dumps(pattern) for pattern in threshold.patterns)}]",
             "    actions:",
             "      - action: clip_norm",
-            f"        max_norm: {_yaml_float(threshold.max_norm)}",
+            f"        max_norm: {yaml_float(threshold.max_norm)}",
         ]
     for family in sparse:
         lines.append(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -264,10 +265,12 @@ def test_a_backward_of_a_tensor_that_is_not_a_scalar_is_said_once_and_judged_nev
         ({"spike": {"window": 0}}, "loss.spike.window"),
         ({"nonfinite": "rewind"}, "loss.nonfinite"),
         ({"spike": {"action": "clip"}}, "loss.spike.action"),
+        ({"spike": {"max_skips": 2}}, "max_skips and window_steps go together"),
+        ({"spike": {"max_skips": 5, "window_steps": 2}}, "max_skips (5) cannot exceed window_steps (2)"),
     ],
 )
 def test_a_bad_loss_section_is_a_policy_error_naming_its_field(section: dict[str, Any], field: str) -> None:
-    with pytest.raises(PolicyError, match=field.replace(".", r"\.")):
+    with pytest.raises(PolicyError, match=re.escape(field)):
         Policy.from_dict({"version": 1, "rules": [HALT], "loss": section})
 
 

@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gradguard.policy.fields import Finite, PositiveFinite
+from gradguard.policy.fields import Finite, PositiveFinite, check_skip_window
 from gradguard.policy.fields import Strict as _Strict
 from gradguard.policy.patterns import check_pattern
 from gradguard.policy.sections import Loss, LossSpike, Rerun, loss_can_halt
@@ -177,16 +177,7 @@ class _SkipLimits(_StepWindow):
 
     @model_validator(mode="after")
     def _window_is_complete(self) -> _SkipLimits:
-        if (self.max_skips is None) != (self.window_steps is None):
-            raise ValueError(
-                "max_skips and window_steps go together (at most max_skips skips within the last "
-                f"window_steps steps); got max_skips={self.max_skips}, window_steps={self.window_steps}"
-            )
-        if self.max_skips is not None and self.window_steps is not None and self.max_skips > self.window_steps:
-            raise ValueError(
-                f"max_skips ({self.max_skips}) cannot exceed window_steps ({self.window_steps}); "
-                "the limit could never be reached"
-            )
+        check_skip_window(self.max_skips, self.window_steps)
         return self
 
 

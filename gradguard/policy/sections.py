@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gradguard.policy.fields import Finite, Strict
+from gradguard.policy.fields import Finite, Strict, check_skip_window
 
 __all__ = ["Loss", "LossSpike", "Rerun", "loss_can_halt"]
 
@@ -40,11 +40,7 @@ class LossSpike(Strict):
 
     @model_validator(mode="after")
     def _window_is_complete(self) -> LossSpike:
-        if (self.max_skips is None) != (self.window_steps is None):
-            raise ValueError(
-                "max_skips and window_steps go together (at most max_skips skips within the last "
-                f"window_steps steps); got max_skips={self.max_skips}, window_steps={self.window_steps}"
-            )
+        check_skip_window(self.max_skips, self.window_steps)
         return self
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.training import BatchNormNet
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy, PolicyError
@@ -449,16 +450,6 @@ def test_replacing_the_models_parameters_drops_the_snapshots_of_the_old_ones() -
         assert guard._enforcer.recovery.snapshots == []
         with pytest.raises(GradientHalt, match=r"no snapshot at least 3 steps older than step 13 \(held: \[\]\)"):
             loop.step(13, True)
-
-
-class BatchNormNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp, self.norm, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.norm(self.inp(x))))
 
 
 def _batchnorm_run(steps: list[int], *, pass_steps: bool, recovery: dict[str, Any] | None, jump: int | None = None):

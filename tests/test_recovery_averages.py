@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.training import BatchNormNet
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
@@ -118,18 +119,6 @@ class ModelEmaV3(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-
-class BatchNormNet(nn.Module):
-    """Parameters, BatchNorm's running statistics (floats an EMA lerps) and its batch count (an integer it copies)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp, self.norm, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.relu(self.norm(self.inp(x))))
 
 
 def batches(count: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.training import assert_same, events_of, hf_poison_at, hf_training_args, model_state
+from support.training import TinyRegressor, assert_same, events_of, hf_poison_at, hf_training_args, model_state
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -294,19 +294,6 @@ def _fresh_accelerate_state() -> Iterator[None]:
     yield
     GradientState._reset_state()
     AcceleratorState._reset_state()
-
-
-class TinyRegressor(nn.Module):
-    """Two linear layers, no dropout; returns {"loss": mse}."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = nn.Linear(4, 8)
-        self.second = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y)}
 
 
 def regression_examples(steps: list[int]) -> list[dict[str, torch.Tensor]]:

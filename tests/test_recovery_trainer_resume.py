@@ -20,8 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.training import assert_same, events_of, hf_poison_at, hf_training_args, model_state
-from torch import nn
+from support.training import TinyRegressor, assert_same, events_of, hf_poison_at, hf_training_args, model_state
 
 from gradguard import GuardWarning, Policy
 
@@ -67,17 +66,6 @@ def recovering_policy() -> Policy:
             "recovery": copy.deepcopy(RECOVERY),
         }
     )
-
-
-class TinyRegressor(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = nn.Linear(4, 8)
-        self.second = nn.Linear(8, 1)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y)}
 
 
 def examples() -> list[dict[str, torch.Tensor]]:

@@ -43,6 +43,33 @@ class SmallMLP(nn.Module):
         return self.out(h)  # type: ignore[no-any-return]
 
 
+class BatchNormNet(nn.Module):
+    """Parameters, BatchNorm's running statistics (floats an EMA lerps) and its batch count (an integer it copies);
+    made under seed 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.norm, self.out = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(torch.relu(self.norm(self.inp(x))))
+        return out
+
+
+class TinyRegressor(nn.Module):
+    """Two linear layers, no dropout, made under seed 0; returns {"loss": mse} (a Hugging Face Trainer's model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Linear(4, 8)
+        self.second = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.mse_loss(self.second(torch.tanh(self.first(x))), y)}
+
+
 def mlp_pair(seed: int = 0) -> tuple[SmallMLP, SmallMLP]:
     """A :class:`SmallMLP` made under ``torch.manual_seed(seed)``, and an independent copy of it."""
     torch.manual_seed(seed)

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from gradguard.enforce.engine import Enforcer
 from gradguard.enforce.plan_book import PlanBook
 from gradguard.enforce.recovery import Recovery
+from gradguard.enforce.schedulers import holdable
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
 from gradguard.policy.document import Policy
@@ -208,7 +209,7 @@ def schedulers_given(given: Any) -> list[Any]:
         return []
     schedulers = list(given) if isinstance(given, list | tuple) else [given]
     for scheduler in schedulers:
-        if not all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
+        if not holdable(scheduler):
             raise TypeError(
                 "lr_scheduler must be an LR scheduler (with state_dict and load_state_dict), "
                 f"got {type(scheduler).__name__}"

@@ -18,7 +18,7 @@ from typing import Any
 
 from gradguard.errors import GuardStateError
 
-__all__ = ["check_copyable", "each_once", "scale_scheduler_lrs"]
+__all__ = ["check_copyable", "each_once", "holdable", "scale_scheduler_lrs", "schedulers_with"]
 
 SCHEDULER_LRS = ("base_lrs", "_last_lr", "max_lrs", "min_lrs", "eta_min")
 """A torch scheduler's learning rates (``LambdaLR`` and HF's schedules recompute the LR from ``base_lrs``)."""
@@ -78,3 +78,18 @@ def _number(value: Any) -> bool:
 
 def _scaled(value: Any, factor: float) -> Any:
     return value * factor if _number(value) else value
+
+
+def holdable(scheduler: Any) -> bool:
+    """Whether recovery can hold ``scheduler``: it has ``state_dict`` and ``load_state_dict``."""
+    return all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict"))
+
+
+def schedulers_with(given: Any, found: Iterable[Any]) -> list[Any]:
+    """``lr_scheduler=`` as given to a framework's callback (one, several, or None; ``GradGuard`` checks them), and
+    each of a trainer's schedulers ``found`` that can be held and is not among them already."""
+    schedulers = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
+    for scheduler in found:
+        if scheduler is not None and holdable(scheduler) and not any(known is scheduler for known in schedulers):
+            schedulers.append(scheduler)
+    return schedulers

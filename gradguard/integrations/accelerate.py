@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gradguard import GradGuard, Policy
+from gradguard.enforce.schedulers import holdable
 
 __all__ = ["AcceleratorBoundary", "InstancePatch", "guard_accelerator", "hand_schedulers", "unwrap_scheduler"]
 
@@ -84,7 +85,7 @@ def hand_schedulers(guard: GradGuard, schedulers: Sequence[Any]) -> None:
     recovery = guard._enforcer.recovery
     for given in schedulers:
         scheduler = unwrap_scheduler(given)
-        if all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict")):
+        if holdable(scheduler):
             recovery.add_scheduler(scheduler)
 
 

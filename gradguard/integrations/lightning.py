@@ -43,6 +43,7 @@ except ImportError as exc:  # tested by hiding lightning from sys.modules
 
 from gradguard import GradGuard, Policy
 from gradguard.enforce.scaler import has_unscaled
+from gradguard.enforce.schedulers import schedulers_with
 
 __all__ = ["GradGuardCallback"]
 
@@ -57,13 +58,7 @@ def _with_trainers(given: Any, trainer: pl.Trainer) -> list[Any]:
     window (Lightning's ``scheduler.step()`` at the end of a skipped batch is undone), and ``lr_factor``
     lowers what they recompute the LR from, so it holds through their later steps.
     """
-    schedulers = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
-    for config in trainer.lr_scheduler_configs:
-        scheduler = config.scheduler
-        held = all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict"))
-        if held and not any(known is scheduler for known in schedulers):
-            schedulers.append(scheduler)
-    return schedulers
+    return schedulers_with(given, (config.scheduler for config in trainer.lr_scheduler_configs))
 
 
 class GradGuardCallback(Callback):

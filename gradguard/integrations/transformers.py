@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from gradguard import GradGuard, GuardWarning, Policy
+from gradguard.enforce.schedulers import schedulers_with
 
 __all__ = ["STATE_FILE", "GradGuardCallback", "guard_trainer"]
 
@@ -268,12 +269,7 @@ class GradGuardCallback(transformers.TrainerCallback, ExportableState):
 def _with_trainers(given: Any, scheduler: Any) -> list[Any]:
     """``lr_scheduler=`` given to the callback, and the Trainer's (unwrapped), where it can be held (DeepSpeed's
     ``DummyScheduler`` cannot)."""
-    schedulers = [] if given is None else list(given) if isinstance(given, list | tuple) else [given]
-    scheduler = unwrap_scheduler(scheduler)
-    held = all(callable(getattr(scheduler, name, None)) for name in ("state_dict", "load_state_dict"))
-    if scheduler is not None and held and not any(known is scheduler for known in schedulers):
-        schedulers.append(scheduler)
-    return schedulers
+    return schedulers_with(given, [unwrap_scheduler(scheduler)])
 
 
 def _saved_in(entry: Any) -> dict[str, Any] | None:

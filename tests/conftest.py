@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,6 +334,19 @@ def params_where(model: nn.Module, keep: Callable[[str], bool]) -> list[nn.Param
 def select() -> Callable[[nn.Module, Callable[[str], bool]], list[nn.Parameter]]:
     """``select(model, predicate)``: unique parameters, in model order, whose name passes ``predicate``."""
     return params_where
+
+
+@pytest.fixture
+def dispatch_bench() -> Iterator[Any]:
+    """``benchmarks/dispatch_count.py`` as a module."""
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        import dispatch_count
+
+        yield dispatch_count
+    finally:
+        sys.path.remove(folder)
 
 
 # --- hygiene --------------------------------------------------------------------------------------

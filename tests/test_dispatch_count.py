@@ -8,27 +8,16 @@ this test's: the targets may fail while the engine is being worked on.
 from __future__ import annotations
 
 import json
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
-
 
 @pytest.fixture
-def bench() -> Iterator[ModuleType]:
-    """``benchmarks/dispatch_count.py`` as a module."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        import dispatch_count
-
-        yield dispatch_count
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def bench(dispatch_bench: ModuleType) -> ModuleType:
+    return dispatch_bench
 
 
 def mixed_grads(pairs: int) -> list[torch.Tensor]:

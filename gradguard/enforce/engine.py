@@ -35,7 +35,7 @@ from gradguard.enforce.recovery import HaltReport, Recovery, RewindRequested
 from gradguard.enforce.rerun import Figures, Reruns
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf, stepped_when_skipped
 from gradguard.enforce.statistics import Statistics
-from gradguard.enforce.step import Pending, StepContext, StepOutcome, StepWork
+from gradguard.enforce.step import Carry, Pending, StepContext, StepOutcome, StepWork
 from gradguard.enforce.tensors import version_of
 from gradguard.enforce.verdicts import Verdicts
 from gradguard.errors import GradientHalt, GuardStateError
@@ -95,6 +95,7 @@ class Enforcer:
         self.known_norms = KnownNorms()  # the last applied step's norms, for the loop's own clip
         self.loss_watch = self.recovery.live.loss = LossWatch(lambda: self.binding.params)  # rewound with the stats
         self.reruns = Reruns()  # the rerun section's
+        self.carry = Carry()  # applied steps' figures that came after their read, for the next read (or detach)
 
     @torch.no_grad()
     def run(self, plan: Plan, context: StepContext) -> bool:
@@ -140,7 +141,9 @@ class Enforcer:
         if self.provenance is not None:
             self.provenance.report(work)  # last: its reader sees the step's non-finite verdict
 
+        late = self.carry.ride(work.pending)  # the last applied step's figures that came after its read
         work.pending.sync()  # the step's one host sync
+        self.verdicts.interventions(*late)
         self.recovery.after_read()  # a snapshot's copy to the host goes on in a chunk that ends before the next read
         work.writes.apply()  # the changes the read showed are needed, to those tensors only
         clear_overflows(work, plan.fragile)
@@ -177,6 +180,7 @@ class Enforcer:
                     self.applied_versions[index] = (weakref.ref(wrapped.get(index, local)), local._version, False)
             raise
         self.skip_limits.step_applied()
+        self.carry.keep(work.carried)
         self.recovery.applied_step(step)  # guard.applied_steps
         self.loss_watch.accept(self.binding.policy.loss, outcome.loss)
         self.known_norms.hold(work, wrapped)
@@ -241,10 +245,12 @@ class Enforcer:
                 if _passive(kernel) or not plan.acts(position, action, step, in_hooks):
                     continue
                 work.final = plan.final_ids(position, action_index, ids, step, in_hooks)
+                holds = len(work.final) < len(ids) and not work.sharded and kernel.may_hold(action)
+                work.held = plan.held_ids(position, action_index, ids, step, in_hooks) if holds else frozenset()
                 if not kernel.apply(work, bound, action, ids):
                     break
-                work.touched.update(ids)
-        work.final = frozenset()
+                work.touched.update(work.held.symmetric_difference(ids) if work.held else ids)  # held ⊆ ids
+        work.final = work.held = frozenset()
 
     def seal_explicit(self) -> None:
         """The optimizer has stepped: gradients treated at an explicit boundary count as treated only while unchanged,

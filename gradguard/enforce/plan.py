@@ -16,7 +16,7 @@ from torch import nn
 
 from gradguard.enforce.actions import kernel_for
 from gradguard.policy.matching import Binding, BoundRule, GuardedParam
-from gradguard.policy.schema import Action
+from gradguard.policy.schema import Action, ClipNorm
 
 __all__ = ["Plan"]
 
@@ -45,11 +45,13 @@ class Plan:
     refs: tuple[tuple[int, weakref.ReferenceType[nn.Parameter]], ...] = ()
     """``(index, weak reference)`` per tensor of ``params``: what the engine looks at for every tensor at every step,
     without an attribute lookup on each entry."""
-    later_writers: dict[tuple[int, int], tuple[tuple[int, Action, frozenset[int]], ...]] = field(default_factory=dict)
+    later_writers: dict[tuple[int, int], tuple[tuple[int, int, Action, frozenset[int]], ...]] = field(
+        default_factory=dict
+    )
     """``(position in rules, action index)`` of a changing action -> the changing actions after it in policy order
-    that share tensors with it: ``(position, action, shared tensor indices)``. A tensor none of them acts on in a
-    step has its last change of that step from this action, which may then wait for the step's one read
-    (``StepWork.final``)."""
+    that share tensors with it: ``(position, action index, action, shared tensor indices)``. A tensor none of them
+    acts on in a step has its last change of that step from this action, which may then wait for the step's one
+    read (``StepWork.final``)."""
 
     def acts(self, position: int, action: Action, step: int, in_hooks: Callable[[Action], bool] | None) -> bool:
         """Whether a changing action runs at the step boundary of ``step`` (not in the micro-batch hooks)."""
@@ -61,10 +63,32 @@ class Plan:
     ) -> frozenset[int]:
         """The tensors of ``ids`` that no later changing action running at ``step`` acts on."""
         blocked: set[int] = set()
-        for other, action, shared in self.later_writers.get((position, action_index), ()):
+        for other, _, action, shared in self.later_writers.get((position, action_index), ()):
             if self.acts(other, action, step, in_hooks):
                 blocked |= shared
         return frozenset(ids).difference(blocked) if blocked else frozenset(ids)
+
+    def held_ids(
+        self, position: int, action_index: int, ids: list[int], step: int, in_hooks: Callable[[Action], bool] | None
+    ) -> frozenset[int]:
+        """The tensors of ``ids`` whose one later change at ``step`` is a 2-norm group clip that is the last change
+        of every tensor it clips: this action's change to them may wait for the step's read too
+        (``StepWork.held``). The group clip then takes its norm as if nothing before it changed a tensor, and where
+        the read shows something did, clips again after the read (``clipping.clip_group_after_read``)."""
+        acting = [
+            (other, other_index, action, shared)
+            for other, other_index, action, shared in self.later_writers.get((position, action_index), ())
+            if self.acts(other, action, step, in_hooks)
+        ]
+        if len(acting) != 1:
+            return frozenset()
+        other, other_index, action, shared = acting[0]
+        group_clip = isinstance(action, ClipNorm) and action.scope == "group" and action.norm_type == 2.0
+        if not group_clip or any(
+            self.acts(later, after, step, in_hooks) for later, _, after, _ in self.later_writers[other, other_index]
+        ):
+            return frozenset()
+        return shared.intersection(ids)
 
     @classmethod
     def build(cls, binding: Binding, params: Sequence[GuardedParam]) -> Plan:
@@ -108,7 +132,9 @@ class Plan:
         ]
         later_writers = {
             (position, action_index): tuple(
-                (other, later, members & others) for other, _, later, others in writers[k + 1 :] if members & others
+                (other, later_index, later, members & others)
+                for other, later_index, later, others in writers[k + 1 :]
+                if members & others
             )
             for k, (position, action_index, _, members) in enumerate(writers)
         }

@@ -19,7 +19,17 @@ from gradguard.enforce.tensors import LOW_PRECISION, clamp_, norms, stack_on
 from gradguard.policy.matching import Binding
 from gradguard.policy.schema import ClipNorm, Monitor
 
-__all__ = ["DeferredWrites", "Observation", "Pending", "Spike", "StepContext", "StepOutcome", "StepWork"]
+__all__ = [
+    "Carried",
+    "Carry",
+    "DeferredWrites",
+    "Observation",
+    "Pending",
+    "Spike",
+    "StepContext",
+    "StepOutcome",
+    "StepWork",
+]
 
 
 @dataclass
@@ -116,6 +126,9 @@ class DeferredWrites:
     factors: dict[int, float] = field(default_factory=dict)
     """Tensor index -> the factor it was multiplied by here."""
 
+    after: list[Callable[[], None]] = field(default_factory=list)
+    """Work that needs these changes made first (a group clip after changes held for the read), run after them."""
+
     low_precision: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))
     """Half-precision gradients and their float32 factors as 0-dim device tensors: multiplied as torch's
     ``clip_grads_with_norm_`` multiplies them (a host float would be rounded to half precision first)."""
@@ -149,6 +162,9 @@ class DeferredWrites:
                 clamp_(group, limit)
         self.scales.clear()
         self.clamps.clear()
+        after, self.after = self.after, []
+        for work in after:
+            work()
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -237,6 +253,45 @@ class StepOutcome:
 
 
 @dataclass
+class Carried:
+    """Figures a step can only compute after its read (a group clip over changes held for it,
+    ``clipping.clip_group_after_read``): read with the next step's read, or at close, and reported then under
+    their own step. Only an applied step's are kept (a skipped or halted step's interventions did not happen)."""
+
+    outcome: StepOutcome = field(default_factory=StepOutcome)
+    parts: list[tuple[torch.Tensor, Callable[[list[float]], None], tuple[torch.Tensor, ...]]] = field(
+        default_factory=list
+    )
+
+
+class Carry:
+    """The applied steps' ``Carried`` figures, waiting for a read."""
+
+    def __init__(self) -> None:
+        self._waiting: list[Carried] = []
+
+    def keep(self, carried: Carried) -> None:
+        if carried.parts:
+            self._waiting.append(carried)
+
+    def ride(self, pending: Pending) -> list[StepOutcome]:
+        """Queue every waiting figure in ``pending``; what they say is in the outcomes returned once it is read."""
+        waiting, self._waiting = self._waiting, []
+        for carried in waiting:
+            for values, reader, more in carried.parts:
+                pending.add(values, reader, *more)
+        return [carried.outcome for carried in waiting]
+
+    @torch.no_grad()
+    def flush(self) -> list[StepOutcome]:
+        """Read every waiting figure now (at detach: no step's read is coming)."""
+        pending = Pending()
+        outcomes = self.ride(pending)
+        pending.sync()
+        return outcomes
+
+
+@dataclass
 class StepWork:
     """Everything an action needs from the step it acts in (one per enforcement pass)."""
 
@@ -255,7 +310,8 @@ class StepWork:
     raw: dict[int, torch.Tensor] = field(default_factory=dict)
     """Tensor index -> 2-norm of its gradient as it arrived, where some action asked for it."""
     touched: set[int] = field(default_factory=set)
-    """Tensors an earlier action of this pass changed (their raw norms are stale)."""
+    """Tensors an earlier action of this pass changed on the device (their raw norms are stale); a change held for
+    the read (``held``) is not one yet."""
     raw_peaks: dict[int, torch.Tensor] = field(default_factory=dict)
     """Tensor index -> max-abs of its gradient as it arrived, where the non-finite watch took it (fragile tensors)."""
     raw_versions: dict[int, int] = field(default_factory=dict)
@@ -264,12 +320,17 @@ class StepWork:
     """Tensor index -> the raw 2-norm's value, once the step's read is done (unsharded steps)."""
     final: frozenset[int] = frozenset()
     """The tensors of the running action whose last change in this step it makes: it may defer it to ``writes``."""
+    held: frozenset[int] = frozenset()
+    """The tensors of the running action whose one later change is a group clip that is their last
+    (``Plan.held_ids``): its change to them waits for the read too, and the group clip checks after it."""
     writes: DeferredWrites = field(default_factory=DeferredWrites)
     """Changes made after the step's one read, where it showed they are needed."""
     statistics: Statistics | None = None
     """The adaptive actions' statistics across steps (read here; changed only through ``statistics_step``)."""
     statistics_step: StepStatistics = field(default_factory=StepStatistics)
     """What this step proposes the statistics become; the engine commits it if the step is applied."""
+    carried: Carried = field(default_factory=Carried)
+    """Figures to read with the next step's read."""
 
     def norms(self, grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""

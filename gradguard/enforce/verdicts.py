@@ -73,10 +73,15 @@ class Verdicts:
             )
         if outcome.skipped_by or outcome.spikes or outcome.loss_skip:
             return  # the step will not happen: its interventions did not either
-        self.counters.add_many(outcome.counts)
-        for event, fields in outcome.events:
-            level = "warning" if event.startswith("nonfinite") or event == "norm_overflow" else "debug"
-            self.events.emit(level, event, **fields)
+        self.interventions(outcome)
+
+    def interventions(self, *outcomes: StepOutcome) -> None:
+        """Count and log what applied steps did."""
+        for outcome in outcomes:
+            self.counters.add_many(outcome.counts)
+            for event, fields in outcome.events:
+                level = "warning" if event.startswith("nonfinite") or event == "norm_overflow" else "debug"
+                self.events.emit(level, event, **fields)
 
     def halt(self, halt: HaltReport, rules: Sequence[str], action: str) -> None:
         """Halt (``action`` counted under each of ``rules``), or, with recovery, rewind instead.

@@ -39,6 +39,11 @@ class ActionKernel:
         """Whether the action can use the 2-norm of each gradient as it arrived (shared, taken once)."""
         return False
 
+    def may_hold(self, action: Action) -> bool:
+        """Whether the action can hold its change to a tensor for the step's read when the tensor's one later change
+        is a group clip (``StepWork.held``): it then changes nothing on the device before the read."""
+        return False
+
     def may_erase_nonfinite(self, action: Action) -> bool:
         """Whether the action can make a NaN/Inf gradient finite (so the watch must judge it before)."""
         return False

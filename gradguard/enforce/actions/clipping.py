@@ -13,7 +13,7 @@ from functools import partial
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.step import StepWork
+from gradguard.enforce.step import StepOutcome, StepWork
 from gradguard.enforce.tensors import (
     EPS,
     by_device,
@@ -43,6 +43,10 @@ class ClipNormKernel(ActionKernel):
         assert isinstance(action, ClipNorm)
         return action.norm_type == 2.0
 
+    def may_hold(self, action: Action) -> bool:
+        assert isinstance(action, ClipNorm)
+        return action.scope == "tensor"
+
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         assert isinstance(action, ClipNorm)
         gs = list(map(work.grads.__getitem__, ids))  # map: a loop in C, over every tensor at every step
@@ -64,14 +68,18 @@ class ClipValueKernel(ActionKernel):
     def may_erase_nonfinite(self, action: Action) -> bool:
         return True
 
+    def may_hold(self, action: Action) -> bool:
+        return True
+
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         assert isinstance(action, ClipValue)
         gs = [work.grads[i] for i in ids]
         peaks = _peaks(work, ids, gs)
-        now = [g for index, g in zip(ids, gs, strict=True) if index not in work.final]
+        final = work.final | work.held if work.held else work.final
+        now = [g for index, g in zip(ids, gs, strict=True) if index not in final]
         if now:  # a later action of this step acts on these: the clamp must be on the device before it
             clamp_(now, action.limit)
-        outcome, names, step, final, writes = work.outcome, work.names, work.step, work.final, work.writes
+        outcome, names, step, writes = work.outcome, work.names, work.step, work.writes
         for device_ids, positions in by_device(ids, peaks):
 
             def read(values: list[float], device_ids: list[int] = device_ids, positions: list[int] = positions) -> None:
@@ -106,14 +114,8 @@ def _clip_tensors(
     gs: list[torch.Tensor],
     norms: list[torch.Tensor],
 ) -> None:
-    outcome, names, step, pending, final, writes = (
-        work.outcome,
-        work.names,
-        work.step,
-        work.pending,
-        work.final,
-        work.writes,
-    )
+    outcome, names, step, pending, writes = work.outcome, work.names, work.step, work.pending, work.writes
+    final = work.final | work.held if work.held else work.final  # a held change waits for the read as a final one
     for device_ids, positions in by_device_and_dtype(ids, norms):
         device = norms[positions[0]].device
         whole = len(positions) == len(ids)  # one group (the common case): positions are 0, 1, ... in order
@@ -165,34 +167,82 @@ def _clip_group(
     gs: list[torch.Tensor],
     norms: list[torch.Tensor],
 ) -> None:
-    outcome, names, step = work.outcome, work.names, work.step
-    device = norms[0].device
-    total = torch.linalg.vector_norm(stack_on(in_torch_order(gs, norms), device), action.norm_type)
-    coef = clip_coefficients(total, action.max_norm)
+    outcome = work.outcome
     deferred = all(index in work.final for index in ids)
-    if not deferred:
-        for _, positions in by_device(ids, gs):
-            torch._foreach_mul_([gs[k] for k in positions], coef.to(gs[positions[0]].device))
+    total, coef = _group_coefficient(action, ids, gs, norms, multiply=not deferred)
     writes = work.writes
 
     def read(values: list[float]) -> None:
         norm, factor = values
+        if deferred and norm == norm and abs(norm) != math.inf and not writes.written.isdisjoint(ids):
+            # A change held for the read hit the group: these figures are of the gradients before it.
+            writes.after.append(partial(clip_group_after_read, work, bound, action, ids, gs, norms))
+            return
         if deferred and factor < 1.0:
             for index, grad in zip(ids, gs, strict=True):
                 writes.scale(index, grad, factor, partial(coef.to, grad.device))
         if norm != norm or abs(norm) == float("inf"):
             kind = "nan" if norm != norm else "inf"
-            outcome.events.append(
-                (
-                    "nonfinite_group_norm",
-                    {"step": step, "rule": bound.name, "action": "clip_norm", "kind": kind, "n_params": len(ids)},
-                )
-            )
-        elif factor < 1.0:
-            params = [names[i] for i in ids]
-            outcome.norm_clipped(step, bound.name, None, action, norm, factor, params=params, n_params=len(ids))
+            fields = {"step": work.step, "rule": bound.name, "action": "clip_norm", "kind": kind, "n_params": len(ids)}
+            outcome.events.append(("nonfinite_group_norm", fields))
+        else:
+            _group_clipped(outcome, work.step, work.names, bound, action, ids, norm, factor)
 
     work.pending.add(total, read, coef)
+
+
+def clip_group_after_read(
+    work: StepWork,
+    bound: BoundRule,
+    action: ClipNorm,
+    ids: list[int],
+    gs: list[torch.Tensor],
+    norms: list[torch.Tensor],
+) -> None:
+    """A group clip after changes held for the read (``StepWork.held``) that the read showed were made: clipped again,
+    on the gradients those changes left, with the norms of the changed ones taken again and the others' reused.
+
+    It is what the group clip would have done on the device before the read, op for op, so bitwise the same, with
+    launches that do not grow with the number of tensors; only its figures wait, for the next step's read
+    (``Carried``), since this step's is done. Its total is finite: the read showed every norm before it was.
+    """
+    written = work.writes.written
+    stale = [k for k, index in enumerate(ids) if index in written]
+    norms = list(norms)
+    for k, norm in zip(stale, work.norms([gs[k] for k in stale], action.norm_type), strict=True):
+        norms[k] = norm
+    total, coef = _group_coefficient(action, ids, gs, norms, multiply=True)
+    # Not the StepWork: the reader lives until the next read, and must not keep this step's gradients alive.
+    report = partial(_group_clipped, work.carried.outcome, work.step, work.names, bound, action, ids)
+    work.carried.parts.append((total, lambda values: report(*values), (coef,)))
+
+
+def _group_coefficient(
+    action: ClipNorm, ids: list[int], gs: list[torch.Tensor], norms: list[torch.Tensor], *, multiply: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's total norm and clip coefficient, as ``clip_grad_norm_`` takes them; applied on the device too
+    where ``multiply``."""
+    total = torch.linalg.vector_norm(stack_on(in_torch_order(gs, norms), norms[0].device), action.norm_type)
+    coef = clip_coefficients(total, action.max_norm)
+    if multiply:
+        for _, positions in by_device(ids, gs):
+            torch._foreach_mul_([gs[k] for k in positions], coef.to(gs[positions[0]].device))
+    return total, coef
+
+
+def _group_clipped(
+    outcome: StepOutcome,
+    step: int,
+    names: dict[int, str],
+    bound: BoundRule,
+    action: ClipNorm,
+    ids: list[int],
+    norm: float,
+    factor: float,
+) -> None:
+    if factor < 1.0:
+        params = [names[i] for i in ids]
+        outcome.norm_clipped(step, bound.name, None, action, norm, factor, params=params, n_params=len(ids))
 
 
 def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:

@@ -38,8 +38,10 @@ Sections (``--only`` / ``--skip`` name them):
 5. ``overhead`` (timing): step_overhead.py's GPT (``Decoder``) at ~7M (53 tensors, batch 16x256),
    ~163M (149 tensors, 16x1024) and ~1.4B parameters (293 tensors, 8x1024), bf16 autocast,
    ``AdamW(fused=True)``. Treatments: none; global ``clip_grad_norm_(params, 1.0, foreach=True)``;
-   gradguard with a per-tensor clip_norm 1.0 + halt_on_nonfinite; the shipped ``default`` policy; the
-   per-tensor guard in a loop that also clips globally before ``opt.step()``. One model and optimizer
+   gradguard with a per-tensor clip_norm 1.0 + halt_on_nonfinite; the same guard reading before the update
+   (as before its read waited for the fused update, docs/where-the-guard-acts.md: the A/B of that change);
+   the shipped ``default`` policy; the per-tensor guard in a loop that also clips globally before
+   ``opt.step()``. One model and optimizer
    per size; each round runs every treatment once, in a new shuffled order, as a segment (attach,
    one warm-up step, ``steps`` timed steps, detach; its time is the median step); a ratio is the median
    over rounds of the two segments' ratio in the same round, with the quartiles.
@@ -91,6 +93,7 @@ from step_overhead import Decoder, per_tensor_policy
 import gradguard
 from gradguard import GradGuard, GradientHalt, Policy
 from tests.support.faulty_models import Net
+from tests.support.fused import reading_first
 
 SECTIONS = ("recovery", "sync", "provenance", "compile", "overhead", "snapshot")
 CORRECTNESS = frozenset({"recovery", "sync", "provenance", "compile"})
@@ -848,12 +851,21 @@ class Treatment:
     label: str
     policy: Callable[[], Policy] | None
     clip: bool
+    read_first: bool = False
+    """The guard's read before the fused update, as before it waited for it (``FusedUpdate.takes`` off)."""
 
 
 TREATMENTS = (
     Treatment("none", "no treatment", None, False),
     Treatment("global", "clip_grad_norm_(params, 1.0, foreach=True)", None, True),
     Treatment("guard", "gradguard: per-tensor clip_norm 1.0 + halt", lambda: per_tensor_policy(1.0), False),
+    Treatment(
+        "guard-first",
+        "gradguard: the same, its read before the fused update",
+        lambda: per_tensor_policy(1.0),
+        False,
+        read_first=True,
+    ),
     Treatment("default", "gradguard: shipped `default` policy", lambda: Policy.shipped("default"), False),
     Treatment(
         "guard+clip", "gradguard per-tensor + halt, + the loop's global clip", lambda: per_tensor_policy(1.0), True
@@ -930,7 +942,8 @@ def overhead_size(ctx: Context, size: Size, left: float) -> None:
             for k in order:
                 treatment = TREATMENTS[k]
                 policy = treatment.policy() if treatment.policy is not None else None
-                times, guard = segment(bench, policy, treatment.clip, 1, steps)
+                with reading_first(treatment.read_first):
+                    times, guard = segment(bench, policy, treatment.clip, 1, steps)
                 medians[k].append(statistics.median(times))
                 if guard is not None:
                     clips = guard.counters.total("clip_norm")

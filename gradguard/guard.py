@@ -180,7 +180,6 @@ class GradGuard(ServesMetrics):
             self._attachment.handles.append(enlist(self))
             self._finalizer = weakref.finalize(self, self._attachment.collected)
             self._finalizer.atexit = False
-
             emit_attach(events, self.policy, model, binding, optimizers, start_step, self._enforcer.recovery)
         except BaseException:
             Attachment.abandon(self.__dict__.get("_attachment"))  # no hook left behind
@@ -322,6 +321,7 @@ class GradGuard(ServesMetrics):
             return
         with self._lock:
             if self.attached and self._plans.for_optimizer(optimizer) is not None:
+                self._record(self._enforcer.after_update(optimizer, not self._last_step_skipped))  # a read waited?
                 self._enforcer.seal_explicit()
                 self._enforcer.recovery.at_step_start(self._enforcer.step)
 

@@ -25,6 +25,7 @@ from gradguard.enforce.actions import ActionKernel, kernel_for
 from gradguard.enforce.actions.clipping import clear_overflows
 from gradguard.enforce.actions.nonfinite import SkipLimits, watch_raw_norms
 from gradguard.enforce.distributed import Collective, local_tensor
+from gradguard.enforce.fused_update import FusedUpdate
 from gradguard.enforce.health import Health
 from gradguard.enforce.known_norms import KnownNorms
 from gradguard.enforce.loss import LossWatch
@@ -96,15 +97,33 @@ class Enforcer:
         self.loss_watch = self.recovery.live.loss = LossWatch(lambda: self.binding.params)  # rewound with the stats
         self.reruns = Reruns()  # the rerun section's
         self.carry = Carry()  # applied steps' figures that came after their read, for the next read (or detach)
+        self.fused = FusedUpdate()  # a step whose read waits for a fused optimizer's update
 
     @torch.no_grad()
     def run(self, plan: Plan, context: StepContext) -> bool:
         """Treat the current gradients of ``plan``'s tensors; return False if the step must be skipped.
 
         Raises [`GradientHalt`][gradguard.GradientHalt] (before the optimizer step) when a halt rule sees NaN or Inf, or
-        a skip rule's limits are exceeded.
-        """
-        grads, wrapped = self._gather(plan, context)
+        a skip rule's limits are exceeded; or from ``after_update``, where the read waits for a fused update."""
+        self.fused.discard()
+        alone = self.micro_batch is None and not self.collective.active() and self.reruns.step is None
+        fused = self.fused.takes(plan, context, self.binding.policy, alone=alone)
+        begun = self._begin(plan, context, fused)
+        if isinstance(begun, bool):
+            return begun
+        if fused:
+            flag = begun.pending.flag(self.fused.read_flag)
+            self.fused.wait(context.optimizer, flag, lambda: self._conclude(begun, context))
+            return True
+        return self._conclude(begun, context)
+
+    def after_update(self, optimizer: Any, otherwise: bool) -> bool:
+        """A fused optimizer's update is done: the verdict of the step that waited for it (``otherwise``: none did)."""
+        verdict = self.fused.conclude(optimizer)
+        return otherwise if verdict is None else verdict
+
+    def _begin(self, plan: Plan, context: StepContext, fused: bool) -> StepWork | bool:
+        grads, wrapped = gather(plan, self.applied_versions, context)
         self.last_run_treated = bool(grads)
         if not grads:
             return True
@@ -118,7 +137,9 @@ class Enforcer:
             return False
         collective = self.collective if self.collective.active() else None
         sharded = collective is not None and bool(wrapped)  # wrapped holds the DTensor (FSDP2) gradients
-        work = StepWork(self.binding, plan.names, grads, step, Pending(), StepOutcome(), collective, sharded)
+        pending = Pending(quiet=[] if fused else None)
+        work = StepWork(self.binding, plan.names, grads, step, pending, StepOutcome(), collective, sharded, wrapped)
+        work.fragile = plan.fragile
         work.statistics = self.statistics
         work.outcome.clipped_before = context.clipped_before
         adopt_fused_scaler(context, work.pending, work.outcome)
@@ -140,13 +161,20 @@ class Enforcer:
         self._apply_actions(plan, work, everyone)
         if self.provenance is not None:
             self.provenance.report(work)  # last: its reader sees the step's non-finite verdict
+        return work
 
+    @torch.no_grad()
+    def _conclude(self, work: StepWork, context: StepContext) -> bool:
+        """The step's one read, and its verdict."""
+        grads, wrapped, step = work.grads, work.wrapped, work.step
         late = self.carry.ride(work.pending)  # the last applied step's figures that came after its read
         work.pending.sync()  # the step's one host sync
         self.verdicts.interventions(*late)
         self.recovery.after_read()  # a snapshot's copy to the host goes on in a chunk that ends before the next read
         work.writes.apply()  # the changes the read showed are needed, to those tensors only
-        clear_overflows(work, plan.fragile)
+        clear_overflows(work, work.fragile)
+        if work.pending.quiet is not None:
+            self.fused.check(work)
         outcome = work.outcome
         rerun_or_compare(self, work, context)  # a suspect step may be computed again before anything is said
         if outcome.observed and not outcome.scaler_found_inf:
@@ -163,11 +191,11 @@ class Enforcer:
                 self.record_scaler_skip((), step=step, fused=fused, loss_scale=outcome.loss_scale)
                 return True  # the scaler (or the fused kernel it drives) skips the update itself
             loss = self.loss_watch.verdict(self.binding.policy.loss, outcome, step)
-            self.verdicts.report(rules, outcome, plan.names, step)  # a gradient's halt comes first
+            self.verdicts.report(rules, outcome, work.names, step)  # a gradient's halt comes first
             if loss is not None and self.verdicts.loss(loss, step, context):
                 return False
             if outcome.skipped_by or outcome.spikes:
-                self.verdicts.skip(rules, outcome, plan.names, step, context)
+                self.verdicts.skip(rules, outcome, work.names, step, context)
                 return False
         except RewindRequested as request:
             self.verdicts.rewound(request, context)
@@ -199,33 +227,6 @@ class Enforcer:
         owners = [wrapped.get(i, grad) for i, grad in grads.items()] if wrapped else local
         entries = zip(map(weakref.ref, owners), map(version_of, local), repeat(held))
         self.applied_versions.update(zip(grads, entries, strict=True))
-
-    def _gather(self, plan: Plan, context: StepContext) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """The gradients to treat: ``(index -> local gradient, index -> the DTensor it came from)``."""
-        grads: dict[int, torch.Tensor] = {}
-        wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
-        seen_at, plain, strided = self.applied_versions.get, torch.Tensor, torch.strided  # locals: a loop per tensor
-        honour_explicit = not context.explicit
-        for index, ref in plan.refs:
-            param = ref()
-            grad = param.grad if param is not None else None
-            if grad is None:
-                continue
-            if type(grad) is plain:
-                local = grad
-            elif (local := local_tensor(grad)) is not grad:
-                wrapped[index] = grad
-            if local.layout is not strided:
-                raise GuardStateError(
-                    f"parameter {plan.names[index]!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
-                    "sparse=True)), which gradguard's actions cannot treat. Exclude it from the policy's rules, "
-                    "or compute a dense gradient."
-                )
-            seen = seen_at(index)
-            if seen is not None and seen[0]() is grad and (seen[1] == local._version or (honour_explicit and seen[2])):
-                continue  # already treated (and unchanged since, or at this step's explicit boundary)
-            grads[index] = local
-        return grads, wrapped
 
     def _apply_actions(self, plan: Plan, work: StepWork, everyone: int) -> None:
         """Each active rule's actions, in policy order, through their kernels."""
@@ -369,6 +370,37 @@ class Enforcer:
     def emit_summary(self) -> None:
         """Write the cumulative counters, so the log reproduces counts that are not logged per step."""
         self.events.emit("info", "counters", step=self.step - 1, steps=self.step, counters=self.counters.snapshot())
+
+
+def gather(
+    plan: Plan, applied: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]], context: StepContext
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """The gradients to treat: ``(index -> local gradient, index -> the DTensor it came from)``; those treated and
+    unchanged since (``Enforcer.applied_versions``) are not."""
+    grads: dict[int, torch.Tensor] = {}
+    wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
+    seen_at, plain, strided = applied.get, torch.Tensor, torch.strided  # locals: a loop per tensor
+    honour_explicit = not context.explicit
+    for index, ref in plan.refs:
+        param = ref()
+        grad = param.grad if param is not None else None
+        if grad is None:
+            continue
+        if type(grad) is plain:
+            local = grad
+        elif (local := local_tensor(grad)) is not grad:
+            wrapped[index] = grad
+        if local.layout is not strided:
+            raise GuardStateError(
+                f"parameter {plan.names[index]!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
+                "sparse=True)), which gradguard's actions cannot treat. Exclude it from the policy's rules, "
+                "or compute a dense gradient."
+            )
+        seen = seen_at(index)
+        if seen is not None and seen[0]() is grad and (seen[1] == local._version or (honour_explicit and seen[2])):
+            continue  # already treated (and unchanged since, or at this step's explicit boundary)
+        grads[index] = local
+    return grads, wrapped
 
 
 def observe(plan: Plan, work: StepWork, everyone: int) -> bool:

@@ -68,6 +68,27 @@ class Pending:
     """How many of ``parts`` each reader reads."""
     raw_stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
     """The raw norms and their stack, so a clip over exactly those norms does not stack them again."""
+    quiet: list[torch.Tensor] | None = None
+    """Where the read waits for a fused optimizer's update (``fused_update``): device booleans, all true exactly when
+    no reader will have anything to do before the update (no non-finite value, no change to make). None: not asked."""
+
+    def quiet_if(self, condition: Callable[[], torch.Tensor]) -> None:
+        """The readers queued so far have nothing to do before the update if every element of ``condition()`` is true
+        (computed only where asked for): anything else is an alarm."""
+        if self.quiet is not None:
+            self.quiet.append(condition().reshape(-1))
+
+    def flag(self, reader: Callable[[list[float]], None]) -> torch.Tensor | None:
+        """The alarm as one float32 0-dim flag (1.0: some condition is false), read with the rest (by ``reader``); a
+        fused kernel's ``found_inf``. None: no condition was given, so no reader will act before the update."""
+        quiet = self.quiet or []
+        if not quiet:
+            return None
+        device = quiet[0].device
+        joined = torch.cat([condition.to(device) for condition in quiet]) if len(quiet) > 1 else quiet[0]
+        flag = torch.rsub(joined.float().amin(), 1.0)  # four launches, however many conditions and tensors
+        self.add(flag, reader)
+        return flag
 
     def stack(self, norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """``stack_on(norms, device)``, reusing the raw norms' stack when ``norms`` are those tensors."""
@@ -307,6 +328,10 @@ class StepWork:
     """The process group ranks agree over, when one is active."""
     sharded: bool
     """Some gradient is an FSDP2 shard: per-tensor norms must be combined across ranks."""
+    wrapped: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Tensor index -> the DTensor its local gradient came from (FSDP2)."""
+    fragile: frozenset[int] = frozenset()
+    """``Plan.fragile``: watched tensors an action may make finite."""
     raw: dict[int, torch.Tensor] = field(default_factory=dict)
     """Tensor index -> 2-norm of its gradient as it arrived, where some action asked for it."""
     touched: set[int] = field(default_factory=set)

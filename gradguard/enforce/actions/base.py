@@ -35,6 +35,10 @@ class ActionKernel:
     the raw 2-norms are taken, which it may reuse); ``apply`` is never called for it, it never
     counts as a change to the gradient, and steps it does not sample cost it nothing."""
 
+    alarms: ClassVar[bool] = False
+    """Whatever its reader will do before the update, the action raises an alarm for (``Pending.quiet_if``): the step's
+    read may then wait for a fused optimizer's update (``gradguard.enforce.fused_update``)."""
+
     def wants_raw_norm(self, action: Action) -> bool:
         """Whether the action can use the 2-norm of each gradient as it arrived (shared, taken once)."""
         return False

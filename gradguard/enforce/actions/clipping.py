@@ -37,6 +37,8 @@ _OVERFLOW_NOTE = (
 class ClipNormKernel(ActionKernel):
     """``clip_norm``: rescale by ``max_norm / (norm + 1e-6)`` where that is below 1, as ``clip_grad_norm_``."""
 
+    alarms = True
+
     schemas = (ClipNorm,)
 
     def wants_raw_norm(self, action: Action) -> bool:
@@ -54,14 +56,16 @@ class ClipNormKernel(ActionKernel):
         reuse = action.norm_type == 2.0 and all(map(raw.__contains__, ids)) and touched.isdisjoint(ids)
         norms = list(map(raw.__getitem__, ids)) if reuse else work.norms(gs, action.norm_type)
         if action.scope == "tensor":
-            _clip_tensors(work, bound, action, ids, gs, norms)
+            _clip_tensors(work, bound, action, ids, gs, norms, fresh=not reuse)
         else:
-            _clip_group(work, bound, action, ids, gs, norms)
+            _clip_group(work, bound, action, ids, gs, norms, fresh=not reuse)
         return True
 
 
 class ClipValueKernel(ActionKernel):
     """``clip_value``: clamp into ``[-limit, limit]``, as ``clip_grad_value_``."""
+
+    alarms = True
 
     schemas = (ClipValue,)
 
@@ -94,7 +98,9 @@ class ClipValueKernel(ActionKernel):
                     elif peak > action.limit:
                         outcome.value_clipped(step, bound.name, names[index], action.limit, peak)
 
-            work.pending.add(stack_on([peaks[k] for k in positions], peaks[positions[0]].device), read)
+            stacked = stack_on([peaks[k] for k in positions], peaks[positions[0]].device)
+            work.pending.quiet_if(partial(_within, stacked, action.limit))
+            work.pending.add(stacked, read)
         return True
 
 
@@ -113,6 +119,8 @@ def _clip_tensors(
     ids: list[int],
     gs: list[torch.Tensor],
     norms: list[torch.Tensor],
+    *,
+    fresh: bool,
 ) -> None:
     outcome, names, step, pending, writes = work.outcome, work.names, work.step, work.pending, work.writes
     final = work.final | work.held if work.held else work.final  # a held change waits for the read as a final one
@@ -156,6 +164,7 @@ def _clip_tensors(
                 elif coef < 1.0:
                     outcome.norm_clipped(step, bound.name, names[index], action, norm, coef)
 
+        pending.quiet_if(partial(_unclipped, totals, coefs, fresh))
         pending.add(totals, read, coefs)
 
 
@@ -166,6 +175,8 @@ def _clip_group(
     ids: list[int],
     gs: list[torch.Tensor],
     norms: list[torch.Tensor],
+    *,
+    fresh: bool,
 ) -> None:
     outcome = work.outcome
     deferred = all(index in work.final for index in ids)
@@ -188,6 +199,7 @@ def _clip_group(
         else:
             _group_clipped(outcome, work.step, work.names, bound, action, ids, norm, factor)
 
+    work.pending.quiet_if(partial(_unclipped, total, coef, fresh))
     work.pending.add(total, read, coef)
 
 
@@ -243,6 +255,18 @@ def _group_clipped(
     if factor < 1.0:
         params = [names[i] for i in ids]
         outcome.norm_clipped(step, bound.name, None, action, norm, factor, params=params, n_params=len(ids))
+
+
+def _unclipped(totals: torch.Tensor, coefs: torch.Tensor, fresh: bool) -> torch.Tensor:
+    """A clip's reader is quiet where no coefficient is below 1 and no norm is non-finite (coefficients are 1 there;
+    a non-finite raw norm is the non-finite watch's condition already, a norm taken afresh is this one's)."""
+    unclipped = coefs >= 1.0
+    return torch.cat([unclipped.reshape(-1), (totals < math.inf).reshape(-1)]) if fresh else unclipped
+
+
+def _within(peaks: torch.Tensor, limit: float) -> torch.Tensor:
+    """A clamp's reader is quiet where every peak is within the limit (not NaN)."""
+    return peaks <= limit
 
 
 def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:

@@ -34,6 +34,8 @@ def module_of(name: str, depth: int) -> str:
 class MonitorKernel(ActionKernel):
     """``monitor``: per-tensor, per-group or per-module figures; never changes a gradient."""
 
+    alarms = True
+
     schemas = (Monitor,)
     observes = True
 

@@ -39,12 +39,16 @@ __all__ = ["HaltKernel", "SkipHistory", "SkipKernel", "SkipLimits", "has_active"
 class HaltKernel(ActionKernel):
     """``halt_on_nonfinite``: raise ``GradientHalt`` before the optimizer step."""
 
+    alarms = True
+
     schemas = (HaltOnNonfinite,)
     watches = True
 
 
 class SkipKernel(ActionKernel):
     """``skip_step_on_nonfinite``: skip the whole update, escalating to a halt past its limits."""
+
+    alarms = True
 
     schemas = (SkipStepOnNonfinite,)
     watches = True
@@ -70,6 +74,8 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
         for k, peak in zip(fragile, peaks, strict=True):
             chosen[k] = peak
         evidence = stack_on(chosen, device).float()
+    # A NaN or Inf element makes the 2-norm so; a finite tensor whose norm overflowed is the host's to check too.
+    pending.quiet_if(lambda: stacked < math.inf)
     count = len(raw_ids)
     binding = work.binding
     rules = binding.policy.rules

@@ -15,6 +15,8 @@ __all__ = ["DropKernel", "ScaleKernel", "ZeroKernel"]
 class ScaleKernel(ActionKernel):
     """``scale``: multiply every gradient by ``factor``."""
 
+    alarms = True
+
     schemas = (Scale,)
 
     def may_erase_nonfinite(self, action: Action) -> bool:
@@ -31,6 +33,8 @@ class ScaleKernel(ActionKernel):
 class ZeroKernel(ActionKernel):
     """``zero``: the optimizer gets a zero gradient (Adam's moments and weight decay still move)."""
 
+    alarms = True
+
     schemas = (Zero,)
 
     def may_erase_nonfinite(self, action: Action) -> bool:
@@ -44,6 +48,8 @@ class ZeroKernel(ActionKernel):
 
 class DropKernel(ActionKernel):
     """``drop``: ``p.grad = None``, which every torch optimizer skips: the parameter stays as it is."""
+
+    alarms = True
 
     schemas = (Drop,)
 

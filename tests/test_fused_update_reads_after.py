@@ -1,0 +1,275 @@
+"""Before a fused Adam/AdamW update, the step's read waits for the update (``gradguard.enforce.fused_update``).
+
+The guard hands its verdict to the optimizer's kernel as ``found_inf`` and reads after the kernel is queued: the
+weights, the optimizer's state, the counters and the events must be bitwise those of the read-first order in every
+case (nothing to do, clips, clamps, a chain of clips, a skip, a halt), a halt must leave the weights and moments as
+they were, and where something else needs the host first (a GradScaler, another optimizer, a ``loss`` section) the
+guard must read first as before.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import read_jsonl
+from support.fused import reading_first
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
+from gradguard.cli.demo import TinyDecoder
+from gradguard.enforce.step import Pending
+
+FUSED_OPS = ("_fused_adamw_", "_fused_adam_")
+
+
+def _policy(*rules: dict[str, Any], **sections: Any) -> Policy:
+    return Policy.from_dict({"version": 1, "rules": list(rules), **sections})
+
+
+HALT = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}
+SKIP = {"name": "nonfinite", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]}
+
+
+def _clip(max_norm: float, scope: str = "tensor", match: Any = "*", name: str = "clip") -> dict[str, Any]:
+    return {"name": name, "match": match, "actions": [{"action": "clip_norm", "max_norm": max_norm, "scope": scope}]}
+
+
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "halt, nothing clipped": lambda: _policy(HALT, _clip(1e9)),
+    "halt, every tensor clipped": lambda: _policy(HALT, _clip(1e-3)),
+    "a group clip that clips": lambda: _policy(HALT, _clip(1e-2, "group")),
+    "a clamp": lambda: _policy(HALT, {"name": "v", "match": "*", "actions": [{"action": "clip_value", "limit": 1e-3}]}),
+    "a chain: per-tensor clips, then a group clip": lambda: _policy(
+        HALT, _clip(0.05, match="*embed*", name="embed"), _clip(0.02, "group", name="all")
+    ),
+    "skip, monitor, scale, zero and drop": lambda: _policy(
+        SKIP,
+        {"name": "m", "match": "*", "actions": [{"action": "monitor", "stats": ["norm"], "every": 2}]},
+        {"name": "s", "match": "blocks.0.*", "actions": [{"action": "scale", "factor": 0.5}]},
+        {"name": "z", "match": "pos_embed", "actions": [{"action": "zero"}]},
+        {"name": "d", "match": "norm.bias", "actions": [{"action": "drop"}]},
+    ),
+    "the shipped default": lambda: Policy.shipped("default"),
+}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return TinyDecoder(vocab=32, width=16, depth=2, heads=2, context=8)
+
+
+class _Order(TorchDispatchMode):
+    """Records the fused update's kernel and the step's read, in the order they come."""
+
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.__name__.split(".")[0] in FUSED_OPS:
+            self.seen.append("update")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _watching_order() -> Iterator[list[str]]:
+    seen: list[str] = []
+    original = Pending.sync
+
+    def sync(self: Pending) -> None:
+        if self.parts:
+            seen.append("read")
+        original(self)
+
+    Pending.sync = sync  # type: ignore[method-assign]
+    try:
+        with _Order(seen):
+            yield seen
+    finally:
+        Pending.sync = original  # type: ignore[method-assign]
+
+
+def _train(
+    policy: Policy,
+    opt_factory: Callable[[Any], torch.optim.Optimizer],
+    *,
+    steps: int = 6,
+    poison: int | None = None,
+    log: Path | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any], str | None]:
+    model = _model()
+    opt = opt_factory(model.parameters())
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    halted = None
+    with GradGuard(model, policy, logger=None, audit_log=log) as guard:
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(tokens).float().square().mean().backward()
+            if poison is not None and step >= poison:
+                model.get_parameter("blocks.1.mlp.0.weight").grad[0, 0] = float("nan")
+            try:
+                opt.step()
+            except GradientHalt as halt:
+                halted = f"step {halt.step}: {halt.rule}"
+                break
+    return model, opt, guard.counters.snapshot(), halted
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    """The log's events without their times and run ids (two runs are compared)."""
+    return [{k: v for k, v in event.items() if k not in ("ts", "run")} for event in read_jsonl(log)]
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2, fused=True)
+
+
+def _adam_amsgrad(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2, fused=True, amsgrad=True, weight_decay=0.1)
+
+
+def _same_training(a: tuple[Any, ...], b: tuple[Any, ...], same: Callable[..., None]) -> None:
+    same(a[0].state_dict(), b[0].state_dict())
+    same(a[1].state_dict(), b[1].state_dict())
+    assert a[2:] == b[2:]
+
+
+@pytest.mark.parametrize("optimizer", [_adamw, _adam_amsgrad], ids=["AdamW", "Adam amsgrad"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_a_read_after_the_fused_update_trains_bit_for_bit_as_the_read_first(name, optimizer, same, tmp_path):
+    after = _train(POLICIES[name](), optimizer, log=tmp_path / "after.jsonl")
+    with reading_first():
+        first = _train(POLICIES[name](), optimizer, log=tmp_path / "first.jsonl")
+    _same_training(after, first, same)
+    assert _events(tmp_path / "after.jsonl") == _events(tmp_path / "first.jsonl")
+
+
+@pytest.mark.parametrize("policy", [_policy(HALT, _clip(1e9)), _policy(SKIP, _clip(1e-3))], ids=["halt", "skip"])
+def test_a_nan_stops_the_fused_update_and_the_verdict_after_it_is_the_read_firsts(policy, same):
+    after = _train(policy, _adamw, poison=3)
+    with reading_first():
+        first = _train(policy, _adamw, poison=3)
+    _same_training(after, first, same)
+    if policy.rules[0].actions[0].action == "halt_on_nonfinite":
+        assert after[3] == "step 3: nonfinite"
+    else:
+        assert after[2]["nonfinite"]["skip_step_on_nonfinite"] == 3
+
+
+def test_a_halt_after_the_fused_update_leaves_the_weights_and_moments_as_they_were(same):
+    model = _model()
+    opt = _adamw(model.parameters())
+    tokens = torch.randint(0, 32, (2, 8))
+    with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(tokens).float().square().mean().backward()
+            if step == 2:
+                model.get_parameter("embed.weight").grad[1, 1] = float("inf")
+                weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+                with _watching_order() as seen, pytest.raises(GradientHalt):
+                    opt.step()
+                assert seen == ["update", "read"]  # the kernel ran, stopped by the flag, before the read
+                same(model.state_dict(), weights)
+                same(opt.state_dict(), state)
+            else:
+                opt.step()
+
+
+def test_the_read_comes_after_the_fused_kernel_and_an_update_to_make_again_comes_after_the_read():
+    model = _model()
+    opt = _adamw(model.parameters())
+    tokens = torch.randint(0, 32, (2, 8))
+    orders = []
+    with GradGuard(model, _policy(HALT, _clip(1e-3, match="embed.weight")), logger=None):
+        for step in range(2):
+            opt.zero_grad(set_to_none=True)
+            model(tokens).float().square().mean().backward()
+            if step == 1:
+                model.get_parameter("embed.weight").grad.mul_(1e-9)  # this step clips nothing
+            with _watching_order() as seen:
+                opt.step()
+            orders.append(seen)
+    assert orders == [["update", "read", "update"], ["update", "read"]]
+
+
+def _with_scaler(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> list[str]:
+    scaler = torch.amp.GradScaler("cpu")
+    opt.zero_grad(set_to_none=True)
+    scaler.scale(model(tokens).float().square().mean()).backward()
+    with _watching_order() as seen:
+        scaler.step(opt)
+    scaler.update()
+    return seen
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["a GradScaler", "unfused AdamW", "a loss section", "a second computation asked (rerun)", "a zclip rule"],
+)
+def test_where_something_else_needs_the_host_first_the_guard_reads_before_the_update(case):
+    model = _model()
+    tokens = torch.randint(0, 32, (2, 8))
+    fused = case != "unfused AdamW"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    rules: list[dict[str, Any]] = [HALT, _clip(1e-3)]
+    sections: dict[str, Any] = {}
+    if case == "a loss section":
+        sections["loss"] = {"nonfinite": "halt"}
+    if case == "a second computation asked (rerun)":
+        sections["rerun"] = {"on": ["nonfinite"]}
+    if case == "a zclip rule":
+        rules.append({"name": "z", "match": "*", "actions": [{"action": "zclip"}]})
+    with GradGuard(model, _policy(*rules, **sections), logger=None):
+        if case == "a GradScaler":
+            seen = _with_scaler(model, opt, tokens)
+        else:
+            opt.zero_grad(set_to_none=True)
+            model(tokens).float().square().mean().backward()
+            with _watching_order() as seen:
+                opt.step()
+    assert seen == (["read", "update"] if fused else ["read"])
+
+
+def test_a_fused_step_that_raised_leaves_no_flag_to_stop_the_next_update():
+    model = _model()
+    opt = _adamw(model.parameters())
+    tokens = torch.randint(0, 32, (2, 8))
+
+    class Failing(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func.__name__.split(".")[0] in FUSED_OPS:
+                raise RuntimeError("the kernel failed")
+            return func(*args, **(kwargs or {}))
+
+    with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
+        opt.zero_grad(set_to_none=True)
+        model(tokens).float().square().mean().backward()
+        with Failing(), pytest.raises(RuntimeError, match="the kernel failed"):
+            opt.step()
+        assert "found_inf" in vars(opt)  # the flag the failed step was given
+        before = copy.deepcopy(model.state_dict())
+        opt.zero_grad(set_to_none=True)
+        model(tokens).float().square().mean().backward()
+        opt.step()
+        assert "found_inf" not in vars(opt)
+    assert not torch.equal(model.state_dict()["embed.weight"], before["embed.weight"])
+
+
+def test_a_change_due_before_the_update_that_raised_no_alarm_is_refused_loudly(monkeypatch):
+    """Never true by construction (every eligible kernel raises its alarms); if a kernel forgot, the guard must say
+    so rather than let an unclipped update stand."""
+    monkeypatch.setattr(Pending, "quiet_if", lambda self, condition: None)
+    model = _model()
+    opt = _adamw(model.parameters())
+    with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
+        model(torch.randint(0, 32, (2, 8))).float().square().mean().backward()
+        with pytest.raises(GuardStateError, match="flag did not stop"):
+            opt.step()

@@ -17,6 +17,8 @@ from support.host_syncs import count_host_syncs
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy, PolicyError
+from gradguard.events.counters import BUILT_IN_RULES
+from gradguard.policy.schema import RESERVED_RULE_NAMES
 
 HALT = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}
 SPIKE = {"spike": {"factor": 10, "window": 20, "warmup": 10}}
@@ -410,10 +412,16 @@ def test_a_step_whose_backward_the_guard_cannot_see_is_said_once(tmp_path: Path)
     assert "no backward() was seen" in unseen["why"]
 
 
-@pytest.mark.parametrize("name", ["loss", "rerun", "grad_scaler"])
+@pytest.mark.parametrize("name", sorted(BUILT_IN_RULES))
 def test_a_rule_may_not_take_a_name_the_guard_counts_under(name: str) -> None:
     with pytest.raises(PolicyError, match=rf"rules\[0\]\.name: '{name}' is the counter key of"):
         Policy.from_dict({"version": 1, "rules": [HALT | {"name": name}]})
+
+
+def test_the_policy_reserves_exactly_the_keys_the_guard_counts_under_besides_its_rules() -> None:
+    """The policy room cannot import the events room's keys: the two lists are held equal here (a rule named
+    ``recovery`` once shared its counter with the rewinds' skips)."""
+    assert set(RESERVED_RULE_NAMES) == BUILT_IN_RULES
 
 
 def test_each_guard_judges_only_its_own_models_loss_when_two_models_train_in_one_loop() -> None:

@@ -9,8 +9,9 @@ from gradguard.audit.counters import CounterCheck
 from gradguard.audit.fields import number_or_none
 from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
-from gradguard.audit.run_state import LOSS_RULE, SCALER_KEY, LastIntervention, RunState
+from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
 from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, RewindRow, SkipOrigin, StepTally, unlearned_stretch
+from gradguard.events.counters import LOSS_RULE
 from gradguard.events.definitions import Halt, Intervention, Rewind, ScalerSkip, Skip, SpikeSkip
 
 __all__ = ["HaltSkipCollector"]

@@ -18,8 +18,9 @@ from gradguard.audit.filters import EventFilter
 from gradguard.audit.halts_and_skips import HaltSkipCollector
 from gradguard.audit.layout import Section, Table, num, plural, step_list
 from gradguard.audit.reader import Record
-from gradguard.audit.run_state import LOSS_RULE, RunState
+from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import AuditSummary, LossRow, StepTally
+from gradguard.events.counters import LOSS_RULE
 from gradguard.events.definitions import LossNonfinite, LossSpike, LossUnseen
 
 __all__ = ["LossCollector", "loss_findings", "loss_section", "loss_skip_causes"]

@@ -15,11 +15,11 @@ from gradguard.audit.layout import Section, Table, step_list
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import AuditSummary, RerunRow, StepTally
+from gradguard.events.counters import RERUN_RULE
 from gradguard.events.definitions import Rerun, RerunUnavailable
 
-__all__ = ["RERUN_RULE", "RerunCollector", "rerun_section"]
+__all__ = ["RerunCollector", "rerun_section"]
 
-RERUN_RULE: Final = "rerun"
 KEPT_NOTES: Final = 10
 
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Final
 
 from gradguard.audit.summary import Counts
+from gradguard.events.counters import LOSS_RULE, SCALER_RULE
 from gradguard.events.definitions import Intervention
 
 __all__ = [
     "LOSS_KEYS",
-    "LOSS_RULE",
     "RECOMPUTABLE_ACTIONS",
     "SCALER_KEY",
     "LastIntervention",
@@ -29,9 +29,8 @@ RECOMPUTABLE_ACTIONS: Final = frozenset(
     }
 )
 """Actions whose counts the per-event lines reproduce (``scale``, ``zero`` and ``drop`` are not logged per step)."""
-SCALER_KEY: Final = ("grad_scaler", "skip")
+SCALER_KEY: Final = (SCALER_RULE, "skip")
 """The counter of steps GradScaler skipped; one ``scaler_skip`` event each."""
-LOSS_RULE: Final = "loss"
 """The rule name the policy's ``loss`` section counts and logs under."""
 LOSS_KEYS: Final = frozenset({(LOSS_RULE, "spike"), (LOSS_RULE, "nonfinite"), (LOSS_RULE, "halt")})
 """The ``loss`` section's counters: one ``loss_spike``, ``loss_nonfinite`` or ``halt`` event each."""

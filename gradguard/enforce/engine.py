@@ -40,15 +40,11 @@ from gradguard.enforce.step import Carry, Pending, StepContext, StepOutcome, Ste
 from gradguard.enforce.tensors import version_of
 from gradguard.enforce.verdicts import Verdicts
 from gradguard.errors import GradientHalt, GuardStateError
-from gradguard.events.counters import Counters
+from gradguard.events.counters import RERUN_RULE, SCALER_RULE, Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.matching import Binding
 
-__all__ = ["SCALER_RULE", "Enforcer"]
-
-
-SCALER_RULE = "grad_scaler"
-"""Counter key for steps GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
+__all__ = ["Enforcer"]
 
 
 class Enforcer:
@@ -440,7 +436,7 @@ def rerun_or_compare(enforcer: Enforcer, work: StepWork, context: StepContext) -
         first_loss = reruns.first.loss
         device = next(iter(work.grads.values())).device
         result = reruns.compare(config, Figures(outcome.loss, norms), work.collective, device)
-        enforcer.counters.add("rerun", result.verdict)
+        enforcer.counters.add(RERUN_RULE, result.verdict)
         fields: dict[str, Any] = {"loss_first": first_loss, "loss_second": outcome.loss}
         fields |= {"max_rel_diff": result.max_rel_diff}
         fields |= {"params": result.params, "ranks": result.ranks}
@@ -451,11 +447,11 @@ def rerun_or_compare(enforcer: Enforcer, work: StepWork, context: StepContext) -
             why = f"a transient fault: computed again, step {step} differed (max relative difference "
             why += f"{result.max_rel_diff:.3g}; ranks {result.ranks}); drain the node"
             # Not a rewind: the state is sound, the device is not.
-            enforcer.counters.add("rerun", "halt")
-            fields = HaltReport(step, "rerun", [], {}, "transient", why, None).fields()
+            enforcer.counters.add(RERUN_RULE, "halt")
+            fields = HaltReport(step, RERUN_RULE, [], {}, "transient", why, None).fields()
             enforcer.events.emit("error", "halt", **fields, counters=enforcer.counters.snapshot())
             enforcer.events.flush()
-            raise GradientHalt(step=step, params=[], kind="transient", rule="rerun", reason=why)
+            raise GradientHalt(step=step, params=[], kind="transient", rule=RERUN_RULE, reason=why)
         return
     loss_peek = enforcer.loss_watch.peek(policy.loss, outcome.loss)
     asked = reruns.trigger(config, outcome, loss_peek)

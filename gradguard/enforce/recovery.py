@@ -43,13 +43,10 @@ from gradguard.enforce.snapshots import (
 )
 from gradguard.enforce.statistics import Statistics
 from gradguard.errors import GuardStateError, GuardWarning
-from gradguard.events.counters import Counters
+from gradguard.events.counters import RECOVERY_RULE, Counters
 from gradguard.policy.schema import Recovery as RecoveryConfig
 
-__all__ = ["RECOVERY_RULE", "HaltReport", "Recovery", "RewindRequested"]
-
-RECOVERY_RULE = "recovery"
-"""The counters' pseudo-rule of the steps a rewind's window skipped (``{"recovery": {"skip": n}}``)."""
+__all__ = ["HaltReport", "Recovery", "RewindRequested"]
 
 
 @dataclass(frozen=True)

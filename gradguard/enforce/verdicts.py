@@ -16,7 +16,7 @@ from gradguard.enforce.loss import LossVerdict
 from gradguard.enforce.recovery import HaltReport, Recovery, RewindRequested
 from gradguard.enforce.step import StepContext, StepOutcome
 from gradguard.errors import GradientHalt, GuardWarning
-from gradguard.events.counters import Counters
+from gradguard.events.counters import LOSS_RULE, Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.schema import HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
@@ -142,14 +142,15 @@ class Verdicts:
     def loss(self, verdict: LossVerdict, step: int, context: StepContext) -> bool:
         """The ``loss`` section's verdict: counted and logged; a halt (a rewind under recovery) raises, a skip clears
         the step's gradients and returns True; ``ignore`` returns False."""
-        self.counters.add("loss", verdict.kind)
+        self.counters.add(LOSS_RULE, verdict.kind)
         if verdict.kind == "spike":
             fields = {"reference": verdict.reference, "factor": verdict.factor}
             self.events.emit("warning", "loss_spike", step=step, loss=verdict.loss, action=verdict.action, **fields)
         else:
             self.events.emit("warning", "loss_nonfinite", step=step, loss=verdict.loss, action=verdict.action)
         if verdict.action == "halt":
-            self.halt(HaltReport(step, "loss", [], {}, verdict.halt_kind, verdict.reason, None), ["loss"], "halt")
+            report = HaltReport(step, LOSS_RULE, [], {}, verdict.halt_kind, verdict.reason, None)
+            self.halt(report, [LOSS_RULE], "halt")
         if verdict.action == "skip":
             self.clear(context)
             return True

@@ -5,7 +5,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-__all__ = ["Counters"]
+__all__ = ["BUILT_IN_RULES", "LOSS_RULE", "RECOVERY_RULE", "RERUN_RULE", "SCALER_RULE", "Counters"]
+
+LOSS_RULE = "loss"
+"""Counter key of the policy's ``loss`` section (its spikes, non-finite losses and halts)."""
+RERUN_RULE = "rerun"
+"""Counter key of the ``rerun`` section (its verdicts and halts)."""
+SCALER_RULE = "grad_scaler"
+"""Counter key of the steps a GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
+RECOVERY_RULE = "recovery"
+"""Counter key of the steps of a rewind's window (``recovery`` section)."""
+BUILT_IN_RULES = frozenset({LOSS_RULE, RERUN_RULE, SCALER_RULE, RECOVERY_RULE})
+"""The keys the guard counts under besides its rules' names: no rule may take one (``policy.schema``'s
+``RESERVED_RULE_NAMES``, which cannot import this room, says the same; a test holds them equal)."""
 
 
 class Counters:

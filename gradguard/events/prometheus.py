@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gradguard.errors import GuardStateError
+from gradguard.events.counters import RECOVERY_RULE, SCALER_RULE
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -58,8 +59,7 @@ SKIP_ACTION = "skip_step_on_nonfinite"
 SPIKE_SKIP_ACTION, SPIKE_HALT = "skip_step_on_spike", "halt_on_spike"
 HALT_ACTIONS = frozenset({HALT_ACTION, SPIKE_HALT})
 SKIP_ACTIONS = frozenset({SKIP_ACTION, SPIKE_SKIP_ACTION})
-SCALER_RULE, SCALER_SKIP = "grad_scaler", "skip"
-RECOVERY_RULE = "recovery"  # the steps of a rewind's window (gradguard.enforce.recovery.RECOVERY_RULE)
+SCALER_SKIP = "skip"
 WATCH_ACTIONS = frozenset({HALT_ACTION, SKIP_ACTION})
 COUNTER_NAMES = frozenset({*NONFINITE_KINDS, *HALT_ACTIONS, *SKIP_ACTIONS, SCALER_SKIP})
 """Counter keys that are not interventions (with the action names, what ``gradguard/<rule>/<x>`` may count)."""

@@ -52,6 +52,7 @@ RESERVED_RULE_NAMES = {
     "loss": "the policy's loss section",
     "rerun": "the policy's rerun section",
     "grad_scaler": "GradScaler's skipped steps",
+    "recovery": "the steps a rewind's window skips",
 }
 """Names the guard counts under besides the rules' (``guard.counters``): no rule may take them."""
 DUPLICATE_RULE_NAME = "duplicate_rule_name"

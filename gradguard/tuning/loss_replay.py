@@ -15,9 +15,8 @@ from gradguard.enforce.loss import LossVerdict, LossWatch
 from gradguard.policy.schema import Loss
 from gradguard.tuning.records import RecordedStep
 
-__all__ = ["LOSS_RULE", "NO_LOSS", "LossReplay"]
+__all__ = ["NO_LOSS", "LossReplay"]
 
-LOSS_RULE: Final = "loss"
 """The rule name the ``loss`` section's verdicts are listed (and counted by the guard) under."""
 NO_LOSS: Final = (
     "the log holds no loss: its stats events carry none (the guard records the step's loss beside the norms a "

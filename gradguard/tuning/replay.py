@@ -43,6 +43,7 @@ import torch
 from gradguard.enforce.actions.nonfinite import SkipLimits, has_active
 from gradguard.enforce.actions.spikes import spike_decide
 from gradguard.enforce.loss import LossVerdict
+from gradguard.events.counters import LOSS_RULE
 from gradguard.policy.document import Policy
 from gradguard.policy.patterns import rule_matches
 from gradguard.policy.schema import (
@@ -77,7 +78,7 @@ from gradguard.tuning.blocks import (
     gradient_actions,
     windowed,
 )
-from gradguard.tuning.loss_replay import LOSS_RULE, NO_LOSS, LossReplay
+from gradguard.tuning.loss_replay import NO_LOSS, LossReplay
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
 
 __all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]

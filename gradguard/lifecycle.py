@@ -80,6 +80,7 @@ class Attachment:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.enforcer.fused.discard()  # a flag left by a step() that raised must not stop the updates after
         self.enforcer.verdicts.interventions(*self.enforcer.carry.flush())  # the last step's, waiting for a read
         self.enforcer.emit_summary()
         self.events.emit(

@@ -237,3 +237,30 @@ def test_the_mixed_policys_launches_do_not_grow_with_the_number_of_tensors(
     assert large.host_reads == small.host_reads == 1
     if state == "nothing clipped":
         assert large.bytes_g < 1.25  # the gradients read once, nothing written
+
+
+def test_a_held_clamp_that_makes_an_inf_finite_leaves_the_group_clip_to_clip_as_torch_does(same):
+    """The group's total as the gradients arrived is Inf; after the clamp it is finite, and the group clip clips."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    raw = [p.grad.clone() for p in model.parameters()]
+    policy = Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {"name": "clamp", "match": "0.*", "actions": [{"action": "clip_value", "limit": 0.1}]},
+                {"name": "global", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0, "scope": GROUP}]},
+            ],
+        }
+    )
+    with GradGuard(model, policy, logger=None) as guard:
+        guard.step()
+    expected = [nn.Parameter(torch.zeros_like(g)) for g in raw]
+    for p, g in zip(expected, raw, strict=True):
+        p.grad = g.clone()
+    clip_grad_value_(expected[:2], 0.1)
+    clip_grad_norm_(expected, 1.0)
+    same([p.grad for p in model.parameters()], [p.grad for p in expected])
+    assert guard.counters.snapshot()["global"] == {"clip_norm": 4}

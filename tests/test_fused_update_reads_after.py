@@ -169,8 +169,7 @@ def test_a_halt_after_the_fused_update_leaves_the_weights_and_moments_as_they_we
     tokens = torch.randint(0, 32, (2, 8))
     with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
         for step in range(3):
-            opt.zero_grad(set_to_none=True)
-            model(tokens).float().square().mean().backward()
+            _backward(model, opt, tokens)
             if step == 2:
                 model.get_parameter("embed.weight").grad[1, 1] = float("inf")
                 weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
@@ -183,27 +182,35 @@ def test_a_halt_after_the_fused_update_leaves_the_weights_and_moments_as_they_we
                 opt.step()
 
 
+def _backward(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(tokens).float().square().mean().backward()
+
+
 def test_the_read_comes_after_the_fused_kernel_and_an_update_to_make_again_comes_after_the_read():
+    """The first update reads first (it makes the optimizer's state, which a stopped update would make too); then a
+    quiet step is the kernel and the read, and a step that clips the kernel (stopped), the read, the kernel again."""
     model = _model()
     opt = _adamw(model.parameters())
     tokens = torch.randint(0, 32, (2, 8))
     orders = []
     with GradGuard(model, _policy(HALT, _clip(1e-3, match="embed.weight")), logger=None):
-        for step in range(2):
-            opt.zero_grad(set_to_none=True)
-            model(tokens).float().square().mean().backward()
-            if step == 1:
+        for step in range(3):
+            _backward(model, opt, tokens)
+            if step == 2:
                 model.get_parameter("embed.weight").grad.mul_(1e-9)  # this step clips nothing
             with _watching_order() as seen:
                 opt.step()
             orders.append(seen)
-    assert orders == [["update", "read", "update"], ["update", "read"]]
+    assert orders == [["read", "update"], ["update", "read", "update"], ["update", "read"]]
 
 
-def _with_scaler(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> list[str]:
+def _with_scaler(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, unscale: bool) -> list[str]:
     scaler = torch.amp.GradScaler("cpu")
     opt.zero_grad(set_to_none=True)
     scaler.scale(model(tokens).float().square().mean()).backward()
+    if unscale:
+        scaler.unscale_(opt)
     with _watching_order() as seen:
         scaler.step(opt)
     scaler.update()
@@ -212,7 +219,14 @@ def _with_scaler(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Ten
 
 @pytest.mark.parametrize(
     "case",
-    ["a GradScaler", "unfused AdamW", "a loss section", "a second computation asked (rerun)", "a zclip rule"],
+    [
+        "a GradScaler",
+        "a GradScaler after unscale_",
+        "unfused AdamW",
+        "a loss section",
+        "a second computation asked (rerun)",
+        "a zclip rule",
+    ],
 )
 def test_where_something_else_needs_the_host_first_the_guard_reads_before_the_update(case):
     model = _model()
@@ -228,48 +242,86 @@ def test_where_something_else_needs_the_host_first_the_guard_reads_before_the_up
     if case == "a zclip rule":
         rules.append({"name": "z", "match": "*", "actions": [{"action": "zclip"}]})
     with GradGuard(model, _policy(*rules, **sections), logger=None):
-        if case == "a GradScaler":
-            seen = _with_scaler(model, opt, tokens)
-        else:
-            opt.zero_grad(set_to_none=True)
-            model(tokens).float().square().mean().backward()
-            with _watching_order() as seen:
-                opt.step()
+        for _ in range(2):  # the second: the optimizer's state is made, so only the case keeps the read first
+            if case.startswith("a GradScaler"):
+                seen = _with_scaler(model, opt, tokens, unscale=case.endswith("unscale_"))
+            else:
+                _backward(model, opt, tokens)
+                with _watching_order() as seen:
+                    opt.step()
     assert seen == (["read", "update"] if fused else ["read"])
 
 
-def test_a_fused_step_that_raised_leaves_no_flag_to_stop_the_next_update():
+def test_the_same_loop_without_the_case_reads_after_the_update():
+    """The control of the test above: its loop, with nothing that needs the host first."""
+    model = _model()
+    tokens = torch.randint(0, 32, (2, 8))
+    opt = _adamw(model.parameters())
+    with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
+        for _ in range(2):
+            _backward(model, opt, tokens)
+            with _watching_order() as seen:
+                opt.step()
+    assert seen == ["update", "read", "update"]
+
+
+class _Failing(TorchDispatchMode):
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.__name__.split(".")[0] in FUSED_OPS:
+            raise RuntimeError("the kernel failed")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("then", ["trains on", "removes the guard"])
+def test_a_fused_step_that_raised_leaves_no_flag_to_stop_the_next_update(then):
     model = _model()
     opt = _adamw(model.parameters())
     tokens = torch.randint(0, 32, (2, 8))
-
-    class Failing(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if func.__name__.split(".")[0] in FUSED_OPS:
-                raise RuntimeError("the kernel failed")
-            return func(*args, **(kwargs or {}))
-
-    with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
-        opt.zero_grad(set_to_none=True)
-        model(tokens).float().square().mean().backward()
-        with Failing(), pytest.raises(RuntimeError, match="the kernel failed"):
-            opt.step()
-        assert "found_inf" in vars(opt)  # the flag the failed step was given
-        before = copy.deepcopy(model.state_dict())
-        opt.zero_grad(set_to_none=True)
-        model(tokens).float().square().mean().backward()
+    guard = GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None)
+    _backward(model, opt, tokens)
+    opt.step()  # the optimizer's state is made: the next update's read waits for it
+    _backward(model, opt, tokens)
+    with _Failing(), pytest.raises(RuntimeError, match="the kernel failed"):
         opt.step()
-        assert "found_inf" not in vars(opt)
+    assert "found_inf" in vars(opt)  # the flag the failed step was given (set: this step clips)
+    if then == "removes the guard":
+        guard.remove()
+    before = copy.deepcopy(model.state_dict())
+    _backward(model, opt, tokens)
+    opt.step()
+    assert "found_inf" not in vars(opt)
     assert not torch.equal(model.state_dict()["embed.weight"], before["embed.weight"])
+    guard.remove()
+
+
+def test_an_optimizers_own_step_hooks_keep_the_read_first(same):
+    """Its post-hooks run before the guard's (an EMA there would see the update the flag stopped), its pre-hooks
+    after the guard's: with either, the guard reads before the update, and the hooks see what they always saw."""
+    seen_by_hook: list[torch.Tensor] = []
+    model = _model()
+    opt = _adamw(model.parameters())
+    handle = opt.register_step_post_hook(lambda *_: seen_by_hook.append(model.embed.weight.detach().clone()))
+    tokens = torch.randint(0, 32, (2, 8))
+    with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
+        for _ in range(3):
+            _backward(model, opt, tokens)
+            with _watching_order() as seen:
+                opt.step()
+            assert seen == ["read", "update"]
+            same(seen_by_hook[-1], model.embed.weight.detach())
+    handle.remove()
 
 
 def test_a_change_due_before_the_update_that_raised_no_alarm_is_refused_loudly(monkeypatch):
     """Never true by construction (every eligible kernel raises its alarms); if a kernel forgot, the guard must say
     so rather than let an unclipped update stand."""
-    monkeypatch.setattr(Pending, "quiet_if", lambda self, condition: None)
     model = _model()
     opt = _adamw(model.parameters())
+    tokens = torch.randint(0, 32, (2, 8))
     with GradGuard(model, _policy(HALT, _clip(1e-3)), logger=None):
-        model(torch.randint(0, 32, (2, 8))).float().square().mean().backward()
+        _backward(model, opt, tokens)
+        opt.step()
+        monkeypatch.setattr(Pending, "quiet_if", lambda self, condition: None)
+        _backward(model, opt, tokens)
         with pytest.raises(GuardStateError, match="flag did not stop"):
             opt.step()

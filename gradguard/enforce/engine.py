@@ -246,7 +246,7 @@ class Enforcer:
                 work.held = plan.held_ids(position, action_index, ids, step, in_hooks) if holds else frozenset()
                 if not kernel.apply(work, bound, action, ids):
                     break
-                work.touched.update(work.held.symmetric_difference(ids) if work.held else ids)  # held ⊆ ids
+                work.touched.update([i for i in ids if i not in work.held] if work.held else ids)
         work.final = work.held = frozenset()
 
     def seal_explicit(self) -> None:

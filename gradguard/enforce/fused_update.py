@@ -16,8 +16,9 @@ reads after the update, in the optimizer's post-hook (``conclude``):
   its clips and runs the optimizer's update again, without hooks and with the flag gone: the same kernel on the same
   state, so bitwise the update the read-first order makes.
 
-Only where nothing else needs the host before the update: a fused Adam or AdamW (exactly those classes) stepped
-without a GradScaler, closure, per-micro-batch hooks or process group, and a policy whose every action raises an
+Only where nothing else needs the host before the update, or sees the update between: a fused Adam or AdamW
+(exactly those classes) with its state made (after its first update), stepped without a GradScaler, closure,
+per-micro-batch hooks, process group or step hooks but the guard's, and a policy whose every action raises an
 alarm for whatever its reader would do (``ActionKernel.alarms``), with no ``loss``, ``rerun`` or ``recovery``
 section. Everywhere else the guard reads first, as it always has.
 """
@@ -25,9 +26,12 @@ section. Everywhere else the guard reads first, as it always has.
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import chain
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from gradguard.enforce.actions import kernel_for
 from gradguard.enforce.step import StepContext, StepWork
@@ -41,6 +45,7 @@ __all__ = ["FusedUpdate"]
 
 _FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 _SCALER_ATTRIBUTES = ("found_inf", "grad_scale")
+_PARAMS = itemgetter("params")
 
 
 class FusedUpdate:
@@ -60,8 +65,10 @@ class FusedUpdate:
             return False
         if any(name in vars(optimizer) for name in _SCALER_ATTRIBUTES) or _raw_step(optimizer) is None:
             return False  # a GradScaler drives this step (its own flag), or the class's step is not torch's wrapper
-        if not all(group.get("fused") for group in optimizer.param_groups):
+        if not all(group.get("fused") for group in optimizer.param_groups) or _hooked(optimizer):
             return False
+        if not _has_state(optimizer):
+            return False  # a stopped update would still make its state (zero moments): not the read-first's
         if not alone or policy.loss is not None or policy.rerun is not None or policy.recovery is not None:
             return False
         return all(kernel_for(action).alarms for bound, _ in plan.rules for action in bound.actions)
@@ -88,7 +95,8 @@ class FusedUpdate:
         """After the read: a step with something to do before the update must have raised its flag (else the update
         was made without it). Never true by construction; said loudly rather than training on silently wrong."""
         outcome = work.outcome
-        if not self._flag and (work.writes.written or outcome.nonfinite or outcome.skipped_by or outcome.halted_by):
+        acts = work.writes.written or outcome.nonfinite or outcome.skipped_by or outcome.halted_by or outcome.spikes
+        if not self._flag and (acts or outcome.loss_skip):
             raise GuardStateError(
                 f"step {work.step}: the read found a change or a verdict due before the fused optimizer's update, "
                 "which its flag did not stop. This is a gradguard defect; please report it with your policy."
@@ -110,6 +118,23 @@ class FusedUpdate:
             assert step is not None, "checked by takes()"
             step(optimizer)
         return proceed
+
+
+def _hooked(optimizer: Any) -> bool:
+    """Whether step hooks besides the guard's own run around the update: the optimizer's own post-hooks run before
+    the guard's (torch runs an optimizer's before the global ones), so they would see the update the flag stopped,
+    not the one made after the read; its own pre-hooks, and global ones, may change gradients after the guard's."""
+    own = bool(optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks)
+    return own or len(_global_optimizer_pre_hooks) > 1 or len(_global_optimizer_post_hooks) > 1
+
+
+def _has_state(optimizer: Any) -> bool:
+    """Whether every parameter with a gradient has its state already (after its first update)."""
+    state = optimizer.state
+    params = list(chain.from_iterable(map(_PARAMS, optimizer.param_groups)))
+    if len(state) >= len(params):
+        return True  # every parameter has one (the common case: no loop in Python)
+    return all(param in state for param in params if param.grad is not None)
 
 
 def _raw_step(optimizer: Any) -> Callable[[Any], Any] | None:

@@ -185,19 +185,15 @@ def _clip_group(
 
     def read(values: list[float]) -> None:
         norm, factor = values
-        if deferred and norm == norm and abs(norm) != math.inf and not writes.written.isdisjoint(ids):
-            # A change held for the read hit the group: these figures are of the gradients before it.
+        if deferred and not writes.written.isdisjoint(ids):
+            # A change held for the read hit the group: these figures are of the gradients before it (which may
+            # have held a NaN or Inf a clamp has since made finite).
             writes.after.append(partial(clip_group_after_read, work, bound, action, ids, gs, norms))
             return
         if deferred and factor < 1.0:
             for index, grad in zip(ids, gs, strict=True):
                 writes.scale(index, grad, factor, partial(coef.to, grad.device))
-        if norm != norm or abs(norm) == float("inf"):
-            kind = "nan" if norm != norm else "inf"
-            fields = {"step": work.step, "rule": bound.name, "action": "clip_norm", "kind": kind, "n_params": len(ids)}
-            outcome.events.append(("nonfinite_group_norm", fields))
-        else:
-            _group_clipped(outcome, work.step, work.names, bound, action, ids, norm, factor)
+        _group_read(outcome, work.step, work.names, bound, action, ids, norm, factor)
 
     work.pending.quiet_if(partial(_unclipped, total, coef, fresh))
     work.pending.add(total, read, coef)
@@ -216,7 +212,7 @@ def clip_group_after_read(
 
     It is what the group clip would have done on the device before the read, op for op, so bitwise the same, with
     launches that do not grow with the number of tensors; only its figures wait, for the next step's read
-    (``Carried``), since this step's is done. Its total is finite: the read showed every norm before it was.
+    (``Carried``), since this step's is done.
     """
     written = work.writes.written
     stale = [k for k, index in enumerate(ids) if index in written]
@@ -225,7 +221,7 @@ def clip_group_after_read(
         norms[k] = norm
     total, coef = _group_coefficient(action, ids, gs, norms, multiply=True)
     # Not the StepWork: the reader lives until the next read, and must not keep this step's gradients alive.
-    report = partial(_group_clipped, work.carried.outcome, work.step, work.names, bound, action, ids)
+    report = partial(_group_read, work.carried.outcome, work.step, work.names, bound, action, ids)
     work.carried.parts.append((total, lambda values: report(*values), (coef,)))
 
 
@@ -242,7 +238,7 @@ def _group_coefficient(
     return total, coef
 
 
-def _group_clipped(
+def _group_read(
     outcome: StepOutcome,
     step: int,
     names: dict[int, str],
@@ -252,7 +248,12 @@ def _group_clipped(
     norm: float,
     factor: float,
 ) -> None:
-    if factor < 1.0:
+    """What a group clip's figures say: a non-finite total (left as it is), or a clip."""
+    if not math.isfinite(norm):
+        kind = "nan" if norm != norm else "inf"
+        fields = {"step": step, "rule": bound.name, "action": "clip_norm", "kind": kind, "n_params": len(ids)}
+        outcome.events.append(("nonfinite_group_norm", fields))
+    elif factor < 1.0:
         params = [names[i] for i in ids]
         outcome.norm_clipped(step, bound.name, None, action, norm, factor, params=params, n_params=len(ids))
 

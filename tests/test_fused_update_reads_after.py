@@ -151,16 +151,28 @@ def test_a_read_after_the_fused_update_trains_bit_for_bit_as_the_read_first(name
     assert _events(tmp_path / "after.jsonl") == _events(tmp_path / "first.jsonl")
 
 
-@pytest.mark.parametrize("policy", [_policy(HALT, _clip(1e9)), _policy(SKIP, _clip(1e-3))], ids=["halt", "skip"])
+REWIND = {"snapshot_every": 2, "keep": 2, "min_age": 1, "skip_steps": 2}
+
+
+@pytest.mark.parametrize(
+    "policy",
+    [_policy(HALT, _clip(1e9)), _policy(SKIP, _clip(1e-3)), _policy(HALT, _clip(1e-3), recovery=REWIND)],
+    ids=["halt", "skip", "rewind"],
+)
 def test_a_nan_stops_the_fused_update_and_the_verdict_after_it_is_the_read_firsts(policy, same):
-    after = _train(policy, _adamw, poison=3)
+    """A NaN from step 5 on: a halt, skips, or a rewind to the snapshot before it (weights, moments and the guard's
+    own state restored after the update the flag stopped)."""
+    after = _train(policy, _adamw, poison=5, steps=9)
     with reading_first():
-        first = _train(policy, _adamw, poison=3)
+        first = _train(policy, _adamw, poison=5, steps=9)
     _same_training(after, first, same)
-    if policy.rules[0].actions[0].action == "halt_on_nonfinite":
-        assert after[3] == "step 3: nonfinite"
+    if policy.recovery is not None:
+        assert after[2]["nonfinite"]["rewind"] >= 1
+        assert after[2]["recovery"]["skip"] >= 1
+    elif policy.rules[0].actions[0].action == "halt_on_nonfinite":
+        assert after[3] == "step 5: nonfinite"
     else:
-        assert after[2]["nonfinite"]["skip_step_on_nonfinite"] == 3
+        assert after[2]["nonfinite"]["skip_step_on_nonfinite"] == 4
 
 
 def test_a_halt_after_the_fused_update_leaves_the_weights_and_moments_as_they_were(same):

@@ -57,6 +57,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
         {"name": "d", "match": "norm.bias", "actions": [{"action": "drop"}]},
     ),
     "the shipped default": lambda: Policy.shipped("default"),
+    "the shipped llm-pretraining (a chain of clips held for the read)": lambda: Policy.shipped("llm-pretraining"),
 }
 
 

@@ -10,6 +10,7 @@ guard must read first as before.
 from __future__ import annotations
 
 import copy
+import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
 from gradguard.cli.demo import TinyDecoder
+from gradguard.enforce.loss import LossWatch, _unjudged
 from gradguard.enforce.step import Pending
 
 FUSED_OPS = ("_fused_adamw_", "_fused_adam_")
@@ -104,6 +106,7 @@ def _train(
     steps: int = 6,
     poison: int | None = None,
     log: Path | None = None,
+    losses: Callable[[int], float] = lambda step: 1.0,
 ) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any], str | None]:
     model = _model()
     opt = opt_factory(model.parameters())
@@ -112,7 +115,7 @@ def _train(
     with GradGuard(model, policy, logger=None, audit_log=log) as guard:
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
-            model(tokens).float().square().mean().backward()
+            (model(tokens).float().square().mean() * losses(step)).backward()
             if poison is not None and step >= poison:
                 model.get_parameter("blocks.1.mlp.0.weight").grad[0, 0] = float("nan")
             try:
@@ -176,6 +179,30 @@ def test_a_nan_stops_the_fused_update_and_the_verdict_after_it_is_the_read_first
         assert after[2]["nonfinite"]["skip_step_on_nonfinite"] == 4
 
 
+LOSSES = {
+    "a spike skipped": ({"spike": {"factor": 3.0, "window": 4, "warmup": 2, "action": "skip"}}, {5: 20.0}),
+    "a spike halts": ({"spike": {"factor": 3.0, "window": 4, "warmup": 2, "action": "halt"}}, {5: 20.0}),
+    "a spike just above the limit": ({"spike": {"factor": 3.0, "window": 4, "warmup": 2}}, {5: 3.01, 6: 2.99}),
+    "a NaN loss skipped": ({"nonfinite": "skip"}, {4: float("nan")}),
+    "no spike": ({"spike": {"factor": 3.0, "window": 4, "warmup": 2}}, {}),
+}
+
+
+@pytest.mark.parametrize("case", list(LOSSES))
+def test_a_loss_section_judges_after_the_fused_update_as_before_it(case, same, tmp_path):
+    """The loss section's verdict is a condition on the device too: a non-finite loss, or one above the spike limit
+    (factor x the median of the window, rounded down to float32), stops the update for the host to judge."""
+    section, scaled = LOSSES[case]
+    policy = _policy(_clip(1e9), loss=section)  # a clip that never clips: the loss alone raises the flag
+    after = _train(policy, _adamw, steps=9, log=tmp_path / "after.jsonl", losses=lambda step: scaled.get(step, 1.0))
+    with reading_first():
+        first = _train(policy, _adamw, steps=9, log=tmp_path / "first.jsonl", losses=lambda step: scaled.get(step, 1.0))
+    _same_training(after, first, same)
+    assert _events(tmp_path / "after.jsonl") == _events(tmp_path / "first.jsonl")
+    if case != "no spike" and case != "a spike just above the limit":
+        assert "loss" in after[2]
+
+
 def test_a_halt_after_the_fused_update_leaves_the_weights_and_moments_as_they_were(same):
     model = _model()
     opt = _adamw(model.parameters())
@@ -236,7 +263,6 @@ def _with_scaler(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Ten
         "a GradScaler",
         "a GradScaler after unscale_",
         "unfused AdamW",
-        "a loss section",
         "a second computation asked (rerun)",
         "a zclip rule",
     ],
@@ -248,8 +274,6 @@ def test_where_something_else_needs_the_host_first_the_guard_reads_before_the_up
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     rules: list[dict[str, Any]] = [HALT, _clip(1e-3)]
     sections: dict[str, Any] = {}
-    if case == "a loss section":
-        sections["loss"] = {"nonfinite": "halt"}
     if case == "a second computation asked (rerun)":
         sections["rerun"] = {"on": ["nonfinite"]}
     if case == "a zclip rule":
@@ -338,3 +362,29 @@ def test_a_change_due_before_the_update_that_raised_no_alarm_is_refused_loudly(m
         _backward(model, opt, tokens)
         with pytest.raises(GuardStateError, match="flag did not stop"):
             opt.step()
+
+
+@pytest.mark.parametrize("factor", [3.0, 2.5, 1.1, 10.0])
+def test_a_loss_the_device_finds_within_the_spike_limit_is_one_the_host_finds_fine(factor):
+    """The device compares float32 losses with the limit rounded down to float32: whatever it lets through, the
+    host's verdict (in float64) lets through too, and at the limit itself the two agree."""
+    config = Policy.from_dict(
+        {"version": 1, "rules": [HALT], "loss": {"spike": {"factor": factor, "window": 5, "warmup": 1}}}
+    ).loss
+    assert config is not None
+    watch = LossWatch()
+    for loss in (0.7, 0.9000001, 1.3, 0.8, 1.1):
+        watch.accept(config, loss)
+    limit = watch.spike_limit(config)
+    assert limit is not None
+    threshold = factor * statistics.median(watch.history)
+    assert limit <= threshold
+    near = torch.tensor(threshold, dtype=torch.float64).float()
+    candidates = torch.cat([near + torch.arange(-64, 65) * torch.finfo(torch.float32).eps * near, near.reshape(1)])
+    for value in candidates.float():
+        device_fine = bool(_unjudged(value, limit))
+        host_fine = watch.peek(config, float(value)) is None
+        assert not device_fine or host_fine, (float(value), limit, threshold)
+    assert bool(_unjudged(torch.tensor(limit, dtype=torch.float32), limit))
+    assert not bool(_unjudged(torch.tensor(float("nan")), limit))
+    assert not bool(_unjudged(torch.tensor(float("inf")), None))

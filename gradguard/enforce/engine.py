@@ -151,9 +151,9 @@ class Enforcer:
         if raw_ids:
             work.raw = watch_raw_norms(work, plan, raw_ids)
         sampled = bool(plan.observers) and observe(plan, work, everyone)
-        judged = self.binding.policy.loss is not None
-        watched = judged or sampled or self.binding.policy.rerun is not None
-        self.loss_watch.begin(work, watched, self.events, judged=judged)
+        judged = self.binding.policy.loss
+        watched = judged is not None or sampled or self.binding.policy.rerun is not None
+        self.loss_watch.begin(work, watched, self.events, judged)
         self._apply_actions(plan, work, everyone)
         if self.provenance is not None:
             self.provenance.report(work)  # last: its reader sees the step's non-finite verdict

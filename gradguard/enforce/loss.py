@@ -14,8 +14,10 @@ A NaN/Inf loss is ``loss.nonfinite``'s to act on; a loss above ``factor`` x the 
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+import struct
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -139,9 +141,9 @@ class LossWatch:
         with self._lock:
             self._sum, self._unseen = None, None
 
-    def begin(self, work: StepWork, watched: bool, events: EventLog, *, judged: bool = False) -> None:
+    def begin(self, work: StepWork, watched: bool, events: EventLog, judged: Loss | None = None) -> None:
         """Queue the step's loss into the step's read (it lands in ``work.outcome.loss``) where it is ``watched``: a
-        ``loss`` section judges it, or a ``monitor`` samples this step and records it.
+        ``loss`` section (``judged``) judges it, or a ``monitor`` samples this step and records it.
 
         Under a process group every rank takes part every step (a collective run by some ranks only hangs
         the others): the sum of the ranks' losses and how many ranks had one; the mean is judged.
@@ -153,7 +155,7 @@ class LossWatch:
             total, unseen = self._sum, self._unseen
             self._sum, self._unseen = None, None
         first, self.first_step = self.first_step is None, work.step if self.first_step is None else self.first_step
-        if total is None and unseen is None and not first and judged:
+        if total is None and unseen is None and not first and judged is not None:
             unseen = (
                 "no backward() was seen for this step (a backward called through a name bound before the guard "
                 "attached, torch.func, or a framework's own autograd)"
@@ -169,6 +171,8 @@ class LossWatch:
                 mine = torch.stack([total.to(device), torch.ones((), device=device)])
             total = work.collective.sum_(mine)  # the ranks' losses and how many ranks had one
         elif total is not None:
+            if judged is not None:  # where the read waits for a fused update: is the verdict sure to be "fine"?
+                work.pending.quiet_if(functools.partial(_unjudged, total, self.spike_limit(judged)))
             total = torch.stack([total, torch.ones_like(total)])
         if total is None:
             return
@@ -208,6 +212,17 @@ class LossWatch:
         if reference <= 0 or loss <= spike.factor * reference:
             return None  # a spike is a loss far above a positive reference
         return LossVerdict("spike", spike.action, loss, reference, spike.factor)
+
+    def spike_limit(self, config: Loss) -> float | None:
+        """The largest float32 loss ``peek`` would find no spike in now (None: it looks for none now), rounded down:
+        a float32 loss at most this is at most ``factor`` times the reference in any precision."""
+        spike = config.spike
+        if spike is None or self.seen < max(spike.warmup, 1) or not self.history:
+            return None
+        reference = statistics.median(self.history)
+        if reference <= 0:
+            return None
+        return _float32_at_most(spike.factor * reference)
 
     def _escalated(self, verdict: LossVerdict, config: Loss, step: int) -> LossVerdict:
         """A skip past the spike section's limits (``max_consecutive_skips``, ``max_skips``) is a halt."""
@@ -250,6 +265,26 @@ class LossWatch:
         self.seen = int(state.get("seen", len(self.history)))
         recent = deque(int(step) for step in state.get("recent", ()))
         self.skips = SkipHistory(int(state.get("consecutive", 0)), recent)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _float32_at_most(value: float) -> float:
+    """The largest float32 not above ``value`` (a positive float): a bound a float32 comparison keeps exactly."""
+    if value >= _FLOAT32_MAX:
+        return _FLOAT32_MAX
+    rounded: float = struct.unpack("<f", struct.pack("<f", value))[0]  # to nearest
+    if rounded <= value:
+        return rounded
+    below: float = struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", rounded))[0] - 1))[0]
+    return below
+
+
+def _unjudged(loss: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """The loss section's verdict is sure to be "fine": a finite loss, at most ``limit`` where spikes are looked for."""
+    finite = loss.abs() < math.inf
+    return finite if limit is None else finite & (loss <= limit)
 
 
 def root_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor | None, str | None]:

@@ -31,6 +31,10 @@ from gradguard.enforce.step import Pending
 FUSED_OPS = ("_fused_adamw_", "_fused_adam_")
 
 
+GROUP = "group"
+SPIKE_SKIP = {"action": "skip_step_on_spike", "min_samples": 3, "z_thresh": 2.0}
+
+
 def _policy(*rules: dict[str, Any], **sections: Any) -> Policy:
     return Policy.from_dict({"version": 1, "rules": list(rules), **sections})
 
@@ -60,6 +64,15 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     ),
     "the shipped default": lambda: Policy.shipped("default"),
     "the shipped llm-pretraining (a chain of clips held for the read)": lambda: Policy.shipped("llm-pretraining"),
+    "the shipped llm-adaptive": lambda: Policy.shipped("llm-adaptive"),
+    "zclip, autoclip, agc and spike skips": lambda: _policy(
+        SKIP,
+        {"name": "spikes", "match": "*", "actions": [SPIKE_SKIP]},
+        {"name": "z", "match": "blocks.1.*", "actions": [{"action": "zclip", "warmup_steps": 2, "max_norm": 1e-6}]},
+        {"name": "auto", "match": "*embed*", "actions": [{"action": "autoclip", "percentile": 50, "history": 8}]},
+        {"name": "unit", "match": "norm.*", "actions": [{"action": "agc", "clipping": 0.01}]},
+        {"name": "group", "match": "blocks.0.mlp.*", "actions": [{"action": "agc", "clipping": 0.01, "scope": GROUP}]},
+    ),
 }
 
 
@@ -203,6 +216,19 @@ def test_a_loss_section_judges_after_the_fused_update_as_before_it(case, same, t
         assert "loss" in after[2]
 
 
+def test_adaptive_clips_and_spike_skips_judge_after_the_fused_update_as_before_it(same, tmp_path):
+    """Gradient spikes (the loss x30 at steps 6 and 9): skip_step_on_spike's verdict is a device condition too."""
+    policy = POLICIES["zclip, autoclip, agc and spike skips"]
+    spikes = {6: 30.0, 9: 30.0}
+    after = _train(policy(), _adamw, steps=12, log=tmp_path / "after.jsonl", losses=lambda k: spikes.get(k, 1.0))
+    with reading_first():
+        first = _train(policy(), _adamw, steps=12, log=tmp_path / "first.jsonl", losses=lambda k: spikes.get(k, 1.0))
+    _same_training(after, first, same)
+    assert _events(tmp_path / "after.jsonl") == _events(tmp_path / "first.jsonl")
+    assert after[2]["spikes"]["skip_step_on_spike"] >= 1
+    assert {"z", "auto", "unit"} <= set(after[2])
+
+
 def test_a_halt_after_the_fused_update_leaves_the_weights_and_moments_as_they_were(same):
     model = _model()
     opt = _adamw(model.parameters())
@@ -264,7 +290,6 @@ def _with_scaler(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Ten
         "a GradScaler after unscale_",
         "unfused AdamW",
         "a second computation asked (rerun)",
-        "a zclip rule",
     ],
 )
 def test_where_something_else_needs_the_host_first_the_guard_reads_before_the_update(case):
@@ -276,8 +301,6 @@ def test_where_something_else_needs_the_host_first_the_guard_reads_before_the_up
     sections: dict[str, Any] = {}
     if case == "a second computation asked (rerun)":
         sections["rerun"] = {"on": ["nonfinite"]}
-    if case == "a zclip rule":
-        rules.append({"name": "z", "match": "*", "actions": [{"action": "zclip"}]})
     with GradGuard(model, _policy(*rules, **sections), logger=None):
         for _ in range(2):  # the second: the optimizer's state is made, so only the case keeps the read first
             if case.startswith("a GradScaler"):

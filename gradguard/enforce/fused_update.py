@@ -19,10 +19,11 @@ reads after the update, in the optimizer's post-hook (``conclude``):
 Only where nothing else needs the host before the update, or sees the update between: a fused Adam or AdamW
 (exactly those classes) with its state made (after its first update), stepped without a GradScaler, closure,
 per-micro-batch hooks, process group or step hooks but the guard's, and a policy whose every action raises an
-alarm for whatever its reader would do (``ActionKernel.alarms``), and no ``rerun`` section. A ``loss`` section
-raises its own (``loss._unjudged``: a non-finite loss, or one above the spike limit rounded down to float32); a
-``recovery`` section's snapshots are staged on the compute stream before the update, and a rewind restores after
-the update the flag stopped. Everywhere else the guard reads first, as it always has.
+alarm for whatever its reader would do (``ActionKernel.alarms``: every action does; a new one must say so), and no
+``rerun`` section. A ``loss`` section raises its own (``loss._unjudged``: a non-finite loss, or one above the spike
+limit rounded down to float32); a ``recovery`` section's snapshots are staged on the compute stream before the
+update, and a rewind restores after the update the flag stopped. Everywhere else the guard reads first, as it
+always has.
 """
 
 from __future__ import annotations

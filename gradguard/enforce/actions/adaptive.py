@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -234,6 +235,7 @@ class ZClipKernel(ActionKernel):
     """``zclip``: clip a norm whose z-score against its EMA exceeds ``z_thresh`` (arXiv 2504.02507)."""
 
     schemas = (ZClip,)
+    alarms = True
 
     def wants_raw_norm(self, action: Action) -> bool:
         return True
@@ -259,6 +261,7 @@ class ZClipKernel(ActionKernel):
             work.pending.add(decision.all_ready, note_ready)
         work.statistics_step.propose(series, cols, decision.proposal, counters)
         figures = torch.stack([decision.coef, g, decision.limit, state["mean"], state["var"].sqrt(), decision.z])
+        work.pending.quiet_if(partial(_finite, g))  # its clip is made on the device; a non-finite norm is reported
         work.pending.add(figures, _report(work, bound, action, ids, group, ["mean", "std", "z"]))
         return True
 
@@ -267,6 +270,7 @@ class AutoClipKernel(ActionKernel):
     """``autoclip``: clip to the ``percentile`` of the recent norms, the current one included (arXiv 2007.14469)."""
 
     schemas = (AutoClip,)
+    alarms = True
 
     def wants_raw_norm(self, action: Action) -> bool:
         return True
@@ -283,8 +287,14 @@ class AutoClipKernel(ActionKernel):
         _rescale(gs, decision.coef, group)
         work.statistics_step.propose(series, cols, decision.proposal, {"slot": slot + 1})
         figures = torch.stack([decision.coef, g, decision.threshold, decision.proposal["count"]])
+        work.pending.quiet_if(partial(_finite, g))
         work.pending.add(figures, _report(work, bound, action, ids, group, ["samples"]))
         return True
+
+
+def _finite(norms: torch.Tensor) -> torch.Tensor:
+    """Norms (never negative) are finite: ``< inf`` is False for NaN and +Inf, in one kernel."""
+    return norms < math.inf
 
 
 def _percentile(ring: torch.Tensor, count: torch.Tensor, percentile: float) -> torch.Tensor:

@@ -22,7 +22,7 @@ ranks first (one collective), and the per-tensor figures after (two).
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 
@@ -43,6 +43,7 @@ class AgcKernel(ActionKernel):
     """``agc``: per output unit (``tensor``) or per rule (``group``), ``max = clipping * max(||W||, eps)``."""
 
     schemas = (AdaptiveGradClip,)
+    alarms = True
 
     def wants_raw_norm(self, action: Action) -> bool:
         assert isinstance(action, AdaptiveGradClip)
@@ -183,7 +184,13 @@ def _clip_units(
         append(("adaptive_clip", event))
         outcome.counts.append((rule, "agc", len(clipped)))
 
+    work.pending.quiet_if(partial(_finite_squares, sums))  # the clip is made on the device; a NaN is reported
     work.pending.add(torch.cat([sums.reshape(-1), peaks.to(sums.dtype)]), read)
+
+
+def _finite_squares(sums: torch.Tensor) -> torch.Tensor:
+    """Every tensor's squared gradient norm (the first of its three figures) is finite."""
+    return sums.reshape(-1)[0::3] < math.inf
 
 
 def _units(param: torch.Tensor | None) -> int:

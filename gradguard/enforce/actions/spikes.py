@@ -12,6 +12,7 @@ halted step, or a non-finite norm never enters it.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
@@ -59,6 +60,7 @@ class SpikeSkipKernel(ActionKernel):
 
     schemas = (SkipStepOnSpike,)
     observes = True
+    alarms = True
 
     def wants_raw_norm(self, action: Action) -> bool:
         return True
@@ -92,4 +94,5 @@ class SpikeSkipKernel(ActionKernel):
                 z = (norm - mu) / sigma if sigma > 0 else math.inf
                 spikes.append(Spike(bound.index, params, norm, mu, sigma, z, int(samples), action.z_thresh))
 
+        work.pending.quiet_if(partial(torch.logical_not, spike))
         work.pending.add(figures, read)

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
 from gradguard.cli.demo import TinyDecoder
+from gradguard.enforce import loss as loss_module
 from gradguard.enforce.loss import LossWatch, _unjudged
 from gradguard.enforce.step import Pending
 
@@ -411,3 +412,12 @@ def test_a_loss_the_device_finds_within_the_spike_limit_is_one_the_host_finds_fi
     assert bool(_unjudged(torch.tensor(limit, dtype=torch.float32), limit))
     assert not bool(_unjudged(torch.tensor(float("nan")), limit))
     assert not bool(_unjudged(torch.tensor(float("inf")), None))
+
+
+def test_a_loss_verdict_whose_condition_was_missed_is_refused_loudly(monkeypatch, tmp_path):
+    """The check after the read counts the loss section's verdict too (made after it): a spike the device let
+    through (here: its condition disabled) stops the run with GuardStateError, not a skip after the update."""
+    monkeypatch.setattr(loss_module, "_unjudged", lambda loss, limit: torch.ones(1, dtype=torch.bool))
+    policy = _policy(_clip(1e9), loss={"spike": {"factor": 3.0, "window": 4, "warmup": 2, "action": "skip"}})
+    with pytest.raises(GuardStateError, match="flag did not stop"):
+        _train(policy, _adamw, steps=9, losses=lambda step: 20.0 if step == 5 else 1.0)

@@ -170,7 +170,7 @@ class Enforcer:
         work.writes.apply()  # the changes the read showed are needed, to those tensors only
         clear_overflows(work, work.fragile)
         if work.pending.quiet is not None:
-            self.fused.check(work)
+            self.fused.check(work, self.loss_watch.peek(self.binding.policy.loss, work.outcome.loss))
         outcome = work.outcome
         rerun_or_compare(self, work, context)  # a suspect step may be computed again before anything is said
         if outcome.observed and not outcome.scaler_found_inf:

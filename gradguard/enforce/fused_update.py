@@ -41,6 +41,7 @@ from gradguard.enforce.step import StepContext, StepWork
 from gradguard.errors import GuardStateError
 
 if TYPE_CHECKING:
+    from gradguard.enforce.loss import LossVerdict
     from gradguard.enforce.plan import Plan
     from gradguard.policy.document import Policy
 
@@ -94,12 +95,13 @@ class FusedUpdate:
     def read_flag(self, values: list[float]) -> None:
         self._flag = values[0]
 
-    def check(self, work: StepWork) -> None:
-        """After the read: a step with something to do before the update must have raised its flag (else the update
-        was made without it). Never true by construction; said loudly rather than training on silently wrong."""
+    def check(self, work: StepWork, loss: LossVerdict | None) -> None:
+        """After the read: a step with something to do before the update (``loss``: the loss section's verdict, made
+        later) must have raised its flag, else the update was made without it. Never true by construction; said
+        loudly rather than training on silently wrong."""
         outcome = work.outcome
         acts = work.writes.written or outcome.nonfinite or outcome.skipped_by or outcome.halted_by or outcome.spikes
-        if not self._flag and (acts or outcome.loss_skip):
+        if not self._flag and (acts or loss is not None):
             raise GuardStateError(
                 f"step {work.step}: the read found a change or a verdict due before the fused optimizer's update, "
                 "which its flag did not stop. This is a gradguard defect; please report it with your policy."

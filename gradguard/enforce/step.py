@@ -357,6 +357,11 @@ class StepWork:
     carried: Carried = field(default_factory=Carried)
     """Figures to read with the next step's read."""
 
+    @property
+    def after_read(self) -> frozenset[int]:
+        """The tensors of the running action whose change may wait for the step's read: ``final`` and ``held``."""
+        return self.final | self.held if self.held else self.final
+
     def norms(self, grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
         """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""
         local = norms(grads, norm_type)

@@ -79,7 +79,7 @@ class ClipValueKernel(ActionKernel):
         assert isinstance(action, ClipValue)
         gs = [work.grads[i] for i in ids]
         peaks = _peaks(work, ids, gs)
-        final = work.final | work.held if work.held else work.final
+        final = work.after_read
         now = [g for index, g in zip(ids, gs, strict=True) if index not in final]
         if now:  # a later action of this step acts on these: the clamp must be on the device before it
             clamp_(now, action.limit)
@@ -123,7 +123,7 @@ def _clip_tensors(
     fresh: bool,
 ) -> None:
     outcome, names, step, pending, writes = work.outcome, work.names, work.step, work.pending, work.writes
-    final = work.final | work.held if work.held else work.final  # a held change waits for the read as a final one
+    final = work.after_read  # a held change waits for the read as a final one
     for device_ids, positions in by_device_and_dtype(ids, norms):
         device = norms[positions[0]].device
         whole = len(positions) == len(ids)  # one group (the common case): positions are 0, 1, ... in order

@@ -272,6 +272,8 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 def _float32_at_most(value: float) -> float:
     """The largest float32 not above ``value`` (a positive float): a bound a float32 comparison keeps exactly."""
+    # struct, not a float32 tensor and .item(): this runs at every step, where a tensor made from Python data and
+    # read back counts as the step's device traffic (tests/test_loss_section.py counts it).
     if value >= _FLOAT32_MAX:
         return _FLOAT32_MAX
     rounded: float = struct.unpack("<f", struct.pack("<f", value))[0]  # to nearest

@@ -5,9 +5,9 @@ parameter tensors; per-tensor ``clip_norm`` on half of them, ``zclip`` at tensor
 half, a ``monitor`` of every tensor's norm every 5 steps, a NaN batch every 97 steps skipped by
 ``skip_step_on_nonfinite``, ``counters`` every 100 steps; ``--steps`` steps, default 300) is written by
 the guard itself, then repeated with shifted steps, each repetition a run of its own (``run-1``,
-``run-2``, ...), until the log has the lines asked for. ``--kind synthetic`` writes the older synthetic
-log instead (``write_synthetic_run`` in ``tests/support/synthetic_log.py``: shorter lines, almost all
-tensor clips).
+``run-2``, ...) resumed where the one before ended, until the log has the lines asked for.
+``--kind synthetic`` writes the older synthetic log instead (``write_synthetic_run`` in
+``tests/support/synthetic_log.py``: shorter lines, almost all tensor clips).
 
 Then, in one fresh process (``--repeats`` times, alternating, best of each kept):
 
@@ -53,6 +53,10 @@ POLICY: dict[str, Any] = {
         {"name": "norms", "match": "*", "actions": [{"action": "monitor", "stats": ["norm"], "every": 5}]},
     ],
 }
+
+STEP_FIELDS = ("step", "start_step", "steps")
+"""The fields of a step number a repetition shifts: each repetition is a run resumed where the one before ended
+(its guard attached at ``start_step``, counting its steps on from there), so the audit sees the steps each ran."""
 
 _LAUNCHER = """
 import json, os, subprocess, sys, time
@@ -166,8 +170,9 @@ def repeated(base: Path, log: Path, lines: int, steps: int) -> dict[str, dict[st
             batch = []
             for event in events[: lines - written]:
                 shifted = dict(event, run=f"run-{repetition}")
-                if "step" in shifted:
-                    shifted["step"] += repetition * steps
+                for key in STEP_FIELDS:
+                    if key in shifted:
+                        shifted[key] += repetition * steps
                 batch.append(json.dumps(shifted))
                 if event["event"] == "detach":
                     for rule, by_action in event["counters"].items():

@@ -873,17 +873,25 @@ TREATMENTS = (
 )
 
 
-def segment(bench: Bench, policy: Policy | None, clip: bool, warmup: int, steps: int) -> tuple[list[float], Any]:
-    """Attach (if a policy), ``warmup`` untimed steps, ``steps`` timed ones, detach; the times and the guard."""
+def segment(
+    bench: Bench, policy: Policy | None, clip: bool, warmup: int, steps: int
+) -> tuple[list[float], Any, int | None]:
+    """Attach (if a policy), ``warmup`` untimed steps, ``steps`` timed ones, detach; the times, the guard, and the
+    peak of allocated bytes over the timed steps (CUDA; None elsewhere)."""
     guard = GradGuard(bench.model, policy, logger=None) if policy is not None else None
+    cuda = bench.device.type == "cuda"
     try:
         for _ in range(warmup):
             bench.step(clip)
+        if cuda:
+            bench.sync()
+            torch.cuda.reset_peak_memory_stats(bench.device)
         times = [bench.step(clip) for _ in range(steps)]
+        peak = torch.cuda.max_memory_allocated(bench.device) if cuda else None
     finally:
         if guard is not None:
             guard.remove()
-    return times, guard
+    return times, guard, peak
 
 
 @dataclass
@@ -935,6 +943,7 @@ def overhead_size(ctx: Context, size: Size, left: float) -> None:
         order = list(range(len(TREATMENTS)))
         shuffle = random.Random(ctx.seed)
         medians: list[list[float]] = [[] for _ in TREATMENTS]
+        peaks: list[list[int]] = [[] for _ in TREATMENTS]
         notes: dict[str, str] = {}
         for round_index in range(rounds):
             shuffle.shuffle(order)
@@ -943,8 +952,10 @@ def overhead_size(ctx: Context, size: Size, left: float) -> None:
                 treatment = TREATMENTS[k]
                 policy = treatment.policy() if treatment.policy is not None else None
                 with reading_first(treatment.read_first):
-                    times, guard = segment(bench, policy, treatment.clip, 1, steps)
+                    times, guard, peak_bytes = segment(bench, policy, treatment.clip, 1, steps)
                 medians[k].append(statistics.median(times))
+                if peak_bytes is not None:
+                    peaks[k].append(peak_bytes)
                 if guard is not None:
                     clips = guard.counters.total("clip_norm")
                     notes[treatment.name] = f"{clips / max(guard.step_count, 1):.0f} clips/step"
@@ -961,17 +972,25 @@ def overhead_size(ctx: Context, size: Size, left: float) -> None:
             )
         )
         by_name = {t.name: medians[k] for k, t in enumerate(TREATMENTS)}
+        none_peak = max(peaks[0]) if peaks[0] else None
         for k, treatment in enumerate(TREATMENTS):
             ms = statistics.median(medians[k]) * 1e3
             vs_global, vs_none = paired(medians[k], by_name["global"]), paired(medians[k], by_name["none"])
             note = f"; {notes[treatment.name]}" if treatment.name in notes else ""
-            figures = f"{ms:.2f} ms/step; vs global {vs_global}; vs none {vs_none}{note}"
+            peak_bytes = max(peaks[k]) if peaks[k] else None
+            memory = ""
+            if peak_bytes is not None and none_peak:
+                # Issue 41's target: every treatment's peak within 2% of the unguarded run's.
+                memory = f"; peak {peak_bytes / 2**30:.2f} GiB ({peak_bytes / none_peak:.3f}x none's)"
+            figures = f"{ms:.2f} ms/step; vs global {vs_global}; vs none {vs_none}{memory}{note}"
             data = {
                 "treatment": treatment.name,
                 "step_ms": ms,
                 "segment_medians_ms": [m * 1e3 for m in medians[k]],
                 "vs_global": asdict(vs_global),
                 "vs_none": asdict(vs_none),
+                "peak_bytes": peak_bytes,
+                "peak_vs_none": peak_bytes / none_peak if peak_bytes is not None and none_peak else None,
             }
             ctx.report.add(Row("overhead", f"{size.name}: {treatment.label}", "OK", figures, data))
     finally:
@@ -1102,7 +1121,7 @@ def snapshot_size(ctx: Context, size: Size, left: float) -> None:
                     # Untimed: the first snapshot of each of the keep slots, which allocates its buffers (pinned
                     # host memory takes seconds at 1.4B), and the steps between.
                     warm = SNAPSHOT_EVERY * 2 + 2
-                    times, guard = segment(bench, policy(), False, warm, steps)
+                    times, guard, _ = segment(bench, policy(), False, warm, steps)
                     medians[label].append(statistics.mean(times))
                     takes = [(i + warm) % SNAPSHOT_EVERY == 0 for i in range(len(times))]  # the guard's step i + warm
                     snapshot_steps[label].extend(t for t, take in zip(times, takes, strict=True) if take)

@@ -89,7 +89,8 @@ class GradientHalt(GradGuardError, RuntimeError):
         """The guard's 0-based step index at which the halt happened."""
         self.params: tuple[str, ...] = tuple(params)
         """Names of every parameter whose gradient was non-finite: those that went non-finite first as
-        backward accumulated them (``origin["first_params"]``) first, then the others in model order."""
+        backward accumulated them (``origin["first_params"]``) first, then the others in model order. For a
+        ``"transient"`` halt (the rerun section), the parameters whose two computations differed."""
         self.kind = kind
         """``"nan"``, ``"inf"`` or ``"nan+inf"``; ``"spike"`` when ``skip_step_on_spike`` escalated;
         ``"overflow"`` when GradScaler skipped more steps in a row than ``max_scaler_skips``."""
@@ -122,9 +123,10 @@ class GradientHalt(GradGuardError, RuntimeError):
         state = "as they were after the last good step"
         if restored_to is not None:
             state = f"restored to the recovery snapshot of step {restored_to}"
+        by = "the rerun section" if kind == "transient" else "the loss section" if rule == "loss" else f"rule {rule!r}"
         super().__init__(
             f"{what} at step {step}{where} "
-            f"(rule {rule!r}){'; ' + reason if reason else ''}.{traced} The optimizer step was not taken: "
+            f"({by}){'; ' + reason if reason else ''}.{traced} The optimizer step was not taken: "
             f"parameters and optimizer state are {state}."
         )
 

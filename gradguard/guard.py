@@ -70,15 +70,14 @@ class GradGuard(ServesMetrics):
         model: the module whose parameters are guarded (DDP-, torch.compile- and checkpoint-wrapped
             modules are matched by the unwrapped names).
         policy: a [`Policy`][gradguard.Policy], or the path of a policy file.
-        optimizer: only these optimizers trigger the guard (default: any ``torch.optim`` optimizer that
-            holds guarded parameters).
-        audit_log: append every event to this JSON-lines file.
+        optimizer: only these optimizers trigger the guard (default: any that holds guarded parameters).
+        audit_log: append every event to this JSON-lines file (an existing one is appended to, not replaced:
+            ``gradguard audit`` then reports both runs; give each run its own file, or delete the old one).
         logger: a structlog logger for the events; ``None`` for none (default: ``gradguard``'s).
         scaler: the ``GradScaler`` of the loop, so the steps it skips are logged and counted.
         process_group: the group ranks agree over (default: the default group, when initialised).
         per_micro_batch: treat each backward's contribution with the tensor-scope actions.
-        start_step: the step this run starts at, for a run resumed from a checkpoint: step windows and
-            the log's step numbers continue where the first run stopped.
+        start_step: the step a run resumed from a checkpoint starts at: step windows and the log's steps go on.
         summary_every: write the cumulative counters every this many steps (0: only at the end).
         replace: remove a guard already attached to the model instead of refusing.
         attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the
@@ -91,15 +90,16 @@ class GradGuard(ServesMetrics):
             the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
         reload_interval: seconds between two looks at the policy file, with ``reload``.
         provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"first_fault"``
-            (the default: a light trace from the start, a sum per output of the model's outer modules and of
-            its gradient, so the first fault is named; every module's hooks after a fault), ``"always"``
+            (the default: a light trace from the start, one figure per output of the model's outer modules, held
+            weakly and read at the end of the forward, so the first fault is named; every module's hooks after a
+            fault), ``"always"``
             (every module's hooks and the gradient flags from the start: a debugging run), ``"after_fault"``
             (nothing until a first non-finite or skipped step, then what ``"always"`` registers) or ``None``.
         before_clip: a call of torch's ``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm`` or
             ``clip_grads_with_norm_`` on guarded gradients runs the guard's step first, as ``guard.step()``
             there would (docs/clip-interception.md); ``False`` leaves the step at the optimizer's ``step()``.
-        lr_scheduler: the loop's LR scheduler(s), for a policy's ``recovery``: a rewind takes them back to the
-            snapshot with the weights, and ``lr_factor`` holds through their later steps (docs/recovery.md).
+        lr_scheduler: the loop's LR scheduler(s): a ``recovery`` rewind takes them back with the weights and
+            ``lr_factor`` holds through their later steps (docs/recovery.md).
         averages: averaged copies of the model (an EMA) that a ``recovery`` rewind restores with it (docs/recovery.md).
     """
 

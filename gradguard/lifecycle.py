@@ -91,6 +91,7 @@ class Attachment:
             counters=self.enforcer.counters.snapshot(),
         )
         self.events.close()
+        self.enforcer.release()
 
     @staticmethod
     def abandon(attachment: Attachment | None) -> None:
@@ -189,7 +190,13 @@ def emit_attach(
         rules={bound.name: len(bound.params) for bound in binding.rules},
         pid=os.getpid(),
         **_recovery_fields(policy, recovery),
+        **{name: section.model_dump(mode="json") for name, section in _watches(policy).items()},
     )
+
+
+def _watches(policy: Policy) -> dict[str, Any]:
+    """The attach event's ``loss`` and ``rerun``: the sections as written, where the policy has them."""
+    return {name: section for name, section in (("loss", policy.loss), ("rerun", policy.rerun)) if section is not None}
 
 
 def _recovery_fields(policy: Policy, recovery: Recovery) -> dict[str, Any]:

@@ -298,3 +298,62 @@ def test_a_line_with_invalid_utf8_or_a_number_no_writer_writes_is_unreadable_eve
     assert data["totals"]["embed"] == {"clip_norm": 2}
     for number, raw in enumerate(path.read_bytes().splitlines(), 1):
         assert isinstance(read_line(raw), str) == (number in reasons), number
+
+
+def test_a_line_with_an_integer_the_standard_library_refuses_is_unreadable_wherever_the_integer_is(
+    tmp_path: Path,
+) -> None:
+    """An integer of more than 4,300 digits (``json.loads`` refuses it) in a field the definition does not name,
+    top level or nested, of a gradguard event or another program's: listed as unreadable with its line number, never
+    counted as an event; the same digits in a string, or in a float, are a line the standard library reads."""
+    digits = "7" * 5000
+    head = '{"ts": "2026-01-01T00:00:01Z", "level": "debug", "event": "intervention", "run": "run0", "rank": 0'
+    clip = ', "step": 1, "rule": "embed", "action": "clip_norm", "param": "embed.weight", "before": 2.5, "after": 1.0'
+    path = tmp_path / "run.jsonl"
+    with LogBuilder(path) as log:
+        log.attach({"embed": 1})  # 1
+        log.clip(0, "embed", "embed.weight", 2.0)  # 2
+        log.raw(head + clip + ', "max_norm_2": ' + digits + "}\n")  # 3: a field no definition names
+        log.raw(head + clip + ', "extra": {"a": [1, -' + digits + "]}}\n")  # 4: nested in one
+        log.raw('{"event": "callback", "run": "run0", "step": 1, "value": ' + digits + "}\n")  # 5: a foreign event
+        log.raw(head + clip + ', "note": "' + digits + '"}\n')  # 6: digits in a string: read
+        log.raw(head + clip + ', "ratio": ' + digits + ".5}\n")  # 7: a float's digits: read
+        log.clip(2, "embed", "embed.weight", 3.0)  # 8
+    result = CliRunner().invoke(main, ["audit", "--format", "json", str(path)])
+    data = json.loads(result.stdout)
+    reasons = {bad["line"]: bad["reason"] for bad in data["bad_lines"]}
+    assert sorted(reasons) == [3, 4, 5], reasons
+    for line in (3, 4, 5):
+        assert reasons[line].startswith("JSON Python cannot read (Exceeds the limit (4300 digits) for integer string")
+    assert data["events"] == 5
+    assert data["totals"] == {"embed": {"clip_norm": 4}}
+    assert result.exit_code == 1  # unreadable lines are a finding
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        assert isinstance(read_line(raw), str) == (number in reasons), number
+        try:
+            json.loads(raw)
+        except ValueError:
+            assert number in reasons, number
+        else:
+            assert number not in reasons, number
+
+
+def test_a_long_line_whose_integer_is_refused_is_unreadable_in_a_chunk_of_short_ones_too(tmp_path: Path) -> None:
+    """The reader looks for long integers only in a chunk that holds a line longer than the limit: one such line among
+    a thousand short ones is found, and every short line around it is read."""
+    path = tmp_path / "run.jsonl"
+    head = '{"ts": "2026-01-01T00:00:01Z", "level": "debug", "event": "intervention", "run": "run0", "rank": 0'
+    clip = ', "step": 500, "rule": "embed", "action": "clip_norm", "param": "embed.weight", "before": 2.5, "after": 1'
+    with LogBuilder(path) as log:
+        log.attach({"embed": 1})
+        for step in range(1000):
+            log.clip(step, "embed", "embed.weight", 2.0)
+            if step == 500:
+                log.raw(head + clip + ', "x": ' + "1" * 4301 + "}\n")
+        log.detach(1000)
+    stats = ReadStats()
+    events = list(read_file(path, 0, stats))
+    assert len(events) == 1002
+    (bad,) = stats.bad_lines
+    assert bad.line == 503
+    assert bad.reason.startswith("JSON Python cannot read (Exceeds the limit (4300 digits)")

@@ -367,3 +367,37 @@ def test_explain_without_a_model_explains_the_policy_and_says_what_a_model_would
     shipped = CliRunner().invoke(main, ["explain", "default", "--format", "markdown"])
     assert shipped.exit_code == 0, shipped.output
     assert "### Rules (in the order they apply" in shipped.output
+
+
+LOSS_AND_RECOVERY = (
+    "version: 1\n"
+    "rules:\n"
+    "  - {name: clip, match: ['*'], actions: [{action: clip_norm, max_norm: 1.0}]}\n"
+    "loss: {nonfinite: halt, spike: {factor: 5.0, action: skip, max_consecutive_skips: 2}}\n"
+    "recovery: {snapshot_every: 50}\n"
+)
+
+
+def test_explain_lists_the_loss_section_among_what_can_halt_and_so_rewind(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(LOSS_AND_RECOVERY)
+    result = CliRunner().invoke(main, ["explain", str(policy)])
+    assert result.exit_code == 0, result.output
+    assert (
+        "rules that can halt, and so rewind: the loss section (nonfinite: halt: a NaN/Inf loss; spike skips past "
+        "their limits (more than 2 spike skips in a row))" in result.output
+    )
+
+
+def test_explain_with_a_model_says_the_loss_section_rewinds_and_lists_it_in_json(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(LOSS_AND_RECOVERY)
+    (tmp_path / "explain_models.py").write_text(MODELS)
+    model = f"{tmp_path / 'explain_models.py'}:build"
+    result = CliRunner().invoke(main, ["explain", str(policy), "--model", model])
+    assert result.exit_code == 0, result.output
+    assert "the loss section rewinds on nonfinite: halt: a NaN/Inf loss" in result.output
+    as_json = CliRunner().invoke(main, ["explain", str(policy), "--model", model, "--format", "json"])
+    rewinding = json.loads(as_json.output)["recovery"]["rules_that_rewind"]
+    assert rewinding[-1]["rule"] == "loss"
+    assert rewinding[-1]["how"][0] == "nonfinite: halt: a NaN/Inf loss"

@@ -164,3 +164,46 @@ def test_validate_names_the_top_level_sections_it_accepted_besides_the_rules(tmp
     result = CliRunner().invoke(main, ["validate", str(policy)])
     assert result.exit_code == 0, result.output
     assert f"{policy}: ok (1 rule: nonfinite; and a recovery section)" in result.output
+
+
+def test_a_rerun_section_that_can_never_fire_is_a_warning_with_exit_0(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\nrules:\n  - {name: nonfinite, match: ['*'], actions: [{action: halt_on_nonfinite}]}\n"
+        "rerun:\n  on: [spike]\n"
+    )
+    result = CliRunner().invoke(main, ["validate", str(policy)])
+    assert result.exit_code == 0, result.output
+    assert f"{policy}: warning: rerun: on ['spike'] can never fire" in result.output
+    assert "add a rule with skip_step_on_spike, or take ['spike'] out of rerun.on" in result.output
+
+
+def test_a_rerun_verdict_the_policy_gives_is_not_warned_about(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\nrules:\n  - {name: nonfinite, match: ['*'], actions: [{action: halt_on_nonfinite}]}\n"
+        "rerun:\n  on: [nonfinite, loss]\n"
+    )
+    result = CliRunner().invoke(main, ["validate", str(policy)])
+    assert result.exit_code == 0, result.output
+    assert "warning: rerun: on ['nonfinite', 'loss']: ['loss'] can never fire" in result.output
+    assert "add a loss section" in result.output
+
+
+def test_a_pattern_without_a_dot_or_glob_is_a_warning_naming_the_rule_and_the_fix(tmp_path: Path) -> None:
+    policy = tmp_path / "p.yaml"
+    policy.write_text(
+        "version: 1\nrules:\n  - {name: clip, match: ['ok', '*.weight'], allow_no_match: true,"
+        " actions: [{action: clip_norm, max_norm: 1.0}]}\n"
+    )
+    result = CliRunner().invoke(main, ["validate", str(policy)])
+    assert result.exit_code == 0, result.output
+    assert f"{policy}: warning: rule 'clip': pattern 'ok' is a whole name without a dot" in result.output
+    assert "write '*.ok' or '*ok*'" in result.output
+    assert "'*.weight'" not in result.output
+
+
+def test_the_shipped_policies_validate_without_a_warning() -> None:
+    result = CliRunner().invoke(main, ["validate", *SHIPPED])
+    assert result.exit_code == 0, result.output
+    assert "warning" not in result.output

@@ -275,7 +275,34 @@ def _every_kind(tmp_path: Path) -> list[Path]:
         with GradGuard(linear, second, logger=None, audit_log=log("resumed")) as resumed:
             resumed.load_state_dict(state)
     _resumed_without_state(log("state-missing"), tmp_path)
+    _snapshots_placed(log("snapshot-placement"), log("snapshot-fallback"))
     return logs
+
+
+def _snapshots_placed(placed: Path, fallen_back: Path) -> None:
+    """``memory: auto`` decided from a (faked) measured peak, and a device allocation that fails (faked)."""
+    from gradguard.enforce import snapshot_memory
+
+    recovery = {"snapshot_every": 2, "min_age": 1}
+    halt = _rule("halt", "*", {"action": "halt_on_nonfinite"})
+    figures, peak, empty = snapshot_memory.device_memory, snapshot_memory.measured_peak, snapshot_memory.Placement.empty
+
+    def full(self: snapshot_memory.Placement, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self.where == "device":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 KiB")
+        return empty(self, numel, dtype, device)
+
+    try:
+        snapshot_memory.device_memory = lambda device: (2**30, 2**31)  # type: ignore[assignment]
+        snapshot_memory.measured_peak = lambda device: (2**31 - 2**20, 2**20)  # type: ignore[assignment]
+        _loop(placed, [halt], steps=4, recovery=recovery)
+    finally:
+        snapshot_memory.device_memory, snapshot_memory.measured_peak = figures, peak  # type: ignore[assignment]
+    try:
+        snapshot_memory.Placement.empty = full  # type: ignore[method-assign]
+        _loop(fallen_back, [halt], steps=4, recovery={**recovery, "memory": "device"})
+    finally:
+        snapshot_memory.Placement.empty = empty  # type: ignore[method-assign]
 
 
 def _resumed_without_state(audit: Path, tmp_path: Path) -> None:

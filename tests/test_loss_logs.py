@@ -246,3 +246,25 @@ def test_a_loss_section_replayed_on_a_log_without_losses_is_undecidable(tmp_path
     result = replay_files(policy(SECTION), [log])
     assert [(u.rule, u.action) for u in result.undecidable] == [("loss", "nonfinite"), ("loss", "spike")]
     assert "the log holds no loss" in result.undecidable[0].reason
+
+
+def test_a_clean_runs_log_says_the_loss_was_watched_and_its_audit_that_nothing_fired(tmp_path: Path) -> None:
+    log = tmp_path / "clean.jsonl"
+    rules = [{"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]
+    policy = Policy.from_dict({"version": 1, "rules": rules, "loss": {"spike": {"factor": 10, "warmup": 2}}})
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(model, policy, logger=None, audit_log=log):
+        for _ in range(10):
+            opt.zero_grad()
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+    (attach,) = [e for line in log.read_text().splitlines() if (e := json.loads(line))["event"] == "attach"]
+    assert policy.loss is not None
+    assert attach["loss"] == policy.loss.model_dump(mode="json")
+    assert "rerun" not in attach
+    result = CliRunner().invoke(main, ["audit", str(log)])
+    assert result.exit_code == 0, result.output
+    assert "Loss spikes and non-finite losses (the loss section)" in result.output
+    assert "watched at every step: no spike, no non-finite loss" in result.output

@@ -3,6 +3,7 @@ fewer launches, and the same module named, also where a later operation changes 
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -180,8 +181,52 @@ def test_after_one_forward_the_small_outputs_take_one_multi_tensor_reduction_not
             model(x)
     assert hooked == 13  # the model, inp, the ModuleList (never called), 3 blocks of 3, head: 12 outputs a forward
     if hold:
-        # inp's and each block's output is changed in place by the next block (x += ...): those 4 stay in their
-        # hooks; the others are reduced together.
-        assert counted.counts == {"sum": 4, "_foreach_norm": 1}
+        # inp's and the first two blocks' outputs are changed in place by the next block (x += ...), and f's and g's
+        # outputs are freed before the forward ends (g multiplies by a number, += saves nothing): holding those would
+        # keep them alive, so these 10 stay in their hooks; the last block's output (saved by head) and head's
+        # (returned) are reduced together.
+        assert counted.counts == {"sum": 10, "_foreach_norm": 1}
     else:
         assert counted.counts == {"sum": 12}
+
+
+class SavedChain(nn.Module):
+    """Every output is saved for backward by the next module (a Linear saves its input): holding them is free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.layers(x)
+        return out
+
+
+def test_outputs_that_the_forward_keeps_alive_take_one_multi_tensor_reduction(hold: bool) -> None:
+    torch.manual_seed(0)
+    model = SavedChain()
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="first_fault"):
+        x = torch.randn(6, 8)
+        model(x).sum().backward()
+        counted = Reductions()
+        with counted:
+            out = model(x)
+        del out
+    # The batch is summed in the model's pre-hook; the 6 Linears' outputs (the last one passed on by layers and
+    # returned by the model) are each saved by the next Linear, or held by the caller.
+    assert counted.counts == ({"sum": 1, "_foreach_norm": 1} if hold else {"sum": 7})
+
+
+def test_an_output_nobody_keeps_is_freed_when_its_last_user_is_done_not_at_the_end_of_the_forward(hold: bool) -> None:
+    """The trace holds outputs weakly: a residual branch's output, freed once it is added to the stream, is gone
+    before the forward ends, at every step (holding it would add its bytes to the step's peak)."""
+    torch.manual_seed(0)
+    model = InPlaceResiduals()
+    branch: list[weakref.ReferenceType[torch.Tensor]] = []
+    alive_at_the_next_block: list[bool] = []
+    model.blocks[1].g.register_forward_hook(lambda module, args, output: branch.append(weakref.ref(output)))
+    model.blocks[2].register_forward_hook(lambda *_: alive_at_the_next_block.append(branch[-1]() is not None))
+    with GradGuard(model, Policy.from_dict(HALT), logger=None, provenance="first_fault"):
+        for _ in range(3):
+            model(torch.randn(6, 4)).sum().backward()
+    assert alive_at_the_next_block == [False, False, False]

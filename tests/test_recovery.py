@@ -394,17 +394,24 @@ def test_pass_step_lets_a_loop_skip_the_compute_of_the_window_with_the_same_resu
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), want[0].parameters(), strict=True))
 
 
-def test_snapshot_bytes_are_in_the_attach_event_and_the_metrics(tmp_path: Path) -> None:
+def test_snapshot_bytes_are_in_the_attach_event_and_the_metrics_and_given_back_at_removal(tmp_path: Path) -> None:
     log = tmp_path / "run.jsonl"
-    got = train("plain", list(range(12)), log=log)
-    metrics = got[2].metrics()
+    model = Net()
+    loop = Loop("plain", model, adamw(model.parameters()), None)
+    with GradGuard(model, policy(None, RECOVERY), logger=None, audit_log=log) as guard:
+        for i in range(12):
+            loop.step(i, False)
+        metrics = guard.metrics()
     (attach,) = events(log, "attach")
-    params = sum(p.numel() * 4 for p in got[0].parameters())
+    params = sum(p.numel() * 4 for p in model.parameters())
     assert attach["recovery"]["snapshot_bytes"] == 2 * params  # keep 2, before the optimizer holds state
     assert attach["recovery"]["snapshot_every"] == 5
     step_tensors = 6 * 4  # AdamW's step, one float32 per parameter tensor
     assert metrics["gradguard/recovery/snapshot_bytes"] == 2 * (3 * params + step_tensors)
     assert metrics["gradguard/recovery/snapshots"] == 2
+    given_back = guard.metrics()
+    assert given_back["gradguard/recovery/snapshot_bytes"] == given_back["gradguard/recovery/snapshots"] == 0
+    assert given_back["gradguard/recovery/rewinds"] == 0
 
 
 def test_a_recovery_section_that_can_never_fire_is_refused_naming_the_key() -> None:

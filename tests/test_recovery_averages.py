@@ -250,9 +250,10 @@ def test_the_averages_bytes_are_counted_in_snapshot_bytes(tmp_path: Path) -> Non
                 nn.functional.mse_loss(model(x), y).backward()
                 opt.step()
                 average.update_parameters(model)
+            metrics = g.metrics()  # while attached: a removed guard holds no snapshot
         (attach,) = [e for line in log.read_text().splitlines() if (e := json.loads(line))["event"] == "attach"]
         ema_bytes = sum(t.numel() * t.element_size() for t in (*average.parameters(), *average.buffers()))
-        return attach["recovery"], g.metrics(), ema_bytes
+        return attach["recovery"], metrics, ema_bytes
 
     without, with_ = run(False), run(True)
     ema_bytes = with_[2]

@@ -267,3 +267,91 @@ def test_audit_says_where_the_snapshots_lived(monkeypatch: pytest.MonkeyPatch, t
     needed = 2 * 3 * param_bytes(model)
     told = f"recovery snapshots in device memory (cpu, memory: auto), {needed:,} bytes for 2 snapshots"
     assert told in " ".join(result.output.split())
+
+
+def events_named(log: Path, name: str) -> list[dict[str, Any]]:
+    return [e for line in log.read_text().splitlines() if (e := json.loads(line))["event"] == name]
+
+
+def fake_peak(monkeypatch: pytest.MonkeyPatch, peak: int, allocated: int) -> None:
+    """What torch's allocator would say the run has used at most, and uses now."""
+    monkeypatch.setattr(snapshot_memory, "measured_peak", lambda device: (peak, allocated))
+
+
+def test_auto_moves_snapshots_to_the_host_when_the_runs_measured_peak_leaves_no_room_for_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The free memory at attach would take them, but the first step's activations showed it would not."""
+    fake_device(monkeypatch, free=40 * GiB, total=80 * GiB)
+    fake_peak(monkeypatch, peak=79 * GiB, allocated=10 * GiB)
+    model, opt = model_and_optimizer()
+    log = tmp_path / "run.jsonl"
+    with GradGuard(model, policy(), optimizer=opt, logger=None, audit_log=log) as guard:
+        run(model, opt, guard, 6)
+        metrics = guard.metrics()
+    attach = attach_event(log)
+    assert attach["where"] == "device"
+    assert "provisional" in attach["why"]
+    (placed,) = events_named(log, "snapshot_placement")
+    assert (placed["level"], placed["step"], placed["where"], placed["staged"]) == ("info", 0, "host", False)
+    assert "measured peak of 79 GiB" in placed["why"]
+    assert "do not fit" in placed["why"]
+    assert metrics["gradguard/recovery/host_bytes"] == metrics["gradguard/recovery/snapshot_bytes"] > 0
+    assert metrics["gradguard/recovery/device_bytes"] == 0
+
+
+def test_auto_keeps_snapshots_on_the_device_when_the_runs_measured_peak_leaves_room_beyond_any_margin(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """At attach the fixed margin said host; the run's peak shows they fit: the device, from the first snapshot."""
+    model, opt = model_and_optimizer()
+    total = 1_000_000
+    fake_device(monkeypatch, free=int(total * MEMORY_MARGIN) // 2, total=total)
+    fake_peak(monkeypatch, peak=total // 2, allocated=total // 4)
+    log = tmp_path / "run.jsonl"
+    with GradGuard(model, policy(), optimizer=opt, logger=None, audit_log=log) as guard:
+        run(model, opt, guard, 6)
+        metrics = guard.metrics()
+    assert attach_event(log)["where"] == "host"
+    (placed,) = events_named(log, "snapshot_placement")
+    assert (placed["where"], placed["staged"]) == ("device", False)
+    assert "they fit" in placed["why"]
+    assert metrics["gradguard/recovery/device_bytes"] == metrics["gradguard/recovery/snapshot_bytes"] > 0
+
+
+@pytest.mark.parametrize("memory", ["device", "auto"])
+def test_a_snapshot_that_cannot_be_allocated_on_the_device_goes_to_the_host_and_the_run_rewinds_all_the_same(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, memory: str
+) -> None:
+    """An allocation failure for a snapshot never ends the run: said once, and the rewind is as exact as the host's."""
+
+    def twin(fail: bool) -> tuple[nn.Module, GradGuard, Path]:
+        model, opt = model_and_optimizer()
+        log = tmp_path / f"{memory}-{fail}.jsonl"
+        chosen = memory if fail else "host"
+        with GradGuard(model, policy(memory=chosen, keep=2, min_age=1), optimizer=opt, logger=None, audit_log=log) as g:
+            run(model, opt, g, 10, nan_at=7)
+        return model, g, log
+
+    original = snapshot_memory.Placement.empty
+    failures = []
+
+    def device_full(self: snapshot_memory.Placement, numel: int, dtype: torch.dtype, device: torch.device) -> Any:
+        if self.where == "device":
+            failures.append(numel)
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {numel * 4} bytes")
+        return original(self, numel, dtype, device)
+
+    monkeypatch.setattr(snapshot_memory.Placement, "empty", device_full)
+    got, guard, log = twin(fail=True)
+    assert failures
+    monkeypatch.setattr(snapshot_memory.Placement, "empty", original)
+    want, reference, _ = twin(fail=False)
+    assert guard.counters.snapshot() == reference.counters.snapshot()
+    assert guard.counters.snapshot()["nonfinite"]["rewind"] == 1
+    for p, q in zip(got.parameters(), want.parameters(), strict=True):
+        assert torch.equal(p, q)
+    (placed,) = events_named(log, "snapshot_fallback")
+    assert (placed["level"], placed["where"], placed["staged"]) == ("warning", "host", False)
+    assert "allocating a snapshot on cpu failed (CUDA out of memory. Tried to allocate" in placed["why"]
+    assert "the run goes on" in placed["why"]

@@ -11,7 +11,7 @@ from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import SCALER_KEY, LastIntervention, RunState
 from gradguard.audit.summary import HALT_PARAMS_SHOWN, HaltRow, RewindRow, SkipOrigin, StepTally, unlearned_stretch
-from gradguard.events.counters import LOSS_RULE
+from gradguard.events.counters import LOSS_RULE, RERUN_RULE
 from gradguard.events.definitions import Halt, Intervention, Rewind, ScalerSkip, Skip, SpikeSkip
 
 __all__ = ["HaltSkipCollector"]
@@ -51,6 +51,8 @@ class HaltSkipCollector:
         rule, params, step, reason, kind = event.rule, event.params, event.step, event.reason, event.kind
         if rule == LOSS_RULE and not params and kind != "overflow":
             run.count(rule, "halt")  # the loss section's (a rule of that name halts on named parameters)
+        elif rule == RERUN_RULE and kind == "transient":
+            run.count(rule, "halt")  # the rerun section's (transient: halt): the guard counts it as rerun/halt
         elif kind == "spike":
             run.count(rule, "halt_on_spike")  # skip_step_on_spike past its limits
         elif kind == "overflow":

@@ -55,6 +55,9 @@ NORM_ACTIONS = frozenset({"clip_norm", "zclip", "autoclip", "agc"})
 Entry = list[Any]
 """The clips of one (rule, action, parameter) since the tables were last settled:
 ``[count, first step, first seq, last step, last seq, largest before, its step]``."""
+Entries = dict[tuple[str, str], dict[str, Entry]]
+"""``Entry`` s by (rule, action), then parameter: a run of clips under one rule and action (how the guard writes
+them) looks the pair up once."""
 
 
 class InterventionCollector:
@@ -79,7 +82,7 @@ class InterventionCollector:
         """Group-clip events pooled by (rule, parameters): [events, first step, last step]."""
         self.series: dict[str, int] = {}
         """Clip events per plottable series (a parameter, or ``"<rule> (group)"``)."""
-        self.entries: dict[tuple[str, str, str], Entry] = {}
+        self.entries: Entries = {}
         self.seq = 0
 
     def intervention(self, event: Intervention, run: RunState, record: Record) -> None:
@@ -105,9 +108,37 @@ class InterventionCollector:
                 f"gradguard 'adaptive_clip' event whose lists do not have one entry per parameter "
                 f"({len(params)} params, {len(before)} 'before' values)"
             )
+        step, rule, action = event.step, event.rule, event.action
+        if self.filtered:
+            for name, one in zip(params, before, strict=True):
+                run.last_intervention = (step, rule, action, name, number_or_none(one))
+                self.tensor_clip(run, step, rule, action, name, one)
+            return
+        if not params:
+            return
+        # tensor_clip inlined: a line of a hundred tensors' clips is a hundred clips (a tenth of a log's clips).
+        key = (rule, action)
+        run.recomputed[key] = run.recomputed.get(key, 0) + len(params)
+        entries = self.entries.get(key)
+        if entries is None:
+            entries = self.entries[key] = {}
+        seq = self.seq
+        value: float | None = None
         for name, one in zip(params, before, strict=True):
-            run.last_intervention = (event.step, event.rule, event.action, name, number_or_none(one))
-            self.tensor_clip(run, event.step, event.rule, event.action, name, one)
+            value = one if type(one) is float else number_or_none(one)
+            seq += 1
+            entry = entries.get(name)
+            if entry is None:
+                entries[name] = [1, step, seq, step, seq, value, step]
+                continue
+            entry[0] += 1
+            entry[3] = step
+            entry[4] = seq
+            if value is not None and (entry[5] is None or value > entry[5]):
+                entry[5] = value
+                entry[6] = step
+        self.seq = seq
+        run.last_intervention = (step, rule, action, params[-1], value)
 
     def tensor_clip(self, run: RunState, step: int, rule: str, action: str, param: str, raw: float | str) -> None:
         """One clip of one tensor (the summarizer inlines this for ``intervention`` lines when no filter is on)."""
@@ -119,9 +150,12 @@ class InterventionCollector:
         ):
             return
         self.seq += 1
-        entry = self.entries.get((rule, action, param))
+        entries = self.entries.get(key)
+        if entries is None:
+            entries = self.entries[key] = {}
+        entry = entries.get(param)
         if entry is None:
-            self.entries[(rule, action, param)] = [1, step, self.seq, step, self.seq, before, step]
+            entries[param] = [1, step, self.seq, step, self.seq, before, step]
             return
         entry[0] += 1
         entry[3] = step
@@ -175,35 +209,46 @@ class InterventionCollector:
 
     def settle(self) -> None:
         """Fold the entries into the tables (in the order their clips were read), and empty them."""
-        for (rule, action, name), (count, first, first_seq, last, last_seq, best, best_step) in self.entries.items():
-            row = self._rule_action.get((rule, action))
-            if row is None:
-                row = self._rule_action[(rule, action)] = _RuleAction()
-            row.count += count
-            row.events += count
-            if row.first is None or first_seq < row.first_seq:
-                row.first, row.first_seq = first, first_seq
-            if last_seq > row.last_seq:
-                row.last, row.last_seq = last, last_seq
-            if best is not None and (row.best is None or best > row.best):
-                row.best, row.best_step = best, best_step
-            param = self._params.get(name)
-            if param is None:
-                param = self._params[name] = _Param()
-            param.count += count
-            if param.first is None or first_seq < param.first_seq:
-                param.first, param.first_seq = first, first_seq
-            if last_seq > param.last_seq:
-                param.last, param.last_seq = last, last_seq
-            param.rules[rule] = None
-            if best is not None:
-                if action in NORM_ACTIONS:
-                    if param.norm is None or best > param.norm:
-                        param.norm, param.norm_step = best, best_step
-                elif action == "clip_value" and (param.element is None or best > param.element):
-                    param.element, param.element_step = best, best_step
-            self.series[name] = self.series.get(name, 0) + count
+        # In the order of each entry's first clip (its first seq), as one dict of every entry would hold them.
+        settled = [
+            (entry[2], rule, action, name, entry)
+            for (rule, action), by_param in self.entries.items()
+            for name, entry in by_param.items()
+        ]
+        settled.sort(key=lambda item: item[0])
+        for _, rule, action, name, entry in settled:
+            self._settle(rule, action, name, entry)
         self.entries.clear()
+
+    def _settle(self, rule: str, action: str, name: str, entry: Entry) -> None:
+        count, first, first_seq, last, last_seq, best, best_step = entry
+        row = self._rule_action.get((rule, action))
+        if row is None:
+            row = self._rule_action[(rule, action)] = _RuleAction()
+        row.count += count
+        row.events += count
+        if row.first is None or first_seq < row.first_seq:
+            row.first, row.first_seq = first, first_seq
+        if last_seq > row.last_seq:
+            row.last, row.last_seq = last, last_seq
+        if best is not None and (row.best is None or best > row.best):
+            row.best, row.best_step = best, best_step
+        param = self._params.get(name)
+        if param is None:
+            param = self._params[name] = _Param()
+        param.count += count
+        if param.first is None or first_seq < param.first_seq:
+            param.first, param.first_seq = first, first_seq
+        if last_seq > param.last_seq:
+            param.last, param.last_seq = last, last_seq
+        param.rules[rule] = None
+        if best is not None:
+            if action in NORM_ACTIONS:
+                if param.norm is None or best > param.norm:
+                    param.norm, param.norm_step = best, best_step
+            elif action == "clip_value" and (param.element is None or best > param.element):
+                param.element, param.element_step = best, best_step
+        self.series[name] = self.series.get(name, 0) + count
 
     def _group_event(self, rule: str, names: list[str], step: int | None) -> None:
         """A group clip counts once for each of its parameters; events of one (rule, parameters) are pooled first."""

@@ -113,7 +113,7 @@ def loss_section(summary: AuditSummary) -> Section:
             largest = ", ".join(f"{value} {n:,}" for value, n in sorted(row.values.items()))
         what = "loss spike" if row.kind == "spike" else "non-finite loss"
         rows.append([what, row.action, f"{row.steps.events:,}", step_list(row.steps), largest])
-    lines = [] if rows else ["none"]
+    lines = [] if rows else ["watched at every step: no spike, no non-finite loss" if summary.loss_watched else "none"]
     if rows:
         lines.append("largest: the largest loss / reference of the spikes at its step (loss / reference, factor)")
     after = [f"not judged: {why}" for why in summary.loss_unseen]

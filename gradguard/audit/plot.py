@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gradguard.audit.fields import Malformed
 from gradguard.audit.filters import EventFilter, Filters
@@ -29,12 +29,17 @@ from gradguard.events.definitions import as_float
 from gradguard.policy.patterns import rule_matches
 from gradguard.policy.schema import ClipNorm, PolicyFields
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 __all__ = [
     "PLOT_SUFFIXES",
     "PlotCollector",
     "PlotUnavailable",
+    "draw_figure",
     "policy_thresholds",
     "require_matplotlib",
+    "steps_shown",
     "write_plot",
 ]
 
@@ -269,12 +274,30 @@ def pick_series(summary: AuditSummary, count: int) -> tuple[list[str], str]:
     return keep, action
 
 
+def steps_shown(summary: AuditSummary) -> tuple[int, int] | None:
+    """The plot's step axis: the steps the runs ran (the first guard's first step to the last one's last),
+    narrowed to ``--since``/``--until``; ``None`` where no step is known."""
+    low, high = summary.first_step, summary.last_step
+    if low is None or high is None:
+        return None
+    if summary.filters.since is not None:
+        low = max(low, summary.filters.since)
+    if summary.filters.until is not None:
+        high = min(high, summary.filters.until)
+    return (low, high) if low <= high else None
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, title: str) -> None:
     """Draw and save the figure (the format follows the file's suffix)."""
+    draw_figure(collector, summary, title).savefig(path, dpi=110)
+
+
+def draw_figure(collector: PlotCollector, summary: AuditSummary, title: str) -> Figure:
+    """The figure ``write_plot`` saves; its panels share the step axis (the last panel's)."""
     from matplotlib.figure import Figure
 
     health = any(bins.cells for bins in collector.health.values())
@@ -364,6 +387,10 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
         bottom.legend(
             loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", title="by rule", title_fontsize="small"
         )
+    span = steps_shown(summary)
+    if span is not None:
+        # The axis spans the steps the runs ran, not just those with events (a clean stretch writes none).
+        bottom.set_xlim(span[0] - 0.5, span[1] + 0.5)
     interventions = _plural(summary.intervention_count, "intervention")
     figure.suptitle(
         f"{title}: steps {summary.first_step}-{summary.last_step}, {interventions}, "
@@ -373,7 +400,7 @@ def write_plot(path: Path, collector: PlotCollector, summary: AuditSummary, titl
         f"{summary.nonfinite.events:,} non-finite",
         fontsize=11,
     )
-    figure.savefig(path, dpi=110)
+    return figure
 
 
 def _draw_loss(axis: Any, collector: PlotCollector) -> None:

@@ -25,8 +25,22 @@ from typing import Any, BinaryIO, Final, Union
 
 import msgspec
 
-from gradguard.audit.plausible import CHECKED_EVENTS, INT_LIMIT, invalid_text, out_of_range
-from gradguard.events.definitions import EVENT_DECODER, EVENTS, FOREIGN_DECODER, ForeignEvent, GuardEvent
+from gradguard.audit.plausible import (
+    CHECKED_EVENTS,
+    INT_LIMIT,
+    digit_limit,
+    invalid_text,
+    long_digit_run,
+    out_of_range,
+)
+from gradguard.events.definitions import (
+    EVENT_DECODER,
+    EVENTS,
+    FOREIGN_DECODER,
+    ForeignEvent,
+    GuardEvent,
+    Intervention,
+)
 
 __all__ = [
     "MAX_LINE_BYTES",
@@ -126,6 +140,8 @@ def read_line(raw: bytes, error: Exception | None = None) -> AnyEvent | str | No
     """
     if not raw.isascii() and (why := invalid_text(raw)) is not None:
         return why
+    if (refused := _refused(raw, digit_limit())) is not None:
+        return refused
     if error is None:
         try:
             event: AnyEvent = EVENT_DECODER.decode(raw)
@@ -175,6 +191,23 @@ def parse_line(raw: bytes) -> dict[str, Any] | str | None:
     if step is not None and (type(step) is not int or step < 0):
         return f"gradguard {event!r} event with an invalid 'step' ({step!r}; expected an integer >= 0)"
     return obj
+
+
+def _refused(raw: bytes, limit: int) -> str | None:
+    """Why the standard library's ``json`` refuses ``raw``, where it may hold an integer of more than ``limit`` digits
+    (``gradguard.audit.plausible.long_digit_run``); else ``None``."""
+    if not long_digit_run(raw, limit):
+        return None
+    parsed = parse_line(raw)
+    return parsed if isinstance(parsed, str) else None
+
+
+def _longest(lines: Sequence[bytes | None]) -> int:
+    """The length of the longest line of ``lines`` (an over-long one, ``None``, is not read)."""
+    try:
+        return max(map(len, lines), default=0)  # type: ignore[arg-type]
+    except TypeError:
+        return max((len(line) for line in lines if line is not None), default=0)
 
 
 def _first_words(exc: BaseException) -> str:
@@ -284,12 +317,20 @@ class _FileState:
         index = self.index
         last_step = self.last_step
         decode = EVENT_DECODER.decode
+        clip, record, int_limit = Intervention, Record, INT_LIMIT  # locals: looked up once a line
+        limit = digit_limit()
+        # Only a line longer than the limit can hold an integer the standard library refuses: one pass in C over
+        # the lengths spares a clean log's short lines the check.
+        digits = bool(limit) and _longest(lines) > limit
         for number, raw in enumerate(lines, first_number):
             if raw is None:
                 self.stats.bad_line(self.name, number, _OVERLONG)
                 continue
             if screen and not raw.isascii() and (why := invalid_text(raw)) is not None:
                 self.stats.bad_line(self.name, number, why, raw)
+                continue
+            if digits and len(raw) > limit and (refused := _refused(raw, limit)) is not None:
+                self.stats.bad_line(self.name, number, refused, raw)
                 continue
             try:
                 event: AnyEvent = decode(raw)
@@ -301,6 +342,14 @@ class _FileState:
                     self.stats.bad_line(self.name, number, checked, raw)
                     continue
                 event = checked
+            if type(event) is clip:
+                # Most lines: their integers, the step, rank and group size, are compared here and now.
+                clip_step = event.step
+                n_params = event.n_params
+                if clip_step < int_limit and 0 <= event.rank < int_limit and (n_params is None or n_params < int_limit):
+                    last_step = clip_step
+                    append(record(clip_step, index, number, event))
+                    continue
             step = getattr(event, "step", None)
             # Inline for speed: a step, rank or group size past 64 bits, or an event with other integers or
             # containers (the rare ones), is checked through (gradguard.audit.plausible).
@@ -314,7 +363,7 @@ class _FileState:
                 continue
             if step is not None:
                 last_step = step
-            append(Record(last_step, index, number, event))
+            append(record(last_step, index, number, event))
         self.last_step = last_step
         self.events += len(out)
         self.stats.events[self.name] += len(out)

@@ -176,7 +176,7 @@ def audit_sections(summary: AuditSummary, top: int = 10) -> list[Section]:
     if summary.rewinds_total:
         sections.append(rewinds_section(summary))
     sections.append(skips_section(summary))
-    if summary.loss or summary.loss_unseen:
+    if summary.loss or summary.loss_unseen or summary.loss_watched:
         sections.append(loss_section(summary))
     if summary.reruns or summary.rerun_notes:
         sections.append(rerun_section(summary))

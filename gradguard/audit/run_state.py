@@ -10,12 +10,13 @@ from __future__ import annotations
 from typing import Final
 
 from gradguard.audit.summary import Counts
-from gradguard.events.counters import LOSS_RULE, SCALER_RULE
+from gradguard.events.counters import LOSS_RULE, RERUN_RULE, SCALER_RULE
 from gradguard.events.definitions import Intervention
 
 __all__ = [
     "LOSS_KEYS",
     "RECOMPUTABLE_ACTIONS",
+    "RERUN_KEYS",
     "SCALER_KEY",
     "LastIntervention",
     "RunState",
@@ -34,6 +35,8 @@ SCALER_KEY: Final = (SCALER_RULE, "skip")
 """The rule name the policy's ``loss`` section counts and logs under."""
 LOSS_KEYS: Final = frozenset({(LOSS_RULE, "spike"), (LOSS_RULE, "nonfinite"), (LOSS_RULE, "halt")})
 """The ``loss`` section's counters: one ``loss_spike``, ``loss_nonfinite`` or ``halt`` event each."""
+RERUN_KEYS: Final = frozenset({(RERUN_RULE, "transient"), (RERUN_RULE, "reproducible"), (RERUN_RULE, "halt")})
+"""The ``rerun`` section's counters: one ``rerun`` event per verdict, one ``halt`` (``transient: halt``) each."""
 
 LastIntervention = tuple[int | None, str, str, str | int, float | None] | Intervention
 """(step, rule, action, parameter or group size, value before) of an intervention, or the ``intervention`` event
@@ -42,7 +45,7 @@ of one tensor's clip itself (kept as it is: most lines are one, and few are ever
 
 def recomputable(key: tuple[str, str]) -> bool:
     """Whether the events reproduce the counter ``key`` = (rule, action)."""
-    return key[1] in RECOMPUTABLE_ACTIONS or key == SCALER_KEY or key in LOSS_KEYS
+    return key[1] in RECOMPUTABLE_ACTIONS or key == SCALER_KEY or key in LOSS_KEYS or key in RERUN_KEYS
 
 
 class RunState:
@@ -57,6 +60,8 @@ class RunState:
         self.params: int | None = None
         self.rule_order: list[str] | None = None
         self.rules_matched: dict[str, int] = {}
+        self.loss_watched = False
+        """The attach event holds a ``loss`` section: the loss was judged at every step."""
         self.snapshot_memory: str | None = None
         """Where recovery's snapshots lived and their bytes, from the attach event."""
         self.first_step: int | None = None
@@ -64,6 +69,8 @@ class RunState:
         self.steps: int | None = None
         self.start_step = 0
         """The step the guard attached at (a resumed run's): its own steps are counted from there."""
+        self.attached = False
+        """Whether the log holds the run's ``attach`` event (else its first step is its first event's)."""
         self.first_ts: str | None = None
         self.last_ts: str | None = None
         self.events = 0

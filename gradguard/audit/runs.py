@@ -13,7 +13,7 @@ from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import RunInfo, joined_stretches
 from gradguard.events.definitions import Attach, Detach
 
-__all__ = ["RunTable", "seconds_between", "snapshot_memory"]
+__all__ = ["RunTable", "ran_steps", "seconds_between", "snapshot_memory"]
 
 
 class RunTable:
@@ -54,9 +54,11 @@ class RunTable:
     def attach(self, event: Attach, run: RunState, record: Record) -> None:
         run.model, run.policy, run.params = event.model, event.policy, event.params
         run.start_step = event.start_step
+        run.attached = True
         run.rule_order = list(event.rules)
         run.rules_matched = dict(event.rules)
         run.snapshot_memory = snapshot_memory(event.recovery)
+        run.loss_watched = event.loss is not None
 
     def detach(self, event: Detach, run: RunState, record: Record) -> None:
         run.detach_reason = event.reason
@@ -78,9 +80,10 @@ class RunTable:
             ended = f"halted at step {run.halted_at[-1]}; no detach event"
         else:
             ended = "no detach event: still running, or the process died"
+        first_step, last_step = ran_steps(run)
         steps = run.steps  # the guard's step count: a resumed run's began at its start_step, not 0
-        if steps is None and run.last_step is not None:
-            steps = run.last_step + 1
+        if steps is None and last_step is not None:
+            steps = last_step + 1
         if steps is not None:
             steps = max(steps - run.start_step, 0)  # the steps this run ran
         return RunInfo(
@@ -90,8 +93,8 @@ class RunTable:
             model=run.model,
             policy=run.policy,
             params=run.params,
-            first_step=run.first_step,
-            last_step=run.last_step,
+            first_step=first_step,
+            last_step=last_step,
             steps=steps,
             start=run.first_ts,
             end=run.last_ts,
@@ -107,6 +110,24 @@ class RunTable:
             rewinds=run.rewinds,
             unlearned_steps=joined_stretches(run.rewound),
         )
+
+
+def ran_steps(run: RunState) -> tuple[int | None, int | None]:
+    """The first and last steps ``run`` ran: from the step its guard attached at, to the last its guard counted.
+
+    Most steps write no event (a clean step writes nothing until the next ``counters``), so the steps of a run's
+    events start at its first intervention: the attach event's ``start_step`` and the ``steps`` count of the
+    ``counters``/``detach`` events say where it really began and ended. A log without the attach event (cut at
+    its start) falls back on the first event's step.
+    """
+    first, last = run.first_step, run.last_step
+    if run.attached and (first is None or run.start_step < first):
+        first = run.start_step
+    if run.steps is not None and run.steps > run.start_step and (last is None or run.steps - 1 > last):
+        last = run.steps - 1  # ``steps`` is the next step the guard would treat
+    if last is None:
+        return None, None  # attached, but no step is known to have run
+    return first, last
 
 
 def snapshot_memory(recovery: dict[str, Any] | None) -> str | None:

@@ -8,6 +8,7 @@ from gradguard.audit.layout import name_list as _names
 from gradguard.audit.layout import plural as _plural
 from gradguard.audit.loss_report import loss_skip_causes
 from gradguard.audit.summary import AuditSummary
+from gradguard.events.counters import RERUN_RULE
 
 __all__ = ["halts_section", "rewinds_section", "skips_section"]
 
@@ -20,7 +21,10 @@ def halts_section(summary: AuditSummary) -> Section:
     lines = []
     for halt in summary.halts:
         where = f" in {_plural(halt.n_params, 'parameter')}: {_names(halt.params, 5, halt.n_params)}"
-        lines.append(f"step {halt.step}: rule {halt.rule!r} halted on {halt.kind}" + (where if halt.n_params else ""))
+        what = f"rule {halt.rule!r} halted on {halt.kind}"
+        if halt.rule == RERUN_RULE and halt.kind == "transient":
+            what = "the rerun section halted on a transient fault (the step computed again differed)"
+        lines.append(f"step {halt.step}: {what}" + (where if halt.n_params else ""))
         if halt.reason:
             lines.append(f"    reason: {halt.reason}")
         if halt.restored_to is not None:

@@ -390,6 +390,8 @@ class AuditSummary:
     """The ``loss`` section's spikes and non-finite losses, one row per kind and action."""
     loss_unseen: list[str] = field(default_factory=list)
     """What the ``loss`` section could not judge (``loss_unseen`` events: each run says it once)."""
+    loss_watched: bool = False
+    """Some run's policy had a ``loss`` section (its attach event says so), whether or not it fired."""
     reruns: list[RerunRow] = field(default_factory=list)
     """The ``rerun`` section's re-runs, one row per verdict."""
     rerun_ranks: dict[int, StepList] = field(default_factory=dict)

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 
 from gradguard.audit.render import Section, Table, short_path
+from gradguard.cli.explain_policy import loss_halts
 from gradguard.enforce.snapshot_memory import memory_text, memory_where, readable_bytes
 from gradguard.errors import GradGuardError, PolicyError
 from gradguard.policy.document import Policy
@@ -235,6 +236,9 @@ class Explanation:
             for i, rule in enumerate(rules)
             if can_halt(rule)
         ]
+        loss = loss_halts(self.policy.loss)
+        if loss:
+            out["rules_that_rewind"].append({"rule": "loss", "params": None, "how": loss})
         out["where"] = memory_where(recovery.memory)
         snapshot = self.snapshot
         if snapshot is not None:
@@ -474,7 +478,10 @@ def _recovery_section(expl: Explanation) -> Section | None:
     for i, rule in rewinding:
         params = len(expl.members[i])
         lines.append(f"rule {rule.name!r} ({params:,} params) rewinds on " + "; ".join(_halting_actions(rule)))
-    if rewinding and not any(expl.members[i] for i, _ in rewinding):
+    loss = loss_halts(expl.policy.loss)
+    if loss:
+        lines.append("the loss section rewinds on " + "; ".join(loss))
+    if rewinding and not loss and not any(expl.members[i] for i, _ in rewinding):
         lines.append(
             "note: no rule that can halt covers a parameter of this model; only a GradScaler overflow can rewind"
         )

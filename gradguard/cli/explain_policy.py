@@ -13,6 +13,7 @@ from typing import Any
 from gradguard.audit.layout import Section, Table
 from gradguard.policy.document import Policy
 from gradguard.policy.schema import can_halt
+from gradguard.policy.sections import Loss
 
 __all__ = ["MODEL_ADDS", "policy_header", "policy_json", "policy_sections", "top_level_sections"]
 
@@ -80,10 +81,32 @@ def _section_lines(policy: Policy, name: str) -> list[str]:
             "the next halt restores the snapshot and halts"
         )
         halting = [rule.name for rule in policy.rules if can_halt(rule)]
-        lines.append(
-            "rules that can halt, and so rewind: " + (", ".join(halting) if halting else "none (only its loss section)")
-        )
+        loss = loss_halts(policy.loss)
+        if loss:
+            halting.append(f"the loss section ({'; '.join(loss)})")
+        lines.append("rules that can halt, and so rewind: " + (", ".join(halting) if halting else "none"))
     return lines
+
+
+def loss_halts(loss: Loss | None) -> list[str]:
+    """How the ``loss`` section can halt, and so rewind under a ``recovery`` section, in words (none: it cannot)."""
+    if loss is None:
+        return []
+    how = []
+    if loss.nonfinite == "halt":
+        how.append("nonfinite: halt: a NaN/Inf loss")
+    spike = loss.spike
+    if spike is not None:
+        if spike.action == "halt":
+            how.append(f"spike action halt: a loss above {spike.factor:g}x its reference")
+        limits = []
+        if spike.max_consecutive_skips is not None:
+            limits.append(f"more than {spike.max_consecutive_skips} spike skips in a row")
+        if spike.max_skips is not None:
+            limits.append(f"more than {spike.max_skips} spike skips in {spike.window_steps} steps")
+        if spike.action == "skip" and limits:
+            how.append(f"spike skips past their limits ({' or '.join(limits)})")
+    return how
 
 
 def _word(value: Any) -> str:

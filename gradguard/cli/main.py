@@ -76,11 +76,14 @@ def validate(policies: tuple[Path, ...]) -> None:
     A POLICY is a file, or the name of a shipped policy (`gradguard policies`); a path that exists wins.
 
     Every problem is printed with its file, line, field, what was given and what is expected.
+    What a valid policy can never do (a rerun verdict nothing gives, a pattern that can only match a
+    parameter on the model itself) is printed as a warning, with exit 0.
     Exit 1 if any file is invalid. JSON Schema files (*.schema.json, as `gradguard schema` writes
     beside the policies) are skipped, so `gradguard validate policies/*` checks the policies alone.
     Does not import torch.
     """
     from gradguard.errors import PolicyError
+    from gradguard.policy.advice import policy_warnings
     from gradguard.policy.document import Policy
 
     invalid = 0
@@ -98,6 +101,8 @@ def validate(policies: tuple[Path, ...]) -> None:
         names = ", ".join(rule.name for rule in policy.rules)
         count = len(policy.rules)
         click.echo(f"{path}: ok ({count} rule{'s' if count != 1 else ''}: {names}{_also_sections(policy)})")
+        for warning in policy_warnings(policy):
+            click.echo(f"{path}: warning: {warning}")
     if len(checked) > 1:
         click.echo(f"{len(checked) - invalid} of {len(checked)} policy files valid")
     sys.exit(1 if invalid else 0)

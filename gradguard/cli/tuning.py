@@ -48,8 +48,23 @@ __all__ = ["replay", "suggest"]
     help="Also propose a loss section (a NaN/Inf loss or a loss spike skips the step) whose spike.factor comes "
     "from the recorded losses, as the norms' thresholds do.",
 )
+@click.option(
+    "--policy",
+    "run_policy",
+    type=POLICY,
+    metavar="POLICY",
+    help="The policy the run used: the suggestion keeps its recovery, rerun and loss sections (a --loss "
+    "section replaces the latter) and halts on a NaN/Inf gradient where it did. Without it, the recovery section "
+    "of the log's attach event is kept, and a NaN/Inf gradient halts (so rewinds) under it.",
+)
 def suggest(
-    logs: tuple[Path, ...], output: Path | None, budget: float, z: float, merge_within: float, loss: bool
+    logs: tuple[Path, ...],
+    output: Path | None,
+    budget: float,
+    z: float,
+    merge_within: float,
+    loss: bool,
+    run_policy: Path | None,
 ) -> None:
     """Propose a policy from the gradient norms a run recorded: a clip per family of parameters.
 
@@ -59,16 +74,18 @@ def suggest(
     Parameters are grouped into families by name (layer indices folded), families with alike norms
     are merged, and each gets a per-tensor clip_norm set from the median and spread of its
     log-norms, so that on the recorded run the clips act on spikes and on at most --budget of the
-    ordinary steps. Every parameter gets a non-finite rule. Each number is explained in a comment.
+    ordinary steps. Every parameter gets a non-finite rule (skip the step; halt where the run's policy
+    halted or had a recovery section, which is kept). Each number is explained in a comment.
     Exit 2 if the logs hold no per-tensor norms. The suggestion is replayed on the logs before it is
     written (that check imports torch).
     """
+    keep = load_policy(run_policy) if run_policy is not None else None
     from gradguard.tuning.suggest import NoNorms, suggest_files
 
     skip_the_exit_collection()
 
     try:
-        suggestion = suggest_files(list(logs), budget=budget, z=z, merge_within=merge_within, loss=loss)
+        suggestion = suggest_files(list(logs), budget=budget, z=z, merge_within=merge_within, loss=loss, keep=keep)
     except NoNorms as exc:
         fail(str(exc))
     except OSError as exc:

@@ -50,7 +50,8 @@ class TreatAfterClosure:
         self.optimizer_name = type(optimizer).__name__
         self.calls = 0
         self.rerun = rerun
-        """Where the policy has a ``rerun`` section: the RNG states kept before the closure, to compute it again."""
+        """Where the policy has a ``rerun`` section: the RNG states, gradients and loss roots kept before the closure,
+        to compute the whole step again."""
 
     def __call__(self) -> Any:
         self.calls += 1
@@ -66,12 +67,10 @@ class TreatAfterClosure:
             self.treat()
             return loss
         try:
-            loss = self.rerun.first(self.closure)
-            self.treat()
+            return self.rerun.first(self.closure, self.treat)
         except RerunRequested:  # at the treat, or at a boundary inside the closure (Lightning's)
-            loss = self.rerun.again(self.closure)  # the same batch, the same random numbers: a second computation
-            self.treat()
-        return loss
+            # The same batch, the same random numbers, from what the step had before the closure: the whole step again.
+            return self.rerun.again(self.closure, self.treat)
 
 
 def refuse_reevaluating(optimizer: Optimizer) -> None:

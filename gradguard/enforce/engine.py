@@ -15,7 +15,7 @@ reports: counters, events, a halt or a skip. What an action does lives in its ke
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -37,12 +37,12 @@ from gradguard.enforce.rerun import Figures, Reruns
 from gradguard.enforce.scaler import adopt_fused_scaler, read_found_inf, stepped_when_skipped
 from gradguard.enforce.statistics import Statistics
 from gradguard.enforce.step import Carry, Pending, StepContext, StepOutcome, StepWork
-from gradguard.enforce.tensors import version_of
+from gradguard.enforce.tensors import version_of, without_grad
 from gradguard.enforce.verdicts import Verdicts
 from gradguard.errors import GradientHalt, GuardStateError
 from gradguard.events.counters import RERUN_RULE, SCALER_RULE, Counters
 from gradguard.events.log import EventLog
-from gradguard.policy.matching import Binding
+from gradguard.policy.matching import Binding, GuardedParam
 
 __all__ = ["Enforcer"]
 
@@ -81,6 +81,7 @@ class Enforcer:
         """The adaptive actions' statistics across steps (changed only by applied steps)."""
         self.recovery = Recovery(self.statistics, self.skip_limits, counters)
         """Snapshots and rewinds (the policy's ``recovery`` section)."""
+        self.recovery.events = events
         self.verdicts = Verdicts(counters, events, self.skip_limits, self.recovery)
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
         """``(weakref to grad, version, held)`` per tensor: a gradient treated and unchanged since is not treated
@@ -95,7 +96,7 @@ class Enforcer:
         self.carry = Carry()  # applied steps' figures that came after their read, for the next read (or detach)
         self.fused = FusedUpdate()  # a step whose read waits for a fused optimizer's update
 
-    @torch.no_grad()
+    @without_grad
     def run(self, plan: Plan, context: StepContext) -> bool:
         """Treat the current gradients of ``plan``'s tensors; return False if the step must be skipped.
 
@@ -154,12 +155,12 @@ class Enforcer:
         judged = self.binding.policy.loss
         watched = judged is not None or sampled or self.binding.policy.rerun is not None
         self.loss_watch.begin(work, watched, self.events, judged)
-        self._apply_actions(plan, work, everyone)
+        apply_actions(plan, work, everyone, self.micro_batch)
         if self.provenance is not None:
             self.provenance.report(work)  # last: its reader sees the step's non-finite verdict
         return work
 
-    @torch.no_grad()
+    @without_grad
     def _conclude(self, work: StepWork, context: StepContext) -> bool:
         """The step's one read, and its verdict."""
         grads, wrapped, step = work.grads, work.wrapped, work.step
@@ -172,6 +173,9 @@ class Enforcer:
         if work.pending.quiet is not None:
             self.fused.check(work, self.loss_watch.peek(self.binding.policy.loss, work.outcome.loss))
         outcome = work.outcome
+        self.reruns.settle(
+            self.binding.policy, self.loss_watch, self.events, work, context
+        )  # a suspect step that cannot be computed again whole: said so
         rerun_or_compare(self, work, context)  # a suspect step may be computed again before anything is said
         if outcome.observed and not outcome.scaler_found_inf:
             self.health.report(outcome.observed, step, outcome.loss)  # the gradient as it arrived, before a verdict
@@ -224,31 +228,6 @@ class Enforcer:
         entries = zip(map(weakref.ref, owners), map(version_of, local), repeat(held))
         self.applied_versions.update(zip(grads, entries, strict=True))
 
-    def _apply_actions(self, plan: Plan, work: StepWork, everyone: int) -> None:
-        """Each active rule's actions, in policy order, through their kernels."""
-        grads, step, micro_batch = work.grads, work.step, self.micro_batch
-        in_hooks = handled_in_hooks if micro_batch is not None else None
-        for position, ((bound, members), member_ids) in enumerate(zip(plan.rules, plan.member_ids, strict=True)):
-            if not bound.rule.active_at(step) or all(_passive(kernel_for(a)) for a in bound.actions):
-                continue  # inactive, or it only watches (halt/skip: its verdict came with the raw norms) or observes
-            if len(grads) == everyone:
-                ids = list(member_ids)
-            else:
-                ids = [entry.index for entry in members if entry.index in grads]
-            if not ids:
-                continue
-            for action_index, action in enumerate(bound.actions):
-                kernel = kernel_for(action)
-                if _passive(kernel) or not plan.acts(position, action, step, in_hooks):
-                    continue
-                work.final = plan.final_ids(position, action_index, ids, step, in_hooks)
-                holds = len(work.final) < len(ids) and not work.sharded and kernel.may_hold(action)
-                work.held = plan.held_ids(position, action_index, ids, step, in_hooks) if holds else frozenset()
-                if not kernel.apply(work, bound, action, ids):
-                    break
-                work.touched.update([i for i in ids if i not in work.held] if work.held else ids)
-        work.final = work.held = frozenset()
-
     def seal_explicit(self) -> None:
         """The optimizer has stepped: gradients treated at an explicit boundary count as treated only while unchanged,
         so the next backward (into them in place, after ``zero_grad(set_to_none=False)``) is treated again."""
@@ -256,10 +235,10 @@ class Enforcer:
         if not self._explicit_marks:
             return
         self._explicit_marks = False
-        for index, (ref, _, held) in list(self.applied_versions.items()):
-            grad = ref()
-            if held and grad is not None:
-                self.applied_versions[index] = (ref, local_tensor(grad)._version, False)
+        applied, plain = self.applied_versions, torch.Tensor  # locals: a loop per tensor, once per step
+        for index, (ref, _, held) in list(applied.items()):
+            if held and (grad := ref()) is not None:
+                applied[index] = (ref, (grad if type(grad) is plain else local_tensor(grad))._version, False)
 
     def clipped(self) -> None:
         """The loop's clip has changed the gradients treated at its boundary: that is not a new gradient.
@@ -274,6 +253,8 @@ class Enforcer:
 
     def rebind(self, binding: Binding, keep: dict[int, int] | None = None) -> None:
         """Switch to a new binding; tensor indices start afresh, or follow ``keep`` (old index -> new)."""
+        if binding.policy.recovery != self.binding.policy.recovery:
+            self.recovery.reconfigure(binding.policy.recovery)  # what it no longer asks for is given back now
         self.binding = binding
         keep = keep or {}
         self.applied_versions = {keep[i]: seen for i, seen in self.applied_versions.items() if i in keep}
@@ -327,6 +308,15 @@ class Enforcer:
                 self.record_scaler_skip((entry.index for entry in plan.params), loss_scale=scale)
             except RewindRequested as request:
                 self.verdicts.rewound(request, context)
+
+    def release(self) -> None:
+        """The guard is removed: give back every tensor it holds across steps (snapshots, staging buffers, adaptive
+        statistics, the last step's norms) at once, with no help from the garbage collector. Counters, ``state_dict``
+        and ``metrics`` stay readable."""
+        self.fused.discard()
+        self.known_norms.clear()
+        self.recovery.release()
+        self.statistics.release()
 
     def pass_step(self) -> bool:
         """``guard.pass_step()``: the coming step lies in a rewind's window; count it without its gradients."""
@@ -399,6 +389,29 @@ def gather(
     return grads, wrapped
 
 
+def apply_actions(plan: Plan, work: StepWork, everyone: int, micro_batch: MicroBatchHooks | None) -> None:
+    """Each active rule's actions, in policy order, through their kernels."""
+    grads, step = work.grads, work.step
+    in_hooks = handled_in_hooks if micro_batch is not None else None
+    for position, ((bound, members), member_ids) in enumerate(zip(plan.rules, plan.member_ids, strict=True)):
+        if not bound.rule.active_at(step) or all(_passive(kernel_for(a)) for a in bound.actions):
+            continue  # inactive, or it only watches (halt/skip: its verdict came with the raw norms) or observes
+        ids = _present(member_ids, members, grads, everyone)
+        if not ids:
+            continue
+        for action_index, action in enumerate(bound.actions):
+            kernel = kernel_for(action)
+            if _passive(kernel) or not plan.acts(position, action, step, in_hooks):
+                continue
+            work.final = plan.final_ids(position, action_index, ids, step, in_hooks)
+            holds = len(work.final) < len(ids) and not work.sharded and kernel.may_hold(action)
+            work.held = plan.held_ids(position, action_index, ids, step, in_hooks) if holds else frozenset()
+            if not kernel.apply(work, bound, action, ids):
+                break
+            work.touched.update([i for i in ids if i not in work.held] if work.held else ids)
+    work.final = work.held = frozenset()
+
+
 def observe(plan: Plan, work: StepWork, everyone: int) -> bool:
     """Every observing action (``monitor``) that samples this step, on the gradients as they arrived; whether
     one did."""
@@ -408,14 +421,18 @@ def observe(plan: Plan, work: StepWork, everyone: int) -> bool:
         kernel = kernel_for(action)
         if not bound.rule.active_at(step) or not kernel.samples(action, step):
             continue
-        if len(grads) == everyone:
-            ids = list(plan.member_ids[position])
-        else:
-            ids = [entry.index for entry in members if entry.index in grads]
+        ids = _present(plan.member_ids[position], members, grads, everyone)
         if ids:
             kernel.observe(work, bound, action, ids)
             sampled = True
     return sampled
+
+
+def _present(
+    member_ids: Sequence[int], members: Sequence[GuardedParam], grads: dict[int, torch.Tensor], everyone: int
+) -> list[int]:
+    """A rule's tensors that have a gradient in this pass: all of them while every tensor of the plan has one."""
+    return list(member_ids) if len(grads) == everyone else [entry.index for entry in members if entry.index in grads]
 
 
 def _passive(kernel: ActionKernel) -> bool:
@@ -434,6 +451,7 @@ def rerun_or_compare(enforcer: Enforcer, work: StepWork, context: StepContext) -
     if reruns.first is not None and reruns.step == step:
         asked = reruns.asked
         first_loss = reruns.first.loss
+        first_norms = reruns.first.norms
         device = next(iter(work.grads.values())).device
         result = reruns.compare(config, Figures(outcome.loss, norms), work.collective, device)
         enforcer.counters.add(RERUN_RULE, result.verdict)
@@ -444,14 +462,34 @@ def rerun_or_compare(enforcer: Enforcer, work: StepWork, context: StepContext) -
         if result.verdict == "reproducible":
             outcome.note = f"computed again, the fault repeated (reproducible; asked by {asked})"
         elif config.transient == "halt":
-            why = f"a transient fault: computed again, step {step} differed (max relative difference "
-            why += f"{result.max_rel_diff:.3g}; ranks {result.ranks}); drain the node"
+            # What the first computation held in each parameter that differed: the fault the second one did not
+            # repeat (a non-finite norm, else a finite one that came out otherwise).
+            kinds: dict[str, str] = {}
+            for name in result.params:
+                value = first_norms.get(name)
+                if value is not None and value != value:
+                    kinds[name] = "nan"
+                elif value is not None and abs(value) == float("inf"):
+                    kinds[name] = "inf"
+                else:
+                    kinds[name] = "differed"
+            second_loss = outcome.loss
+            losses = ""
+            if first_loss is not None and second_loss is not None:
+                losses = f"; loss {first_loss:.6g} then {second_loss:.6g}"
+            ranks = f"; on rank(s) {', '.join(map(str, result.ranks))}" if result.ranks else ""
+            why = (
+                f"the rerun section (transient: halt) computed step {step} again, asked by {asked}, and the second "
+                f"computation differed from the first (max relative difference {result.max_rel_diff:.3g}{losses}"
+                f"{ranks}): a transient fault, not the model's. The device is suspect: drain the node and resume "
+                "from the last checkpoint, or set rerun.transient: continue to go on with the second computation"
+            )
             # Not a rewind: the state is sound, the device is not.
             enforcer.counters.add(RERUN_RULE, "halt")
-            fields = HaltReport(step, RERUN_RULE, [], {}, "transient", why, None).fields()
+            fields = HaltReport(step, RERUN_RULE, result.params, kinds, "transient", why, None).fields()
             enforcer.events.emit("error", "halt", **fields, counters=enforcer.counters.snapshot())
             enforcer.events.flush()
-            raise GradientHalt(step=step, params=[], kind="transient", rule=RERUN_RULE, reason=why)
+            raise GradientHalt(step=step, params=result.params, kind="transient", rule=RERUN_RULE, reason=why)
         return
     loss_peek = enforcer.loss_watch.peek(policy.loss, outcome.loss)
     asked = reruns.trigger(config, outcome, loss_peek)

@@ -5,6 +5,7 @@ figure taken from its input and parameters), and which tensors a module's argume
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 STRIDED = torch.strided  # sparse tensors (Embedding(sparse=True) gradients) are left out: no norm kernel
 
 
@@ -58,8 +60,14 @@ def total(tensor: torch.Tensor) -> torch.Tensor:
     Inf if any is infinite or if the sum overflows (a finite tensor whose elements add up beyond ~3e38,
     far rarer than the 2-norm's overflow). Half the cost of the 2-norm on CPU; no sync."""
     # A plain tensor (every one but FSDP2's) skips the DTensor test: this runs for every hooked module at every step.
-    local = (tensor if type(tensor) is torch.Tensor else local_tensor(tensor)).detach()
-    total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
+    local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
+    # Grad mode off around the sum, not a detach (a dispatch of its own): two C calls.
+    enabled = _grad_enabled()
+    _set_grad_enabled(False)
+    try:
+        total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
+    finally:
+        _set_grad_enabled(enabled)
     return total
 
 
@@ -139,69 +147,90 @@ HELD_BYTES = 4 * 2**20
 """An output of at most this many bytes is not reduced in its hook but held, and reduced with the others at the end
 of the model's forward (``HeldOutputs``): on a GPU a small tensor's reduction costs its launch, not its bytes."""
 
-_HELD_TOTAL = 64 * 2**20
-"""Bytes held at most before they are reduced (the outputs a later module no longer needs are kept alive until then)."""
-
 
 class HeldOutputs:
     """The light trace's small outputs, reduced together (one max-abs ``_foreach_norm`` per device and dtype) instead
     of one sum launched per hooked module: 23 launches a forward become 2 or 3 on a small GPT, where each costs
     about 26 us of host time on an H200's host and the step is launch-bound.
 
-    A held output's figure is taken from its values at the end of the forward, so it must not have changed since
-    its module returned. A module's outputs are held only after a forward in which they were reduced in the hook
-    and watched, and came to its end unchanged (same version); a module whose output changed in place after it (a
-    ``ReLU(inplace=True)`` after it, ``x += ...`` on it) is reduced in its hook for good. If a held output still
-    changes (in-place code that runs on some steps only), its figure is a finite 0 for that step: the trace names a
-    later module, or none, rather than blame one for what came after it; and that module is reduced in its hook
-    from then on.
+    Outputs are held weakly: a held output costs no memory, because it is read only if the forward keeps it alive by
+    itself (autograd saved it for backward, or the caller still holds it). Holding one strongly would keep every
+    output nobody saves (an embedding's output fed to an add, a residual branch) alive to the end of the forward,
+    at the step's peak. A module's outputs are held only after a forward in which they were reduced in the hook and
+    watched, and came to its end alive and unchanged (same version); a module whose output was freed before the end
+    of the forward, or changed in place after it (a ``ReLU(inplace=True)`` after it, ``x += ...`` on it), is reduced
+    in its hook for good. If a held output is still freed or changed on a later forward (code that runs on some
+    steps only), its figure is a finite 0 for that step: the trace names a later module, or none, rather than blame
+    one for what came after it; and that module is reduced in its hook from then on.
     """
 
     def __init__(self) -> None:
-        self._held: list[tuple[int, int, torch.Tensor, int]] = []
+        self._held: list[tuple[int, int, weakref.ReferenceType[torch.Tensor], int]] = []
         """(position among the figures, module index, output, its version when recorded)."""
-        self._watched: list[tuple[int, torch.Tensor, int]] = []
-        """(module index, output, its version) of outputs reduced in the hook, to see whether they stay unchanged."""
-        self._bytes = 0
+        self._watched: list[tuple[int, weakref.ReferenceType[torch.Tensor], int]] = []
+        """(module index, output, its version) of outputs reduced in the hook, to see whether they stay alive and
+        unchanged."""
         self._unchanged: set[int] = set()
-        """Modules whose outputs came to the end of a watched forward unchanged: held from then on."""
+        """Modules whose outputs came to the end of a watched forward alive and unchanged: held from then on."""
         self.in_hook: set[int] = set()
-        """Modules whose outputs are reduced in the hook: a later in-place change was seen on one of them."""
+        """Modules whose outputs are reduced in the hook: one was freed before the end of the forward, or changed in
+        place after its module returned."""
+        self.fast: set[int] = set()
+        """Held modules (``_unchanged``, not ``in_hook``) whose hook may hold a plain small output with no more checks
+        (``hold_known``): the light trace's common case, where a step is host-bound."""
+        self._never_fast: set[int] = set()
+
+    def never_fast(self, indices: set[int]) -> None:
+        """Modules whose outputs need the hook's checks at every forward (a Linear's figure may come from its input)."""
+        self._never_fast |= indices
+        self.fast -= indices
+
+    def hold_known(self, figures: list[torch.Tensor], tensor: torch.Tensor, index: int) -> None:
+        """``hold`` for a module of ``fast`` and a plain floating-point output of at most ``HELD_BYTES``."""
+        self._held.append((len(figures), index, weakref.ref(tensor), tensor._version))
+        figures.append(device_constant(0.0, torch.float32, tensor.device))
 
     def hold(self, figures: list[torch.Tensor], tensor: torch.Tensor, index: int) -> bool:
         """Hold ``tensor`` (its figure's place in ``figures`` kept by a 0 until ``reduce``), or False: reduce it now."""
-        size = tensor.numel() * tensor.element_size()
-        if size > HELD_BYTES or index in self.in_hook or tensor.is_complex():
+        if index in self.in_hook or tensor.numel() * tensor.element_size() > HELD_BYTES or tensor.is_complex():
             return False
-        held = index in self._unchanged
-        if held:
-            self._held.append((len(figures), index, tensor, tensor._version))
+        if index in self._unchanged:
+            self._held.append((len(figures), index, weakref.ref(tensor), tensor._version))
             figures.append(device_constant(0.0, torch.float32, tensor.device))
-        else:
-            self._watched.append((index, tensor, tensor._version))
-        self._bytes += size
-        if self._bytes > _HELD_TOTAL:
-            self.reduce(figures)
-        return held
+            return True
+        self._watched.append((index, weakref.ref(tensor), tensor._version))
+        return False
 
     def reduce(self, figures: list[torch.Tensor]) -> None:
         """Put each held output's figure (its max-abs: NaN or Inf exactly when an element is) into ``figures``."""
         held, watched = self._held, self._watched
         self.drop()
-        for index, tensor, version in watched:
-            (self._unchanged if tensor._version == version else self.in_hook).add(index)
+        for index, ref, version in watched:
+            tensor = ref()
+            if tensor is not None and tensor._version == version:
+                self._unchanged.add(index)
+                if index not in self.in_hook and index not in self._never_fast:
+                    self.fast.add(index)
+            else:
+                self.in_hook.add(index)
+                self.fast.discard(index)
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
-        for position, index, tensor, version in held:
-            if tensor._version != version:
-                self.in_hook.add(index)  # changed in place since its module returned: its figure stays 0
+        for position, index, ref, version in held:
+            tensor = ref()
+            if tensor is None or tensor._version != version:
+                self.in_hook.add(index)  # freed, or changed in place since its module returned: its figure stays 0
+                self.fast.discard(index)
                 continue
-            local = (tensor if type(tensor) is torch.Tensor else local_tensor(tensor)).detach()
+            local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
             positions, group = groups.setdefault((local.device, local.dtype), ([], []))
             positions.append(position)
             group.append(local)
-        for positions, group in groups.values():
-            for position, figure in zip(positions, torch._foreach_norm(group, math.inf), strict=True):
-                figures[position] = figure
+        if not groups:
+            return
+        with torch.no_grad():  # one switch, not a detach of every output (a dispatch each)
+            for positions, group in groups.values():
+                for position, figure in zip(positions, torch._foreach_norm(group, math.inf), strict=True):
+                    figures[position] = figure
 
     def drop(self) -> None:
-        self._held, self._watched, self._bytes = [], [], 0
+        self._held, self._watched = [], []

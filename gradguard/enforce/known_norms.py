@@ -28,7 +28,7 @@ from torch.utils._foreach_utils import (
 )
 
 from gradguard.enforce.step import StepWork
-from gradguard.enforce.tensors import EPS, version_of
+from gradguard.enforce.tensors import EPS, version_of, without_grad
 
 __all__ = ["KnownNorms", "clip_with_known_norms"]
 
@@ -197,10 +197,35 @@ def _total_norm(
     return None if found is None else found[0]
 
 
-_SIGNATURES: dict[str, inspect.Signature] = {}
+_SIGNATURES: dict[str, tuple[inspect.Signature, tuple[str, ...], frozenset[str]]] = {}
+"""A clip function's signature, its parameters' names when every one may be given by position or keyword (else
+empty), and the names without a default."""
 
 
-@torch.no_grad()
+def _arguments(name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``signature.bind(*args, **kwargs).arguments`` as a dict, or None where torch must say what is wrong.
+
+    The common call (``clip_grad_norm_(params, 1.0)``) is matched by name in C-level dict and zip calls: ``bind``
+    runs some thirty Python calls, at every step of a loop that clips."""
+    cached = _SIGNATURES.get(name)
+    if cached is None:
+        signature = inspect.signature(original)
+        plain = all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in signature.parameters.values())
+        required = frozenset(n for n, p in signature.parameters.items() if p.default is inspect.Parameter.empty)
+        cached = _SIGNATURES[name] = (signature, tuple(signature.parameters) if plain else (), required)
+    signature, names, required = cached
+    if names and len(args) <= len(names):
+        values = dict(zip(names, args, strict=False))  # fewer arguments than names: the rest by keyword
+        if values.keys().isdisjoint(kwargs) and set(kwargs) <= set(names) and required <= values.keys() | kwargs:
+            values.update(kwargs)
+            return values
+    try:
+        return dict(signature.bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None  # let torch say what is wrong
+
+
+@without_grad
 def clip_with_known_norms(
     known: KnownNorms, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> torch.Tensor | None:
@@ -208,14 +233,9 @@ def clip_with_known_norms(
     short = name.rsplit(".", 1)[-1]
     if short not in ("clip_grad_norm_", "clip_grad_norm", "get_total_norm") or not known.take():
         return None
-    signature = _SIGNATURES.get(name)
-    if signature is None:
-        signature = _SIGNATURES[name] = inspect.signature(original)
-    try:
-        bound = signature.bind(*args, **kwargs)
-    except TypeError:
-        return None  # let torch say what is wrong
-    values = dict(bound.arguments)
+    values = _arguments(name, original, args, kwargs)
+    if values is None:
+        return None
     if short == "get_total_norm":
         return _total_norm(known, values.pop("tensors"), **values)
     from torch.nn.utils.clip_grad import _clip_grads_with_norm_

@@ -42,8 +42,10 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradguard.enforce.figures import STRIDED, HeldOutputs, linear_figure, mark, passed_on, tensors, total
+from gradguard.enforce.figures import STRIDED, HeldOutputs, tensors, total
 from gradguard.enforce.figures import peak as _peak
+from gradguard.enforce.light_trace import MAX_ENTRIES, LightTrace
+from gradguard.enforce.light_trace import recording as _recording
 from gradguard.enforce.origins import (
     DATA,
     INPUT,
@@ -83,15 +85,10 @@ GRADIENT_FLAGS_BY_DEFAULT: Final = False
 """Whether the post-accumulate-grad flags are on from the start in ``first_fault`` and ``after_fault`` modes
 too. No: on the deep benchmark model (293 tensors) they cost 5% of the whole step (a norm and a Python call
 per parameter during backward), so these modes arm them with the module hooks, after a fault."""
-MAX_ENTRIES: Final = 4096
-"""Figures kept per kind and step (the first ones are the ones that matter; a loop that never steps
-cannot grow them without bound)."""
 FIRST_PARAMS_SHOWN: Final = 16
 UNTRACED_HINT: Final = "To trace a first fault: GradGuard(..., provenance='first_fault')."
 _STRIDED = STRIDED
 _LINEAR_FORWARD = nn.Linear.forward
-_grad_enabled, _compiling = torch.is_grad_enabled, torch.compiler.is_compiling
-_graph_task = torch._C._current_graph_task_id
 
 
 class _Seen:
@@ -131,7 +128,7 @@ LIGHT: Final = Tracing(backward=False, budget=32)
 module's outputs are not)."""
 
 
-class Provenance:
+class Provenance(LightTrace):
     """Arms and disarms the hooks, queues their figures into the step's one read, and names the origin."""
 
     def __init__(
@@ -195,9 +192,11 @@ class Provenance:
                 continue
             hook = functools.partial(self._light_forward, index)
             self._light_handles.append(module.register_forward_hook(hook))
+            if index == 0 or (tracing.linear and type(module).forward is _LINEAR_FORWARD) or tracing.backward:
+                self._held.never_fast({index})  # the model's hook ends the forward; a Linear's figure, a tensor hook
         root = self._modules[0]()
         if root is not None:
-            self._light_handles.append(root.register_forward_pre_hook(self._light_data))
+            self._light_handles.append(root.register_forward_pre_hook(self._light_data, with_kwargs=True))
 
     def _disarm_light(self) -> None:
         for handle in self._light_handles:
@@ -217,7 +216,7 @@ class Provenance:
                 self._module_handles.append(module.register_forward_hook(hook))
         root = self._modules[0]()
         if root is not None:
-            self._module_handles.append(root.register_forward_pre_hook(self._data))
+            self._module_handles.append(root.register_forward_pre_hook(self._data, with_kwargs=True))
 
     def _disarm_modules(self) -> None:
         for handle in self._module_handles:
@@ -276,9 +275,9 @@ class Provenance:
     def _recording(self) -> bool:
         return _recording(self._fwd) is not None
 
-    def _data(self, module: nn.Module, args: Any) -> None:
+    def _data(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if self._recording():
-            for tensor in tensors(args):
+            for tensor in tensors((args, kwargs)):  # a batch given by keyword too (``model(input_ids=...)``)
                 self._record(tensor, 0, DATA)
 
     def _forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
@@ -311,53 +310,6 @@ class Provenance:
         if len(self._bwd) < MAX_ENTRIES and grad.layout is _STRIDED:
             self._bwd.append(_peak(grad))
             self._bwd_meta.append((producer, consumers, -1))
-
-    def _light_data(self, module: nn.Module, args: Any) -> None:
-        if self._recording():
-            for tensor in tensors(args):
-                self._fwd.append(self._tracing.reduce(tensor))
-                self._fwd_meta.append((0, DATA))
-
-    def _light_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        if (compiling := _recording(self._fwd)) is None:
-            return
-        if isinstance(output, torch.Tensor):
-            if (output.is_floating_point() or output.is_complex()) and output.layout is _STRIDED and output.numel():
-                # Only a Linear asks whether its input was passed on: ``linear_figure`` alone uses the answer.
-                linear = type(module).forward is _LINEAR_FORWARD and self._tracing.linear
-                figure = linear_figure(module, args, output, self._passed_on(args)) if linear else None
-                self._light_record(output, index, figure, compiling)
-        else:
-            for tensor in tensors(output):
-                self._light_record(tensor, index, None, compiling)
-        if index == 0:
-            self._held.reduce(self._fwd)  # the model's forward is done: the outputs held are reduced together
-
-    def _passed_on(self, args: Any) -> bool:
-        """Whether a module's first argument is the last recorded tensor, or a widening cast of it."""
-        last, version, marker = self._last
-        tensor = args[0] if args else None
-        if last is None or not isinstance(tensor, torch.Tensor) or torch.compiler.is_compiling():
-            return False  # dynamo cannot compare ids
-        return passed_on(tensor, last(), version, marker)
-
-    def _light_record(self, tensor: torch.Tensor, index: int, figure: torch.Tensor | None, compiling: bool) -> None:
-        if not compiling:  # dynamo cannot compare ids: there a container's output is read twice
-            last, version, marker = self._last
-            if last is not None and passed_on(tensor, last(), version, marker):
-                return  # a container passing its last child's output on (or a widening cast of it)
-            self._last = (weakref.ref(tensor), tensor._version, mark(tensor))
-        position = len(self._fwd)
-        if figure is not None or compiling or not self._tracing.hold or not self._held.hold(self._fwd, tensor, index):
-            self._fwd.append(self._tracing.reduce(tensor) if figure is None else figure)
-        self._fwd_meta.append((index, OUTPUT))
-        if tensor.requires_grad and self._tracing.backward:
-            tensor.register_hook(functools.partial(self._light_backward, index, position))  # type: ignore[no-untyped-call]
-
-    def _light_backward(self, producer: int, position: int, grad: torch.Tensor) -> None:
-        if len(self._bwd) < MAX_ENTRIES and grad.layout is _STRIDED:
-            self._bwd.append(self._tracing.reduce(grad))
-            self._bwd_meta.append((producer, [], position))
 
     def _accumulated(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
@@ -451,19 +403,6 @@ class Provenance:
         if self.mode in ("after_fault", "first_fault"):
             self._arm_modules()
             self._armed_until = step + ARMED_STEPS
-
-
-def _recording(entries: list[torch.Tensor]) -> bool | None:
-    """Whether the hooks record now: None if not, else whether dynamo is compiling (a function of its own, not a
-    method: it runs in every hook, for every hooked module at every forward)."""
-    # Not under no_grad (evaluation), and not the recomputation that activation checkpointing runs
-    # inside backward (it repeats the forward the first figures already describe).
-    # Under torch.compile (dynamo inlines the hooks) the graph task id is not traceable: every hooked module
-    # would break the graph; a compiled region is not a checkpoint's recomputation.
-    if not _grad_enabled() or len(entries) >= MAX_ENTRIES:
-        return None
-    compiling = _compiling()
-    return compiling if compiling or _graph_task() == -1 else None
 
 
 def attach_provenance(

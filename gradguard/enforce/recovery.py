@@ -20,7 +20,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,10 +28,10 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.averages import averages_given
-from gradguard.enforce.distributed import local_tensor
 from gradguard.enforce.schedulers import check_copyable
 from gradguard.enforce.snapshot_fit import misfit_reason, misfits
-from gradguard.enforce.snapshot_memory import HOST, Placement, Stager, choose_placement, state_to_come, tensor_nbytes
+from gradguard.enforce.snapshot_memory import HOST, Placement
+from gradguard.enforce.snapshot_places import Places, snapshot_bytes
 from gradguard.enforce.snapshots import (
     LiveState,
     Snapshot,
@@ -45,6 +45,9 @@ from gradguard.enforce.statistics import Statistics
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import RECOVERY_RULE, Counters
 from gradguard.policy.schema import Recovery as RecoveryConfig
+
+if TYPE_CHECKING:
+    from gradguard.events.log import EventLog
 
 __all__ = ["HaltReport", "Recovery", "RewindRequested"]
 
@@ -178,11 +181,8 @@ class Recovery:
         self._checked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._buffers_at: tuple[int, TensorCopies] | None = None
         """The model's buffers at the start of a step a snapshot is due at (and the step), or a spare copy."""
-        self.placement: Placement | None = None
-        """Where snapshots live (``recovery.memory``): chosen at attach, again when a reload changes memory or keep."""
-        self._stager: Stager | None = None
-        self._chosen_for: tuple[str, int] | None = None
-        self._optimizers_given = False
+        self.places = Places(self.live)
+        """Where snapshots live (``recovery.memory``), and host mode's staging buffer."""
 
     # --- what the guard tells it ------------------------------------------------------------------
 
@@ -204,7 +204,7 @@ class Recovery:
         self.live.scaler = scaler
         for scheduler in schedulers:
             self.add_scheduler(scheduler)
-        self._optimizers_given = optimizers is not None
+        self.places.optimizers_given = optimizers is not None
         self.applied = start_step  # a resumed run's loop counted the first run's steps (a state_dict says better)
         if config is not None:
             self.place(config)  # device memory asked for and not fitting: an error now, not an OOM mid-run
@@ -212,13 +212,20 @@ class Recovery:
 
     def place(self, config: RecoveryConfig) -> Placement:
         """Where snapshots go, chosen once for the section's ``memory`` and ``keep`` (docs/recovery.md)."""
-        if self.placement is None or self._chosen_for != (config.memory, config.keep):
-            held = self.nbytes if self.placement is not None and self.placement.where == "device" else 0
-            held += self._stager.nbytes if self._stager is not None else 0
-            self.placement = _choose(config, self.live, self._optimizers_given, held)
-            self._stager = Stager(self.placement.device) if self.placement.staged else None
-            self._chosen_for = (config.memory, config.keep)
-        return self.placement
+        return self.places.place(config, lambda: self.nbytes)
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where snapshots live: chosen at attach, for ``auto`` again at the first snapshot, and after a reload."""
+        return self.places.placement
+
+    @property
+    def events(self) -> EventLog | None:
+        return self.places.events
+
+    @events.setter
+    def events(self, events: EventLog | None) -> None:
+        self.places.events = events
 
     def add_scheduler(self, scheduler: Any) -> None:
         """A scheduler of the loop (an integration finds it after attach): rewound with the snapshots from now on.
@@ -330,8 +337,7 @@ class Recovery:
 
     def after_read(self) -> None:
         """The step's one read is done: host mode's copy in flight may queue its next chunk (``host_copy``)."""
-        if self._stager is not None:
-            self._stager.pump()
+        self.places.pump()
 
     def _holds_step(self, step: int) -> bool:
         return bool(self.snapshots) and self.snapshots[-1].step == step
@@ -345,7 +351,7 @@ class Recovery:
             buffers = self._buffers_at[1]
         config = self.config
         assert config is not None
-        replaced = snapshot.take(step, self.lr_scale, self.live, buffers, self.place(config), self._stager)
+        snapshot, replaced = self.places.take(snapshot, step, self.lr_scale, buffers, config, lambda: self.nbytes)
         snapshot.applied = self.applied
         self._buffers_at = None if replaced is None else (-1, replaced)
         self.snapshots.append(snapshot)
@@ -364,6 +370,23 @@ class Recovery:
         """The model's parameters were replaced: snapshots of the old ones are not restored into the new."""
         self._spare.extend(self.snapshots)
         self.snapshots = []
+
+    def release(self) -> None:
+        """Give back every tensor recovery holds (the guard is removed): snapshots, their spare buffers, the buffers
+        kept for a coming snapshot and the staging buffers. The counts (``state_dict``, ``metrics``) stay readable."""
+        self.places.release()
+        self.snapshots, self._spare, self._buffers_at = [], [], None
+
+    def reconfigure(self, config: RecoveryConfig | None) -> None:
+        """A reload put ``config`` in force: give back at once what it no longer asks for. No section: everything;
+        another ``memory``: the snapshots held (in the old place; the next one is taken in the new); a smaller
+        ``keep``: the oldest snapshots beyond it, and every spare buffer."""
+        old, self.config = self.config, config
+        if config is None or (old is not None and config.memory != old.memory):
+            self.release()
+            self.places.forget()  # chosen again, with nothing held
+        elif old is not None and config.keep < old.keep:
+            self.snapshots, self._spare = self.snapshots[-config.keep :], []
 
     # --- a halt -----------------------------------------------------------------------------------
 
@@ -418,8 +441,7 @@ class Recovery:
         """``guard.metrics()``'s part: the snapshots' bytes and count, the rewinds so far."""
         if not self.active:
             return {}
-        held, on_device = self.nbytes, self.placement is not None and self.placement.where == "device"
-        staging = self._stager.nbytes if self._stager is not None else 0
+        held, on_device, staging = self.nbytes, self.places.on_device, self.places.staging_bytes
         return {
             "gradguard/recovery/snapshot_bytes": float(held),
             "gradguard/recovery/snapshots": float(len(self.snapshots)),
@@ -432,7 +454,7 @@ class Recovery:
         """What ``keep`` snapshots will hold, from the model and the optimizers' state known now."""
         if self.config is None:
             return 0
-        return _snapshot_bytes(self.live) * self.config.keep
+        return snapshot_bytes(self.live) * self.config.keep
 
     def state_dict(self) -> dict[str, Any]:
         """The rewinds so far and any skip window in progress (not the snapshots: a checkpoint holds its own state)."""
@@ -452,21 +474,3 @@ class Recovery:
         self._applied_at = None
         held = state.get("held")
         self._held = None if held is None or self.skip_until is None else _Held.from_state_dict(held, self.live)
-
-
-def _choose(config: RecoveryConfig, live: LiveState, optimizers_given: bool, held: int) -> Placement:
-    """``choose_placement`` with the bytes of one snapshot (with the optimizer state still to come) and of what the
-    run will still allocate on the device (gradients not made yet, that state)."""
-    model = live.model()
-    params = list(model.parameters()) if model is not None else []
-    device = local_tensor(params[0]).device if params else torch.device("cpu")
-    now = _snapshot_bytes(live)
-    coming = state_to_come(live.optimizers() if optimizers_given else None, params)
-    grads = sum(tensor_nbytes(p) for p in params if p.requires_grad and p.grad is None)
-    return choose_placement(config.memory, device, config.keep, now + coming, grads + coming, held)
-
-
-def _snapshot_bytes(live: LiveState) -> int:
-    """Bytes one snapshot of ``live`` holds now: its tensors and the optimizers' state made so far (local shards)."""
-    state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
-    return sum(tensor_nbytes(t) for t in [*state, *live.tensors()] if isinstance(t, torch.Tensor))

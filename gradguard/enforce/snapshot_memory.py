@@ -11,9 +11,12 @@
   all the same: the rest of its chunks are queued at once and the restore's copies behind them, so the device
   (never the host) waits for the rest of one copy, once per rewind. Without staging room the copy runs on the
   compute stream.
-- ``auto``: ``device`` when ``keep`` snapshots fit in the device's free memory, less what the run will still
-  allocate (gradients, optimizer state) and a margin of ``MEMORY_MARGIN`` of the device's total memory for the
-  activations the guard cannot see at attach; else ``host``.
+- ``auto``: decided at the first snapshot, which is taken at the first step's boundary, after its forward and
+  backward: ``device`` when ``keep`` snapshots fit beside the run's measured peak (the allocator's peak, the
+  optimizer state still to come, and ``ALLOCATOR_SLACK`` of the device for fragmentation), else ``host``
+  (``place_from_peak``). At attach, where no step has run, it is estimated from the free memory and a margin of
+  ``MEMORY_MARGIN`` for the activations, and said to be provisional. A snapshot whose allocation on the device fails
+  goes to the host instead, whatever the mode, and the run goes on (``Recovery``'s ``snapshot_placement`` event).
 
 Each list of tensors is copied into one flat buffer per (device, dtype) (views keep the shapes), so a copy to the
 host is a few large copies, not one per tensor. On the CPU every mode is a copy in memory.
@@ -32,6 +35,7 @@ from gradguard.enforce.host_copy import ChunkSizer, HostCopy
 from gradguard.errors import GuardStateError
 
 __all__ = [
+    "ALLOCATOR_SLACK",
     "HOST",
     "MEMORY_MARGIN",
     "Flat",
@@ -40,8 +44,11 @@ __all__ = [
     "choose_placement",
     "copy_into",
     "device_memory",
+    "fallen_back",
+    "measured_peak",
     "memory_text",
     "memory_where",
+    "place_from_peak",
     "readable_bytes",
     "state_to_come",
     "tensor_nbytes",
@@ -51,6 +58,10 @@ __all__ = [
 MEMORY_MARGIN = 0.25
 """``auto`` (and host mode's staging buffer) leaves this share of the device's total memory free: the step's
 activations, which nothing at attach can measure, and the allocator's fragmentation."""
+
+ALLOCATOR_SLACK = 0.03
+"""``auto`` at the first snapshot leaves this share of the device's total memory beside the run's measured peak: the
+caching allocator's rounding and fragmentation, which its peak of allocated bytes does not show."""
 
 _ALIGN = 64
 """Each copy starts at a multiple of 64 bytes in its flat buffer (vectorised copies need aligned starts)."""
@@ -72,6 +83,64 @@ def device_memory(device: torch.device) -> tuple[int, int] | None:
     except RuntimeError:
         return None
     return int(free) + max(int(cached), 0), int(total)
+
+
+PROVISIONAL = " (provisional: decided at the first snapshot from the run's measured peak)"
+
+
+def measured_peak(device: torch.device) -> tuple[int, int] | None:
+    """``(peak, allocated)``: the most bytes torch's allocator has held at once on ``device`` (since the process
+    began or its statistics were last reset: never less than the run's own peak), and what it holds now; None where
+    unknown (the CPU). Tests replace this function to fake a run's figures."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.max_memory_allocated(device)), int(torch.cuda.memory_allocated(device))
+    except RuntimeError:
+        return None
+
+
+def place_from_peak(device: torch.device, keep: int, per_snapshot: int, to_come: int, held: int) -> Placement | None:
+    """``auto`` at the first snapshot, from what the run was measured to use (None where nothing is measured): the
+    device when ``keep`` snapshots of ``per_snapshot`` bytes fit beside the run's peak, the optimizer state still to
+    come (``to_come``) and ``ALLOCATOR_SLACK``; ``held``: the guard's own device bytes counted in that peak (a staging
+    buffer), freed by the choice."""
+    figures, measured = device_memory(device), measured_peak(device)
+    if figures is None or measured is None:
+        return None
+    _, total = figures
+    peak, allocated = measured
+    needed = keep * per_snapshot
+    slack = int(total * ALLOCATOR_SLACK)
+    room = total - slack - max(peak, allocated) - to_come + held
+    told = (
+        f"{keep} snapshots need {readable_bytes(needed)} on {device} ({readable_bytes(total)}), beside the run's "
+        f"measured peak of {readable_bytes(peak)}, {readable_bytes(to_come)} of optimizer state still to come and "
+        f"{readable_bytes(slack)} for the allocator"
+    )
+    if needed <= room:
+        return Placement("auto", "device", device, needed=needed, total=total, why=f"auto: {told}: they fit")
+    staged = per_snapshot <= room
+    how = (
+        f"staged through one device buffer of {readable_bytes(per_snapshot)} and copied to the host on a side stream"
+        if staged
+        else "copied on the compute stream (no room for a staging buffer: the step waits for the copy)"
+    )
+    why = f"auto: {told}: they do not fit; pinned host memory, {how}"
+    return Placement("auto", "host", device, staged, needed, total=total, why=why)
+
+
+def fallen_back(placement: Placement, error: BaseException) -> Placement:
+    """Where snapshots go after allocating one on the device failed: pinned host memory, copied directly (a staging
+    buffer would be device memory too)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    why = (
+        f"{placement.memory}: allocating a snapshot on {placement.device} failed ({first}); this and later snapshots "
+        "go to pinned host memory, copied on the compute stream, and the run goes on"
+    )
+    return Placement(
+        placement.memory, "host", placement.device, False, placement.needed, total=placement.total, why=why
+    )
 
 
 def readable_bytes(n: int) -> str:
@@ -176,7 +245,7 @@ def choose_placement(
         return Placement(memory, "device", device, needed=needed, free=free, total=total, why=f"device: {told}")
     fits = needed <= room - margin
     if memory == "auto" and fits:
-        why = f"auto: {told} and a margin of {readable_bytes(margin)}: they fit"
+        why = f"auto: {told} and a margin of {readable_bytes(margin)}: they fit{PROVISIONAL}"
         return Placement(memory, "device", device, needed=needed, free=free, total=total, why=why)
     staged = per_snapshot <= room - margin
     how = (
@@ -185,6 +254,7 @@ def choose_placement(
         else "copied on the compute stream (no room for a staging buffer: the step waits for the copy)"
     )
     head = f"auto: {told} and a margin of {readable_bytes(margin)}: they do not fit" if memory == "auto" else "host"
+    head += PROVISIONAL if memory == "auto" else ""
     return Placement(memory, "host", device, staged, needed, free, total, f"{head}; pinned host memory, {how}")
 
 
@@ -202,8 +272,9 @@ def memory_text(memory: str, keep: int, per_snapshot: int | None) -> str:
     if memory == "device":
         return f"memory: device: {device}; attaching fails, naming the bytes needed and free, if they do not fit"
     return (
-        f"memory: auto: {device}, when they fit in its free memory less the gradients and optimizer state still to "
-        f"come and {MEMORY_MARGIN:.0%} of its total memory; else {host.removeprefix('memory: host: ')}"
+        f"memory: auto: {device}, when they fit beside the run's peak measured at the first snapshot (after the "
+        f"first step's forward and backward), the optimizer state still to come and {ALLOCATOR_SLACK:.0%} of the "
+        f"device; else {host.removeprefix('memory: host: ')}"
     )
 
 
@@ -295,6 +366,16 @@ class Stager:
         staged.record(torch.cuda.current_stream(self.device))
         self._copy = HostCopy(on_device, side, staged)
         return self._copy
+
+    def release(self) -> None:
+        """Give the staging buffers back at once (the guard is removed). A copy to the host still in flight is
+        finished and waited for first: its side stream reads the buffers, and pinned memory under a copy must not
+        be reused."""
+        copy, self._copy = self._copy, None
+        event = copy.finish() if copy is not None else None
+        if event is not None:
+            event.synchronize()
+        self.stages, self._queued = [], []
 
     def pump(self) -> None:
         """The step's read is done: queue the next chunk of the copy in flight (it has until the next read)."""

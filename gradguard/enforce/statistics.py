@@ -152,16 +152,17 @@ class Statistics:
         """Every series as plain numbers (one host read per tensor; call it between steps)."""
         out: dict[str, Any] = {}
         for (rule, position), series in sorted(self.series.items()):
-            out.setdefault(rule, {})[str(position)] = {
-                "action": series.kind,
-                "shape": list(series.shape),
-                "names": list(series.names),
-                "tensors": {key: value.cpu().tolist() for key, value in series.tensors.items()},
-                "counters": dict(series.counters),
-            }
+            out.setdefault(rule, {})[str(position)] = _plain(series)
         for (rule, position), saved in self._saved.items():
             out.setdefault(rule, {}).setdefault(str(position), saved)
         return out
+
+    def release(self) -> None:
+        """Keep every series as plain numbers and give its device tensors back (the guard is removed): ``state_dict``
+        still holds them, and a series used again is taken back onto the device as a loaded one is."""
+        for key, series in sorted(self.series.items()):
+            self._saved[key] = _plain(series)
+        self.series.clear()
 
     def load_state_dict(self, saved: dict[str, Any], rule_names: Sequence[str]) -> list[str]:
         """Take saved statistics over (placed on the device at their first step); returns unknown rules."""
@@ -221,3 +222,14 @@ def _floats(values: Any) -> Any:
     if values is None:
         return math.nan
     return float(values)
+
+
+def _plain(series: Series) -> dict[str, Any]:
+    """A series as ``state_dict`` writes it: plain floats and ints."""
+    return {
+        "action": series.kind,
+        "shape": list(series.shape),
+        "names": list(series.names),
+        "tensors": {key: value.cpu().tolist() for key, value in series.tensors.items()},
+        "counters": dict(series.counters),
+    }

@@ -15,7 +15,7 @@ import torch
 
 from gradguard.enforce.distributed import Collective, combine_shard_norms, local_tensor
 from gradguard.enforce.statistics import Statistics, StepStatistics
-from gradguard.enforce.tensors import LOW_PRECISION, clamp_, norms, stack_on
+from gradguard.enforce.tensors import LOW_PRECISION, clamp_, norms, stack_on, without_grad
 from gradguard.policy.matching import Binding
 from gradguard.policy.schema import ClipNorm, Monitor
 
@@ -108,9 +108,13 @@ class Pending:
 
     def sync(self) -> None:
         """The one read (run under ``no_grad``, as the engine is: no part needs detaching)."""
-        parts = self.parts
+        parts, readers, spans = self.parts, self.readers, self._spans
         if not parts:
             return
+        # Let go of the parts and readers before reading: a reader's closure holds the step's work (and so every
+        # gradient), and a cycle through it would keep them alive until the garbage collector runs, past the next
+        # backward (a gradient's worth of memory at the step's peak).
+        self.parts, self.readers, self._spans = [], [], []
         device = parts[0].device
         if len(parts) == 1:
             host = parts[0].to("cpu").tolist()  # one copy without a cat (a kernel of its own on a GPU)
@@ -122,7 +126,7 @@ class Pending:
         else:
             host = torch.cat([part.to("cpu", torch.float64) for part in parts]).tolist()
         offset, first = 0, 0
-        for reader, span in zip(self.readers, self._spans, strict=True):
+        for reader, span in zip(readers, spans, strict=True):
             size = parts[first].numel() if span == 1 else sum(part.numel() for part in parts[first : first + span])
             reader(host[offset : offset + size])
             offset += size
@@ -303,7 +307,7 @@ class Carry:
                 pending.add(values, reader, *more)
         return [carried.outcome for carried in waiting]
 
-    @torch.no_grad()
+    @without_grad
     def flush(self) -> list[StepOutcome]:
         """Read every waiting figure now (at detach: no step's read is coming)."""
         pending = Pending()

@@ -395,6 +395,8 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
             if states is table and scaler.is_enabled():
                 in_flight.append((scaler, thread == here, dict(states)))  # a copy: its thread may add to it
         unscaled = {s: dict(records) for s, records in _unscaled.items()}
+    if not in_flight:
+        return Scaled(still_scaled=False)  # no scaler in flight (the common case): no set of the parameters' ids
     ids = {id(p) for p in params}
     flags: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []

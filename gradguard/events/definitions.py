@@ -54,6 +54,8 @@ __all__ = [
     "Rewind",
     "ScalerSkip",
     "Skip",
+    "SnapshotFallback",
+    "SnapshotPlacement",
     "SpikeSkip",
     "StateLoaded",
     "StateMissing",
@@ -121,6 +123,10 @@ class Attach(Event, tag="attach", kw_only=True):
     pid: int | None = None
     recovery: dict[str, Any] | None = None
     """A policy's ``recovery`` section, ``snapshot_bytes`` and ``schedulers``."""
+    loss: dict[str, Any] | None = None
+    """A policy's ``loss`` section: the loss was watched (a clean run's log says so)."""
+    rerun: dict[str, Any] | None = None
+    """A policy's ``rerun`` section."""
 
 
 class Intervention(StepEvent, tag="intervention", kw_only=True):
@@ -275,6 +281,25 @@ class RerunUnavailable(StepEvent, tag="rerun_unavailable", kw_only=True):
     why: str
 
 
+class SnapshotPlacement(StepEvent, tag="snapshot_placement", kw_only=True):
+    """Where recovery's snapshots live, decided at the first snapshot (``memory: auto``, from the run's measured
+    peak)."""
+
+    where: str
+    device: str
+    staged: bool
+    needed_bytes: int
+    free_bytes: int | None = None
+    why: str
+
+
+class SnapshotFallback(SnapshotPlacement, tag="snapshot_fallback", kw_only=True):
+    """A snapshot's allocation on the device failed: it and the later ones go to pinned host memory, the run goes
+    on."""
+
+    LEVEL: ClassVar[str] = "warning"
+
+
 class ScalerSkip(StepEvent, tag="scaler_skip", kw_only=True):
     fused: bool
 
@@ -385,6 +410,8 @@ GuardEvent = Union[  # noqa: UP007
     LossUnseen,
     Rerun,
     RerunUnavailable,
+    SnapshotPlacement,
+    SnapshotFallback,
     ScalerSkip,
     NormOverflow,
     UnexpectedOptimizer,

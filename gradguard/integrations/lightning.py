@@ -21,6 +21,10 @@ With a policy's ``recovery`` section a halt becomes a rewind instead: the traine
 so they go back to the snapshot's step with the weights, Lightning's ``scheduler.step()`` on a skipped
 batch is undone, and ``lr_factor`` holds through the schedulers' later steps. Skipped batches still run
 their forward and backward (the update is what is skipped); Lightning's ``global_step`` counts them.
+
+With a policy's ``rerun`` section, automatic optimization's closure is what the guard computes again; under
+``accumulate_grad_batches`` the earlier batches' gradients and losses are put back first, so the second
+computation is the whole step (``gradguard.enforce.rerun``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ unscale), puts the guard's counters into Trainer's logs (``gradguard/<rule>/<act
 state beside each checkpoint, and removes the guard when ``trainer.train()`` ends, also by an
 exception such as [`GradientHalt`][gradguard.GradientHalt].
 
+A policy's ``rerun`` section cannot compute a step again here: ``Trainer`` steps without a closure the guard could
+run a second time. The first suspect step says so (``rerun_unavailable``, with why), its verdict stands, and a halt
+says the step was not computed again.
+
 Install with ``pip install 'gradguard[transformers]'``.
 """
 

@@ -3,8 +3,9 @@
 The guard's reference is the median of the last ``window`` applied steps' losses (``gradguard.enforce.loss``),
 and a falling loss makes the whole run's median a poor one: the early losses are far above the late ones. So
 ``LossRatios`` walks the recorded losses in step order and measures each against the median of the last
-``window`` (``LOSS_WINDOW``, 100) losses before it, as the guard will, once that many have been seen (the
-proposed ``warmup``). A loss above ``SPIKE_FACTOR`` x its reference, a NaN/Inf or non-positive loss never enters
+``window`` (``LOSS_WINDOW``, 100) losses before it, as the guard will, once ``LOSS_WARMUP`` (20) have been seen
+(the proposed ``warmup``; until ``window`` have been seen the reference is the median of those there are, as the
+guard's is). A loss above ``SPIKE_FACTOR`` x its reference, a NaN/Inf or non-positive loss never enters
 the reference (the guard's reference leaves spikes and skipped steps out too).
 
 The factor follows the norms' rule (``gradguard.tuning.suggest``) on the ratios ``ln(loss / reference)``, pooled
@@ -24,10 +25,23 @@ from typing import Final
 
 from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram, round_up, yaml_float
 
-__all__ = ["LOSS_MAX_CONSECUTIVE_SKIPS", "LOSS_WINDOW", "LossFactor", "LossRatios", "loss_factor", "loss_lines"]
+__all__ = [
+    "LOSS_MAX_CONSECUTIVE_SKIPS",
+    "LOSS_WARMUP",
+    "LOSS_WINDOW",
+    "LossFactor",
+    "LossRatios",
+    "loss_factor",
+    "loss_lines",
+]
 
 LOSS_WINDOW: Final = 100
-"""The proposed ``window`` (and ``warmup``): the guard's default."""
+"""The proposed ``window``: the guard's default."""
+LOSS_WARMUP: Final = 20
+"""The proposed ``warmup``. Not the window's 100: the guard judges no loss before ``warmup`` have entered its
+reference, so a warm-up of 100 leaves the first 100 steps unwatched (a spike at step 80 of a 200-step run went
+through). A median of 20 losses is steady enough, and a falling loss sits below the median of the higher losses
+before it, so an early reference flags no ordinary step; the factor is learned on the same ratios."""
 LOSS_MAX_CONSECUTIVE_SKIPS: Final = 3
 """More loss skips in a row than this halt the run (the loss stays high: not a spike, a change)."""
 
@@ -35,8 +49,9 @@ LOSS_MAX_CONSECUTIVE_SKIPS: Final = 3
 class LossRatios:
     """Each recorded loss against the median of the ``window`` losses before it (see the module), one at a time."""
 
-    def __init__(self, window: int = LOSS_WINDOW) -> None:
+    def __init__(self, window: int = LOSS_WINDOW, warmup: int = LOSS_WARMUP) -> None:
         self.window = window
+        self.warmup = min(warmup, window)
         self.ratios = LogHistogram()
         """``loss / reference`` of every step measured (anomalies included; the quantile leaves them out)."""
         self.losses = 0
@@ -55,7 +70,7 @@ class LossRatios:
         if loss <= 0:
             self.nonpositive += 1
             return
-        if len(self._recent) == self.window:
+        if self._recent and len(self._recent) >= self.warmup:
             ordered = self._sorted
             middle = len(ordered) // 2
             reference = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
@@ -70,6 +85,13 @@ class LossRatios:
         bisect.insort(self._sorted, loss)
         if len(self._recent) > self.window:
             self._sorted.pop(bisect.bisect_left(self._sorted, self._recent.popleft()))
+
+
+_NONFINITE_WORDS: Final = {
+    "skip": "A NaN/Inf loss skips the step, as a spike does",
+    "halt": "A NaN/Inf loss halts the run, as the run's policy did",
+    "ignore": "A NaN/Inf loss is let through, as the run's policy did",
+}
 
 
 @dataclass
@@ -112,7 +134,14 @@ def _any_below(histogram: LogHistogram, at_most: float) -> bool:
 
 
 def loss_lines(
-    found: LossFactor | None, ratios: LossRatios, steps: str | None, *, z: float, spike_factor: float, least: int
+    found: LossFactor | None,
+    ratios: LossRatios,
+    steps: str | None,
+    *,
+    z: float,
+    spike_factor: float,
+    least: int,
+    nonfinite: str = "skip",
 ) -> list[str]:
     """The suggestion's ``loss:`` section with its comments (``steps``: where the replay flagged spikes, in words),
     or a comment saying why there is none."""
@@ -135,26 +164,26 @@ def loss_lines(
     else:
         why = f"the {100.0 * found.level:.3g}% quantile of ordinary ratios"
     lines = [
-        "# The loss: each recorded loss against the median of the "
-        f"{window} before it, as the guard's reference (a falling",
-        "# loss leaves the whole run's median behind). "
-        f"{found.ratios.ratios.total:,} ratios{left_out}; median {math.exp(found.centre):.3g}x, spread "
+        f"# The loss: each recorded loss against the median of the {window} before it (once {ratios.warmup} are "
+        "there: the warm-up),",
+        "# as the guard's reference (a falling loss leaves the whole run's median behind).",
+        f"# {found.ratios.ratios.total:,} ratios{left_out}; median {math.exp(found.centre):.3g}x, spread "
         f"{found.spread:.3g}{peak}.",
         f"# factor: {found.factor:.3g} = {why}; never above {spike_factor:g}, so a loss 20x its reference is always "
         "a spike.",
-        f"# A NaN/Inf loss skips the step, as a spike does; more than {LOSS_MAX_CONSECUTIVE_SKIPS} loss skips in a "
-        "row halt the run.",
+        f"# {_NONFINITE_WORDS.get(nonfinite, 'A NaN/Inf loss: ' + nonfinite)}; more than {LOSS_MAX_CONSECUTIVE_SKIPS} "
+        "loss skips in a row halt the run.",
     ]
     if steps is not None:
         lines.append(f"# On the recorded run it {steps}.")
     return [
         *lines,
         "loss:",
-        "  nonfinite: skip",
+        f"  nonfinite: {nonfinite}",
         "  spike:",
         f"    factor: {yaml_float(found.factor)}",
         f"    window: {window}",
-        f"    warmup: {window}",
+        f"    warmup: {ratios.warmup}",
         "    action: skip",
         f"    max_consecutive_skips: {LOSS_MAX_CONSECUTIVE_SKIPS}",
     ]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from gradguard.audit.reader import ReadStats, read_merged
 from gradguard.events.definitions import Attach, Number, Stats, as_float
@@ -69,12 +69,22 @@ class Recording:
     """The first place the steps went back, ``(from, to)``: the log holds several runs (read as one)."""
     loss_steps: int = 0
     """Recorded steps with a loss."""
+    recovery: dict[str, Any] | None = None
+    """The ``recovery`` section of the run's policy, as the log's last ``attach`` event gives it (its policy keys
+    only), or ``None``: the run had none (``suggest`` keeps it)."""
 
 
-def no_norms_message(paths: Sequence[Path], recording: Recording) -> str:
-    """One line: the logs hold no per-tensor norm, why, and the ``monitor`` rule to add."""
+def no_norms_message(paths: Sequence[Path], recording: Recording, *, loss: bool = False) -> str:
+    """One line: the logs hold no per-tensor norm, why, and the ``monitor`` rule to add (``loss``: for
+    ``suggest --loss``, which reads the step's loss from the same events)."""
     logs = ", ".join(str(path) for path in paths)
     if recording.stats_events == 0:
+        if loss:
+            return (
+                f"no losses and no gradient norms in {logs} (no 'stats' events): the guard writes the step's loss "
+                "beside the norms a monitor records, and suggest --loss needs both (the norms for the clips, the "
+                f"losses for the loss section); add this rule to the run's policy and run it again: {MONITOR_HINT}"
+            )
         found = "no 'stats' events"
     else:
         scopes = ", ".join(f"{scope} ({count})" for scope, count in sorted(recording.other_scopes.items()))
@@ -91,6 +101,7 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
         event = record.event
         if isinstance(event, Attach):
             recording.guarded_params = event.params
+            recording.recovery = _policy_keys(event.recovery)
             continue
         if not isinstance(event, Stats):
             continue
@@ -121,6 +132,15 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
             recording.malformed += 1
     if current is not None:
         yield current
+
+
+def _policy_keys(section: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The attach event's ``recovery`` less what the guard adds beside the policy's keys (bytes, placement)."""
+    if section is None:
+        return None
+    from gradguard.policy.schema import Recovery
+
+    return {key: value for key, value in section.items() if key in Recovery.model_fields}
 
 
 def _take(figures: dict[str, dict[str, Number] | Number], into: RecordedStep) -> bool:

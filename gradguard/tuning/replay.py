@@ -19,6 +19,19 @@ What a log cannot decide is said, not guessed (``Undecidable``): ``clip_value`` 
 ``clip_value`` the replay keeps the tensor's 2-norm as it was (an upper bound: the clamp's effect on
 the norm is not in the log). A halt ends the replay, as it ends the run.
 
+A policy's ``recovery`` section is replayed as the guard's ``Recovery`` decides (``gradguard.enforce.recovery``):
+a snapshot of the replay's own state (the adaptive statistics, the skip histories, the loss section's reference)
+at every step that is a multiple of ``snapshot_every`` and lies outside a skip window, the newest ``keep`` held; a
+halt (a ``halt_on_nonfinite``, a skip limit, the loss section's) with a snapshot at least ``min_age`` steps older
+and fewer than ``max_rewinds`` rewinds so far becomes a rewind (``Rewind``): that state comes back, the newer
+snapshots are dropped, and the steps up to ``skip_until`` are skipped (listed as rule ``recovery``, action
+``skip``, the guard's counter). Any other halt goes through, with the guard's reason. What the log cannot give is
+left out, and the report says so: the weights and the LR after a rewind (``lr_factor``) are the recorded run's,
+so the norms recorded after a rewind the recorded run did not make are of a run that went on without it
+(``Rewind.recorded_in_window`` counts its steps the log holds inside the window). That bookkeeping is
+``gradguard.tuning.replay_recovery``'s; the non-finite and spike watches are ``gradguard.tuning.replay_watches``'s,
+and the result types (importable from here too) ``gradguard.tuning.replay_results``'s.
+
 The policy's ``loss`` section is judged on each recorded step's loss (``gradguard.tuning.loss_replay``) with the
 guard's own ``LossWatch``, in the guard's order: a gradient's halt first, then the loss's verdict (a loss skip
 takes the step before any gradient skip, and keeps it out of every statistic), then the gradient skips. Its
@@ -32,16 +45,14 @@ statistics (bounded by their windows) and the steps each action acted on.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from gradguard.enforce.actions.nonfinite import SkipLimits, has_active
-from gradguard.enforce.actions.spikes import spike_decide
+from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.loss import LossVerdict
 from gradguard.events.counters import LOSS_RULE
 from gradguard.policy.document import Policy
@@ -63,7 +74,6 @@ from gradguard.tuning.acting import (
     Proposal,
     Stats,
     act,
-    followed,
     init_for,
     never_decidable,
     scope_of,
@@ -80,80 +90,11 @@ from gradguard.tuning.blocks import (
 )
 from gradguard.tuning.loss_replay import NO_LOSS, LossReplay
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
+from gradguard.tuning.replay_recovery import HeldState, RecoveryReplay
+from gradguard.tuning.replay_results import ActionSteps, Halt, ReplayResult, Rewind, Undecidable
+from gradguard.tuning.replay_watches import nonfinite_verdicts, spiked_rules
 
-__all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Undecidable", "replay_files"]
-
-
-@dataclass
-class ActionSteps:
-    """One action of the policy and the steps on which it changed a gradient, or skipped or halted the step."""
-
-    rule: str
-    action: str
-    position: int
-    """The action's place in its rule (0-based)."""
-    steps: list[int] = field(default_factory=list)
-
-    def as_json(self) -> dict[str, Any]:
-        return {"rule": self.rule, "action": self.action, "steps": list(self.steps)}
-
-
-@dataclass(frozen=True)
-class Undecidable:
-    """An action the log cannot decide, and why."""
-
-    rule: str
-    action: str
-    reason: str
-
-    def as_json(self) -> dict[str, str]:
-        return {"rule": self.rule, "action": self.action, "reason": self.reason}
-
-
-@dataclass(frozen=True)
-class Halt:
-    """Where the replayed run would have halted (the replay ends there, as the run would)."""
-
-    step: int
-    rule: str
-    action: str
-    reason: str
-
-
-@dataclass
-class ReplayResult:
-    """What a policy would have done on a recorded run."""
-
-    policy: str
-    actions: list[ActionSteps]
-    undecidable: list[Undecidable]
-    halt: Halt | None
-    recording: Recording
-    params: list[str]
-    """The parameter names the log recorded norms of, in the order first seen."""
-    steps_replayed: int
-
-    @property
-    def exit_code(self) -> int:
-        """1 if an action would have halted, else 0."""
-        return 1 if self.halt is not None else 0
-
-    def as_json(self) -> dict[str, Any]:
-        halt = None
-        if self.halt is not None:
-            halt = {"step": self.halt.step, "rule": self.halt.rule, "action": self.halt.action}
-            halt["reason"] = self.halt.reason
-        return {
-            "policy": self.policy,
-            "steps": self.steps_replayed,
-            "first_step": self.recording.first_step,
-            "last_step": self.recording.last_step,
-            "params": len(self.params),
-            "actions": [entry.as_json() for entry in self.actions],
-            "undecidable": [entry.as_json() for entry in self.undecidable],
-            "halt": halt,
-            "unreadable_lines": self.recording.read.bad_total,
-        }
+__all__ = ["ActionSteps", "Halt", "ReplayResult", "Replayer", "Rewind", "Undecidable", "replay_files"]
 
 
 class Replayer:
@@ -181,6 +122,8 @@ class Replayer:
         """Whether steps are decided a block at a time (``feed``); False decides each on its own."""
         self.windowed = windowed(self.rules)
         self.loss = LossReplay(policy.loss)
+        self.recovery = None if policy.recovery is None else RecoveryReplay(policy.recovery, self)
+        """The ``recovery`` section's snapshots, rewinds and skip windows (None without one)."""
         self._pending: list[RecordedStep] = []
         """Steps gathered for a block (``feed``)."""
         self._activity: tuple[bool, ...] = ()
@@ -206,6 +149,10 @@ class Replayer:
                     bound.members.append(index)
                     if any(isinstance(a, HaltOnNonfinite | SkipStepOnNonfinite) for a in bound.rule.actions):
                         self.watchers.setdefault(index, []).append(bound.index)
+        self._grow_stats()
+
+    def _grow_stats(self) -> None:
+        """Per-tensor statistics get a column for each member learned since they were made (or snapshotted)."""
         for (rule_index, position), stats in self.stats.items():
             action = self.rules[rule_index].actions[position]
             if scope_of(action) == "tensor":
@@ -227,6 +174,8 @@ class Replayer:
         """
         if self.halt is not None:
             return False
+        if self.recovery is not None and not self.recovery.begin_step(recorded.step):
+            return True
         verdict = self.loss.judge(recorded)
         if self.in_blocks:
             # Every known name recorded, in order, and every norm finite in float32 (their magnitudes' sum at
@@ -271,26 +220,25 @@ class Replayer:
         peaks: torch.Tensor | None = None
         if recorded.max_abs and all(name in recorded.max_abs for name in recorded.norm):
             peaks = torch.tensor([recorded.max_abs.get(name, math.nan) for name in self.names], dtype=F32)
-        halted_by, skipped_by = self._watch(raw, present, step)
+        halted_by, skipped_by = nonfinite_verdicts(raw, present, step, self.rules, self.watchers)
         proposals: list[Proposal] = []
-        spikes = self._spikes(raw, present, everyone, step, proposals)
+        spikes = spiked_rules(raw, present, everyone, step, self.bound, self._state, proposals)
         acted: list[tuple[int, int]] = []
         self._actions(raw, peaks, present, step, recorded, proposals, acted)
 
         if halted_by:
             offender = min(halted_by)
-            rule_indices = sorted(set(halted_by.values()))
-            for rule_index in rule_indices:
-                self._record(rule_index, HaltOnNonfinite, step)
             rule = self.rules[halted_by[offender]]
             reason = f"non-finite gradient norm of {self.names[offender]!r}"
-            self.halt = Halt(step, rule.name, "halt_on_nonfinite", reason)
-            return False
+            if self._halts(Halt(step, rule.name, "halt_on_nonfinite", reason)):
+                for rule_index in sorted(set(halted_by.values())):
+                    self._record(rule_index, HaltOnNonfinite, step)
+                return False
+            return True
         if verdict is not None:
             self.loss.given(verdict, step)
             if verdict.action == "halt":
-                self.halt = Halt(step, LOSS_RULE, verdict.kind, verdict.reason)
-                return False
+                return not self._halts(Halt(step, LOSS_RULE, verdict.kind, verdict.reason))
             if verdict.action == "skip":
                 return True  # the loss section skips the step before any gradient skip: no statistic moves
         if skipped_by or spikes:
@@ -303,8 +251,7 @@ class Replayer:
                 why = self.skip_limits.record(rule_index, rule, step, cause)
                 if why is not None:
                     kind = "skip_step_on_nonfinite" if cause is SkipStepOnNonfinite else "skip_step_on_spike"
-                    self.halt = Halt(step, rule.name, kind, f"skip limit exceeded: {why}")
-                    return False
+                    return not self._halts(Halt(step, rule.name, kind, f"skip limit exceeded: {why}"))
             return True
         self.skip_limits.step_applied()
         self.loss.applied(recorded)
@@ -317,6 +264,30 @@ class Replayer:
             self.entries[key].steps.append(step)
         return True
 
+    # --- recovery -----------------------------------------------------------------------------------
+
+    def snapshot_state(self) -> HeldState:
+        """The state a ``recovery`` snapshot holds, every step fed so far decided first (``Rewindable``)."""
+        self._decide_pending()
+        return HeldState(copy.deepcopy(self.stats), copy.deepcopy(self.skip_limits), self.loss.watch.state_dict())
+
+    def restore_state(self, state: HeldState) -> None:
+        """A rewind's state back (``Rewindable``), copied: the snapshot may be restored again."""
+        self.stats = copy.deepcopy(state.stats)
+        self.skip_limits = copy.deepcopy(state.skip_limits)
+        self.loss.watch.load_state_dict(state.loss)
+        # Names learned since the snapshot have no column in its per-tensor statistics.
+        self._grow_stats()
+
+    def _halts(self, halt: Halt) -> bool:
+        """Whether ``halt`` ends the run: True without a ``recovery`` section, or where the guard's would let it
+        through (with its reason); else the recovery has rewound, as the guard's would."""
+        ending = halt if self.recovery is None else self.recovery.ending_halt(halt)
+        if ending is None:
+            return False
+        self.halt = ending
+        return True
+
     def _record(self, rule_index: int, kind: type[Action], step: int) -> None:
         """Note ``step`` under the rule's first active action of type ``kind``."""
         for position, action in enumerate(self.rules[rule_index].actions):
@@ -326,68 +297,11 @@ class Replayer:
                     steps.append(step)
                 return
 
-    def _watch(self, raw: torch.Tensor, present: list[bool], step: int) -> tuple[dict[int, int], dict[int, int]]:
-        """The non-finite verdicts: name index -> the halt (or else skip) rule that covers it."""
-        halted_by: dict[int, int] = {}
-        skipped_by: dict[int, int] = {}
-        if bool(torch.isfinite(raw).all()):
-            return halted_by, skipped_by
-        for index in torch.nonzero(~torch.isfinite(raw)).flatten().tolist():
-            if not present[index]:
-                continue
-            watchers = [r for r in self.watchers.get(index, ()) if self.rules[r].active_at(step)]
-            halts = [r for r in watchers if has_active(self.rules[r].actions, HaltOnNonfinite, step)]
-            skips = [r for r in watchers if has_active(self.rules[r].actions, SkipStepOnNonfinite, step)]
-            if halts:
-                halted_by[index] = halts[0]
-            elif skips:
-                skipped_by[index] = skips[0]
-        return halted_by, skipped_by
-
-    def _members(self, bound: BoundRule, present: list[bool], everyone: bool) -> tuple[list[int], torch.Tensor | None]:
-        """The members with a norm this step, and their columns (``None``: all of them, in order)."""
-        if everyone:
-            return bound.members, None
-        columns = [column for column, index in enumerate(bound.members) if present[index]]
-        return [bound.members[c] for c in columns], torch.tensor(columns, dtype=torch.long)
-
     def _state(self, key: tuple[int, int], action: Action, columns: int) -> Stats:
         stats = self.stats.get(key)
         if stats is None:
             stats = self.stats[key] = Stats(init_for(action)(columns, torch.device("cpu")))
         return stats
-
-    def _spikes(
-        self,
-        raw: torch.Tensor,
-        present: list[bool],
-        everyone: bool,
-        step: int,
-        proposals: list[Proposal],
-    ) -> list[int]:
-        """The spike watch, on the norms as they arrived (before any action): the rules whose norm spiked."""
-        spiked: list[int] = []
-        for bound in self.bound:
-            rule = bound.rule
-            if not bound.members or not rule.active_at(step):
-                continue
-            for position, action in enumerate(rule.actions):
-                if not isinstance(action, SkipStepOnSpike) or not action.active_at(step):
-                    continue
-                ids, cols = self._members(bound, present, everyone)
-                if not ids:
-                    continue
-                group = action.scope == "group"
-                g = followed(raw, ids, group)
-                key = (bound.index, position)
-                stats = self._state(key, action, 1 if group else len(bound.members))
-                ring = stats.tensors["ring"] if group or cols is None else stats.tensors["ring"].index_select(0, cols)
-                slot = stats.slot % action.window
-                spike, _, _, _, proposed = spike_decide(action, g, ring, slot)
-                proposals.append((key, None if group else cols, {"ring": proposed}, slot + 1))
-                if bool(spike.any()):
-                    spiked.append(bound.index)
-        return spiked
 
     def _actions(
         self,
@@ -455,7 +369,33 @@ class Replayer:
                 actions.append(ActionSteps(LOSS_RULE, kind, position, steps))
             else:
                 listed.append(Undecidable(LOSS_RULE, kind, NO_LOSS))
-        return ReplayResult(self.policy.source, actions, listed, self.halt, recording, list(self.names), self.steps)
+        rewinds: list[Rewind] = []
+        window_steps = 0
+        if self.recovery is not None:
+            self.recovery.list_actions(actions, self.halt.step if self.halt is not None else recording.last_step)
+            rewinds, window_steps = list(self.recovery.rewinds), len(self.recovery.window_steps)
+        return ReplayResult(
+            self.policy.source,
+            actions,
+            listed,
+            self.halt,
+            recording,
+            list(self.names),
+            self.steps,
+            rewinds,
+            self._not_replayed(),
+            window_steps,
+        )
+
+    def _not_replayed(self) -> list[str]:
+        """What of the policy the log cannot replay, in words (the report and the JSON say it)."""
+        left = [] if self.recovery is None else self.recovery.not_replayed()
+        if self.policy.rerun is not None:
+            left.append(
+                "rerun: a log cannot compute a step again; each suspect step gets the policy's own verdict, as a fault "
+                "that repeats would (the guard may have found it transient and gone on)"
+            )
+        return left
 
 
 def replay_files(policy: Policy, paths: Sequence[Path], recording: Recording | None = None) -> ReplayResult:

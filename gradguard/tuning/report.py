@@ -15,9 +15,11 @@ _SHOWN: Final = 10
 def replay_text(result: ReplayResult) -> str:
     """The replay as aligned text: rule, action, how many steps, the first of them."""
     recording = result.recording
+    windows = result.window_steps
+    in_windows = f", {windows:,} more inside rewind windows (skipped)" if windows else ""
     lines = [
         f"gradguard replay: {result.policy} on {result.steps_replayed:,} recorded steps "
-        f"({recording.first_step}-{recording.last_step}), {len(result.params)} parameters",
+        f"({recording.first_step}-{recording.last_step}){in_windows}, {len(result.params)} parameters",
     ]
     rows = [("rule", "action", "steps", "on steps")]
     for entry in result.actions:
@@ -31,10 +33,20 @@ def replay_text(result: ReplayResult) -> str:
     if result.undecidable:
         lines.append("undecidable from this log:")
         lines += [f"  {entry.rule} / {entry.action}: {entry.reason}" for entry in result.undecidable]
+    for rewind in result.rewinds:
+        halt, window = rewind.halt, f"{rewind.halt.step + 1}-{rewind.skip_until - 1}"
+        lines.append(
+            f"rewind at step {halt.step}: rule {halt.rule!r} ({halt.action}): {halt.reason}; the recovery section "
+            f"goes back to the snapshot of step {rewind.to_step} and skips steps {window} (rewind {rewind.rewinds}); "
+            f"the replay goes on at step {rewind.skip_until}"
+        )
     if result.halt is not None:
         halt = result.halt
         where = f"halt at step {halt.step}: rule {halt.rule!r} ({halt.action})"
         lines.append(f"{where}: {halt.reason}; the replay stops there, as the run would")
+    if result.not_replayed:
+        lines.append("not replayed:")
+        lines += [f"  {what}" for what in result.not_replayed]
     return "\n".join(lines) + "\n"
 
 

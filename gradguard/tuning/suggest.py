@@ -21,12 +21,16 @@ and never above ``SPIKE_FACTOR`` (10) times ``M`` but where ``2`` sets it: a nor
 is a spike however wide the spread, so a step whose family's norms are 20x their medians is always
 acted on.
 
-Every parameter gets a ``skip_step_on_nonfinite`` rule, and a ``monitor`` keeps recording norms for the
-next run. With ``loss=True`` (``--loss``), where the log holds the step's loss (the ``stats`` events carry it), a
-``loss`` section with a
-``spike.factor`` learned the same way from ``ln(loss / reference)``, the reference a running median of the
-recorded losses as the guard's is (``gradguard.tuning.loss_factor``). The second pass replays the suggested
-policy on the same logs (``gradguard.tuning.replay``), so each rule's comment (and the loss section's) says on
+Every parameter gets a non-finite rule: ``skip_step_on_nonfinite``, or ``halt_on_nonfinite`` where the run's
+policy halted (``keep``, ``--policy``) or had a ``recovery`` section (a halt is what it turns into a rewind); and a
+``monitor`` keeps recording norms for the next run. The run's ``recovery`` section is kept (from ``keep``, or from
+the log's ``attach`` event), and ``keep``'s ``rerun`` and ``loss`` sections too (a proposed ``loss`` section takes
+the place of the latter).
+
+With ``loss=True`` (``--loss``), where the log holds the step's loss (the ``stats`` events carry it), a ``loss``
+section with a ``spike.factor`` learned the same way from ``ln(loss / reference)``, the reference a running
+median of the recorded losses as the guard's is (``gradguard.tuning.loss_factor``). The second pass replays the
+suggested policy on the same logs (``gradguard.tuning.replay``), so each rule's comment (and the loss section's) says on
 which recorded steps it would have acted.
 """
 
@@ -38,12 +42,13 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 
 from gradguard.policy.document import Policy
 from gradguard.policy.loading import load_policy_text
+from gradguard.policy.schema import HaltOnNonfinite
 from gradguard.tuning.blocks import stacked
 from gradguard.tuning.families import Family, family_key, family_pattern, merge_alike
 from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram, round_up, yaml_float
@@ -206,10 +211,17 @@ class Suggestion:
 
 
 def suggest_files(
-    paths: Sequence[Path], *, budget: float = 0.01, z: float = 6.0, merge_within: float = 1.5, loss: bool = False
+    paths: Sequence[Path],
+    *,
+    budget: float = 0.01,
+    z: float = 6.0,
+    merge_within: float = 1.5,
+    loss: bool = False,
+    keep: Policy | None = None,
 ) -> Suggestion:
     """Learn a policy from the norms recorded in ``paths`` (and a ``loss`` section from the losses, with ``loss``);
-    ``NoNorms`` if there are none."""
+    ``NoNorms`` if there are none. ``keep``: the run's own policy, whose non-finite verdict (halt or skip) and
+    ``recovery``, ``rerun`` and ``loss`` sections the suggestion keeps."""
     recording = Recording()
     summary = NormSummary()
     ratios = LossRatios()
@@ -219,7 +231,11 @@ def suggest_files(
             ratios.add(recorded.step, recorded.loss, SPIKE_FACTOR)
     summary.flush()
     if not summary.names:
-        raise NoNorms(no_norms_message(paths, recording))
+        raise NoNorms(no_norms_message(paths, recording, loss=loss))
+    kept = _Kept.of(keep, recording, proposed_loss=loss)
+    # A proposed loss section keeps the run's verdict on a NaN/Inf loss (a halt stays a halt).
+    nonfinite = keep.loss.nonfinite if keep is not None and keep.loss is not None else "skip"
+    shown: dict[str, Any] = {"z": z, "spike_factor": SPIKE_FACTOR, "least": MIN_SAMPLES, "nonfinite": nonfinite}
     usable = [family for family in summary.families.values() if family.samples >= MIN_SAMPLES]
     sparse = [family for family in summary.families.values() if family.samples < MIN_SAMPLES]
     merged = merge_alike(usable, merge_within, lambda family: family.histogram.median())
@@ -231,21 +247,23 @@ def suggest_files(
     if ratios.ratios.total >= MIN_SAMPLES:
         bounds = {"min_spread": MIN_SPREAD, "min_factor": MIN_FACTOR, "spike_factor": SPIKE_FACTOR}
         found = loss_factor(ratios, budget=budget, z=z, **bounds)
-    draft = _render(paths, thresholds, sparse, recording, len(names), budget, z, None)
+    draft = _render(paths, thresholds, sparse, recording, len(names), budget, z, None, kept)
     if loss:
-        draft += "\n".join(loss_lines(found, ratios, None, z=z, spike_factor=SPIKE_FACTOR, least=MIN_SAMPLES)) + "\n"
+        draft += "\n".join(loss_lines(found, ratios, None, **shown)) + "\n"
+    draft += kept.sections()
     replay = replay_files(load_policy_text(Policy, draft, "yaml", "<suggested>"), paths)
     by_rule = {entry.rule: entry.steps for entry in replay.actions}
     for threshold in thresholds:
         threshold.steps = by_rule.get(threshold.rule, [])
-    text = _render(paths, thresholds, sparse, recording, len(names), budget, z, replay)
+    text = _render(paths, thresholds, sparse, recording, len(names), budget, z, replay, kept)
     if found is not None:
         verdicts = {entry.action: entry.steps for entry in replay.actions if entry.rule == "loss"}
         found.spikes, found.nonfinite = verdicts.get("spike", []), verdicts.get("nonfinite", [])
         flagged = _steps(sorted(found.spikes + found.nonfinite), recording.loss_steps).replace("acts on", "skips", 1)
-        text += "\n".join(loss_lines(found, ratios, flagged, z=z, spike_factor=SPIKE_FACTOR, least=MIN_SAMPLES)) + "\n"
+        text += "\n".join(loss_lines(found, ratios, flagged, **shown)) + "\n"
     elif loss:
-        text += "\n".join(loss_lines(None, ratios, None, z=z, spike_factor=SPIKE_FACTOR, least=MIN_SAMPLES)) + "\n"
+        text += "\n".join(loss_lines(None, ratios, None, **shown)) + "\n"
+    text += kept.sections()
     load_policy_text(Policy, text, "yaml", "<suggested>")  # what is printed loads: a failure here is a bug
     return Suggestion(text, thresholds, sparse, replay, recording, len(names), budget, z, found)
 
@@ -270,8 +288,20 @@ def _threshold(family: Family, names: list[str], families: int, budget: float, z
     max_norm = round_up(math.exp(bounds[bound_by]))
     members = family.members
     patterns = [family_pattern(key, {m for m in members if family_key(m) == key}, names) for key in family.keys]
-    rule = family.keys[0] + (f"+{len(family.keys) - 1}" if len(family.keys) > 1 else "")
-    return Threshold(family, rule, patterns, median, spread, level, quantile, max_norm, bound_by)
+    return Threshold(family, _rule_name(family.keys), patterns, median, spread, level, quantile, max_norm, bound_by)
+
+
+_NAMED_KEYS: Final = 3
+"""A merged family's rule names this many of its families; more are counted (a rule name is a counter key)."""
+
+
+def _rule_name(keys: Sequence[str]) -> str:
+    """``blocks.*.0.weight``, ``embed.weight & blocks.*.2.bias``, ``a & b & c & 2 more``: the families a rule covers,
+    in words (``embed.weight+1`` left the reader to guess what the ``+1`` was)."""
+    named = list(keys[:_NAMED_KEYS])
+    if len(keys) > _NAMED_KEYS:
+        named.append(f"{len(keys) - _NAMED_KEYS} more")
+    return " & ".join(named)
 
 
 def _unique_rule_names(thresholds: list[Threshold]) -> None:
@@ -325,6 +355,7 @@ def _render(
     budget: float,
     z: float,
     replay: ReplayResult | None,
+    kept: _Kept,
 ) -> str:
     steps = recording.steps
     acted: list[int] = []
@@ -342,20 +373,22 @@ def _render(
     ]
     nonfinite_steps: list[int] = []
     if replay is not None:
-        nonfinite_steps = next((e.steps for e in replay.actions if e.rule == NONFINITE_RULE), [])
-    lines += [
-        "  # Every parameter: a NaN or Inf gradient skips the step (no parameter or optimizer state moves);",
-        f"  # more than {MAX_CONSECUTIVE_SKIPS} skipped steps in a row halt the run.",
-    ]
+        # Under recovery the rule's halts are listed as rewinds: both are where it acted.
+        nonfinite_steps = sorted({step for e in replay.actions if e.rule == NONFINITE_RULE for step in e.steps})
+    if kept.halts:
+        lines.append(f"  # Every parameter: a NaN or Inf gradient halts the run, {kept.why_halt}.")
+    else:
+        lines += [
+            "  # Every parameter: a NaN or Inf gradient skips the step (no parameter or optimizer state moves);",
+            f"  # more than {MAX_CONSECUTIVE_SKIPS} skipped steps in a row halt the run.",
+        ]
     if replay is not None:
         lines.append(f"  # On the recorded run it {_steps(nonfinite_steps, steps)}.")
-    lines += [
-        f"  - name: {NONFINITE_RULE}",
-        '    match: "*"',
-        "    actions:",
-        "      - action: skip_step_on_nonfinite",
-        f"        max_consecutive_skips: {MAX_CONSECUTIVE_SKIPS}",
-    ]
+    lines += [f"  - name: {NONFINITE_RULE}", '    match: "*"', "    actions:"]
+    if kept.halts:
+        lines.append("      - action: halt_on_nonfinite")
+    else:
+        lines += ["      - action: skip_step_on_nonfinite", f"        max_consecutive_skips: {MAX_CONSECUTIVE_SKIPS}"]
     for threshold in thresholds:
         family = threshold.family
         acted += threshold.steps
@@ -397,6 +430,49 @@ def _render(
         share = 100.0 * union / steps if steps else 0.0
         lines.append(f"# In all, the clips act on {union:,} of the {steps:,} recorded steps ({share:.2g}%).")
     return "\n".join(lines) + "\n"
+
+
+_WHY_RECOVERY: Final = "which the recovery section (below, the run's) turns into a rewind"
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """What the suggestion keeps of the run's policy: the non-finite verdict and the top-level sections."""
+
+    halts: bool
+    why_halt: str
+    recovery: dict[str, Any] | None
+    recovery_from: str
+    rerun: dict[str, Any] | None
+    loss: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, keep: Policy | None, recording: Recording, *, proposed_loss: bool) -> _Kept:
+        if keep is not None:
+            recovery = keep.recovery.model_dump(mode="json", exclude_defaults=True) if keep.recovery else None
+            rerun = keep.rerun.model_dump(mode="json", exclude_defaults=True) if keep.rerun else None
+            loss = keep.loss.model_dump(mode="json", exclude_defaults=True) if keep.loss and not proposed_loss else None
+            halts = any(isinstance(a, HaltOnNonfinite) for rule in keep.rules for a in rule.actions)
+            why = "as the run's policy did" if halts else ""
+            if not halts and recovery is not None:
+                halts, why = True, _WHY_RECOVERY
+            return cls(halts, why, recovery, f"the run's policy ({keep.source})", rerun, loss)
+        recovery = recording.recovery
+        return cls(recovery is not None, _WHY_RECOVERY, recovery, "the log's attach event", None, None)
+
+    def sections(self) -> str:
+        """The kept sections, in YAML's flow style (JSON), each with a comment saying where it comes from."""
+        lines: list[str] = []
+        if self.loss is not None:
+            lines.append("# The loss section of the run's policy, kept as it was (--loss proposes one instead).")
+            lines.append(f"loss: {json.dumps(self.loss)}")
+        if self.recovery is not None:
+            lines.append(f"# The recovery section, kept from {self.recovery_from}: a halt rewinds to a snapshot.")
+            lines.append(f"recovery: {json.dumps(self.recovery)}")
+        if self.rerun is not None:
+            lines.append("# The rerun section of the run's policy, kept as it was.")
+            lines.append(f"rerun: {json.dumps(self.rerun)}")
+        return "".join(f"{line}\n" for line in lines)
 
 
 def _bound_text(threshold: Threshold, z: float) -> str:

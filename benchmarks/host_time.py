@@ -1,0 +1,288 @@
+"""What the guard costs where a step is host-bound: nanoGPT's smallest shape on the CPU, paired and interleaved.
+
+    python benchmarks/host_time.py            # about 2 minutes: ratios, and the counts per step
+    python benchmarks/host_time.py --quick    # a few rounds (the smoke test)
+    python benchmarks/host_time.py --check    # exit 1 if the shipped default costs more than 1.03x
+
+The model is nanoGPT's ``GPT`` (Karpathy's ``model.py``: token and position embeddings, pre-norm blocks of
+causal self-attention and a GELU MLP, dropout modules, a head tied to the token embedding) at the smallest shape
+its ``train.py`` is run at: 2 layers, width 64, 2 heads, vocabulary 65 (shakespeare_char), 64 tokens, batch 8.
+The loop is ``train.py``'s: ``zero_grad(set_to_none=True)``, forward with the loss, backward, the loop's own
+``clip_grad_norm_(params, 1.0)``, ``AdamW.step()``; torch on one thread.
+
+Treatments, each on its own copy of the model from the same seed (so all see the same weights and batches):
+``none`` (the loop alone), ``default`` (``GradGuard(model, "default")``: the shipped default policy with the
+default provenance, ``first_fault``), and ``default, provenance=None`` (the share of the provenance trace).
+Rounds: every treatment runs ``steps`` steps per round, in a shuffled order; a treatment's figure is the median
+over rounds of its step-time median over ``none``'s in the same round (paired: noise that hits a round hits
+both). Besides time, two deterministic counts per step: Python function calls (``sys.setprofile``) and torch
+operations dispatched (a ``TorchDispatchMode``), each above ``none``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gradguard import GradGuard
+
+TARGET = 1.03
+"""Issue 41: the shipped default guard at this shape costs at most this much of the unguarded loop."""
+
+
+# --- nanoGPT's model.py, as its train.py builds it ---------------------------------------------------
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+        self.attn_dropout = nn.Dropout(dropout)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.heads, self.width, self.dropout = heads, width, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.size()
+        q, k, v = self.c_attn(x).split(self.width, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, width // self.heads).transpose(1, 2) for t in (q, k, v))
+        drop = self.dropout if self.training else 0.0
+        y = functional.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(batch, length, width)
+        out: torch.Tensor = self.resid_dropout(self.c_proj(y))
+        return out
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, dropout: float) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(width, 4 * width)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads, dropout)
+        self.ln_2 = nn.LayerNorm(width)
+        self.mlp = MLP(width, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, context: int, layers: int, heads: int, width: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, width),
+                "wpe": nn.Embedding(context, width),
+                "drop": nn.Dropout(dropout),
+                "h": nn.ModuleList(Block(width, heads, dropout) for _ in range(layers)),
+                "ln_f": nn.LayerNorm(width),
+            }
+        )
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # nanoGPT ties them
+        self.apply(self._init_weights)
+        for name, param in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = torch.arange(0, idx.size(1), dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        return logits, loss
+
+
+# --- the loop -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One treatment: its model, optimizer, batches and guard (if any)."""
+
+    name: str
+    attach: Callable[[nn.Module], GradGuard | None]
+    model: GPT = field(init=False)
+    opt: torch.optim.Optimizer = field(init=False)
+    guard: GradGuard | None = field(init=False, default=None)
+    data: torch.Generator = field(init=False)
+
+    def start(self) -> None:
+        torch.manual_seed(1337)
+        self.model = GPT(vocab=65, context=64, layers=2, heads=2, width=64)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)
+        self.data = torch.Generator().manual_seed(0)
+        self.guard = self.attach(self.model)
+
+    def step(self) -> None:
+        tokens = torch.randint(0, 65, (8, 65), generator=self.data)
+        _, loss = self.model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+
+    def stop(self) -> None:
+        if self.guard is not None:
+            self.guard.remove()
+
+
+TREATMENTS: dict[str, Callable[[nn.Module], GradGuard | None]] = {
+    "none": lambda model: None,
+    "default": lambda model: GradGuard(model, "default", logger=None),
+    "default, provenance=None": lambda model: GradGuard(model, "default", logger=None, provenance=None),
+}
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def counts(run: Run, steps: int = 3) -> tuple[float, float]:
+    """Python calls and torch operations per step (after a warm-up step)."""
+    run.step()
+    calls = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    sys.setprofile(profile)
+    try:
+        for _ in range(steps):
+            run.step()
+    finally:
+        sys.setprofile(None)
+    counted = OpCount()
+    with counted:
+        for _ in range(steps):
+            run.step()
+    return calls / steps, counted.ops / steps
+
+
+@dataclass
+class Result:
+    ratios: dict[str, list[float]]
+    calls: dict[str, float]
+    ops: dict[str, float]
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.ratios[name])
+
+    def spread(self, name: str) -> tuple[float, float]:
+        values = sorted(self.ratios[name])
+        quartiles = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+        return quartiles[0], quartiles[2]
+
+
+def measure(rounds: int, steps: int, seed: int = 0) -> Result:
+    runs = {name: Run(name, attach) for name, attach in TREATMENTS.items()}
+    for run in runs.values():
+        run.start()
+        for _ in range(5):  # warm-up: the guard's first steps learn what to hold, the allocator settles
+            run.step()
+    calls, ops = {}, {}
+    for name, run in runs.items():
+        calls[name], ops[name] = counts(run)
+    shuffle = random.Random(seed)
+    ratios: dict[str, list[float]] = {name: [] for name in runs if name != "none"}
+    try:
+        for _ in range(rounds):
+            order = list(runs)
+            shuffle.shuffle(order)
+            medians = {}
+            for name in order:
+                run, times = runs[name], []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    run.step()
+                    times.append(time.perf_counter() - start)
+                medians[name] = statistics.median(times)
+            for name in ratios:
+                ratios[name].append(medians[name] / medians["none"])
+    finally:
+        for run in runs.values():
+            run.stop()
+    return Result(ratios, calls, ops)
+
+
+def report(result: Result) -> str:
+    lines = [
+        "| treatment | step time / unguarded loop, median [p25-p75] | Python calls per step | torch ops per step |",
+        "|---|---|---|---|",
+        f"| none | 1 | {result.calls['none']:,.0f} | {result.ops['none']:,.0f} |",
+    ]
+    for name in result.ratios:
+        low, high = result.spread(name)
+        calls = result.calls[name] - result.calls["none"]
+        ops = result.ops[name] - result.ops["none"]
+        lines.append(f"| {name} | {result.median(name):.3f} [{low:.3f}-{high:.3f}] | +{calls:,.0f} | +{ops:,.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if the default guard is over {TARGET}x")
+    args = parser.parse_args(argv)
+    rounds, steps = (3, 5) if args.quick else (args.rounds, args.steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        result = measure(rounds, steps)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"nanoGPT, 2 layers, width 64, vocabulary 65, batch 8 x 64 tokens, CPU, {rounds} rounds x {steps} steps")
+    print(report(result))
+    ok = result.median("default") <= TARGET
+    print(f"target: the shipped default <= {TARGET}x: {'PASS' if ok else 'FAIL'} ({result.median('default'):.3f}x)")
+    return 1 if args.check and not ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -29,9 +29,16 @@ def benchmarks() -> Iterator[dict[str, ModuleType]]:
     sys.path.insert(0, str(BENCHMARKS))
     try:
         import cuda_sync_check
+        import host_time
         import step_overhead
+        import step_walk
 
-        yield {"step_overhead": step_overhead, "cuda_sync_check": cuda_sync_check}
+        yield {
+            "step_overhead": step_overhead,
+            "cuda_sync_check": cuda_sync_check,
+            "host_time": host_time,
+            "step_walk": step_walk,
+        }
     finally:
         sys.path.remove(str(BENCHMARKS))
         torch.set_num_threads(threads)
@@ -167,3 +174,22 @@ def test_the_quick_recovery_benchmark_halts_without_recovery_and_rewinds_exactly
     assert runs["reference"]["halted_at"] is None
     if png is not None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_quick_host_time_run_prints_every_treatment_with_its_counts(
+    benchmarks: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert benchmarks["host_time"].main(["--quick"]) == 0
+    printed = capsys.readouterr().out
+    for row in ("| none | 1 |", "| default |", "| default, provenance=None |", "target: the shipped default"):
+        assert row in printed, printed
+
+
+def test_the_step_walk_names_the_files_one_step_enters(
+    benchmarks: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    walk = benchmarks["step_walk"].walk_of_one_step()
+    assert walk.files[0] == "guard.py"
+    assert "enforce/engine.py" in walk.files
+    assert len(walk.stays) >= len(walk.files) > 1
+    assert walk.returns == len(walk.stays) - len(walk.files)

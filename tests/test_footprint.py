@@ -174,3 +174,55 @@ def test_a_reload_that_drops_the_recovery_section_gives_the_snapshots_back_at_th
     assert [tuple(t.shape) for t in still] == []
     assert "gradguard/recovery/snapshot_bytes" not in guard.metrics()
     guard.remove()
+
+
+@pytest.mark.usefixtures("no_garbage_collector")
+def test_lightnings_callback_gives_back_every_tensor_its_guard_made_when_fitting_ends() -> None:
+    """The integrations detach through ``guard.remove()``: snapshots and statistics go with it, the guard stays."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradguard.integrations.lightning import GradGuardCallback
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    torch.manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), batch_size=4)
+    module = Module()
+    before = set(live_tensors())
+    policy = Policy.shipped("default").model_dump(mode="python", exclude_none=True)
+    policy["recovery"] = {"snapshot_every": 2, "keep": 2, "min_age": 1, "memory": "host"}
+    callback = GradGuardCallback(Policy.from_dict(policy), logger=None)
+    trainer = pl.Trainer(
+        max_steps=6,
+        callbacks=[callback],
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, data)
+    guard = callback.guard
+    assert guard is not None
+    assert not guard.attached
+    assert guard.step_count == 6
+    device_constant.cache_clear()
+    owned = {id(p) for p in module.parameters()} | {id(p.grad) for p in module.parameters() if p.grad is not None}
+    optimizer = trainer.optimizers[0]
+    owned |= {id(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)}
+    left = [t for key, t in live_tensors().items() if key not in before and key not in owned]
+    guards = [t for t in left if t.numel() in {p.numel() for p in module.parameters()}]
+    assert [tuple(t.shape) for t in guards] == []
+    assert guard.metrics().get("gradguard/recovery/snapshot_bytes", 0.0) == 0.0

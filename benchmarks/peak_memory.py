@@ -199,7 +199,11 @@ def table(results: Sequence[Row]) -> str:
             f"| {row.policy} | {'fused' if row.fused else 'foreach'} | {'yes' if row.loop_clip else 'no'} | "
             f"{row.unguarded / KIB:,.1f} KiB | {row.guarded / KIB:,.1f} KiB | {row.over / KIB:+,.1f} KiB | "
             f"{row.bound / KIB:,.0f} KiB | {'ok' if row.ok else 'OVER'} | "
-            f"{row.update_unguarded / KIB:,.1f}, {row.update_guarded / KIB:,.1f} KiB |"
+            + (
+                f"{row.update_unguarded / KIB:,.1f}, {row.update_guarded / KIB:,.1f} KiB |"
+                if row.update_unguarded >= 0
+                else "n/a (CPU only) |"
+            )
         )
     return "\n".join(lines)
 

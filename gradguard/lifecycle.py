@@ -80,18 +80,19 @@ class Attachment:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
-        self.enforcer.fused.discard()  # a flag left by a step() that raised must not stop the updates after
-        self.enforcer.verdicts.interventions(*self.enforcer.carry.flush())  # the last step's, waiting for a read
-        self.enforcer.emit_summary()
-        self.events.emit(
-            "info",
-            "detach",
-            reason=reason,
-            steps=self.enforcer.step,
-            counters=self.enforcer.counters.snapshot(),
-        )
-        self.events.close()
-        self.enforcer.release()
+        try:
+            self.enforcer.verdicts.interventions(*self.enforcer.carry.flush())  # the last step's, waiting for a read
+            self.enforcer.emit_summary()
+            self.events.emit(
+                "info",
+                "detach",
+                reason=reason,
+                steps=self.enforcer.step,
+                counters=self.enforcer.counters.snapshot(),
+            )
+            self.events.close()
+        finally:
+            self.enforcer.release()  # whatever the log did: a fused optimizer's flag, the snapshots
 
     @staticmethod
     def abandon(attachment: Attachment | None) -> None:

@@ -81,7 +81,7 @@ class Enforcer:
         """The adaptive actions' statistics across steps (changed only by applied steps)."""
         self.recovery = Recovery(self.statistics, self.skip_limits, counters)
         """Snapshots and rewinds (the policy's ``recovery`` section)."""
-        self.recovery.events = events
+        self.recovery.places.events = events  # where a placement decided after attach is said
         self.verdicts = Verdicts(counters, events, self.skip_limits, self.recovery)
         self.applied_versions: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]] = {}
         """``(weakref to grad, version, held)`` per tensor: a gradient treated and unchanged since is not treated
@@ -173,9 +173,8 @@ class Enforcer:
         if work.pending.quiet is not None:
             self.fused.check(work, self.loss_watch.peek(self.binding.policy.loss, work.outcome.loss))
         outcome = work.outcome
-        self.reruns.settle(
-            self.binding.policy, self.loss_watch, self.events, work, context
-        )  # a suspect step that cannot be computed again whole: said so
+        # A suspect step that cannot be computed again whole is said so, before the verdict.
+        self.reruns.settle(self.binding.policy, self.loss_watch, self.events, work, context)
         rerun_or_compare(self, work, context)  # a suspect step may be computed again before anything is said
         if outcome.observed and not outcome.scaler_found_inf:
             self.health.report(outcome.observed, step, outcome.loss)  # the gradient as it arrived, before a verdict
@@ -313,7 +312,7 @@ class Enforcer:
         """The guard is removed: give back every tensor it holds across steps (snapshots, staging buffers, adaptive
         statistics, the last step's norms) at once, with no help from the garbage collector. Counters, ``state_dict``
         and ``metrics`` stay readable."""
-        self.fused.discard()
+        self.fused.discard()  # a flag left by a step() that raised must not stop the updates after
         self.known_norms.clear()
         self.recovery.release()
         self.statistics.release()

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from gradguard.enforce.distributed import local_tensor
-from gradguard.enforce.tensors import device_constant
+from gradguard.enforce.tensors import device_constant, without_grad
 
 __all__ = [
     "HELD_BYTES",
@@ -29,7 +29,6 @@ __all__ = [
 ]
 
 _HALF = (torch.float16, torch.bfloat16)
-_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 STRIDED = torch.strided  # sparse tensors (Embedding(sparse=True) gradients) are left out: no norm kernel
 
 
@@ -55,19 +54,14 @@ def peak(tensor: torch.Tensor) -> torch.Tensor:
     return norm
 
 
+@without_grad  # not a detach: a dispatch of its own
 def total(tensor: torch.Tensor) -> torch.Tensor:
     """The sum (in float32 at least): NaN if any element is NaN or if both infinities are present, else
     Inf if any is infinite or if the sum overflows (a finite tensor whose elements add up beyond ~3e38,
     far rarer than the 2-norm's overflow). Half the cost of the 2-norm on CPU; no sync."""
     # A plain tensor (every one but FSDP2's) skips the DTensor test: this runs for every hooked module at every step.
     local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
-    # Grad mode off around the sum, not a detach (a dispatch of its own): two C calls.
-    enabled = _grad_enabled()
-    _set_grad_enabled(False)
-    try:
-        total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
-    finally:
-        _set_grad_enabled(enabled)
+    total: torch.Tensor = local.sum(dtype=torch.float32) if local.dtype in _HALF else local.sum()
     return total
 
 
@@ -203,8 +197,7 @@ class HeldOutputs:
         if index in self.in_hook or tensor.numel() * tensor.element_size() > HELD_BYTES or tensor.is_complex():
             return False
         if index in self._unchanged:
-            self._held.append((len(figures), index, weakref.ref(tensor), tensor._version))
-            figures.append(device_constant(0.0, torch.float32, tensor.device))
+            self.hold_known(figures, tensor, index)
             return True
         self._watched.append((index, weakref.ref(tensor), tensor._version))
         return False
@@ -233,12 +226,17 @@ class HeldOutputs:
             positions, group = groups.setdefault((local.device, local.dtype), ([], []))
             positions.append(position)
             group.append(local)
-        if not groups:
-            return
-        with torch.no_grad():  # one switch, not a detach of every output (a dispatch each)
-            for (device, _), (positions, group) in groups.items():
-                for position, figure in zip(positions, torch._foreach_norm(group, _held_norm(device)), strict=True):
-                    figures[position] = figure
+        if groups:
+            _reduce_held(groups, figures)
 
     def drop(self) -> None:
         self._held, self._watched = [], []
+
+
+@without_grad  # one switch, not a detach of every output (a dispatch each)
+def _reduce_held(
+    groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]], figures: list[torch.Tensor]
+) -> None:
+    for (device, _), (positions, group) in groups.items():
+        for position, figure in zip(positions, torch._foreach_norm(group, _held_norm(device)), strict=True):
+            figures[position] = figure

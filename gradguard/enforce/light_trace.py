@@ -19,14 +19,14 @@ from torch import nn
 from gradguard.enforce.figures import HELD_BYTES, STRIDED, HeldOutputs, linear_figure, mark, passed_on, tensors
 from gradguard.enforce.origins import DATA, OUTPUT, BackwardMeta, ForwardMeta
 
-__all__ = ["MAX_ENTRIES", "LightTrace", "recording"]
+__all__ = ["LINEAR_FORWARD", "MAX_ENTRIES", "LightTrace", "recording"]
 
 MAX_ENTRIES = 4096
 """Figures kept per kind and step (the first ones are the ones that matter; a loop that never steps
 cannot grow them without bound)."""
 _STRIDED = STRIDED
 _TENSOR = torch.Tensor
-_LINEAR_FORWARD = nn.Linear.forward
+LINEAR_FORWARD = nn.Linear.forward
 _grad_enabled, _compiling = torch.is_grad_enabled, torch.compiler.is_compiling
 _graph_task = torch._C._current_graph_task_id
 
@@ -71,7 +71,7 @@ class LightTrace:
         if isinstance(output, torch.Tensor):
             if (output.is_floating_point() or output.is_complex()) and output.layout is _STRIDED and output.numel():
                 # Only a Linear asks whether its input was passed on: ``linear_figure`` alone uses the answer.
-                linear = type(module).forward is _LINEAR_FORWARD and self._tracing.linear
+                linear = type(module).forward is LINEAR_FORWARD and self._tracing.linear
                 figure = linear_figure(module, args, output, self._passed_on(args)) if linear else None
                 self._light_record(output, index, figure, compiling)
         else:

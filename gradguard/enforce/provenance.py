@@ -44,7 +44,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.figures import STRIDED, HeldOutputs, tensors, total
 from gradguard.enforce.figures import peak as _peak
-from gradguard.enforce.light_trace import MAX_ENTRIES, LightTrace
+from gradguard.enforce.light_trace import LINEAR_FORWARD, MAX_ENTRIES, LightTrace
 from gradguard.enforce.light_trace import recording as _recording
 from gradguard.enforce.origins import (
     DATA,
@@ -88,7 +88,6 @@ per parameter during backward), so these modes arm them with the module hooks, a
 FIRST_PARAMS_SHOWN: Final = 16
 UNTRACED_HINT: Final = "To trace a first fault: GradGuard(..., provenance='first_fault')."
 _STRIDED = STRIDED
-_LINEAR_FORWARD = nn.Linear.forward
 
 
 class _Seen:
@@ -192,7 +191,7 @@ class Provenance(LightTrace):
                 continue
             hook = functools.partial(self._light_forward, index)
             self._light_handles.append(module.register_forward_hook(hook))
-            if index == 0 or (tracing.linear and type(module).forward is _LINEAR_FORWARD) or tracing.backward:
+            if index == 0 or (tracing.linear and type(module).forward is LINEAR_FORWARD) or tracing.backward:
                 self._held.never_fast({index})  # the model's hook ends the forward; a Linear's figure, a tensor hook
         root = self._modules[0]()
         if root is not None:

@@ -20,7 +20,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,9 +45,6 @@ from gradguard.enforce.statistics import Statistics
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import RECOVERY_RULE, Counters
 from gradguard.policy.schema import Recovery as RecoveryConfig
-
-if TYPE_CHECKING:
-    from gradguard.events.log import EventLog
 
 __all__ = ["HaltReport", "Recovery", "RewindRequested"]
 
@@ -218,14 +215,6 @@ class Recovery:
     def placement(self) -> Placement | None:
         """Where snapshots live: chosen at attach, for ``auto`` again at the first snapshot, and after a reload."""
         return self.places.placement
-
-    @property
-    def events(self) -> EventLog | None:
-        return self.places.events
-
-    @events.setter
-    def events(self, events: EventLog | None) -> None:
-        self.places.events = events
 
     def add_scheduler(self, scheduler: Any) -> None:
         """A scheduler of the loop (an integration finds it after attach): rewound with the snapshots from now on.

@@ -16,7 +16,7 @@
   optimizer state still to come, and ``ALLOCATOR_SLACK`` of the device for fragmentation), else ``host``
   (``place_from_peak``). At attach, where no step has run, it is estimated from the free memory and a margin of
   ``MEMORY_MARGIN`` for the activations, and said to be provisional. A snapshot whose allocation on the device fails
-  goes to the host instead, whatever the mode, and the run goes on (``Recovery``'s ``snapshot_placement`` event).
+  goes to the host instead, whatever the mode, and the run goes on (a ``snapshot_fallback`` event).
 
 Each list of tensors is copied into one flat buffer per (device, dtype) (views keep the shapes), so a copy to the
 host is a few large copies, not one per tensor. On the CPU every mode is a copy in memory.
@@ -121,13 +121,16 @@ def place_from_peak(device: torch.device, keep: int, per_snapshot: int, to_come:
     if needed <= room:
         return Placement("auto", "device", device, needed=needed, total=total, why=f"auto: {told}: they fit")
     staged = per_snapshot <= room
-    how = (
-        f"staged through one device buffer of {readable_bytes(per_snapshot)} and copied to the host on a side stream"
-        if staged
-        else "copied on the compute stream (no room for a staging buffer: the step waits for the copy)"
-    )
-    why = f"auto: {told}: they do not fit; pinned host memory, {how}"
+    why = f"auto: {told}: they do not fit; pinned host memory, {_host_copy(staged, per_snapshot)}"
     return Placement("auto", "host", device, staged, needed, total=total, why=why)
+
+
+def _host_copy(staged: bool, per_snapshot: int) -> str:
+    """How host mode's copies get there, in words."""
+    if staged:
+        buffer = readable_bytes(per_snapshot)
+        return f"staged through one device buffer of {buffer} and copied to the host on a side stream"
+    return "copied on the compute stream (no room for a staging buffer: the step waits for the copy)"
 
 
 def fallen_back(placement: Placement, error: BaseException) -> Placement:
@@ -248,11 +251,7 @@ def choose_placement(
         why = f"auto: {told} and a margin of {readable_bytes(margin)}: they fit{PROVISIONAL}"
         return Placement(memory, "device", device, needed=needed, free=free, total=total, why=why)
     staged = per_snapshot <= room - margin
-    how = (
-        f"staged through one device buffer of {readable_bytes(per_snapshot)} and copied to the host on a side stream"
-        if staged
-        else "copied on the compute stream (no room for a staging buffer: the step waits for the copy)"
-    )
+    how = _host_copy(staged, per_snapshot)
     head = f"auto: {told} and a margin of {readable_bytes(margin)}: they do not fit" if memory == "auto" else "host"
     head += PROVISIONAL if memory == "auto" else ""
     return Placement(memory, "host", device, staged, needed, free, total, f"{head}; pinned host memory, {how}")

@@ -83,7 +83,7 @@ class Places:
                 raise
             # Never the end of the run: this snapshot and the next go to the host. Its partial buffers are let go.
             self.placement = fallen_back(placement, error)
-            self._release_stager()
+            self.release()
             self._said(step, self.placement, "snapshot_fallback")
             fresh = Snapshot()
             return fresh, fresh.take(step, lr_scale, self.live, buffers, self.placement, None)
@@ -101,7 +101,7 @@ class Places:
         if chosen is None:
             return None
         if not chosen.staged:
-            self._release_stager()
+            self.release()
         elif self.stager is None:
             self.stager = Stager(device)
         self.placement = chosen
@@ -113,19 +113,16 @@ class Places:
             level = "warning" if event == "snapshot_fallback" else "info"
             self.events.emit(level, event, step=step, **placement.fields())
 
-    def _release_stager(self) -> None:
+    def release(self) -> None:
+        """Give the staging buffers back (the guard is removed, or snapshots go where none are staged); the placement
+        stays, to be read."""
         if self.stager is not None:
             self.stager.release()
             self.stager = None
 
-    def release(self) -> None:
-        """Give the staging buffers back (the guard is removed); the placement stays, to be read."""
-        if self.stager is not None:
-            self.stager.release()
-
     def forget(self) -> None:
         """Choose again at the next snapshot (a reload changed ``memory``, with nothing held)."""
-        self._release_stager()
+        self.release()
         self.placement = None
 
     def pump(self) -> None:

@@ -421,7 +421,7 @@ def read_events(log: Path, kind: str) -> list[dict[str, Any]]:
 @contextlib.contextmanager
 def held_back_copies() -> Iterator[None]:
     """Host mode's chunks are not pumped after the step's reads (``RecoveryCase.in_flight``)."""
-    from gradguard.enforce.snapshot_memory import Stager
+    from gradguard.enforce.recovery.snapshot_memory import Stager
 
     pump = Stager.pump
     Stager.pump = lambda self: None  # type: ignore[method-assign]

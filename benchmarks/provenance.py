@@ -37,8 +37,8 @@ from typing import Any
 import step_overhead as bench
 import torch
 
-import gradguard.enforce.provenance as provenance_module
-from gradguard.enforce.provenance import _peak
+import gradguard.enforce.provenance.provenance as provenance_module
+from gradguard.enforce.provenance.provenance import _peak
 
 DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-bwd", "ff-all", "ff-all-bwd", "always")
 

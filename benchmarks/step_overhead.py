@@ -82,7 +82,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-import gradguard.enforce.torch_hooks as torch_hooks
+import gradguard.enforce.hooks.torch_hooks as torch_hooks
 import gradguard.events.log
 from gradguard import GradGuard, Policy
 

@@ -15,21 +15,21 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradguard.enforce.agreement import agree_at_attach, fingerprint
-from gradguard.enforce.clips import ClipWatch
-from gradguard.enforce.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
-from gradguard.enforce.distributed import Collective
-from gradguard.enforce.engine import Enforcer
-from gradguard.enforce.known_norms import clip_with_known_norms
-from gradguard.enforce.loss import LossWatch, watches_loss
-from gradguard.enforce.micro_batch import MicroBatchHooks
-from gradguard.enforce.plan_book import PlanBook
-from gradguard.enforce.provenance import attach_provenance, check_mode
-from gradguard.enforce.reload import Reloader
-from gradguard.enforce.rerun import ClosureRerun, in_rerunnable_closure
-from gradguard.enforce.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf, unscaled_optimizers
-from gradguard.enforce.step import StepContext
-from gradguard.enforce.torch_hooks import ClipCall, enlist, optimizer_steps
+from gradguard.enforce.distributed.agreement import agree_at_attach, fingerprint
+from gradguard.enforce.distributed.collective import Collective
+from gradguard.enforce.hooks.clips import ClipWatch
+from gradguard.enforce.hooks.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
+from gradguard.enforce.hooks.micro_batch import MicroBatchHooks
+from gradguard.enforce.hooks.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf, unscaled_optimizers
+from gradguard.enforce.hooks.torch_hooks import ClipCall, enlist, optimizer_steps
+from gradguard.enforce.plans.plan_book import PlanBook
+from gradguard.enforce.provenance.provenance import attach_provenance, check_mode
+from gradguard.enforce.step.engine import Enforcer
+from gradguard.enforce.step.known_norms import clip_with_known_norms
+from gradguard.enforce.step.reload import Reloader
+from gradguard.enforce.triggers.loss import LossWatch, watches_loss
+from gradguard.enforce.triggers.rerun import ClosureRerun, in_rerunnable_closure
+from gradguard.enforce.work.step_work import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
 from gradguard.events.log import DEFAULT_LOGGER, EventLog
@@ -300,7 +300,7 @@ class GradGuard(ServesMetrics):
         steps, params = 0 if attaching else self.step_count, len(self._plans.binding.params)
         return f"<GradGuard {state} policy={self.policy.source!r} params={params} steps={steps}>"
 
-    # --- the process-wide hooks (gradguard.enforce.torch_hooks) dispatch here ------------------------
+    # --- the process-wide hooks (gradguard.enforce.hooks.torch_hooks) dispatch here ------------------------
 
     # Called for every step and clip of the process, on its thread; another training's returns at once,
     # without the lock (an optimizer known to step none of the model, a clip of none of its tensors).

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradguard.enforce.engine import Enforcer
-from gradguard.enforce.plan_book import PlanBook
-from gradguard.enforce.recovery import Recovery
-from gradguard.enforce.schedulers import holdable
+from gradguard.enforce.plans.plan_book import PlanBook
+from gradguard.enforce.recovery.recovery import Recovery
+from gradguard.enforce.recovery.schedulers import holdable
+from gradguard.enforce.step.engine import Enforcer
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
 from gradguard.policy.document import Policy

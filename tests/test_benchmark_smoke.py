@@ -190,6 +190,6 @@ def test_the_step_walk_names_the_files_one_step_enters(
 ) -> None:
     walk = benchmarks["step_walk"].walk_of_one_step()
     assert walk.files[0] == "guard.py"
-    assert "enforce/engine.py" in walk.files
+    assert "enforce/step/engine.py" in walk.files
     assert len(walk.stays) >= len(walk.files) > 1
     assert walk.returns == len(walk.stays) - len(walk.files)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.training import SmallMLP, assert_same, assert_same_training_state, clip_each, make_policy, model_state
 
-import gradguard.enforce.torch_hooks as torch_hooks
+import gradguard.enforce.hooks.torch_hooks as torch_hooks
 from gradguard import GradGuard, GradientHalt
 
 HALT_ALL = {"match": ["*"], "actions": [{"action": "halt_on_nonfinite"}]}

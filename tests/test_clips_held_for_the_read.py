@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 from gradguard import GradGuard, Policy
-from gradguard.enforce.plan import Plan
+from gradguard.enforce.plans.plan import Plan
 
 EMBED = "*embed*"
 ATTENTION = r"re:blocks\.\d+\.attn\..*"

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from gradguard import GradGuard, Policy
-from gradguard.enforce.tensors import device_constant
+from gradguard.enforce.work.tensors import device_constant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 

@@ -1,4 +1,4 @@
-"""Before a fused Adam/AdamW update, the step's read waits for the update (``gradguard.enforce.fused_update``).
+"""Before a fused Adam/AdamW update, the step's read waits for the update (``gradguard.enforce.step.fused_update``).
 
 The guard hands its verdict to the optimizer's kernel as ``found_inf`` and reads after the kernel is queued: the
 weights, the optimizer's state, the counters and the events must be bitwise those of the read-first order in every
@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
 from gradguard.cli.demo import TinyDecoder
-from gradguard.enforce import loss as loss_module
-from gradguard.enforce.loss import LossWatch, _unjudged
-from gradguard.enforce.step import Pending
+from gradguard.enforce.triggers import loss as loss_module
+from gradguard.enforce.triggers.loss import LossWatch, _unjudged
+from gradguard.enforce.work.step_work import Pending
 
 FUSED_OPS = ("_fused_adamw_", "_fused_adam_")
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.optim.optimizer import _global_optimizer_pre_hooks
 
-import gradguard.enforce.torch_hooks as torch_hooks
+import gradguard.enforce.hooks.torch_hooks as torch_hooks
 from gradguard import GradGuard, GuardStateError, GuardWarning
 
 TINY_CLIP = [{"action": "clip_norm", "max_norm": 1e-3}]

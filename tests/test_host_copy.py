@@ -1,4 +1,4 @@
-"""Host mode's copy to the host in chunks, one after each of the step's reads (gradguard.enforce.host_copy).
+"""Host mode's copy to the host in chunks, one after each of the step's reads (gradguard.enforce.recovery.host_copy).
 
 The CUDA stream and events are replaced by stand-ins that record what was queued (on the CPU every copy is done
 when queued): what is measured is which bytes each chunk copies, how the chunk is sized from the bandwidth and
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from gradguard.enforce import host_copy
-from gradguard.enforce.host_copy import FIRST_CHUNK, SHARE, ChunkSizer, HostCopy
+from gradguard.enforce.recovery.host_copy import FIRST_CHUNK, SHARE, ChunkSizer, HostCopy
+from gradguard.enforce.recovery.recovery import host_copy
 
 MiB = 2**20
 

@@ -59,7 +59,7 @@ def test_each_step_reads_the_device_once_and_makes_no_tensor_from_python_data(
 ) -> None:
     """Ten steps of a MoE decoder (embeddings, attention, routers), every third with its loss scaled up 1000x so
     that the clips clip: one host read per optimizer step more than the unguarded step, none in backward. With a
-    fused AdamW the read comes after its update (gradguard.enforce.fused_update), which may run twice: still one."""
+    fused AdamW the read comes after its update (enforce/step/fused_update.py), which may run twice: still one."""
     workload = make_workload("moe")
     # SGD or a fused AdamW: torch's other AdamW reads its step counters on a CPU, and not on a skipped step, which
     # would blur the count.

@@ -121,3 +121,51 @@ def test_no_class_is_longer_than_about_300_lines():
             if isinstance(node, ast.ClassDef) and (size := node.end_lineno - node.lineno + 1) > 320:
                 long[f"{path.relative_to(PACKAGE)}:{node.name}"] = size
     assert not long
+
+
+def _enforce_rooms() -> dict[str, set[str]]:
+    """Each room of ``gradguard.enforce`` and the rooms its docstring's ``May import:`` line names."""
+    rooms = {}
+    for init in sorted((PACKAGE / "enforce").glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        lines = [line for line in doc.splitlines() if line.startswith("May import:")]
+        assert len(lines) == 1, f"{init.parent.name}'s docstring needs one 'May import:' line"
+        named = lines[0].removeprefix("May import:").strip().rstrip(".")
+        rooms[init.parent.name] = set() if named == "nothing of enforce" else {r.strip() for r in named.split(",")}
+    return rooms
+
+
+def test_each_room_of_enforce_imports_only_the_rooms_its_docstring_names():
+    """enforce/ is in rooms (the step, hooks into torch, recovery, provenance, triggers, distributed, and the work,
+    actions and plans they share); a room imports only what its docstring says it may, even for a type."""
+    rooms = _enforce_rooms()
+    assert {"distributed", "work", "actions", "plans", "triggers", "recovery", "provenance", "hooks", "step"} <= set(
+        rooms
+    )
+    loose = [path.name for path in (PACKAGE / "enforce").glob("*.py") if path.name != "__init__.py"]
+    assert not loose, f"every module of enforce/ lives in a room: {loose}"
+    wrong = []
+    for module, targets in _graph(type_checking=True).items():
+        parts = module.split(".")
+        if parts[:2] != ["gradguard", "enforce"] or len(parts) < 3:
+            continue
+        for target in targets:
+            other = target.split(".")
+            if other[:2] == ["gradguard", "enforce"] and len(other) > 2 and other[2] != parts[2]:
+                if other[2] not in rooms[parts[2]]:
+                    wrong.append(f"{module} imports {target}")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_rooms_of_enforce_stand_in_layers():
+    """What each room may import forms no circle: a room never needs a room above it."""
+    _cycle({room: set(allowed) for room, allowed in _enforce_rooms().items()})
+
+
+def test_no_module_of_enforce_is_longer_than_400_lines():
+    """The step's modules stay short enough to read in one sitting."""
+    long = {}
+    for path in (PACKAGE / "enforce").rglob("*.py"):
+        if (n := len(path.read_text().splitlines())) > 400:
+            long[str(path.relative_to(PACKAGE))] = n
+    assert not long, long

@@ -267,7 +267,7 @@ def test_an_unchanged_monitor_keeps_its_vanishing_flags_and_a_changed_one_warns_
 def test_ranks_that_disagree_on_reload_differ_in_their_attach_fingerprint() -> None:
     """reload=True is part of the options every rank must share: its per-pass collective must be on every rank."""
     from gradguard import Policy
-    from gradguard.enforce.agreement import fingerprint
+    from gradguard.enforce.distributed.agreement import fingerprint
     from gradguard.policy.matching import bind
 
     policy = Policy.from_dict({"version": 1, "rules": [clip(1.0)]})

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradguard import GradGuard, GradientHalt, Policy
-from gradguard.enforce.figures import HeldOutputs
+from gradguard.enforce.provenance.figures import HeldOutputs
 
 HALT = {"version": 1, "rules": [{"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
 

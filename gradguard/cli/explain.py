@@ -23,7 +23,7 @@ from torch import nn
 
 from gradguard.audit.render import Section, Table, short_path
 from gradguard.cli.explain_policy import loss_halts
-from gradguard.enforce.snapshot_memory import memory_text, memory_where, readable_bytes
+from gradguard.enforce.recovery.snapshot_memory import memory_text, memory_where, readable_bytes
 from gradguard.errors import GradGuardError, PolicyError
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import bind, canonical_name, rule_matches

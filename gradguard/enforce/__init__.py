@@ -1,11 +1,16 @@
-"""The step engine: applies a bound policy to the gradients at the step boundary.
+"""The step engine: applies a bound policy to the gradients at the step boundary, in rooms.
 
-- ``engine``: ``Enforcer``, one pass per step: gather, run the actions, one host sync, report;
-- ``actions/``: the action families behind one interface (clipping, shaping, the non-finite watch);
-- ``plan`` / ``plans``: what a pass treats, and the plan of each optimizer (re-bound when the model changes);
-- ``step``: a pass's context, its pending figures (the one sync) and its outcome;
-- ``verdicts``: counters, events, halts and skips after the sync;
-- ``closures``, ``scaler``: ``optimizer.step(closure)`` and GradScaler at the boundary;
-- ``distributed``, ``micro_batch``: agreement across ranks, and the opt-in per-micro-batch hooks;
-- ``tensors``: batched norms, clip coefficients and clamps, bitwise as torch's.
+Each room is a subpackage whose docstring says what it owns and which rooms it may import (its ``May import:``
+line, which ``tests/test_package_layout.py`` checks); from the bottom up:
+
+- ``distributed``: the ranks (the collective, FSDP2's shards, agreement);
+- ``work``: what one step works with (its context, the one read, its outcome, the tensor maths);
+- ``actions``: the action families behind one interface (``ActionKernel``);
+- ``plans``: which action acts on which tensor, and the plan of each optimizer;
+- ``triggers``, ``recovery``, ``provenance``: the participants' rooms (the loss, the re-run, the monitors; snapshots
+  and rewinds; where a NaN started);
+- ``hooks``: where the boundary is found in the user's loop (optimizer hooks, the loop's clip, closures, GradScaler);
+- ``step``: the step as one pipeline of stages, its participants' protocol, and what lasts across steps.
+
+docs/development.md, "How a step runs", follows one step through them.
 """

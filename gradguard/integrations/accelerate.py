@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from gradguard import GradGuard, Policy
-from gradguard.enforce.schedulers import holdable
+from gradguard.enforce.recovery.schedulers import holdable
 
 __all__ = ["AcceleratorBoundary", "InstancePatch", "guard_accelerator", "hand_schedulers", "unwrap_scheduler"]
 

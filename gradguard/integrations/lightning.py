@@ -24,7 +24,7 @@ their forward and backward (the update is what is skipped); Lightning's ``global
 
 With a policy's ``rerun`` section, automatic optimization's closure is what the guard computes again; under
 ``accumulate_grad_batches`` the earlier batches' gradients and losses are put back first, so the second
-computation is the whole step (``gradguard.enforce.rerun``).
+computation is the whole step (``gradguard.enforce.triggers.rerun``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ except ImportError as exc:  # tested by hiding lightning from sys.modules
     ) from exc
 
 from gradguard import GradGuard, Policy
-from gradguard.enforce.scaler import has_unscaled
-from gradguard.enforce.schedulers import schedulers_with
+from gradguard.enforce.hooks.scaler import has_unscaled
+from gradguard.enforce.recovery.schedulers import schedulers_with
 
 __all__ = ["GradGuardCallback"]
 

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from gradguard import GradGuard, GuardWarning, Policy
-from gradguard.enforce.schedulers import schedulers_with
+from gradguard.enforce.recovery.schedulers import schedulers_with
 
 __all__ = ["STATE_FILE", "GradGuardCallback", "guard_trainer"]
 

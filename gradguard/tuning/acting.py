@@ -17,8 +17,8 @@ import torch
 
 from gradguard.enforce.actions.adaptive import autoclip_decide, autoclip_empty, zclip_decide, zclip_empty
 from gradguard.enforce.actions.spikes import spike_empty
-from gradguard.enforce.statistics import STATS_DTYPE, Init
-from gradguard.enforce.tensors import clip_coefficients
+from gradguard.enforce.work.statistics import STATS_DTYPE, Init
+from gradguard.enforce.work.tensors import clip_coefficients
 from gradguard.policy.schema import (
     Action,
     AdaptiveGradClip,

@@ -1,6 +1,6 @@
 """``gradguard suggest``'s ``loss`` section: a ``spike.factor`` from a recorded run's losses.
 
-The guard's reference is the median of the last ``window`` applied steps' losses (``gradguard.enforce.loss``),
+The guard's reference is the median of the last ``window`` applied steps' losses (``gradguard.enforce.triggers.loss``),
 and a falling loss makes the whole run's median a poor one: the early losses are far above the late ones. So
 ``LossRatios`` walks the recorded losses in step order and measures each against the median of the last
 ``window`` (``LOSS_WINDOW``, 100) losses before it, as the guard will, once ``LOSS_WARMUP`` (20) have been seen

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gradguard.enforce.loss import LossVerdict, LossWatch
+from gradguard.enforce.triggers.loss import LossVerdict, LossWatch
 from gradguard.policy.schema import Loss
 from gradguard.tuning.records import RecordedStep
 

@@ -3,7 +3,7 @@
 The run's ``monitor`` recorded each gradient's 2-norm as it arrived, before any action
 (``gradguard.tuning.records``): exactly what the guard's actions decide from. ``Replayer`` takes
 those norms one step at a time and runs the policy's rules over them as the step engine does
-(``gradguard.enforce.engine``): the non-finite watch on the raw norms, the spike watch before any
+(``gradguard.enforce.step.engine``): the non-finite watch on the raw norms, the spike watch before any
 action, then every rule's actions in policy order, each acting on what the earlier ones left (a clip
 multiplies a tensor's norm by its coefficient; later actions see the scaled norm). The adaptive
 actions decide with the guard's own functions (``zclip_decide``, ``autoclip_decide``,
@@ -19,7 +19,7 @@ What a log cannot decide is said, not guessed (``Undecidable``): ``clip_value`` 
 ``clip_value`` the replay keeps the tensor's 2-norm as it was (an upper bound: the clamp's effect on
 the norm is not in the log). A halt ends the replay, as it ends the run.
 
-A policy's ``recovery`` section is replayed as the guard's ``Recovery`` decides (``gradguard.enforce.recovery``):
+A policy's ``recovery`` section is replayed as the guard's ``Recovery`` decides (``enforce/recovery``):
 a snapshot of the replay's own state (the adaptive statistics, the skip histories, the loss section's reference)
 at every step that is a multiple of ``snapshot_every`` and lies outside a skip window, the newest ``keep`` held; a
 halt (a ``halt_on_nonfinite``, a skip limit, the loss section's) with a snapshot at least ``min_age`` steps older
@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
-from gradguard.enforce.loss import LossVerdict
+from gradguard.enforce.triggers.loss import LossVerdict
 from gradguard.events.counters import LOSS_RULE
 from gradguard.policy.document import Policy
 from gradguard.policy.patterns import rule_matches

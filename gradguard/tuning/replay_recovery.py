@@ -1,5 +1,5 @@
 """The replay of a policy's ``recovery`` section (``gradguard.tuning.replay``), as the guard's ``Recovery`` decides
-(``gradguard.enforce.recovery``). ``RecoveryReplay`` owns the bookkeeping: the snapshots of the replay's own state
+(``enforce/recovery``). ``RecoveryReplay`` owns the bookkeeping: the snapshots of the replay's own state
 (``HeldState``: the adaptive statistics, the skip histories, the loss section's reference) taken at the multiples of
 ``snapshot_every`` outside a skip window, the newest ``keep`` held; the halts it turns into rewinds (``Rewind``) and
 the skip windows after them; and what of a rewind the log cannot give, in words. The replayer it serves hands its

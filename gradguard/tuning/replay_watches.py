@@ -1,5 +1,5 @@
 """The watches the replay runs on one step's norms as they arrived, before any action changes them, as the guard's
-step engine does (``gradguard.enforce.engine``): the non-finite watch (which ``halt_on_nonfinite`` or
+step engine does (``gradguard.enforce.step.engine``): the non-finite watch (which ``halt_on_nonfinite`` or
 ``skip_step_on_nonfinite`` rule covers each non-finite norm) and the spike watch (which ``skip_step_on_spike`` rules
 see a spike, deciding with the guard's ``spike_decide``). They only say what fired; the replayer
 (``gradguard.tuning.replay``) decides what that does to the step, and keeps the statistics they propose.

@@ -1,11 +1,11 @@
-"""The guard as it was before its read waited for a fused optimizer's update (``gradguard.enforce.fused_update``)."""
+"""The guard as it was before its read waited for a fused optimizer's update (``enforce/step/fused_update.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gradguard.enforce.fused_update import FusedUpdate
+from gradguard.enforce.step.fused_update import FusedUpdate
 
 
 @contextmanager

@@ -9,6 +9,8 @@
 - ``spikes``: ``skip_step_on_spike`` (an observing kernel whose verdict is a skip).
 
 ``kernel_for`` maps a policy action to the kernel that executes it.
+
+May import: work, distributed.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Adaptive clipping: ``zclip`` (z-score on an EMA of the norm) and ``autoclip`` (a percentile of recent norms).
 
-Both decide from statistics of earlier norms (``gradguard.enforce.statistics``), per parameter
+Both decide from statistics of earlier norms (``gradguard.enforce.work.statistics``), per parameter
 (``scope: tensor``) or for the rule's joint norm (``scope: group``). Everything runs on the device as
 a few vector operations over all of a rule's parameters at once: no host sync, no Python loop per
 tensor. The statistics the step would leave behind are proposed, not stored: the engine keeps them
@@ -18,9 +18,9 @@ from typing import NamedTuple
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.statistics import STATS_DTYPE, Init, pushed
-from gradguard.enforce.step import StepWork
-from gradguard.enforce.tensors import EPS, by_device, in_torch_order, stack_on
+from gradguard.enforce.work.statistics import STATS_DTYPE, Init, pushed
+from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.tensors import EPS, by_device, in_torch_order, stack_on
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, AutoClip, ZClip
 

@@ -27,9 +27,9 @@ from functools import lru_cache, partial
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.distributed import combine_shard_norms
-from gradguard.enforce.step import StepWork
-from gradguard.enforce.tensors import LOW_PRECISION, by_device, norms
+from gradguard.enforce.distributed.collective import combine_shard_norms
+from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.tensors import LOW_PRECISION, by_device, norms
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, AdaptiveGradClip
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gradguard.enforce.step import StepWork
+from gradguard.enforce.work.step_work import StepWork
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action
 
@@ -37,7 +37,7 @@ class ActionKernel:
 
     alarms: ClassVar[bool] = False
     """Whatever its reader will do before the update, the action raises an alarm for (``Pending.quiet_if``): the step's
-    read may then wait for a fused optimizer's update (``gradguard.enforce.fused_update``)."""
+    read may then wait for a fused optimizer's update (``gradguard.enforce.step.fused_update``)."""
 
     def wants_raw_norm(self, action: Action) -> bool:
         """Whether the action can use the 2-norm of each gradient as it arrived (shared, taken once)."""

@@ -13,8 +13,8 @@ from functools import partial
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.step import StepOutcome, StepWork
-from gradguard.enforce.tensors import (
+from gradguard.enforce.work.step_work import StepOutcome, StepWork
+from gradguard.enforce.work.tensors import (
     EPS,
     by_device,
     by_device_and_dtype,

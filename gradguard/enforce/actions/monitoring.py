@@ -4,7 +4,7 @@ An observing kernel (``observes``): the engine calls ``MonitorKernel.observe`` f
 that samples the step, after the raw 2-norms are taken and before any rule acts, so the figures
 are those of the gradient the step received. The figures are computed on the device (reusing the
 raw 2-norms where the step took them), queued into the step's one host read, and recorded as an
-``Observation`` for ``gradguard.enforce.health``. A step the monitor does not sample costs
+``Observation`` for ``gradguard.enforce.triggers.health``. A step the monitor does not sample costs
 nothing: it is never called.
 """
 
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.distributed import local_tensor
-from gradguard.enforce.step import Observation, StepWork
-from gradguard.enforce.tensors import LOW_PRECISION, device_constant, stack_on
+from gradguard.enforce.distributed.collective import local_tensor
+from gradguard.enforce.work.step_work import Observation, StepWork
+from gradguard.enforce.work.tensors import LOW_PRECISION, device_constant, stack_on
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, Monitor
 

@@ -18,8 +18,8 @@ from typing import Any, Protocol
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.step import StepWork
-from gradguard.enforce.tensors import norms, stack_on, version_of
+from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.tensors import norms, stack_on, version_of
 from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
 
@@ -101,7 +101,7 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
 
     def read_norms(values: list[float]) -> None:
         # The norms' values: the loop's own clip after this step can then tell, without another read, that its
-        # coefficient is 1 (gradguard.enforce.known_norms).
+        # coefficient is 1 (gradguard.enforce.step.known_norms).
         work.raw_host = dict(zip(raw_ids, values, strict=True))
 
     if not work.sharded:  # which versions the read norms describe (known_norms: the loop's clip after the step)

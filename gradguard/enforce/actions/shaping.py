@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.step import StepWork
+from gradguard.enforce.work.step_work import StepWork
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, Drop, Scale, Zero
 

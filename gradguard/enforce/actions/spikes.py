@@ -18,8 +18,8 @@ import torch
 
 from gradguard.enforce.actions.adaptive import followed_norms
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.statistics import STATS_DTYPE, Init, pushed
-from gradguard.enforce.step import Spike, StepWork
+from gradguard.enforce.work.statistics import STATS_DTYPE, Init, pushed
+from gradguard.enforce.work.step_work import Spike, StepWork
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, SkipStepOnSpike
 

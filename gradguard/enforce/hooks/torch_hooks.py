@@ -1,0 +1,444 @@
+"""Process-wide hooks into torch, shared by every live guard of the process.
+
+torch keeps its optimizer step hooks in two global ``OrderedDict`` tables that every
+``Optimizer.step`` iterates: registering or removing a hook while another thread steps raises
+``RuntimeError: OrderedDict mutated during iteration`` in that thread. So gradguard registers one
+pre-hook and one post-hook into them, once, the first time a guard attaches, and never removes them;
+they dispatch to the guards that are attached at that moment (an immutable tuple, replaced under a
+lock when a guard comes or goes: a step in flight keeps iterating the tuple it read).
+
+The same registry wraps torch's gradient clips while any guard is attached, so a loop's own
+``clip_grad_norm_`` (nanoGPT, timm, Lightning, accelerate, HF Trainer) runs the guard's step first,
+on the raw gradients, before the clip spreads one NaN to every gradient:
+
+- ``torch.nn.utils``: ``clip_grad_norm_``, ``clip_grad_norm``, ``clip_grad_value_``,
+  ``clip_grads_with_norm_`` and ``get_total_norm`` (which takes gradients, not parameters);
+- ``torch.nn.utils.clip_grad``: ``clip_grad_norm_``, ``clip_grad_norm`` and ``clip_grad_value_``.
+
+A wrapper is a module attribute swapped in one assignment (atomic for every thread); the originals are
+put back when the last guard goes, unless someone else wrapped them on top of ours since. A name bound
+before the swap (``from torch.nn.utils import clip_grad_norm_`` before gradguard attached) keeps the
+original function and is not intercepted.
+
+It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls) to hand each backward's root to the
+guards whose policy watches the loss (the ``loss`` section), unscaled where ``GradScaler.scale`` made it.
+
+And it wraps ``torch.amp.GradScaler.scale`` and ``unscale_`` (class attributes, the same way), so a
+guard acting at a clip knows whether the gradients are still scaled (a scaler has scaled a loss and not
+unscaled this optimizer yet: the guard then waits for the optimizer's step) or were unscaled, with which
+inf/NaN flags (the scaler's skip stays the scaler's).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.amp.grad_scaler import OptState
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from gradguard.enforce.triggers.loss import LossWatch, root_of
+
+__all__ = [
+    "CLIPS",
+    "ClipCall",
+    "Enlisted",
+    "GuardHooks",
+    "Scaled",
+    "enlist",
+    "optimizer_steps",
+    "scaler_view",
+    "unscaled_by",
+]
+
+
+class GuardHooks(Protocol):
+    """What a guard offers the process-wide hooks ([`gradguard.GradGuard`][gradguard.GradGuard] implements it)."""
+
+    def _on_optimizer_step(
+        self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None: ...
+
+    def _after_optimizer_step(self, optimizer: Optimizer) -> None: ...
+
+    def _before_clip(self, call: ClipCall) -> bool: ...
+
+    def _after_clip(self) -> None: ...
+
+    def _loss_watch(self) -> LossWatch | None: ...
+
+    def _clip_instead(
+        self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ClipCall:
+    """A call of one of torch's clip functions, as a guard sees it before the clip runs."""
+
+    name: str
+    """The function's public name, e.g. ``"torch.nn.utils.clip_grad_norm_"``."""
+    tensors: list[torch.Tensor]
+    """The parameters it was given, or the gradients (``get_total_norm``)."""
+    of_grads: bool
+    """``tensors`` are gradients, not parameters."""
+
+
+# (module, attribute, takes gradients?, its first argument's name)
+_CLIP_SITES: tuple[tuple[str, str, bool, str], ...] = (
+    ("torch.nn.utils", "clip_grad_norm_", False, "parameters"),
+    ("torch.nn.utils", "clip_grad_norm", False, "parameters"),
+    ("torch.nn.utils", "clip_grad_value_", False, "parameters"),
+    ("torch.nn.utils", "clip_grads_with_norm_", False, "parameters"),
+    ("torch.nn.utils", "get_total_norm", True, "tensors"),
+    ("torch.nn.utils.clip_grad", "clip_grad_norm_", False, "parameters"),
+    ("torch.nn.utils.clip_grad", "clip_grad_norm", False, "parameters"),
+    ("torch.nn.utils.clip_grad", "clip_grad_value_", False, "parameters"),
+)
+CLIPS: tuple[str, ...] = tuple(f"{module}.{name}" for module, name, _, _ in _CLIP_SITES)
+"""Every spelling of torch's clips that a guard intercepts."""
+
+_lock = threading.Lock()
+_guards: tuple[weakref.ReferenceType[GuardHooks], ...] = ()
+_optimizer_hooks_registered = False
+_wrapped: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
+"""(owner, attribute, original, wrapper) of every swap in force."""
+_steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
+_steps_lock = threading.Lock()
+_scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[Any, int]] = weakref.WeakKeyDictionary()
+"""Scalers that scaled a loss, with their per-optimizer state table at that moment (``update()`` replaces the
+table: another table means the scaler has finished that step; the table itself is held, not its ``id``, which a
+new table could take once the old one is freed) and the thread that scaled it (another thread's is another
+training's)."""
+_unscaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, dict[int, weakref.ReferenceType[Optimizer]]] = (
+    weakref.WeakKeyDictionary()
+)
+_scaler_lock = threading.Lock()
+
+
+class Enlisted:
+    """A guard's place in the registry; ``remove`` takes it out (the last one unwraps the clips)."""
+
+    def __init__(self, ref: weakref.ReferenceType[GuardHooks]) -> None:
+        self.ref = ref
+
+    def remove(self) -> None:
+        global _guards
+        with _lock:
+            _guards = tuple(ref for ref in _guards if ref is not self.ref and ref() is not None)
+            if not _guards:
+                _unwrap_all()
+
+
+def enlist(guard: GuardHooks) -> Enlisted:
+    """Dispatch torch's optimizer steps and clips to ``guard`` from now on (held weakly)."""
+    global _guards, _optimizer_hooks_registered
+    ref: weakref.ReferenceType[GuardHooks] = weakref.ref(guard)
+    with _lock:
+        if not _optimizer_hooks_registered:
+            # Never removed: removing mutates torch's table while another thread may iterate it.
+            register_optimizer_step_pre_hook(_before_step)
+            register_optimizer_step_post_hook(_after_step)
+            _optimizer_hooks_registered = True
+        _guards = (*(r for r in _guards if r() is not None), ref)
+        if not _wrapped:
+            _wrap_all()
+    with _scaler_lock:
+        # A scaler this thread left scaled (a run that halted between scale() and update()) is a finished
+        # training's: a guard attached now starts a new one, whose clip must not wait for that scaler.
+        here = threading.get_ident()
+        for scaler in [scaler for scaler, (_, thread) in list(_scaled.items()) if thread == here]:
+            del _scaled[scaler]
+    return Enlisted(ref)
+
+
+def _live() -> Iterator[GuardHooks]:
+    for ref in _guards:  # the tuple as it is now: a guard enlisted or removed meanwhile does not disturb it
+        guard = ref()
+        if guard is not None:
+            yield guard
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _before_step(
+    optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    with _steps_lock:
+        _steps[optimizer] = _steps.get(optimizer, 0) + 1
+    changed = None
+    for guard in _live():
+        result = guard._on_optimizer_step(optimizer, args, kwargs)
+        if result is not None:
+            args, kwargs = changed = result
+    return changed
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _after_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    for guard in _live():
+        guard._after_optimizer_step(optimizer)
+
+
+def optimizer_steps(optimizer: Optimizer) -> int:
+    """How many times ``optimizer.step()`` has begun since the first guard attached (per optimizer, so a
+    GradScaler's skip is seen as an unchanged count whatever other threads step meanwhile)."""
+    with _steps_lock:
+        return _steps.get(optimizer, 0)
+
+
+# --- the clips ------------------------------------------------------------------------------------
+
+
+def _wrap_all() -> None:
+    import importlib
+
+    made: dict[int, Callable[..., Any]] = {}
+    for module_name, attribute, of_grads, first in _CLIP_SITES:
+        owner = importlib.import_module(module_name)
+        original = getattr(owner, attribute, None)
+        if original is None:
+            continue  # an older torch without this spelling
+        wrapper = made.get(id(original))
+        if wrapper is None:
+            wrapper = made[id(original)] = _clip_wrapper(original, f"{module_name}.{attribute}", of_grads, first)
+        setattr(owner, attribute, wrapper)
+        _wrapped.append((owner, attribute, original, wrapper))
+    autograd = importlib.import_module("torch.autograd")
+    original_backward = autograd.backward
+    backward = _backward_wrapper(original_backward)
+    setattr(autograd, "backward", backward)  # noqa: B010 (a module attribute, swapped like the clips)
+    _wrapped.append((autograd, "backward", original_backward, backward))
+    for attribute, make in (("scale", _scale_wrapper), ("unscale_", _unscale_wrapper)):
+        original = getattr(torch.amp.GradScaler, attribute)
+        wrapper = make(original)
+        setattr(torch.amp.GradScaler, attribute, wrapper)
+        _wrapped.append((torch.amp.GradScaler, attribute, original, wrapper))
+
+
+def _unwrap_all() -> None:
+    for owner, attribute, original, wrapper in reversed(_wrapped):
+        if owner.__dict__.get(attribute) is wrapper:  # not if another library wrapped ours since
+            setattr(owner, attribute, original)
+    _wrapped.clear()
+
+
+def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first: str) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def intercepted(*args: Any, **kwargs: Any) -> Any:
+        if _guards:
+            if args:
+                tensors = _as_list(args[0])
+                args = (tensors, *args[1:])
+            elif first in kwargs:
+                tensors = kwargs[first] = _as_list(kwargs[first])
+            else:
+                return original(*args, **kwargs)  # let torch say what is missing
+            acted = _before_clip(ClipCall(name, tensors, of_grads))
+            result = _clip_instead(acted, name, original, args, kwargs)
+            if result is None:
+                result = original(*args, **kwargs)
+            _after_clip(acted)
+            return result
+        return original(*args, **kwargs)
+
+    intercepted.__gradguard_original__ = original  # type: ignore[attr-defined]
+    return intercepted
+
+
+# The guards run eagerly, also inside a torch.compile'd function (their step reads the host once and keeps
+# Python state that dynamo must not trace): dynamo breaks the graph around these calls.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _before_clip(call: ClipCall) -> list[GuardHooks]:
+    return [guard for guard in _live() if guard._before_clip(call)]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _clip_instead(
+    acted: list[GuardHooks], name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """What the clip returns, from the norms a guard's step has just taken; None: torch's own clip runs."""
+    for guard in acted:
+        result = guard._clip_instead(name, original, args, kwargs)
+        if result is not None:
+            return result
+    return None
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _after_clip(acted: list[GuardHooks]) -> None:
+    for guard in acted:
+        guard._after_clip()
+
+
+def _as_list(value: Any) -> Any:
+    """The tensors of a clip's first argument, as a list it can still be given (a generator only runs once)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, types.GeneratorType | Iterable):
+        return list(value)
+    return value
+
+
+# --- GradScaler -------------------------------------------------------------------------------------
+
+
+def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def scale(self: torch.amp.GradScaler, outputs: Any) -> Any:
+        if self.is_enabled():
+            with _scaler_lock:
+                _scaled[self] = (self._per_optimizer_states, threading.get_ident())
+        result = original(self, outputs)
+        if self.is_enabled() and isinstance(outputs, torch.Tensor) and isinstance(result, torch.Tensor):
+            with _scaler_lock:  # the loss this root scaled, for the guards' loss section
+                _unscaled_roots[id(result)] = (weakref.ref(result), outputs.detach())
+        return result
+
+    return scale
+
+
+_unscaled_roots: dict[int, tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = {}
+"""``id(scaled loss) -> (the scaled loss, the loss)``: what ``GradScaler.scale`` returned, until its backward."""
+
+
+def _backward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if not _guards:
+            return original(*args, **kwargs)
+        seen = _before_backward(args, kwargs)
+        result = original(*args, **kwargs)
+        if seen:
+            _after_backward(seen)  # only a backward that ran, and only to the guards whose model it reached
+        return result
+
+    return backward
+
+
+_Seen = list[tuple["LossWatch", Any, torch.Tensor | None, str | None]]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _before_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
+    """A backward's root (the loss, unscaled where a GradScaler scaled it), and each watching guard's probe of its
+    model's gradients as they are before it."""
+    watches = [watch for guard in _live() if (watch := guard._loss_watch()) is not None]
+    if not watches:
+        return []
+    root, why = root_of(args, kwargs)
+    if root is None and why is None:
+        return []
+    if root is not None:
+        with _scaler_lock:
+            scaled = _unscaled_roots.pop(id(root), None)
+            for key, (ref, _) in list(_unscaled_roots.items()):
+                if ref() is None:
+                    del _unscaled_roots[key]
+        if scaled is not None and scaled[0]() is root:
+            root = scaled[1]
+    return [(watch, watch.probe(), root, why) for watch in watches]
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _after_backward(seen: _Seen) -> None:
+    """Each root goes to the guards whose model's gradients the backward changed (another model's loss is not
+    theirs: two guarded models in one loop, or an unguarded one beside)."""
+    for watch, probe, root, why in seen:
+        if watch.reached(probe):
+            watch.saw(root, why)
+
+
+def _unscale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def unscale_(self: torch.amp.GradScaler, optimizer: Optimizer) -> Any:
+        result = original(self, optimizer)
+        with _scaler_lock:
+            _unscaled.setdefault(self, {})[id(optimizer)] = weakref.ref(optimizer)
+        return result
+
+    return unscale_
+
+
+@dataclass(frozen=True)
+class Scaled:
+    """What the process's GradScalers say about some gradients, at a clip."""
+
+    still_scaled: bool
+    """A scaler has scaled a loss and not unscaled these gradients' optimizer: they may still be scaled."""
+    found_inf: tuple[torch.Tensor, ...] = ()
+    """The inf/NaN flags of the scalers that unscaled them (the scaler skips the step if any is set)."""
+    optimizers: tuple[Optimizer, ...] = ()
+    """The optimizers whose gradients the scalers unscaled (those holding the given parameters)."""
+    scales: tuple[torch.Tensor, ...] = ()
+    """Those scalers' loss scales (``halt_on_nonfinite``'s ``min_loss_scale``), read with the step's one sync."""
+
+
+def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
+    """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight).
+
+    A scaler counts if it unscaled an optimizer that holds ``params``, or if it scaled a loss on this thread
+    and has never unscaled any optimizer still alive (it may be this model's, not unscaled yet). A scaler
+    another thread is using, or one that has only ever unscaled other optimizers, is another training's.
+    """
+    here = threading.get_ident()
+    with _scaler_lock:
+        in_flight = []
+        for scaler, (table, thread) in list(_scaled.items()):
+            states = scaler._per_optimizer_states  # read once: update() replaces it (on its own thread)
+            if states is table and scaler.is_enabled():
+                in_flight.append((scaler, thread == here, dict(states)))  # a copy: its thread may add to it
+        unscaled = {s: dict(records) for s, records in _unscaled.items()}
+    if not in_flight:
+        return Scaled(still_scaled=False)  # no scaler in flight (the common case): no set of the parameters' ids
+    ids = {id(p) for p in params}
+    flags: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
+    optimizers: list[Optimizer] = []
+    covered: set[int] = set()
+    ours = False
+    for scaler, on_this_thread, states in in_flight:
+        records = unscaled.get(scaler, {})
+        known = {key: opt for key, ref in records.items() if (opt := ref()) is not None}
+        if records and not known:
+            continue  # every optimizer it unscaled is gone: a finished (halted) training's scaler, not in flight
+        ours |= on_this_thread and not known
+        for key, optimizer in known.items():
+            held = _param_ids(optimizer) & ids
+            if not held:
+                continue
+            ours = True
+            state = states.get(key)
+            if state is not None and state["stage"] is OptState.UNSCALED:
+                covered |= held
+                optimizers.append(optimizer)
+                flags.extend(state["found_inf_per_device"].values())
+                if isinstance(scaler._scale, torch.Tensor):
+                    scales.append(scaler._scale)
+    if not ours:
+        return Scaled(still_scaled=False)
+    return Scaled(covered != ids, tuple(flags), tuple(optimizers), tuple(scales))
+
+
+def unscaled_by(scaler: torch.amp.GradScaler) -> tuple[Optimizer, ...]:
+    """The live optimizers ``scaler`` has unscaled in its current step (seen by the ``unscale_`` wrapper)."""
+    states = scaler._per_optimizer_states
+    with _scaler_lock:
+        refs = dict(_unscaled.get(scaler, {}))
+    out = []
+    for key, ref in refs.items():
+        optimizer = ref()
+        state = states.get(key)
+        if optimizer is not None and state is not None and state["stage"] is OptState.UNSCALED:
+            out.append(optimizer)
+    return tuple(out)
+
+
+def _param_ids(optimizer: Optimizer) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -1,0 +1,128 @@
+"""The light trace's hooks (``provenance="first_fault"``, ``provenance.LIGHT``): a forward hook on each of the model's
+outer modules that records one figure of its output, held and reduced with the others at the end of the forward where
+it can be (``figures.HeldOutputs``), on the device and with no host sync.
+
+Its hot path runs for every hooked module at every forward, where a small model's step is host-bound: a module seen
+to hand out a new small output that the forward keeps alive is held in a few C calls. ``Provenance`` owns the state,
+arms these hooks and reads their figures; this module may import ``figures``, ``origins`` and ``tensors`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradguard.enforce.provenance.figures import (
+    HELD_BYTES,
+    STRIDED,
+    HeldOutputs,
+    linear_figure,
+    mark,
+    passed_on,
+    tensors,
+)
+from gradguard.enforce.provenance.origins import DATA, OUTPUT, BackwardMeta, ForwardMeta
+
+__all__ = ["LINEAR_FORWARD", "MAX_ENTRIES", "LightTrace", "recording"]
+
+MAX_ENTRIES = 4096
+"""Figures kept per kind and step (the first ones are the ones that matter; a loop that never steps
+cannot grow them without bound)."""
+_STRIDED = STRIDED
+_TENSOR = torch.Tensor
+LINEAR_FORWARD = nn.Linear.forward
+_grad_enabled, _compiling = torch.is_grad_enabled, torch.compiler.is_compiling
+_graph_task = torch._C._current_graph_task_id
+
+
+class LightTrace:
+    """The light trace's hooks; ``Provenance`` makes the state they record into."""
+
+    _fwd: list[torch.Tensor]
+    _fwd_meta: ForwardMeta
+    _bwd: list[torch.Tensor]
+    _bwd_meta: BackwardMeta
+    _held: HeldOutputs
+    _last: tuple[weakref.ReferenceType[torch.Tensor] | None, int, object]
+    _tracing: Any
+    """``provenance.Tracing``: how it records (the benchmark's arms vary it)."""
+
+    def _light_data(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if recording(self._fwd) is not None:
+            for tensor in tensors((args, kwargs)):  # a batch given by keyword too (``model(input_ids=...)``)
+                self._fwd.append(self._tracing.reduce(tensor))
+                self._fwd_meta.append((0, DATA))
+
+    def _light_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if (compiling := recording(self._fwd)) is None:
+            return
+        if (
+            not compiling
+            and index in self._held.fast
+            and type(output) is _TENSOR
+            and output.is_floating_point()
+            and output.numel() * output.element_size() <= HELD_BYTES
+        ):
+            # The common case, in as few calls as it takes (a small model's step is host-bound): a module whose
+            # outputs were held before, handing out a new small tensor (not its last child's, unchanged).
+            last, version, _ = self._last
+            if last is not None and last() is output and version == output._version:
+                return
+            self._last = (weakref.ref(output), output._version, None)  # no marker: a cast of it is read as its own
+            self._held.hold_known(self._fwd, output, index)
+            self._fwd_meta.append((index, OUTPUT))
+            return
+        if isinstance(output, torch.Tensor):
+            if (output.is_floating_point() or output.is_complex()) and output.layout is _STRIDED and output.numel():
+                # Only a Linear asks whether its input was passed on: ``linear_figure`` alone uses the answer.
+                linear = type(module).forward is LINEAR_FORWARD and self._tracing.linear
+                figure = linear_figure(module, args, output, self._passed_on(args)) if linear else None
+                self._light_record(output, index, figure, compiling)
+        else:
+            for tensor in tensors(output):
+                self._light_record(tensor, index, None, compiling)
+        if index == 0:
+            self._held.reduce(self._fwd)  # the model's forward is done: the outputs held are reduced together
+
+    def _passed_on(self, args: Any) -> bool:
+        """Whether a module's first argument is the last recorded tensor, or a widening cast of it."""
+        last, version, marker = self._last
+        tensor = args[0] if args else None
+        if last is None or not isinstance(tensor, torch.Tensor) or torch.compiler.is_compiling():
+            return False  # dynamo cannot compare ids
+        return passed_on(tensor, last(), version, marker)
+
+    def _light_record(self, tensor: torch.Tensor, index: int, figure: torch.Tensor | None, compiling: bool) -> None:
+        if not compiling:  # dynamo cannot compare ids: there a container's output is read twice
+            last, version, marker = self._last
+            if last is not None and passed_on(tensor, last(), version, marker):
+                return  # a container passing its last child's output on (or a widening cast of it)
+            self._last = (weakref.ref(tensor), tensor._version, mark(tensor))
+        position = len(self._fwd)
+        if figure is not None or compiling or not self._tracing.hold or not self._held.hold(self._fwd, tensor, index):
+            self._fwd.append(self._tracing.reduce(tensor) if figure is None else figure)
+        self._fwd_meta.append((index, OUTPUT))
+        if tensor.requires_grad and self._tracing.backward:
+            tensor.register_hook(functools.partial(self._light_backward, index, position))  # type: ignore[no-untyped-call]
+
+    def _light_backward(self, producer: int, position: int, grad: torch.Tensor) -> None:
+        if len(self._bwd) < MAX_ENTRIES and grad.layout is _STRIDED:
+            self._bwd.append(self._tracing.reduce(grad))
+            self._bwd_meta.append((producer, [], position))
+
+
+def recording(entries: list[torch.Tensor]) -> bool | None:
+    """Whether the hooks record now: None if not, else whether dynamo is compiling (a function of its own, not a
+    method: it runs in every hook, for every hooked module at every forward)."""
+    # Not under no_grad (evaluation), and not the recomputation that activation checkpointing runs
+    # inside backward (it repeats the forward the first figures already describe).
+    # Under torch.compile (dynamo inlines the hooks) the graph task id is not traceable: every hooked module
+    # would break the graph; a compiled region is not a checkpoint's recomputation.
+    if not _grad_enabled() or len(entries) >= MAX_ENTRIES:
+        return None
+    compiling = _compiling()
+    return compiling if compiling or _graph_task() == -1 else None

@@ -1,0 +1,308 @@
+"""The loss as a trigger: the policy's ``loss`` section, judged on the step's loss at the step boundary.
+
+The guard learns the loss with no change to the loop: while it is attached, every ``backward()`` of the
+process passes its root through ``gradguard.enforce.hooks.torch_hooks``, which hands it to the guards whose policy
+has a ``loss`` section (``LossWatch.saw``). A root ``GradScaler.scale`` made is replaced by the loss it
+scaled; the roots of one step (an accumulating loop's micro-batches, each already divided by their number)
+are summed on the device. At the boundary the sum joins the step's one read (``LossWatch.read``); under a
+process group every rank adds its own and the mean over the ranks that saw one is judged, so every rank
+takes the same verdict.
+
+A NaN/Inf loss is ``loss.nonfinite``'s to act on; a loss above ``factor`` x the median of the last
+``window`` applied steps' losses is a spike. Spiked, skipped and rewound steps never enter the median.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from gradguard.enforce.actions.nonfinite import SkipHistory
+from gradguard.enforce.work.step_work import StepOutcome, StepWork
+from gradguard.events.log import EventLog
+from gradguard.policy.matching import GuardedParam
+from gradguard.policy.schema import Loss, Monitor, PolicyFields
+
+__all__ = ["PROBES", "LossVerdict", "LossWatch", "watches_loss"]
+
+PROBES = 16
+"""How many of a model's parameters are looked at to tell whether a backward reached it (spread over the model: a
+backward that reaches none of 16 of them is another model's)."""
+
+
+@lru_cache(maxsize=32)
+def watches_loss(policy: PolicyFields) -> bool:
+    """Whether a guard under ``policy`` learns the loss: to judge it (a ``loss`` section), to compare a step's two
+    computations (``rerun``), or to record it beside the norms a ``monitor`` writes (``stats`` events)."""
+    monitors = any(isinstance(action, Monitor) for rule in policy.rules for action in rule.actions)
+    return policy.loss is not None or policy.rerun is not None or monitors
+
+
+@dataclass(frozen=True)
+class LossVerdict:
+    """What the ``loss`` section says of a step's loss."""
+
+    kind: str
+    """``nonfinite`` or ``spike``."""
+    action: str
+    """``halt``, ``skip`` or ``ignore``."""
+    loss: float
+    reference: float | None = None
+    factor: float | None = None
+    escalation: str | None = None
+    """Why a skip became a halt (its limits), or None."""
+
+    @property
+    def halt_kind(self) -> str:
+        """The halt's ``kind``: ``nan``, ``inf`` or ``spike``."""
+        if self.kind == "spike":
+            return "spike"
+        return "nan" if self.loss != self.loss else "inf"
+
+    @property
+    def reason(self) -> str:
+        """A halt's reason, in the guard's words (the live halt and ``gradguard replay`` say the same)."""
+        if self.kind == "spike":
+            why = f"loss {self.loss:.6g} above {self.factor:g} x the reference {self.reference:.6g}"
+        else:
+            why = f"the loss is {self.loss}"
+        return why if self.escalation is None else f"{why}; skip limit exceeded: {self.escalation}"
+
+
+class LossWatch:
+    """One guard's view of the loss: the roots seen since the last step, and the reference across steps."""
+
+    def __init__(self, params: Callable[[], Sequence[GuardedParam]] = tuple) -> None:
+        self._params = params
+        """The guarded parameters (the binding's, as it is now): a backward is this guard's if it reaches them."""
+        self._lock = threading.Lock()
+        self._sum: torch.Tensor | None = None
+        self._unseen: str | None = None
+        self.warned = False
+        """A ``loss_unseen`` event was written (once per guard)."""
+        self.history: deque[float] = deque()
+        """The losses of the last applied steps (at most the spike's ``window``)."""
+        self.seen = 0
+        """How many applied steps' losses have entered the history."""
+        self.skips = SkipHistory()
+        """The spike's skips: in a row, and at which recent steps (its ``max_consecutive_skips``, ``max_skips``)."""
+        self.value: float | None = None
+        """The last step's loss as read (for ``stats`` and ``guard.metrics()``)."""
+        self.first_step: int | None = None
+        """The first step this guard watched (a guard attached after that step's backward saw no root of it)."""
+
+    # --- the roots of backward (any thread) -----------------------------------------------------------
+
+    def probe(self) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+        """Up to ``PROBES`` guarded parameters spread over the model, with their gradients as they are now."""
+        params = [entry for entry in self._params() if (param := entry.ref()) is not None and param.requires_grad]
+        picks = params[:: max(1, len(params) // PROBES)][:PROBES]
+        out: list[tuple[torch.Tensor, torch.Tensor | None, int]] = []
+        for entry in picks:
+            param = entry.ref()
+            if param is not None:
+                grad = param.grad
+                out.append((param, grad, -1 if grad is None else grad._version))
+        return out
+
+    @staticmethod
+    def reached(probe: list[tuple[torch.Tensor, torch.Tensor | None, int]]) -> bool:
+        """Whether a backward changed a probed gradient (made it, or added into it); no probe: assume it did."""
+        if not probe:
+            return True
+        for param, grad, version in probe:
+            now = param.grad
+            if now is not grad or (now is not None and now._version != version):
+                return True
+        return False
+
+    def saw(self, root: torch.Tensor | None, why: str | None = None) -> None:
+        """A ``backward()`` of ``root`` (the unscaled loss), or of something that is not a loss (``why``)."""
+        if root is None:
+            with self._lock:
+                self._unseen = self._unseen or why
+            return
+        value = root.detach().reshape(()).float()
+        with self._lock:
+            self._sum = value if self._sum is None else self._sum + value
+
+    def discard(self) -> None:
+        """The step is not judged (a skip window, a scaler skip): its roots are forgotten."""
+        with self._lock:
+            self._sum, self._unseen = None, None
+
+    def begin(self, work: StepWork, watched: bool, events: EventLog, judged: Loss | None = None) -> None:
+        """Queue the step's loss into the step's read (it lands in ``work.outcome.loss``) where it is ``watched``: a
+        ``loss`` section (``judged``) judges it, or a ``monitor`` samples this step and records it.
+
+        Under a process group every rank takes part every step (a collective run by some ranks only hangs
+        the others): the sum of the ranks' losses and how many ranks had one; the mean is judged.
+        """
+        if not watched:
+            self.discard()  # the loss is neither judged nor recorded at this step
+            return
+        with self._lock:
+            total, unseen = self._sum, self._unseen
+            self._sum, self._unseen = None, None
+        first, self.first_step = self.first_step is None, work.step if self.first_step is None else self.first_step
+        if total is None and unseen is None and not first and judged is not None:
+            unseen = (
+                "no backward() was seen for this step (a backward called through a name bound before the guard "
+                "attached, torch.func, or a framework's own autograd)"
+            )
+        if unseen is not None and not self.warned:
+            self.warned = True
+            events.emit("warning", "loss_unseen", step=work.step, why=f"{unseen}: such steps' losses are not judged")
+        if work.collective is not None:
+            device = next(iter(work.grads.values())).device
+            if total is None:
+                mine = torch.zeros(2, device=device)
+            else:
+                mine = torch.stack([total.to(device), torch.ones((), device=device)])
+            total = work.collective.sum_(mine)  # the ranks' losses and how many ranks had one
+        elif total is not None:
+            if judged is not None:  # where the read waits for a fused update: is the verdict sure to be "fine"?
+                work.pending.quiet_if(functools.partial(_unjudged, total, self.spike_limit(judged)))
+            total = torch.stack([total, torch.ones_like(total)])
+        if total is None:
+            return
+        outcome = work.outcome
+
+        def take(values: list[float]) -> None:
+            outcome.loss = values[0] / values[1] if values[1] else None  # the mean over the ranks that saw one
+
+        work.pending.add(total, take)
+
+    # --- the verdict (the step's thread, after the read) ----------------------------------------------
+
+    def verdict(self, config: Loss | None, outcome: StepOutcome, step: int) -> LossVerdict | None:
+        """The section's verdict on the step's loss (``outcome.loss_skip`` set for a skip), or None: it is fine."""
+        self.value = outcome.loss
+        if config is None or outcome.loss is None:
+            return None
+        verdict = self.judge(config, outcome.loss, step)
+        outcome.loss_skip = verdict is not None and verdict.action == "skip"
+        return verdict
+
+    def judge(self, config: Loss, loss: float, step: int) -> LossVerdict | None:
+        """The section's verdict on ``loss``, or None: the step's loss is fine."""
+        verdict = self.peek(config, loss)
+        return None if verdict is None else self._escalated(verdict, config, step)
+
+    def peek(self, config: Loss | None, loss: float | None) -> LossVerdict | None:
+        """The verdict on ``loss`` before its skip limits, changing nothing (for the ``rerun`` section)."""
+        if config is None or loss is None:
+            return None
+        if not math.isfinite(loss):
+            return LossVerdict("nonfinite", config.nonfinite, loss)
+        spike = config.spike
+        if spike is None or self.seen < max(spike.warmup, 1) or not self.history:
+            return None
+        reference = statistics.median(self.history)
+        if reference <= 0 or loss <= spike.factor * reference:
+            return None  # a spike is a loss far above a positive reference
+        return LossVerdict("spike", spike.action, loss, reference, spike.factor)
+
+    def spike_limit(self, config: Loss) -> float | None:
+        """The largest float32 loss ``peek`` would find no spike in now (None: it looks for none now), rounded down:
+        a float32 loss at most this is at most ``factor`` times the reference in any precision."""
+        spike = config.spike
+        if spike is None or self.seen < max(spike.warmup, 1) or not self.history:
+            return None
+        reference = statistics.median(self.history)
+        if reference <= 0:
+            return None
+        return _float32_at_most(spike.factor * reference)
+
+    def _escalated(self, verdict: LossVerdict, config: Loss, step: int) -> LossVerdict:
+        """A skip past the spike section's limits (``max_consecutive_skips``, ``max_skips``) is a halt."""
+        if verdict.action != "skip":
+            return verdict
+        self.skips.note(step)
+        spike = config.spike
+        if spike is None:
+            return verdict
+        reason = self.skips.exceeded(spike, step, "loss skips")
+        if reason is None:
+            return verdict
+        return LossVerdict(verdict.kind, "halt", verdict.loss, verdict.reference, verdict.factor, reason)
+
+    def accept(self, config: Loss | None, loss: float | None) -> None:
+        """An applied step: its loss (where seen and finite) enters the reference; skips are no longer in a row."""
+        self.skips.consecutive = 0
+        if config is None:
+            return
+        if loss is None or not math.isfinite(loss):
+            return
+        window = config.spike.window if config.spike is not None else 1
+        self.history.append(loss)
+        while len(self.history) > window:
+            self.history.popleft()
+        self.seen += 1
+
+    # --- state ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": list(self.history),
+            "seen": self.seen,
+            "consecutive": self.skips.consecutive,
+            "recent": list(self.skips.recent),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.history = deque(float(value) for value in state.get("history", ()))
+        self.seen = int(state.get("seen", len(self.history)))
+        recent = deque(int(step) for step in state.get("recent", ()))
+        self.skips = SkipHistory(int(state.get("consecutive", 0)), recent)
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _float32_at_most(value: float) -> float:
+    """The largest float32 not above ``value`` (a positive float): a bound a float32 comparison keeps exactly."""
+    # struct, not a float32 tensor and .item(): this runs at every step, where a tensor made from Python data and
+    # read back counts as the step's device traffic (tests/test_loss_section.py counts it).
+    if value >= _FLOAT32_MAX:
+        return _FLOAT32_MAX
+    rounded: float = struct.unpack("<f", struct.pack("<f", value))[0]  # to nearest
+    if rounded <= value:
+        return rounded
+    below: float = struct.unpack("<f", struct.pack("<I", struct.unpack("<I", struct.pack("<f", rounded))[0] - 1))[0]
+    return below
+
+
+def _unjudged(loss: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """The loss section's verdict is sure to be "fine": a finite loss, at most ``limit`` where spikes are looked for."""
+    finite = loss.abs() < math.inf
+    return finite if limit is None else finite & (loss <= limit)
+
+
+def root_of(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[torch.Tensor | None, str | None]:
+    """The loss of a ``torch.autograd.backward(tensors, grad_tensors, ...)`` call, or why it is not one."""
+    tensors = args[0] if args else kwargs.get("tensors")
+    given = args[1] if len(args) > 1 else kwargs.get("grad_tensors")
+    if isinstance(tensors, Sequence) and not isinstance(tensors, torch.Tensor):
+        if len(tensors) != 1:
+            return None, f"a backward() of {len(tensors)} roots at once"
+        tensors = tensors[0]
+    if not isinstance(tensors, torch.Tensor):
+        return None, None  # not ours to judge (torch says what is wrong)
+    if tensors.numel() != 1:
+        return None, f"a backward() of a tensor of shape {tuple(tensors.shape)}, not a scalar loss"
+    if given is not None:
+        grad = given[0] if isinstance(given, Sequence) and not isinstance(given, torch.Tensor) else given
+        if isinstance(grad, torch.Tensor) and grad.numel() == 1:
+            return tensors.detach() * grad.detach().reshape(tensors.shape).to(tensors.dtype), None
+    return tensors, None

@@ -1,0 +1,385 @@
+"""What one pass of the step engine works with: its context, its figures and the one host sync.
+
+Actions queue the device figures they want read into ``Pending`` with a reader that records
+what they did into ``StepOutcome``; the engine reads everything back in one transfer.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gradguard.enforce.distributed.collective import Collective, combine_shard_norms, local_tensor
+from gradguard.enforce.work.statistics import Statistics, StepStatistics
+from gradguard.enforce.work.tensors import LOW_PRECISION, clamp_, norms, stack_on, without_grad
+from gradguard.policy.matching import Binding
+from gradguard.policy.schema import ClipNorm, Monitor
+
+__all__ = [
+    "Carried",
+    "Carry",
+    "DeferredWrites",
+    "Observation",
+    "Pending",
+    "Spike",
+    "StepContext",
+    "StepOutcome",
+    "StepWork",
+]
+
+
+@dataclass
+class StepContext:
+    """What one enforcement pass needs to know about the update it precedes."""
+
+    optimizer: Any | None
+    """The ``torch.optim.Optimizer`` about to step, or ``None`` for ``guard.step()``."""
+    stepped_params: Callable[[], Iterable[torch.Tensor]]
+    """Every parameter the update would change: a skipped step sets all their gradients to None."""
+    explicit: bool = False
+    """An explicit boundary (``guard.step()``, a framework integration), not an optimizer's step pre-hook:
+    the gradients it treats are left alone by the optimizer's coming step, whatever changes them between."""
+    found_inf: Sequence[torch.Tensor] = ()
+    """A GradScaler's inf/NaN flags for gradients it has already unscaled: if set, the step is the
+    scaler's to skip (no halt, no intervention counted)."""
+    clipped_before: str | None = None
+    """A clip the guard saw run over these gradients before this step (e.g. ``clip_grad_norm_`` while a
+    GradScaler still held them scaled): it may have spread a NaN to every gradient it clipped."""
+    loss_scales: Sequence[torch.Tensor] = ()
+    """The GradScaler's loss scale(s) with ``found_inf``: a skip at or below a floor halts."""
+    rerunnable: bool = False
+    """The guard holds the step's computation (a closure) and can run it again (the ``rerun`` section)."""
+    scaled_optimizers: Sequence[Any] = ()
+    """The optimizers whose gradients a GradScaler unscaled before this explicit boundary: if all are fused, a
+    skipping scaler still calls their ``step()`` (the kernel skips on ``found_inf``), which is not a new step."""
+
+
+@dataclass
+class Pending:
+    """Device tensors to read back in the step's one sync, and how to interpret them."""
+
+    parts: list[torch.Tensor] = field(default_factory=list)
+    readers: list[Callable[[list[float]], None]] = field(default_factory=list)
+    _spans: list[int] = field(default_factory=list)
+    """How many of ``parts`` each reader reads."""
+    raw_stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
+    """The raw norms and their stack, so a clip over exactly those norms does not stack them again."""
+    quiet: list[torch.Tensor] | None = None
+    """Where the read waits for a fused optimizer's update (``fused_update``): device booleans, all true exactly when
+    no reader will have anything to do before the update (no non-finite value, no change to make). None: not asked."""
+
+    def quiet_if(self, condition: Callable[[], torch.Tensor]) -> None:
+        """The readers queued so far have nothing to do before the update if every element of ``condition()`` is true
+        (computed only where asked for): anything else is an alarm."""
+        if self.quiet is not None:
+            self.quiet.append(condition().reshape(-1))
+
+    def flag(self, reader: Callable[[list[float]], None]) -> torch.Tensor | None:
+        """The alarm as one float32 0-dim flag (1.0: some condition is false), read with the rest (by ``reader``); a
+        fused kernel's ``found_inf``. None: no condition was given, so no reader will act before the update."""
+        quiet = self.quiet or []
+        if not quiet:
+            return None
+        device = quiet[0].device
+        joined = torch.cat([condition.to(device) for condition in quiet]) if len(quiet) > 1 else quiet[0]
+        flag = torch.rsub(joined.float().amin(), 1.0)  # four launches, however many conditions and tensors
+        self.add(flag, reader)
+        return flag
+
+    def stack(self, norms: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """``stack_on(norms, device)``, reusing the raw norms' stack when ``norms`` are those tensors."""
+        memo = self.raw_stack
+        if memo is not None and len(memo[0]) == len(norms) and all(map(operator.is_, memo[0], norms)):
+            return memo[1]
+        return stack_on(norms, device)
+
+    def add(self, values: torch.Tensor, reader: Callable[[list[float]], None], *more: torch.Tensor) -> None:
+        """Read ``values`` (and ``more``, after them: no ``cat`` of its own) in the sync; ``reader`` gets them as
+        one flat list."""
+        parts = self.parts
+        for tensor in (values, *more):
+            parts.append(tensor if tensor.dim() == 1 else tensor.reshape(-1))  # a reshape is a dispatch even as a no-op
+        self.readers.append(reader)
+        self._spans.append(1 + len(more))
+
+    def sync(self) -> None:
+        """The one read (run under ``no_grad``, as the engine is: no part needs detaching)."""
+        parts, readers, spans = self.parts, self.readers, self._spans
+        if not parts:
+            return
+        # Let go of the parts and readers before reading: a reader's closure holds the step's work (and so every
+        # gradient), and a cycle through it would keep them alive until the garbage collector runs, past the next
+        # backward (a gradient's worth of memory at the step's peak).
+        self.parts, self.readers, self._spans = [], [], []
+        device = parts[0].device
+        if len(parts) == 1:
+            host = parts[0].to("cpu").tolist()  # one copy without a cat (a kernel of its own on a GPU)
+        elif all(part.device == device for part in parts):
+            # Joined on the device first: one device-to-host copy, so one sync (a copy per part would
+            # be a sync each on a GPU). cat promotes to the widest part's type exactly, and tolist gives every
+            # float as a Python float exactly: no conversion to float64 on the device (a pass of its own).
+            host = torch.cat(parts).to("cpu").tolist()
+        else:
+            host = torch.cat([part.to("cpu", torch.float64) for part in parts]).tolist()
+        offset, first = 0, 0
+        for reader, span in zip(readers, spans, strict=True):
+            size = parts[first].numel() if span == 1 else sum(part.numel() for part in parts[first : first + span])
+            reader(host[offset : offset + size])
+            offset += size
+            first += span
+
+
+@dataclass
+class DeferredWrites:
+    """The changes the step's one read showed are needed, made after it: only to the tensors that need them.
+
+    An action whose change is the last one a tensor gets in a step (``StepWork.final``) does not multiply every
+    gradient by a coefficient on the device (most of them by 1, and a list of 0-dim coefficients is one kernel
+    per tensor on a GPU); it queues the factors its reader finds below 1 here. Host floats take torch's
+    multi-tensor fast path: one launch per (device, dtype), however many tensors, and a multiply by the float32
+    coefficient as a host float is bitwise the multiply by it as a tensor.
+    """
+
+    scales: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[float]]] = field(default_factory=dict)
+    clamps: dict[float, list[torch.Tensor]] = field(default_factory=dict)
+    written: set[int] = field(default_factory=set)
+    """Tensor indices changed here (their norms as they arrived no longer describe them)."""
+    factors: dict[int, float] = field(default_factory=dict)
+    """Tensor index -> the factor it was multiplied by here."""
+
+    after: list[Callable[[], None]] = field(default_factory=list)
+    """Work that needs these changes made first (a group clip after changes held for the read), run after them."""
+
+    low_precision: tuple[list[torch.Tensor], list[torch.Tensor]] = field(default_factory=lambda: ([], []))
+    """Half-precision gradients and their float32 factors as 0-dim device tensors: multiplied as torch's
+    ``clip_grads_with_norm_`` multiplies them (a host float would be rounded to half precision first)."""
+
+    def scale(self, index: int, grad: torch.Tensor, factor: float, on_device: Callable[[], torch.Tensor]) -> None:
+        """Multiply ``grad`` by ``factor`` (``on_device()``: its float32 value on the gradient's device, taken only
+        for half precision)."""
+        if grad.dtype in LOW_PRECISION:
+            self.low_precision[0].append(grad)
+            self.low_precision[1].append(on_device())
+        else:
+            tensors, factors = self.scales.setdefault((grad.device, grad.dtype), ([], []))
+            tensors.append(grad)
+            factors.append(factor)
+        self.written.add(index)
+        self.factors[index] = factor
+
+    def clamp(self, index: int, grad: torch.Tensor, limit: float) -> None:
+        self.clamps.setdefault(limit, []).append(grad)
+        self.written.add(index)
+        self.factors.pop(index, None)
+
+    def apply(self) -> None:
+        for tensors, factors in self.scales.values():
+            torch._foreach_mul_(tensors, factors)
+        if self.low_precision[0]:
+            torch._foreach_mul_(*self.low_precision)
+            self.low_precision = ([], [])
+        for limit, grads in self.clamps.items():
+            for group in _by_device_and_dtype(grads):
+                clamp_(group, limit)
+        self.scales.clear()
+        self.clamps.clear()
+        after, self.after = self.after, []
+        for work in after:
+            work()
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
+@dataclass
+class Observation:
+    """What one ``monitor`` read of the gradients as they arrived, on one step (host floats)."""
+
+    rule: str
+    action: Monitor
+    scope: str
+    names: list[str]
+    """Parameter names (tensor), module names (module) or the rule's name (group), in figure order."""
+    figures: dict[str, list[float]]
+    """Stat -> one value per name, for the stats the monitor logs."""
+    norms: list[float] | None
+    """The 2-norm per name, for the vanishing/exploding thresholds (None without thresholds)."""
+
+
+@dataclass
+class Spike:
+    """A ``skip_step_on_spike`` verdict: a norm far above the recent ones (host floats)."""
+
+    rule_index: int
+    params: list[str]
+    """The parameter (tensor scope) or every parameter of the rule (group scope) whose norm spiked."""
+    norm: float
+    mean: float
+    std: float
+    z: float
+    """``(norm - mean) / std``: how many standard deviations above the mean."""
+    samples: int
+    """How many recent norms the mean and standard deviation were taken over."""
+    z_thresh: float
+
+
+@dataclass
+class StepOutcome:
+    nonfinite: dict[int, tuple[str, int]] = field(default_factory=dict)
+    """Tensor index -> (kind, rule index to report it under)."""
+    halted_by: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> halt rule index, for non-finite tensors an active halt rule covers."""
+    skipped_by: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> skip rule index, for non-finite tensors an active skip rule (and no halt rule) covers."""
+    scaler_found_inf: bool = False
+    """GradScaler (fused optimizer path) found inf/NaN: the optimizer skips this step itself."""
+    loss_scale: float | None = None
+    """The smallest loss scale of the GradScaler(s) whose flags were read, where known."""
+    counts: list[tuple[str, str, int]] = field(default_factory=list)
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    observed: list[Observation] = field(default_factory=list)
+    """The monitors' figures of the gradients as they arrived (before any action)."""
+    spikes: list[Spike] = field(default_factory=list)
+    """``skip_step_on_spike`` verdicts: the step is skipped if there is any (and nothing halts)."""
+    origin: dict[str, Any] | None = None
+    """Where the step's NaN/Inf started (``gradguard.enforce.provenance.provenance``), when it was traced."""
+    clipped_before: str | None = None
+    """``StepContext.clipped_before``: a clip that ran over these gradients before the guard's step."""
+    loss: float | None = None
+    """The step's loss, where the policy watches it and the guard saw it (the mean over ranks)."""
+    loss_skip: bool = False
+    """The ``loss`` section skips this step."""
+    note: str | None = None
+    """Said with a halt of this step (a re-run found the fault reproducible)."""
+
+    def norm_clipped(
+        self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any
+    ) -> None:
+        """Count a clip_norm that changed ``extra.get("n_params", 1)`` tensors, and log it."""
+        self.counts.append((rule, "clip_norm", int(extra.get("n_params", 1))))
+        event = {"step": step, "rule": rule, "action": "clip_norm", "param": param, **extra}
+        event |= {"scope": action.scope, "norm_type": action.norm_type, "max_norm": action.max_norm}
+        event |= {"before": before, "after": before * coef, "coef": coef}
+        self.events.append(("intervention", event))
+
+    def value_clipped(self, step: int, rule: str, param: str, limit: float, before: float, **extra: Any) -> None:
+        """Count a clip_value that clamped one tensor, and log it."""
+        self.counts.append((rule, "clip_value", 1))
+        event = {"step": step, "rule": rule, "action": "clip_value", "param": param, **extra}
+        self.events.append(("intervention", event | {"limit": limit, "before": before, "after": limit}))
+
+
+@dataclass
+class Carried:
+    """Figures a step can only compute after its read (a group clip over changes held for it,
+    ``clipping.clip_group_after_read``): read with the next step's read, or at close, and reported then under
+    their own step. Only an applied step's are kept (a skipped or halted step's interventions did not happen)."""
+
+    outcome: StepOutcome = field(default_factory=StepOutcome)
+    parts: list[tuple[torch.Tensor, Callable[[list[float]], None], tuple[torch.Tensor, ...]]] = field(
+        default_factory=list
+    )
+
+
+class Carry:
+    """The applied steps' ``Carried`` figures, waiting for a read."""
+
+    def __init__(self) -> None:
+        self._waiting: list[Carried] = []
+
+    def keep(self, carried: Carried) -> None:
+        if carried.parts:
+            self._waiting.append(carried)
+
+    def ride(self, pending: Pending) -> list[StepOutcome]:
+        """Queue every waiting figure in ``pending``; what they say is in the outcomes returned once it is read."""
+        waiting, self._waiting = self._waiting, []
+        for carried in waiting:
+            for values, reader, more in carried.parts:
+                pending.add(values, reader, *more)
+        return [carried.outcome for carried in waiting]
+
+    @without_grad
+    def flush(self) -> list[StepOutcome]:
+        """Read every waiting figure now (at detach: no step's read is coming)."""
+        pending = Pending()
+        outcomes = self.ride(pending)
+        pending.sync()
+        return outcomes
+
+
+@dataclass
+class StepWork:
+    """Everything an action needs from the step it acts in (one per enforcement pass)."""
+
+    binding: Binding
+    names: dict[int, str]
+    """Tensor index -> first name."""
+    grads: dict[int, torch.Tensor]
+    """Tensor index -> its (local) gradient, for the tensors treated in this pass."""
+    step: int
+    pending: Pending
+    outcome: StepOutcome
+    collective: Collective | None
+    """The process group ranks agree over, when one is active."""
+    sharded: bool
+    """Some gradient is an FSDP2 shard: per-tensor norms must be combined across ranks."""
+    wrapped: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Tensor index -> the DTensor its local gradient came from (FSDP2)."""
+    fragile: frozenset[int] = frozenset()
+    """``Plan.fragile``: watched tensors an action may make finite."""
+    raw: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Tensor index -> 2-norm of its gradient as it arrived, where some action asked for it."""
+    touched: set[int] = field(default_factory=set)
+    """Tensors an earlier action of this pass changed on the device (their raw norms are stale); a change held for
+    the read (``held``) is not one yet."""
+    raw_peaks: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Tensor index -> max-abs of its gradient as it arrived, where the non-finite watch took it (fragile tensors)."""
+    raw_versions: dict[int, int] = field(default_factory=dict)
+    """Tensor index -> its gradient's version when the raw 2-norm was taken (unsharded steps)."""
+    raw_host: dict[int, float] = field(default_factory=dict)
+    """Tensor index -> the raw 2-norm's value, once the step's read is done (unsharded steps)."""
+    final: frozenset[int] = frozenset()
+    """The tensors of the running action whose last change in this step it makes: it may defer it to ``writes``."""
+    held: frozenset[int] = frozenset()
+    """The tensors of the running action whose one later change is a group clip that is their last
+    (``Plan.held_ids``): its change to them waits for the read too, and the group clip checks after it."""
+    writes: DeferredWrites = field(default_factory=DeferredWrites)
+    """Changes made after the step's one read, where it showed they are needed."""
+    statistics: Statistics | None = None
+    """The adaptive actions' statistics across steps (read here; changed only through ``statistics_step``)."""
+    statistics_step: StepStatistics = field(default_factory=StepStatistics)
+    """What this step proposes the statistics become; the engine commits it if the step is applied."""
+    carried: Carried = field(default_factory=Carried)
+    """Figures to read with the next step's read."""
+
+    @property
+    def after_read(self) -> frozenset[int]:
+        """The tensors of the running action whose change may wait for the step's read: ``final`` and ``held``."""
+        return self.final | self.held if self.held else self.final
+
+    def norms(self, grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+        """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""
+        local = norms(grads, norm_type)
+        return combine_shard_norms(self.collective, local, norm_type) if self.sharded and self.collective else local
+
+    def weights(self, ids: Sequence[int]) -> list[torch.Tensor]:
+        """The parameters of ``ids`` (this rank's shards under FSDP2), for the actions that read weights (``agc``).
+
+        Taken when asked, so only those actions pay; the engine runs under ``torch.no_grad``.
+        """
+        params = self.binding.params
+        out = []
+        for index in ids:
+            param = params[index].ref()
+            assert param is not None, "a tensor with a gradient this step is alive"
+            out.append(local_tensor(param))
+        return out

@@ -17,10 +17,12 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.distributed.agreement import agree_at_attach, fingerprint
 from gradguard.enforce.distributed.collective import Collective
+from gradguard.enforce.hooks.boundaries import explicit_context, stepped_by
 from gradguard.enforce.hooks.clips import ClipWatch
 from gradguard.enforce.hooks.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
+from gradguard.enforce.hooks.deepspeed_boundary import refuse_under_deepspeed
 from gradguard.enforce.hooks.micro_batch import MicroBatchHooks
-from gradguard.enforce.hooks.scaler import ScalerWatch, loss_scale_of, unscaled_found_inf, unscaled_optimizers
+from gradguard.enforce.hooks.scaler import ScalerWatch, loss_scale_of
 from gradguard.enforce.hooks.torch_hooks import ClipCall, enlist, optimizer_steps
 from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.provenance.provenance import attach_provenance, check_mode
@@ -28,7 +30,7 @@ from gradguard.enforce.step.engine import Enforcer
 from gradguard.enforce.step.known_norms import clip_with_known_norms
 from gradguard.enforce.step.reload import Reloader
 from gradguard.enforce.triggers.loss import LossWatch, watches_loss
-from gradguard.enforce.triggers.rerun import ClosureRerun, in_rerunnable_closure
+from gradguard.enforce.triggers.rerun import ClosureRerun
 from gradguard.enforce.work.step_work import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import Counters
@@ -38,13 +40,14 @@ from gradguard.lifecycle import (
     Attachment,
     check_arguments,
     claim_model,
+    deepspeed_boundary,
+    deepspeed_parts,
     distributed_rank,
     emit_attach,
     forget,
     load_guard_state,
     optimizers_given,
     schedulers_given,
-    stepped_by,
     warn_unexpected_optimizer,
     weak_call,
 )
@@ -67,8 +70,8 @@ class GradGuard(ServesMetrics):
     update. Use it as a context manager, or call [`remove`][gradguard.GradGuard.remove].
 
     Args:
-        model: the module whose parameters are guarded (DDP-, torch.compile- and checkpoint-wrapped
-            modules are matched by the unwrapped names).
+        model: the module whose parameters are guarded (DDP-, torch.compile- and checkpoint-wrapped modules are matched
+            by the unwrapped names; a DeepSpeed engine at ZeRO 0-2 by its model's, docs/distributed.md).
         policy: a [`Policy`][gradguard.Policy], or the path of a policy file.
         optimizer: only these optimizers trigger the guard (default: any that holds guarded parameters).
         audit_log: append every event to this JSON-lines file (an existing one is appended to, not replaced:
@@ -80,21 +83,21 @@ class GradGuard(ServesMetrics):
         start_step: the step a run resumed from a checkpoint starts at: step windows and the log's steps go on.
         summary_every: write the cumulative counters every this many steps (0: only at the end).
         replace: remove a guard already attached to the model instead of refusing.
-        attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the
-            group to attach too (then ``GuardStateError`` names the missing ranks); ranks that
-            attach with a different policy, parameters or options are refused at once, on every rank.
+        attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the group to attach
+            too (then ``GuardStateError`` names the missing ranks); ranks that attach with a different policy,
+            parameters or options are refused at once, on every rank.
         metrics_port: serve live Prometheus metrics on this port (0: any free), at
             [`metrics_url`][gradguard.GradGuard.metrics_url] (docs/live-metrics-and-hot-reload.md).
         metrics_host: the address the metrics are served on.
         reload: look at the policy file (a path) every ``reload_interval`` seconds; a changed one takes over at
             the next step boundary, on every rank at the same step (docs/live-metrics-and-hot-reload.md).
         reload_interval: seconds between two looks at the policy file, with ``reload``.
-        provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"first_fault"``
-            (the default: a light trace from the start, one figure per output of the model's outer modules, held
-            weakly and read at the end of the forward, so the first fault is named; every module's hooks after a
-            fault), ``"always"``
-            (every module's hooks and the gradient flags from the start: a debugging run), ``"after_fault"``
-            (nothing until a first non-finite or skipped step, then what ``"always"`` registers) or ``None``.
+        provenance: where a NaN starts, named in halts and skips (docs/provenance.md): ``"first_fault"`` (the
+            default: a light trace from the start, one figure per output of the model's outer modules, held weakly
+            and read at the end of the forward, so the first fault is named; every module's hooks after a fault),
+            ``"always"`` (every module's hooks and the gradient flags from the start: a debugging run),
+            ``"after_fault"`` (nothing until a first non-finite or skipped step, then what ``"always"`` registers)
+            or ``None``.
         before_clip: a call of torch's ``clip_grad_norm_``, ``clip_grad_value_``, ``get_total_norm`` or
             ``clip_grads_with_norm_`` on guarded gradients runs the guard's step first, as ``guard.step()``
             there would (docs/clip-interception.md); ``False`` leaves the step at the optimizer's ``step()``.
@@ -127,6 +130,7 @@ class GradGuard(ServesMetrics):
         lr_scheduler: Any = None,
         averages: Iterable[nn.Module] = (),
     ) -> None:
+        engine, model = deepspeed_parts(model)  # a DeepSpeed engine's own model: its names, no "module." prefix
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
         check_mode(provenance)
@@ -135,6 +139,7 @@ class GradGuard(ServesMetrics):
         """Held while the guard treats a step, or is removed, reloaded, saved or restored (from any thread)."""
         self._model_ref = weakref.ref(model)
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
+        refuse_under_deepspeed(engine, self.policy, per_micro_batch)
         self._plans = PlanBook(self.policy, model, weak_call(self._rebound))
         binding = self._plans.binding
         for opt in optimizers or ():
@@ -145,7 +150,6 @@ class GradGuard(ServesMetrics):
             collective = Collective(process_group)
             mine = fingerprint(self.policy, binding, per_micro_batch, start_step, reload)
             agree_at_attach(collective, mine, attach_timeout)
-
             self.counters = Counters()
             """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
             self.run_id = uuid.uuid4().hex[:12]
@@ -178,6 +182,7 @@ class GradGuard(ServesMetrics):
             self._last_step_skipped = False
             # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
             self._attachment.handles.append(enlist(self))
+            self._attachment.handles.extend(deepspeed_boundary(self, engine, model))  # ZeRO 1/2: at its update
             self._finalizer = weakref.finalize(self, self._attachment.collected)
             self._finalizer.atexit = False
             emit_attach(events, self.policy, model, binding, optimizers, start_step, self._enforcer.recovery)
@@ -234,18 +239,17 @@ class GradGuard(ServesMetrics):
     def step(self, optimizer: Optimizer | None = None) -> bool:
         """Enforce the policy now: an explicit step boundary, placed by the loop.
 
-        Call it after the step's last backward and before anything else reads the gradients: before the
-        update of a loop without a torch optimizer, before a clip that is not torch's (torch's run the
-        guard's step by themselves). The gradients it treats count as treated until the optimizer has
-        stepped: the coming ``optimizer.step()`` does not treat them again, whatever changes them between.
+        Call it after the step's last backward, before anything else reads the gradients (the update of a loop without
+        a torch optimizer, a clip that is not torch's). They count as treated until the optimizer has stepped: the
+        coming ``optimizer.step()`` does not treat them again, whatever changes them between.
 
         Args:
             optimizer: treat only the guarded gradients this optimizer steps (a skip then clears every
                 gradient of the model); default: every guarded gradient of the model.
 
-        Returns ``False`` when a skip rule skipped the step (every gradient of the model was then set to
-        ``None``: do not update) or the guard's ``scaler`` found inf/NaN (its ``step()`` skips the
-        update), else ``True``. Raises [`GradientHalt`][gradguard.GradientHalt] where a halt rule sees NaN or Inf, and
+        Returns ``False`` when a skip rule skipped the step (every gradient of the model was then set to ``None``: do
+        not update) or the guard's ``scaler`` found inf/NaN (its ``step()`` skips the update), else ``True``. Raises
+        [`GradientHalt`][gradguard.GradientHalt] where a halt rule sees NaN or Inf, and
         [`GuardStateError`][gradguard.GuardStateError] when the guard's ``scaler`` has not unscaled the gradients yet.
         """
         with self._lock:
@@ -300,10 +304,9 @@ class GradGuard(ServesMetrics):
         steps, params = 0 if attaching else self.step_count, len(self._plans.binding.params)
         return f"<GradGuard {state} policy={self.policy.source!r} params={params} steps={steps}>"
 
-    # --- the process-wide hooks (gradguard.enforce.hooks.torch_hooks) dispatch here ------------------------
-
-    # Called for every step and clip of the process, on its thread; another training's returns at once,
-    # without the lock (an optimizer known to step none of the model, a clip of none of its tensors).
+    # --- the process-wide hooks (gradguard.enforce.hooks.torch_hooks) dispatch here: for every step and clip of the
+    # process, on its thread; another training's returns at once, without the lock (an optimizer known to step none
+    # of the model, a clip of none of its tensors).
 
     def _on_optimizer_step(self, opt: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
         if not self.attached:
@@ -463,17 +466,9 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
         if found is None:
             return True
         plan = found
-    context = StepContext(
-        optimizer=optimizer,
-        stepped_params=stepped_by(optimizer, guard._model_ref),
-        explicit=True,
-        found_inf=unscaled_found_inf(guard._scaler, optimizer),
-        loss_scales=loss_scale_of(guard._scaler),
-        scaled_optimizers=unscaled_optimizers(guard._scaler, optimizer),
-        rerunnable=in_rerunnable_closure(),  # Lightning's boundary runs inside the closure the guard holds
-    )
+    context = explicit_context(optimizer, guard._model_ref, guard._scaler)
     proceed = guard._enforcer.run(plan, context)
-    return guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
+    return guard._record(proceed and not guard._enforcer.book.scaler_skip_at_boundary)
 
 
 def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
@@ -500,7 +495,7 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     )
     proceed = guard._enforcer.run(plan, context)
     if guard._enforcer.last_run_treated:
-        guard._record(proceed and not guard._enforcer.scaler_skip_at_boundary)
+        guard._record(proceed and not guard._enforcer.book.scaler_skip_at_boundary)
     return True
 
 

@@ -19,10 +19,13 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from gradguard.enforce.distributed.deepspeed import deepspeed_engine
+from gradguard.enforce.hooks.deepspeed_boundary import DeepSpeedBoundary, needs_update_hook
 from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.recovery.recovery import Recovery
 from gradguard.enforce.recovery.schedulers import holdable
 from gradguard.enforce.step.engine import Enforcer
+from gradguard.enforce.work.step_work import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
 from gradguard.policy.document import Policy
@@ -61,6 +64,10 @@ class LiveGuard(Protocol):
     def attached(self) -> bool: ...
 
     def remove(self) -> None: ...
+
+    def _record(self, proceed: bool) -> bool: ...
+
+    def _at_boundary(self) -> bool: ...
 
 
 class Attachment:
@@ -348,15 +355,39 @@ def weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding
     return call
 
 
-def stepped_by(
-    optimizer: Optimizer | None, model_ref: weakref.ReferenceType[nn.Module]
-) -> Callable[[], Iterable[torch.Tensor]]:
-    """Every parameter a skipped step must clear: the optimizer's and the whole model's."""
+def deepspeed_parts(model: nn.Module) -> tuple[Any | None, nn.Module]:
+    """``(the DeepSpeed engine, its own model)`` where ``model`` is an engine, else ``(None, model)``."""
+    engine = deepspeed_engine(model)
+    return (engine, engine.module) if engine is not None else (None, model)
 
-    def stepped() -> Iterable[torch.Tensor]:
-        if optimizer is not None:
-            yield from (p for group in optimizer.param_groups for p in group["params"])
-        model = model_ref()
-        yield from model.parameters() if model is not None else ()
 
-    return stepped
+def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[DeepSpeedBoundary]:
+    """The guard's step at each update of a DeepSpeed engine at ZeRO 1/2 (``hooks.deepspeed_boundary``); none at
+    ZeRO 0, where the client optimizer steps the model's own reduced gradients and the optimizer hooks treat them."""
+    if engine is None or not needs_update_hook(engine):
+        return []
+    ref = weakref.ref(guard)
+
+    def treat(context: StepContext) -> bool:
+        live = ref()
+        if live is None:
+            return True
+        with live._lock:
+            if not live._attachment.open:
+                return True
+            live._at_boundary()
+            enforcer = live._attachment.enforcer
+            proceed = enforcer.run(live._plans.current(), context)
+            live._record(proceed and not enforcer.book.scaler_skip_at_boundary)
+            return proceed  # an fp16 overflow stays DeepSpeed's to skip (its loss scale is updated)
+
+    def skipped() -> None:
+        live = ref()
+        if live is None:
+            return
+        with live._lock:
+            enforcer = live._attachment.enforcer
+            live._record(False)
+            enforcer.record_scaler_skip((), step=enforcer.step - 1)  # once per step, as under GradScaler
+
+    return [DeepSpeedBoundary(engine, list(model.parameters()), treat, skipped)]

@@ -193,3 +193,17 @@ def test_the_step_walk_names_the_files_one_step_enters(
     assert "enforce/step/engine.py" in walk.files
     assert len(walk.stays) >= len(walk.files) > 1
     assert walk.returns == len(walk.stays) - len(walk.files)
+
+
+def test_one_step_reads_top_to_bottom_through_at_most_12_files_with_at_most_5_returns_and_no_climb(
+    benchmarks: dict[str, ModuleType],
+) -> None:
+    """Issue 43's measure: the pipeline's walk of one guard.step(opt) of the shipped default enters each file of
+    the step's pipeline in order, the participants visited at their stages."""
+    pipeline = benchmarks["step_walk"].walk_of_one_step().pipeline
+    assert pipeline.files[:2] == ["guard.py", "enforce/plans/plan_book.py"]
+    assert pipeline.files.index("enforce/step/pipeline.py") < pipeline.files.index("enforce/step/gather.py")
+    assert len(pipeline.files) <= 12, pipeline.files
+    assert pipeline.returns <= 5, pipeline.entries
+    assert not pipeline.climbs
+    assert {"opens", "applied"} <= set(pipeline.visits)  # the participants took part, at their stages

@@ -281,7 +281,7 @@ def _every_kind(tmp_path: Path) -> list[Path]:
 
 def _snapshots_placed(placed: Path, fallen_back: Path) -> None:
     """``memory: auto`` decided from a (faked) measured peak, and a device allocation that fails (faked)."""
-    from gradguard.enforce.recovery.recovery import snapshot_memory
+    from gradguard.enforce.recovery import snapshot_memory
 
     recovery = {"snapshot_every": 2, "min_age": 1}
     halt = _rule("halt", "*", {"action": "halt_on_nonfinite"})

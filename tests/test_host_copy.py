@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
+from gradguard.enforce.recovery import host_copy
 from gradguard.enforce.recovery.host_copy import FIRST_CHUNK, SHARE, ChunkSizer, HostCopy
-from gradguard.enforce.recovery.recovery import host_copy
 
 MiB = 2**20
 

@@ -151,9 +151,9 @@ def test_each_room_of_enforce_imports_only_the_rooms_its_docstring_names():
             continue
         for target in targets:
             other = target.split(".")
-            if other[:2] == ["gradguard", "enforce"] and len(other) > 2 and other[2] != parts[2]:
-                if other[2] not in rooms[parts[2]]:
-                    wrong.append(f"{module} imports {target}")
+            inside = other[:2] == ["gradguard", "enforce"] and len(other) > 2 and other[2] != parts[2]
+            if inside and other[2] not in rooms[parts[2]]:
+                wrong.append(f"{module} imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
 
 

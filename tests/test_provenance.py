@@ -188,7 +188,7 @@ def test_after_fault_registers_nothing_until_a_skip_then_traces_the_second_occur
 
 
 def test_after_fault_disarms_its_module_hooks_after_enough_clean_steps():
-    from gradguard.enforce.provenance.provenance import provenance
+    from gradguard.enforce.provenance import provenance
 
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -467,7 +467,7 @@ def test_first_fault_on_a_model_beyond_its_budget_names_the_block_and_how_to_see
 def test_first_fault_arms_every_modules_hooks_after_a_fault_and_goes_back_to_the_light_trace():
     """After a skipped first fault, the full hooks (every module) trace recurrences; after ARMED_STEPS clean
     steps the light trace is back."""
-    from gradguard.enforce.provenance.provenance import provenance
+    from gradguard.enforce.provenance import provenance
 
     model = Stack()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -15,7 +15,7 @@ from support.training import BatchNormNet
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy, PolicyError
-from gradguard.enforce.recovery.recovery import snapshot_memory
+from gradguard.enforce.recovery import snapshot_memory
 
 STEPS = 40
 FAULT = 23

@@ -14,7 +14,7 @@ from torch import nn
 
 from gradguard import GradGuard, GuardStateError, Policy, PolicyError
 from gradguard.cli import main
-from gradguard.enforce.recovery.recovery import snapshot_memory
+from gradguard.enforce.recovery import snapshot_memory
 from gradguard.enforce.recovery.snapshot_memory import MEMORY_MARGIN, Flat, Stager, choose_placement, state_to_come
 
 HALT = {"name": "nonfinite", "match": ["*"], "actions": [{"action": "halt_on_nonfinite"}]}

@@ -18,8 +18,9 @@ from typing import NamedTuple
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.work.statistics import STATS_DTYPE, Init, pushed
-from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.participant import Participant
+from gradguard.enforce.work.statistics import STATS_DTYPE, Init, Statistics, pushed
+from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.enforce.work.tensors import EPS, by_device, in_torch_order, stack_on
 from gradguard.policy.matching import BoundRule
 from gradguard.policy.schema import Action, AutoClip, ZClip
@@ -27,6 +28,7 @@ from gradguard.policy.schema import Action, AutoClip, ZClip
 __all__ = [
     "AutoClipDecision",
     "AutoClipKernel",
+    "StatisticsTakingPart",
     "ZClipDecision",
     "ZClipKernel",
     "autoclip_decide",
@@ -317,3 +319,20 @@ def _percentile(ring: torch.Tensor, count: torch.Tensor, percentile: float) -> t
     # numpy's _lerp: from the nearer end, so t = 1 gives b exactly.
     value = torch.where(t >= 0.5, b - diff * (1 - t), a + diff * t)
     return torch.where(count > 0, value, torch.full_like(value, math.nan))
+
+
+class StatisticsTakingPart(Participant):
+    """The adaptive actions' statistics across steps as a participant: the step's kernels read them, and only an
+    applied step's norms enter them (``StepStatistics.commit``)."""
+
+    def __init__(self, statistics: Statistics) -> None:
+        self.statistics = statistics
+
+    def before_figures(self, work: StepWork, context: StepContext) -> None:
+        work.statistics = self.statistics
+
+    def applied(self, work: StepWork) -> None:
+        work.statistics_step.commit()
+
+    def release(self) -> None:
+        self.statistics.release()

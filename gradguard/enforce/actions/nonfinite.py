@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.step_work import StepWork
 from gradguard.enforce.work.tensors import norms, stack_on, version_of
 from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
@@ -176,8 +177,9 @@ class SkipHistory:
         return reason
 
 
-class SkipLimits:
-    """Each skip rule's history of skipped steps, and when it escalates to a halt."""
+class SkipLimits(Participant):
+    """Each skip rule's history of skipped steps, and when it escalates to a halt. As a participant: an applied step
+    ends every run of skips."""
 
     def __init__(self) -> None:
         self.history: dict[int, SkipHistory] = {}
@@ -200,6 +202,9 @@ class SkipLimits:
                 if reason is not None:
                     return reason
         return None
+
+    def applied(self, work: StepWork) -> None:
+        self.step_applied()
 
     def step_applied(self) -> None:
         """A step went through: no rule's skips are consecutive any more."""

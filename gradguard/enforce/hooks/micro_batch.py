@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.participant import Participant
+from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.enforce.work.tensors import EPS, LOW_PRECISION
 from gradguard.policy.matching import Binding, GuardedParam
 from gradguard.policy.schema import Action, ClipNorm, ClipValue, Scale, Zero
@@ -56,7 +57,7 @@ def _accumulates(accumulator: torch.autograd.graph.Node | None) -> bool:
         return False  # torch refuses to answer for a leaf inside autograd.grad(): not an accumulation
 
 
-class MicroBatchHooks:
+class MicroBatchHooks(Participant):
     """Registers one tensor hook per guarded parameter that has a per-micro-batch action."""
 
     def __init__(self, binding: Binding, current_step: Callable[[], int]) -> None:
@@ -124,6 +125,9 @@ class MicroBatchHooks:
             records, self._records = self._records, []
             counts, self._counts = self._counts, []
         return records, counts
+
+    def before_figures(self, work: StepWork, context: StepContext) -> None:
+        self.report(work)
 
     def report(self, work: StepWork) -> None:
         """Fold what the hooks did since the last step into this step's sync, counters and events."""

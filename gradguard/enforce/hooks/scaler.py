@@ -15,11 +15,13 @@ import torch
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
-from gradguard.enforce.hooks.torch_hooks import unscaled_by
-from gradguard.enforce.work.step_work import Pending, StepContext, StepOutcome
+from gradguard.enforce.hooks.scaler_view import unscaled_by
+from gradguard.enforce.work.participant import Participant, Ruling
+from gradguard.enforce.work.step_work import Pending, StepContext, StepOutcome, StepWork
 from gradguard.errors import GuardStateError
 
 __all__ = [
+    "ScalerFlags",
     "ScalerWatch",
     "adopt_fused_scaler",
     "has_unscaled",
@@ -30,6 +32,25 @@ __all__ = [
     "unscaled_found_inf",
     "unscaled_optimizers",
 ]
+
+
+class ScalerFlags(Participant):
+    """The GradScaler watch as a participant: its flags (and a fused optimizer's scaled gradients, unscaled) come
+    before every figure of the step, and a step it found inf in is its own to skip (``skip``: the guard's record of
+    that), so nothing else rules on it."""
+
+    def __init__(self, skip: Callable[[StepWork, StepContext], bool]) -> None:
+        self._skip = skip
+
+    def before_figures(self, work: StepWork, context: StepContext) -> None:
+        adopt_fused_scaler(context, work.pending, work.outcome)
+        read_found_inf(context, work.pending, work.outcome)
+
+    def ruling(self, work: StepWork, context: StepContext) -> Ruling | None:
+        if not work.outcome.scaler_found_inf:
+            return None
+        skip = self._skip
+        return Ruling(lambda: skip(work, context), final=True)
 
 
 def adopt_fused_scaler(context: StepContext, pending: Pending, outcome: StepOutcome) -> None:

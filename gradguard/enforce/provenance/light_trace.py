@@ -4,14 +4,17 @@ it can be (``figures.HeldOutputs``), on the device and with no host sync.
 
 Its hot path runs for every hooked module at every forward, where a small model's step is host-bound: a module seen
 to hand out a new small output that the forward keeps alive is held in a few C calls. ``Provenance`` owns the state,
-arms these hooks and reads their figures; this module may import ``figures``, ``origins`` and ``tensors`` only.
+arms these hooks and reads their figures; ``Tracing`` says how they record (``LIGHT``: the default). This module may
+import ``figures``, ``origins`` and ``tensors`` only.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -24,10 +27,11 @@ from gradguard.enforce.provenance.figures import (
     mark,
     passed_on,
     tensors,
+    total,
 )
 from gradguard.enforce.provenance.origins import DATA, OUTPUT, BackwardMeta, ForwardMeta
 
-__all__ = ["LINEAR_FORWARD", "MAX_ENTRIES", "LightTrace", "recording"]
+__all__ = ["LIGHT", "LINEAR_FORWARD", "MAX_ENTRIES", "LightTrace", "Tracing", "recording"]
 
 MAX_ENTRIES = 4096
 """Figures kept per kind and step (the first ones are the ones that matter; a loop that never steps
@@ -37,6 +41,32 @@ _TENSOR = torch.Tensor
 LINEAR_FORWARD = nn.Linear.forward
 _grad_enabled, _compiling = torch.is_grad_enabled, torch.compiler.is_compiling
 _graph_task = torch._C._current_graph_task_id
+
+
+@dataclass(frozen=True)
+class Tracing:
+    """How the light trace (``first_fault``) records: the benchmark's arms vary these."""
+
+    reduce: Callable[[torch.Tensor], torch.Tensor] = total
+    backward: bool = True
+    """Tensor hooks on the recorded outputs (their gradients in backward)."""
+    depth: int | None = None
+    """Hook only the modules at most this many dots deep (None: every module)."""
+    leaves: bool = False
+    """Hook only the modules without children."""
+    budget: int | None = None
+    """Hook at most this many modules: the model's shallowest levels, as many whole levels as fit (None: all)."""
+    hold: bool = True
+    """Small outputs held and reduced together at the end of the forward (``figures.HeldOutputs``), not one by one."""
+    linear: bool = True
+    """A plain Linear's output (a vocabulary head's logits) watched through its input and parameters when they are
+    less than half its size (``_linear_figure``): on a 50k-vocabulary head the trace then never reads the logits."""
+
+
+LIGHT: Final = Tracing(backward=False, budget=32)
+"""``first_fault``'s trace: sums of the outputs of the model's outermost 32 modules at most, forward only
+(benchmarks/provenance.py: within 1% of the step on the GPT and the deep model; tensor hooks or every
+module's outputs are not)."""
 
 
 class LightTrace:
@@ -49,7 +79,7 @@ class LightTrace:
     _held: HeldOutputs
     _last: tuple[weakref.ReferenceType[torch.Tensor] | None, int, object]
     _tracing: Any
-    """``provenance.Tracing``: how it records (the benchmark's arms vary it)."""
+    """``Tracing``: how it records (the benchmark's arms vary it)."""
 
     def _light_data(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         if recording(self._fwd) is not None:

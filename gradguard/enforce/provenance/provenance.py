@@ -35,16 +35,15 @@ import functools
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Final
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradguard.enforce.provenance.figures import STRIDED, HeldOutputs, tensors, total
+from gradguard.enforce.provenance.figures import STRIDED, HeldOutputs, tensors
 from gradguard.enforce.provenance.figures import peak as _peak
-from gradguard.enforce.provenance.light_trace import LINEAR_FORWARD, MAX_ENTRIES, LightTrace
+from gradguard.enforce.provenance.light_trace import LIGHT, LINEAR_FORWARD, MAX_ENTRIES, LightTrace, Tracing
 from gradguard.enforce.provenance.light_trace import recording as _recording
 from gradguard.enforce.provenance.origins import (
     DATA,
@@ -62,6 +61,7 @@ from gradguard.enforce.provenance.origins import (
     owner_of,
     unrooted,
 )
+from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.step_work import StepOutcome, StepWork
 from gradguard.enforce.work.tensors import stack_on
 from gradguard.policy.matching import Binding
@@ -101,33 +101,7 @@ class _Seen:
         self.consumers = consumers
 
 
-@dataclass(frozen=True)
-class Tracing:
-    """How the light trace (``first_fault``) records: the benchmark's arms vary these."""
-
-    reduce: Callable[[torch.Tensor], torch.Tensor] = total
-    backward: bool = True
-    """Tensor hooks on the recorded outputs (their gradients in backward)."""
-    depth: int | None = None
-    """Hook only the modules at most this many dots deep (None: every module)."""
-    leaves: bool = False
-    """Hook only the modules without children."""
-    budget: int | None = None
-    """Hook at most this many modules: the model's shallowest levels, as many whole levels as fit (None: all)."""
-    hold: bool = True
-    """Small outputs held and reduced together at the end of the forward (``figures.HeldOutputs``), not one by one."""
-    linear: bool = True
-    """A plain Linear's output (a vocabulary head's logits) watched through its input and parameters when they are
-    less than half its size (``_linear_figure``): on a 50k-vocabulary head the trace then never reads the logits."""
-
-
-LIGHT: Final = Tracing(backward=False, budget=32)
-"""``first_fault``'s trace: sums of the outputs of the model's outermost 32 modules at most, forward only
-(benchmarks/provenance.py: within 1% of the step on the GPT and the deep model; tensor hooks or every
-module's outputs are not)."""
-
-
-class Provenance(LightTrace):
+class Provenance(LightTrace, Participant):
     """Arms and disarms the hooks, queues their figures into the step's one read, and names the origin."""
 
     def __init__(
@@ -317,6 +291,9 @@ class Provenance(LightTrace):
             self._acc_meta.append(index)
 
     # --- the step ----------------------------------------------------------------------------------
+
+    def after_actions(self, work: StepWork) -> None:
+        self.report(work)  # last: its reader sees the step's non-finite verdict
 
     def report(self, work: StepWork) -> None:
         """Queue this step's figures into the step's one read; the reader names the origin and arms."""

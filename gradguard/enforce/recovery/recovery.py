@@ -19,7 +19,6 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,6 +27,8 @@ from torch.optim import Optimizer
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.recovery.averages import averages_given
+from gradguard.enforce.recovery.decisions import Decision
+from gradguard.enforce.recovery.held_state import HeldState
 from gradguard.enforce.recovery.schedulers import check_copyable
 from gradguard.enforce.recovery.snapshot_fit import misfit_reason, misfits
 from gradguard.enforce.recovery.snapshot_memory import HOST, Placement
@@ -36,8 +37,6 @@ from gradguard.enforce.recovery.snapshots import (
     LiveState,
     Snapshot,
     TensorCopies,
-    detached_copy,
-    restore_groups,
     scale_lrs,
     scheduler_optimizer,
 )
@@ -46,110 +45,7 @@ from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.counters import RECOVERY_RULE, Counters
 from gradguard.policy.schema import Recovery as RecoveryConfig
 
-__all__ = ["HaltReport", "Recovery", "RewindRequested"]
-
-
-@dataclass(frozen=True)
-class HaltReport:
-    """What a halt would have said: the rewind event repeats it."""
-
-    step: int
-    rule: str
-    params: list[str]
-    kinds: dict[str, str]
-    kind: str
-    reason: str | None
-    origin: Mapping[str, Any] | None
-
-    def fields(self) -> dict[str, Any]:
-        """The fields the ``halt`` and ``rewind`` events share, in the log's order."""
-        return {
-            "step": self.step,
-            "rule": self.rule,
-            "params": self.params,
-            "kinds": self.kinds,
-            "kind": self.kind,
-            "reason": self.reason,
-            "origin": self.origin,
-        }
-
-
-class RewindRequested(Exception):
-    """Raised by the verdicts instead of [`GradientHalt`][gradguard.GradientHalt] when recovery rewinds (the
-    engine's)."""
-
-    def __init__(self, halt: HaltReport, snapshot: Snapshot) -> None:
-        super().__init__(f"rewind at step {halt.step} to step {snapshot.step}")
-        self.halt = halt
-        self.snapshot = snapshot
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What a halt at a step comes to under recovery."""
-
-    rewind: bool
-    snapshot: Snapshot | None
-    """The snapshot to rewind to, or to restore before halting (``max_rewinds`` reached)."""
-    why: str | None
-    """Why the halt goes through (no snapshot old enough, ``max_rewinds`` reached)."""
-
-
-class _Held:
-    """What a skipped step must not move, as it was right after a rewind, put back at each boundary of the window.
-
-    The GradScaler's scale and the known schedulers' state with their optimizers' hyper-parameters (LRs,
-    momentum, betas: ``OneCycleLR`` cycles them) and the averages (an EMA the loop updates after each step) until
-    the first step applied again, included; the model's buffers until the last skipped step, so the first applied
-    step's forward starts from the snapshot's.
-    """
-
-    def __init__(self, live: LiveState) -> None:
-        self.snapshot = Snapshot()
-        self.snapshot.scaler = {key: detached_copy(value) for key, value in live.scaler_tensors().items()}
-        self.snapshot.schedulers = [detached_copy(scheduler.state_dict()) for scheduler in live.schedulers]
-        self.snapshot.buffers.take(live.buffers())
-        self.snapshot.averages.take(live.average_tensors())
-        self.groups = [_hyper_parameters(scheduler) for scheduler in live.schedulers]
-
-    def put_back(self, live: LiveState, *, buffers: bool) -> None:
-        self.snapshot.restore_scaler(live)
-        self.snapshot.restore_schedulers(live)
-        for scheduler, saved in zip(live.schedulers, self.groups, strict=False):
-            optimizer = scheduler_optimizer(scheduler)
-            if optimizer is not None:
-                restore_groups(optimizer.param_groups, saved)
-        if buffers:
-            self.snapshot.buffers.restore(live.buffers())
-        self.snapshot.averages.restore(live.average_tensors())  # after the buffers: an EMA in the model holds its own
-
-    def state_dict(self) -> dict[str, Any]:
-        """Plain values (the buffers are not carried: a resumed run's window forwards may move BatchNorm's)."""
-        scaler = {k: None if v is None else v.tolist() for k, v in self.snapshot.scaler.items()}
-        groups = [[{k: _plain(v) for k, v in group.items()} for group in groups] for groups in self.groups]
-        return {"scaler": scaler, "schedulers": detached_copy(self.snapshot.schedulers), "groups": groups}
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any], live: LiveState) -> _Held:
-        held = cls.__new__(cls)
-        held.snapshot = Snapshot()
-        scaler = dict(state.get("scaler", {}))
-        held.snapshot.scaler = {k: None if v is None else torch.tensor(v) for k, v in scaler.items()}
-        held.snapshot.schedulers = detached_copy(list(state.get("schedulers", [])))
-        held.groups = detached_copy(list(state.get("groups", [])))
-        held.snapshot.buffers.take(live.buffers())
-        held.snapshot.averages.take(live.average_tensors())
-        return held
-
-
-def _hyper_parameters(scheduler: Any) -> list[dict[str, Any]]:
-    optimizer = scheduler_optimizer(scheduler)
-    groups = optimizer.param_groups if optimizer is not None else []
-    return [{k: detached_copy(v) for k, v in group.items() if k != "params"} for group in groups]
-
-
-def _plain(value: Any) -> Any:
-    return value.tolist() if isinstance(value, torch.Tensor) else detached_copy(value)
+__all__ = ["Recovery"]
 
 
 class Recovery:
@@ -174,7 +70,7 @@ class Recovery:
         self.applied = 0
         """Updates applied (not skipped, not undone by a rewind): ``guard.applied_steps``, a scheduler's step number."""
         self._applied_at: int | None = None
-        self._held: _Held | None = None
+        self._held: HeldState | None = None
         self._checked: weakref.WeakSet[Optimizer] = weakref.WeakSet()
         self._buffers_at: tuple[int, TensorCopies] | None = None
         """The model's buffers at the start of a step a snapshot is due at (and the step), or a spare copy."""
@@ -403,7 +299,7 @@ class Recovery:
         self.restore(snapshot, self.lr_scale * config.lr_factor)
         self.rewinds += 1  # only once restored: a restore that refuses (GuardStateError) is no rewind
         self.skip_until = fault_step + config.skip_steps + 1
-        self._held = _Held(self.live)
+        self._held = HeldState(self.live)
 
     def restore(self, snapshot: Snapshot, lr_scale: float) -> None:
         """Put ``snapshot`` back, drop the newer ones, and leave every LR at ``lr_scale`` times its own."""
@@ -462,4 +358,4 @@ class Recovery:
         self.applied = int(state.get("applied", self.applied))  # without it (an older state): the caller's step
         self._applied_at = None
         held = state.get("held")
-        self._held = None if held is None or self.skip_until is None else _Held.from_state_dict(held, self.live)
+        self._held = None if held is None or self.skip_until is None else HeldState.from_state_dict(held, self.live)

@@ -37,6 +37,7 @@ import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from gradguard.enforce.actions import kernel_for
+from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.errors import GuardStateError
 
@@ -52,12 +53,52 @@ _SCALER_ATTRIBUTES = ("found_inf", "grad_scale")
 _PARAMS = itemgetter("params")
 
 
-class FusedUpdate:
-    """The one step (at most) whose read waits for a fused optimizer's update."""
+class FusedUpdate(Participant):
+    """The one step (at most) whose read waits for a fused optimizer's update.
 
-    def __init__(self) -> None:
+    As a participant: every boundary forgets a step whose update never came back; a step it ``takes`` queues its
+    quiet conditions (``Pending.quiet``) from the first figure on, and its read and verdict wait for the update.
+    ``alone``: no per-micro-batch hooks, no process group, no second computation of the step; ``loss``: the
+    ``loss`` section's verdict on the step's loss, changing nothing (``LossWatch.peek``), and ``policy``: as it is
+    now.
+    """
+
+    def __init__(
+        self,
+        alone: Callable[[], bool] = lambda: True,
+        loss: Callable[[StepWork], LossVerdict | None] = lambda work: None,
+        policy: Callable[[], Policy | None] = lambda: None,
+    ) -> None:
         self._waiting: tuple[Any, torch.Tensor | None, Callable[[], bool]] | None = None
         self._flag = 0.0
+        self._alone, self._loss, self._policy = alone, loss, policy
+        self._taking = False
+
+    def boundary(self, context: StepContext) -> None:
+        self.discard()
+
+    def opens(self, step: int, plan: Any, context: StepContext) -> bool:
+        policy = self._policy()
+        self._taking = policy is not None and self.takes(plan, context, policy, alone=self._alone())
+        return True
+
+    def before_figures(self, work: StepWork, context: StepContext) -> None:
+        if self._taking:
+            work.pending.quiet = []  # every figure from here on says whether its reader will have work to do
+
+    def defers_read(self, work: StepWork, context: StepContext, conclude: Callable[[], bool]) -> bool:
+        if not self._taking:
+            return False
+        self._taking = False
+        self.wait(context.optimizer, work.pending.flag(self.read_flag), conclude)
+        return True
+
+    def after_read(self, work: StepWork, context: StepContext) -> None:
+        if work.pending.quiet is not None:
+            self.check(work, self._loss(work))
+
+    def release(self) -> None:
+        self.discard()  # a flag left by a step() that raised must not stop the updates after
 
     def takes(self, plan: Plan, context: StepContext, policy: Policy, *, alone: bool) -> bool:
         """Whether this step's read may wait for ``context.optimizer``'s update (``alone``: no per-micro-batch hooks,

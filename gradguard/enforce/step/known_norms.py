@@ -27,7 +27,8 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
-from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.participant import Participant
+from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.enforce.work.tensors import EPS, version_of, without_grad
 
 __all__ = ["KnownNorms", "clip_with_known_norms"]
@@ -46,7 +47,7 @@ MARGIN = 1e-3
 out: the device's float32 reduction differs from the host's float64 sum by far less."""
 
 
-class KnownNorms:
+class KnownNorms(Participant):
     """The 2-norms of the gradients as the guard's last step left them (device tensors, and host floats where read).
 
     Held as the step left them (``hold``), and looked at only when a clip asks (most steps none does): the step's
@@ -60,6 +61,16 @@ class KnownNorms:
         gradient is held, so no other live tensor has its id, and the key alone tells it is the same, unchanged."""
         self.stacked: tuple[list[torch.Tensor], torch.Tensor] | None = None
         """The step's raw norms and their stack (``Pending.raw_stack``): a clip over exactly those stacks none again."""
+
+    def opens(self, step: int, plan: Any, context: StepContext) -> bool:
+        self.clear()  # a new step's gradients: the last one's norms describe nothing now
+        return True
+
+    def applied(self, work: StepWork) -> None:
+        self.hold(work, work.wrapped)
+
+    def release(self) -> None:
+        self.clear()
 
     def clear(self) -> None:
         self._work, self._entries, self.stacked = None, None, None

@@ -12,8 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
-from gradguard.enforce.recovery.recovery import HaltReport, Recovery, RewindRequested
+from gradguard.enforce.recovery.decisions import HaltReport, RewindRequested
+from gradguard.enforce.recovery.recovery import Recovery
 from gradguard.enforce.triggers.loss import LossVerdict
+from gradguard.enforce.work.participant import clear_gradients
 from gradguard.enforce.work.step_work import StepContext, StepOutcome
 from gradguard.errors import GradientHalt, GuardWarning
 from gradguard.events.counters import LOSS_RULE, Counters
@@ -152,7 +154,7 @@ class Verdicts:
             report = HaltReport(step, LOSS_RULE, [], {}, verdict.halt_kind, verdict.reason, None)
             self.halt(report, [LOSS_RULE], "halt")
         if verdict.action == "skip":
-            self.clear(context)
+            clear_gradients(context)
             return True
         return False
 
@@ -160,7 +162,7 @@ class Verdicts:
         """Recovery turned a halt into a rewind: restore, skip this update, say so as loudly as a halt."""
         halt, snapshot = request.halt, request.snapshot
         self.recovery.rewind(halt.step, snapshot)
-        self.clear(context)
+        clear_gradients(context)
         self.events.emit(
             "warning",
             "rewind",
@@ -170,12 +172,6 @@ class Verdicts:
             skip_until=self.recovery.skip_until,
             lr_scale=self.recovery.lr_scale,
         )
-
-    @staticmethod
-    def clear(context: StepContext) -> None:
-        """No gradient is left for the optimizer, so nothing it owns can change."""
-        for param in context.stepped_params():
-            param.grad = None
 
     def skip(
         self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int, context: StepContext
@@ -199,7 +195,7 @@ class Verdicts:
                 spiked = [p for spike in outcome.spikes if spike.rule_index == rule_index for p in spike.params]
                 self.halt(HaltReport(step, rule.name, spiked, {}, "spike", why, None), [rule.name], "halt_on_spike")
             self.counters.add(rule.name, _SKIP_ACTION[cause])
-        self.clear(context)
+        clear_gradients(context)
         if offenders:
             self.events.emit(
                 "warning",

@@ -2,7 +2,8 @@
 
 Owns ``loss`` (``LossWatch``: the loss section's spike and non-finite verdicts), ``rerun`` (the rerun section: a
 suspect step computed again through the loop's closure, accumulated gradients kept) and ``health`` (the monitors'
-warnings and metrics across steps). Each takes part in the step as a participant (``enforce.step.participants``).
+warnings and metrics across steps); ``participants`` adapts each to the step's stages (a halt's report is
+recovery's ``HaltReport``).
 
-May import: actions, work, distributed.
+May import: recovery, actions, work, distributed.
 """

@@ -1,9 +1,10 @@
 """What one step works with: its context, the figures it queues for its one read, its outcome, and the tensor maths.
 
-Owns ``step_work`` (``StepContext``, ``StepWork``, ``Pending``, the one host sync, ``DeferredWrites``,
-``StepOutcome``), ``tensors`` (batched norms, clip coefficients and clamps, bitwise as torch's) and ``statistics``
-(the adaptive actions' statistics across steps, changed only by an applied step). Every other room of the step
-builds on these types; they know nothing of who fills them.
+Owns ``step_work`` (``StepContext``, ``StepWork``, ``Pending``: the one host sync, ``StepOutcome``), ``writes``
+(``DeferredWrites``: the changes the read showed are needed), ``tensors`` (batched norms, clip coefficients and
+clamps, bitwise as torch's), ``statistics`` (the adaptive actions' statistics across steps, changed only by an
+applied step) and ``participant`` (``Participant``: the one protocol through which a feature takes part in the
+step's stages). Every other room of the step builds on these types; they know nothing of who fills them.
 
 May import: distributed.
 """

@@ -1,0 +1,155 @@
+"""A DeepSpeed engine's update as the guard's boundary: ZeRO 1 and 2 (and bf16 with fp32 accumulation).
+
+``GradGuard(engine, policy)`` guards ``engine.module`` (the model's own names, no ``module.`` prefix). At ZeRO 1 and
+2 no ``p.grad`` holds the gradient the update applies: each rank holds its partition of the reduced gradients, and
+DeepSpeed clips and applies them inside ``engine.optimizer.step()`` (``enforce.distributed.deepspeed``). So the
+guard's step runs there, once per update (after every micro-batch of an accumulation), on this rank's piece of each
+gradient (``StepContext.gradients``); its per-tensor figures are combined over the ranks in one collective, as under
+FSDP2, so every rank reaches the same verdict. A skip takes DeepSpeed's own overflow path without touching its loss
+scale; a halt raises before DeepSpeed's update. At ZeRO 0 the client optimizer steps the model's own gradients, and
+the guard's usual optimizer hooks treat them.
+
+Under fp16 the pieces carry DeepSpeed's loss scale: a step with a non-finite piece on any rank is DeepSpeed's to skip
+(its loss-scale search), counted once as a ``scaler_skip`` as under torch's GradScaler, and a persisting overflow
+halts as it does there (``halt_on_nonfinite``'s ``min_loss_scale``, skips in a row); the actions that read a
+gradient's size are refused (their thresholds would meet the scaled gradients).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradguard.enforce.distributed.deepspeed import UpdateHook, ZeroGradients, refusal
+from gradguard.enforce.work.step_work import StepContext
+from gradguard.errors import GuardStateError
+from gradguard.policy.document import Policy
+
+__all__ = ["DeepSpeedBoundary", "needs_update_hook", "refuse_under_deepspeed"]
+
+_FP16_ACTIONS = frozenset({"halt_on_nonfinite", "skip_step_on_nonfinite"})
+"""What works on gradients that still carry a loss scale: whether they are finite does not depend on it."""
+_UNMAPPED_ACTIONS = {
+    "agc": "it compares each unit's gradient with its weight, and a rank holds a piece of the gradient only",
+    "drop": "DeepSpeed applies its partitions whole, with no gradient to leave out",
+}
+
+
+def refuse_under_deepspeed(engine: Any | None, policy: Policy, per_micro_batch: bool) -> None:
+    """What the guard cannot do on this engine (None: not one), refused at attach with why and what works."""
+    if engine is None:
+        return
+    reason = refusal(engine)
+    if reason is not None:
+        raise GuardStateError(f"gradguard cannot guard this DeepSpeed engine: {reason}")
+    where = f"policy {policy.source!r}" if getattr(policy, "source", None) else "the policy"
+    if policy.recovery is not None:
+        raise GuardStateError(
+            f"{where} has a recovery section, which gradguard does not support under DeepSpeed: DeepSpeed keeps "
+            "the fp32 master weights and the optimizer state in its own partitions, which the guard's snapshots do "
+            "not take. Remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
+        )
+    if per_micro_batch:
+        raise GuardStateError(
+            "per_micro_batch=True is not supported under DeepSpeed: the micro-batches' gradients are reduced into "
+            "DeepSpeed's partitions, not into p.grad. Leave it False: the guard acts once per update."
+        )
+    fp16 = bool(getattr(engine, "fp16_enabled", lambda: False)())
+    for rule in policy.rules:
+        for action in rule.actions:
+            name = action.action
+            if name in _UNMAPPED_ACTIONS:
+                raise GuardStateError(
+                    f"rule {rule.name!r} of {where}: action {name!r} is not supported under DeepSpeed ZeRO: "
+                    f"{_UNMAPPED_ACTIONS[name]}. Use clip_norm, clip_value, scale, zero or zclip instead."
+                )
+            if fp16 and name not in _FP16_ACTIONS:
+                raise GuardStateError(
+                    f"rule {rule.name!r} of {where}: action {name!r} reads the gradients' size, which under "
+                    "DeepSpeed's fp16 still carries its loss scale when the guard sees it. Train in bf16 "
+                    "(recommended), or keep only halt_on_nonfinite and skip_step_on_nonfinite under fp16."
+                )
+    if fp16 and policy.loss is not None:
+        raise GuardStateError(
+            f"{where} has a loss section, which under DeepSpeed's fp16 would judge the scaled loss. Train in bf16, "
+            "or remove the section."
+        )
+
+
+def needs_update_hook(engine: Any) -> bool:
+    """Whether the guard's step must run inside DeepSpeed's update (ZeRO 1/2, bf16 with fp32 accumulation), not at
+    the client optimizer's step (ZeRO 0)."""
+    return ZeroGradients(engine).layout != "plain"
+
+
+class DeepSpeedBoundary:
+    """Treats each update of a ZeRO 1/2 engine through ``treat`` (the guard's step on a context), and says when
+    DeepSpeed skipped an update on its own (``skipped``: a non-finite gradient the guard let through)."""
+
+    def __init__(
+        self,
+        engine: Any,
+        params: Sequence[torch.nn.Parameter],
+        treat: Callable[[StepContext], bool],
+        skipped: Callable[[], None],
+    ) -> None:
+        self._gradients = ZeroGradients(engine, params)
+        self._params = list(params)
+        self._treat, self._skipped = treat, skipped
+        self._fp16 = bool(getattr(engine, "fp16_enabled", lambda: False)())
+        self._hook = UpdateHook(engine, self._before, self._after)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each rank holds a piece of each gradient (ZeRO 1/2), not all of it (bf16 with fp32 accumulation)."""
+        return not self._gradients.whole
+
+    def _before(self) -> bool:
+        pieces = self._gradients.pieces()
+        by_id = {id(param): piece for param, piece in zip(self._params, pieces, strict=True)}
+
+        def gradients(plan: Any) -> dict[int, torch.Tensor]:
+            found = {}
+            for entry in plan.params:
+                param = entry.ref()
+                if param is not None and id(param) in by_id:
+                    found[entry.index] = by_id[id(param)]
+            return found
+
+        found_inf: tuple[torch.Tensor, ...] = ()
+        scales: tuple[torch.Tensor, ...] = ()
+        if self._fp16:
+            found_inf = (self._overflow(pieces),)
+            scales = (torch.tensor(self._gradients.loss_scale(), device=found_inf[0].device),)
+        context = StepContext(
+            optimizer=None,
+            stepped_params=tuple,  # DeepSpeed's skip drops its partitions; no p.grad holds them
+            explicit=True,
+            found_inf=found_inf,
+            loss_scales=scales,
+            gradients=gradients,
+            pieces=self.sharded,
+        )
+        return self._treat(context)
+
+    def _overflow(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """1.0 where a piece on any rank holds NaN or Inf (the loss-scale search's overflow), on the device."""
+        present = [piece for piece in pieces if piece.numel()]
+        device = pieces[0].device if pieces else torch.device("cpu")
+        flag = torch.zeros((), device=device)
+        if present:
+            peaks = torch._foreach_norm(present, float("inf"))
+            flag = torch.stack(peaks).float().isfinite().logical_not().any().float()
+        if not self._gradients.whole and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._gradients.group)
+        return flag
+
+    def _after(self, overflow: bool) -> None:
+        if overflow:
+            self._skipped()
+
+    def remove(self) -> None:
+        self._hook.remove()

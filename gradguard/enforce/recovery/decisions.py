@@ -1,0 +1,58 @@
+"""What a halt comes to under recovery: the halt's report (``HaltReport``, which the ``rewind`` event repeats), the
+decision (``Decision``: rewind, or halt after restoring), and the rewind asked of the step (``RewindRequested``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gradguard.enforce.recovery.snapshots import Snapshot
+
+__all__ = ["Decision", "HaltReport", "RewindRequested"]
+
+
+@dataclass(frozen=True)
+class HaltReport:
+    """What a halt would have said: the rewind event repeats it."""
+
+    step: int
+    rule: str
+    params: list[str]
+    kinds: dict[str, str]
+    kind: str
+    reason: str | None
+    origin: Mapping[str, Any] | None
+
+    def fields(self) -> dict[str, Any]:
+        """The fields the ``halt`` and ``rewind`` events share, in the log's order."""
+        return {
+            "step": self.step,
+            "rule": self.rule,
+            "params": self.params,
+            "kinds": self.kinds,
+            "kind": self.kind,
+            "reason": self.reason,
+            "origin": self.origin,
+        }
+
+
+class RewindRequested(Exception):
+    """Raised by the verdicts instead of [`GradientHalt`][gradguard.GradientHalt] when recovery rewinds (the
+    engine's)."""
+
+    def __init__(self, halt: HaltReport, snapshot: Snapshot) -> None:
+        super().__init__(f"rewind at step {halt.step} to step {snapshot.step}")
+        self.halt = halt
+        self.snapshot = snapshot
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a halt at a step comes to under recovery."""
+
+    rewind: bool
+    snapshot: Snapshot | None
+    """The snapshot to rewind to, or to restore before halting (``max_rewinds`` reached)."""
+    why: str | None
+    """Why the halt goes through (no snapshot old enough, ``max_rewinds`` reached)."""

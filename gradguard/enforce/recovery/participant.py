@@ -1,0 +1,36 @@
+"""Recovery as a participant of the step: a snapshot at the step's first boundary when one is due, the steps of a
+rewind's window skipped unread, the host copy of a snapshot carried on after each read, and every applied update
+counted (``guard.applied_steps``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from gradguard.enforce.recovery.recovery import Recovery
+from gradguard.enforce.work.participant import Participant
+from gradguard.enforce.work.step_work import StepContext, StepWork
+
+if TYPE_CHECKING:
+    from gradguard.policy.document import Policy
+
+__all__ = ["RecoveryTakingPart"]
+
+
+class RecoveryTakingPart(Participant):
+    def __init__(self, recovery: Recovery, policy: Callable[[], Policy]) -> None:
+        self.recovery, self._policy = recovery, policy
+
+    def opens(self, step: int, plan: Any, context: StepContext) -> bool:
+        recovery = self.recovery
+        recovery.config = self._policy().recovery  # a reload may have changed it
+        return not (recovery.active and recovery.begin_step(step))  # a rewind's window: skipped, its gradients unread
+
+    def after_read(self, work: StepWork, context: StepContext) -> None:
+        self.recovery.after_read()  # a snapshot's copy to the host goes on in a chunk that ends before the next read
+
+    def applied(self, work: StepWork) -> None:
+        self.recovery.applied_step(work.step)
+
+    def release(self) -> None:
+        self.recovery.release()

@@ -1,0 +1,95 @@
+"""The device work stage: every figure and change the step queues on the device before its one read.
+
+In order: the participants that must come first (a GradScaler's flags, the per-micro-batch hooks' records), the raw
+norms the watches need (``watch_raw_norms``: the non-finite verdict rides them), the monitors' figures of the
+gradients as they arrived, the participants beside the actions (the loss), each rule's actions in policy order
+through their kernels, and the participants that come last (the provenance trace, whose reader sees the step's
+non-finite verdict). Nothing here reads a value back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gradguard.enforce.actions import ActionKernel, kernel_for
+from gradguard.enforce.actions.nonfinite import watch_raw_norms
+from gradguard.enforce.hooks.micro_batch import handled_in_hooks
+from gradguard.enforce.plans.plan import Plan
+from gradguard.enforce.step.participants import Participants
+from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.policy.matching import GuardedParam
+
+__all__ = ["apply_actions", "observe", "queue_device_work"]
+
+
+def queue_device_work(plan: Plan, work: StepWork, context: StepContext, participants: Participants) -> None:
+    """Queue the step's device work, the participants' in their places."""
+    for participant in participants.at["before_figures"]:
+        participant.before_figures(work, context)
+    grads = work.grads
+    everyone = len(plan.params)  # while len(grads) is this, every tensor of the plan has a gradient
+    if len(grads) == everyone:
+        raw_ids = list(plan.raw_sorted)
+    else:
+        raw_ids = sorted(index for index in plan.raw_norm_params if index in grads)
+    if raw_ids:
+        work.raw = watch_raw_norms(work, plan, raw_ids)
+    work.sampled = bool(plan.observers) and observe(plan, work, everyone)
+    for participant in participants.at["beside_actions"]:
+        participant.beside_actions(work)
+    apply_actions(plan, work, everyone, participants.per_micro_batch)
+    for participant in participants.at["after_actions"]:
+        participant.after_actions(work)
+
+
+def apply_actions(plan: Plan, work: StepWork, everyone: int, per_micro_batch: bool) -> None:
+    """Each active rule's actions, in policy order, through their kernels."""
+    grads, step = work.grads, work.step
+    in_hooks = handled_in_hooks if per_micro_batch else None
+    for position, ((bound, members), member_ids) in enumerate(zip(plan.rules, plan.member_ids, strict=True)):
+        if not bound.rule.active_at(step) or all(_passive(kernel_for(a)) for a in bound.actions):
+            continue  # inactive, or it only watches (halt/skip: its verdict came with the raw norms) or observes
+        ids = _present(member_ids, members, grads, everyone)
+        if not ids:
+            continue
+        for action_index, action in enumerate(bound.actions):
+            kernel = kernel_for(action)
+            if _passive(kernel) or not plan.acts(position, action, step, in_hooks):
+                continue
+            work.final = plan.final_ids(position, action_index, ids, step, in_hooks)
+            holds = len(work.final) < len(ids) and not work.sharded and kernel.may_hold(action)
+            work.held = plan.held_ids(position, action_index, ids, step, in_hooks) if holds else frozenset()
+            if not kernel.apply(work, bound, action, ids):
+                break
+            work.touched.update([i for i in ids if i not in work.held] if work.held else ids)
+    work.final = work.held = frozenset()
+
+
+def observe(plan: Plan, work: StepWork, everyone: int) -> bool:
+    """Every observing action (``monitor``) that samples this step, on the gradients as they arrived; whether
+    one did."""
+    grads, step, sampled = work.grads, work.step, False
+    for position, action in plan.observers:
+        bound, members = plan.rules[position]
+        kernel = kernel_for(action)
+        if not bound.rule.active_at(step) or not kernel.samples(action, step):
+            continue
+        ids = _present(plan.member_ids[position], members, grads, everyone)
+        if ids:
+            kernel.observe(work, bound, action, ids)
+            sampled = True
+    return sampled
+
+
+def _present(
+    member_ids: Sequence[int], members: Sequence[GuardedParam], grads: dict[int, torch.Tensor], everyone: int
+) -> list[int]:
+    """A rule's tensors that have a gradient in this pass: all of them while every tensor of the plan has one."""
+    return list(member_ids) if len(grads) == everyone else [entry.index for entry in members if entry.index in grads]
+
+
+def _passive(kernel: ActionKernel) -> bool:
+    """The kernel never acts in policy order: it watches (halt, skip) or observes (monitor)."""
+    return kernel.watches or kernel.observes

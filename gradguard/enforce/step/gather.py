@@ -1,0 +1,57 @@
+"""The first stage: the gradients to treat, wherever they live.
+
+A parameter's gradient is in ``p.grad``: a plain tensor, or under FSDP2 a DTensor whose local shard is treated (its
+per-tensor figures combined across ranks); or where the boundary's context says (``StepContext.gradients``: a
+DeepSpeed engine's reduced partitions, this rank's piece of each gradient). A gradient the step already treated and
+that is unchanged since is not treated again (several optimizers, or the loop's clip and then the optimizer's step,
+meet the same gradients).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from gradguard.enforce.distributed.collective import local_tensor
+from gradguard.enforce.plans.plan import Plan
+from gradguard.enforce.work.step_work import StepContext
+from gradguard.errors import GuardStateError
+
+__all__ = ["Applied", "gather"]
+
+Applied = dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]]
+"""``Enforcer.applied_versions``: tensor index -> (weakref to its gradient, the version treated, held)."""
+
+
+def gather(
+    plan: Plan, applied: Applied, context: StepContext
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+    """The gradients to treat: ``(index -> local gradient, index -> the DTensor it came from)``; those treated and
+    unchanged since (``Enforcer.applied_versions``) are not."""
+    if context.gradients is not None:
+        return context.gradients(plan), {}  # another place's (DeepSpeed's partitions): read once per update
+    grads: dict[int, torch.Tensor] = {}
+    wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
+    seen_at, plain, strided = applied.get, torch.Tensor, torch.strided  # locals: a loop per tensor
+    honour_explicit = not context.explicit
+    for index, ref in plan.refs:
+        param = ref()
+        grad = param.grad if param is not None else None
+        if grad is None:
+            continue
+        if type(grad) is plain:
+            local = grad
+        elif (local := local_tensor(grad)) is not grad:
+            wrapped[index] = grad
+        if local.layout is not strided:
+            raise GuardStateError(
+                f"parameter {plan.names[index]!r} has a {local.layout} gradient (e.g. from F.embedding(..., "
+                "sparse=True)), which gradguard's actions cannot treat. Exclude it from the policy's rules, "
+                "or compute a dense gradient."
+            )
+        seen = seen_at(index)
+        if seen is not None and seen[0]() is grad and (seen[1] == local._version or (honour_explicit and seen[2])):
+            continue  # already treated (and unchanged since, or at this step's explicit boundary)
+        grads[index] = local
+    return grads, wrapped

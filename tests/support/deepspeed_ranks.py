@@ -1,0 +1,92 @@
+"""What the DeepSpeed tests' ranks share: the model whose ``2.weight`` the partition boundary cuts (111 elements, 56
+per rank), each rank's batches, and one torchrun of a scenario script (``tests/test_deepspeed_*.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["batch", "loss_of", "make_engine", "make_model", "torchrun_scenarios", "train_step"]
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100000 + 1000 * step + 10 * micro + rank)
+    return torch.randn(4, 5, generator=gen), torch.randn(4, 3, generator=gen)
+
+
+def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((out.float() - y) ** 2).mean()
+
+
+def make_engine(
+    stage: int,
+    gas: int,
+    precision: dict[str, Any] | None = None,
+    *,
+    clip: float = 0.0,
+    lr: float = 0.05,
+    momentum: float = 0.0,
+    **zero: Any,
+) -> Any:
+    """A DeepSpeed engine over ``make_model()`` with torch's SGD as its client optimizer (no CPU-Adam build)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    model = make_model()
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "train_batch_size": 4 * gas * dist.get_world_size(),
+        "zero_optimization": {"stage": stage, **zero},
+        "zero_allow_untested_optimizer": True,
+        "gradient_clipping": clip,
+        "steps_per_print": 10**9,
+        **(precision or {}),
+    }
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def train_step(engine: Any, step: int, gas: int, rank: int) -> None:
+    """One update: ``gas`` micro-batches through ``engine.backward`` and ``engine.step``."""
+    dtype = next(engine.module.parameters()).dtype
+    for micro in range(gas):
+        x, y = batch(step, micro, rank)
+        engine.backward(loss_of(engine(x.to(dtype)), y))
+        engine.step()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def torchrun_scenarios(
+    script: Path, scenarios: list[str], outdir: Path, timeout: float
+) -> Callable[[str], list[dict[str, Any]]]:
+    """Run ``script``'s scenarios once on 2 ranks; returns each scenario's results by rank."""
+    path = os.pathsep.join(filter(None, [str(script.parent.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"),
+        *(str(script), "--torchrun", ",".join(scenarios), str(outdir)),
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return lambda name: [json.loads((outdir / name / f"rank{r}.json").read_text()) for r in range(2)]

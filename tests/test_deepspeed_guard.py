@@ -1,0 +1,292 @@
+"""GradGuard(engine, policy) on real DeepSpeed ZeRO 1 and 2 engines, 2 gloo ranks (issue 44).
+
+The file is also the ranks' script: the tests launch it once under torchrun (``--torchrun NAMES OUTDIR``), every
+scenario runs in the same two processes and writes each rank's findings as JSON, and the tests judge them. The model
+(111 elements, 56 per rank) has ``2.weight`` cut by the partition boundary, so its per-tensor figures are made of
+both ranks' pieces. The client optimizer is torch's SGD (``zero_allow_untested_optimizer``): no CPU-Adam build.
+fp16 cannot run on this CPU (no mkldnn fp16): its scenario overrides only the accelerator's ``is_fp16_supported``
+so that DeepSpeed's dynamic loss scaler runs; everything else is unpatched.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+deepspeed = pytest.importorskip("deepspeed")
+
+from support.deepspeed_ranks import make_engine, torchrun_scenarios, train_step  # noqa: E402
+from support.gloo_ranks import main  # noqa: E402
+
+from gradguard import GradGuard, GradientHalt, GuardStateError, Policy  # noqa: E402
+
+SCRIPT = Path(__file__)
+CUT = "2.weight"
+LR = 0.05
+CONFIGS = [(stage, gas) for stage in (1, 2) for gas in (1, 2)]
+SCENARIOS = [
+    *(f"halt_{s}_{g}" for s, g in CONFIGS),
+    *(f"clip_{s}_{g}" for s, g in CONFIGS),
+    *(f"clean_{s}_{g}" for s, g in CONFIGS),
+    "fp16_overflow",
+    "refusals",
+]
+
+
+# --- the ranks ------------------------------------------------------------------------------------
+
+
+def weights(engine: Any) -> dict[str, torch.Tensor]:
+    return {name: p.detach().float().clone() for name, p in engine.module.named_parameters()}
+
+
+def all_equal_across_ranks(tensors: dict[str, torch.Tensor]) -> bool:
+    mine = torch.cat([t.reshape(-1) for t in tensors.values()]).double()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(gathered[0], other) for other in gathered[1:])
+
+
+def policy(*rules: dict[str, Any], **sections: Any) -> Policy:
+    return Policy.from_dict({"version": 1, "rules": list(rules), **sections})
+
+
+HALT = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}
+
+
+def poison(engine: Any, name: str, rank: int, at: int, steps: list[int], value: float = float("nan")) -> Any:
+    """A tensor hook that puts ``value`` into ``name``'s local gradient on rank 1 at step ``at`` (DeepSpeed reduces
+    it into the pieces of every rank that holds part of ``name``)."""
+    param = dict(engine.module.named_parameters())[name]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and steps[-1] == at:
+            grad = grad.clone()
+            grad.view(-1)[0] = value
+        return grad
+
+    return param.register_hook(hook)
+
+
+def halt_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
+    engine = make_engine(stage, gas, lr=LR)
+    steps = [0]
+    handle = poison(engine, CUT, rank, 5, steps)
+    result: dict[str, Any] = {"halted": None}
+    with GradGuard(engine, policy(HALT), logger=None) as guard:
+        for step in range(8):
+            steps.append(step)
+            before = weights(engine)
+            try:
+                train_step(engine, step, gas, rank)
+            except GradientHalt as halt:
+                after = weights(engine)
+                result["halted"] = {"step": halt.step, "params": halt.params, "kind": halt.kind}
+                result["untouched"] = all(torch.equal(before[n], after[n]) for n in before)
+                result["guard_step"] = guard.step_count
+                break
+        result["counters"] = guard.counters.snapshot()
+    handle.remove()
+    return result
+
+
+def clip_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
+    engine = make_engine(stage, gas, lr=LR)
+    rules = [
+        {"name": "tight", "match": CUT, "actions": [{"action": "clip_norm", "max_norm": 1e-3}]},
+        HALT,
+    ]
+    moved: list[float] = []
+    others: list[float] = []
+    with GradGuard(engine, policy(*rules), logger=None) as guard:
+        for step in range(5):
+            before = weights(engine)
+            train_step(engine, step, gas, rank)
+            after = weights(engine)
+            moved.append(float((after[CUT] - before[CUT]).double().norm()))
+            others.append(min(float((after[n] - before[n]).double().norm()) for n in after if n != CUT))
+        counters = guard.counters.snapshot()
+    return {"moved": moved, "others": others, "counters": counters, "same": all_equal_across_ranks(weights(engine))}
+
+
+def clean_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
+    quiet = {"name": "quiet", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1e6}]}
+    runs = []
+    for guarded in (False, True):
+        engine = make_engine(stage, gas, clip=1.0, lr=LR)
+        if guarded:
+            with GradGuard(engine, policy(quiet, HALT), logger=None) as guard:
+                for step in range(5):
+                    train_step(engine, step, gas, rank)
+                counters = guard.counters.snapshot()
+        else:
+            for step in range(5):
+                train_step(engine, step, gas, rank)
+        runs.append(weights(engine))
+    equal = all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    return {"bitwise": equal, "counters": counters}
+
+
+def fp16_scenario(rank: int) -> dict[str, Any]:
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True  # this CPU has no mkldnn fp16 (test-only override)
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1, "min_loss_scale": 1}}
+    result: dict[str, Any] = {}
+    # One overflow: DeepSpeed skips it (and halves its scale); the guard counts it once and lets it pass.
+    engine = make_engine(2, 2, fp16)
+    steps = [0]
+    handle = poison(engine, CUT, rank, 2, steps, float("inf"))
+    with GradGuard(engine, policy(HALT), logger=None) as guard:
+        scales, skipped = [], []
+        for step in range(4):
+            steps.append(step)
+            train_step(engine, step, 2, rank)
+            scales.append(float(engine.optimizer.loss_scale))
+            skipped.append(guard.last_step_skipped)
+        result["once"] = {"counters": guard.counters.snapshot(), "scales": scales, "skipped": skipped}
+        result["once"]["deepspeed_skipped"] = int(engine.skipped_steps)
+    handle.remove()
+    # A persisting overflow halts, as under torch's GradScaler (more than max_scaler_skips in a row).
+    engine = make_engine(2, 1, fp16)
+    steps = [0]
+    param = dict(engine.module.named_parameters())[CUT]
+    handle = param.register_hook(lambda g: g * float("inf") if rank == 1 and steps[-1] >= 1 else g)
+    persisting = {
+        "name": "nonfinite",
+        "match": "*",
+        "actions": [{"action": "halt_on_nonfinite", "max_scaler_skips": 2}],
+    }
+    with GradGuard(engine, policy(persisting), logger=None) as guard:
+        result["persisting"] = None
+        for step in range(8):
+            steps.append(step)
+            try:
+                train_step(engine, step, 1, rank)
+            except GradientHalt as halt:
+                result["persisting"] = {"step": halt.step, "rule": halt.rule, "counters": guard.counters.snapshot()}
+                break
+    handle.remove()
+    # An action that reads the gradients' size meets DeepSpeed's scaled fp16 pieces: refused at attach.
+    clip = {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]}
+    try:
+        GradGuard(make_engine(2, 1, fp16), policy(clip), logger=None)
+        result["clip_refused"] = ""
+    except GuardStateError as error:
+        result["clip_refused"] = str(error)
+    return result
+
+
+def refusals(rank: int) -> dict[str, Any]:
+    found: dict[str, str] = {}
+    attempts: dict[str, Callable[[], Any]] = {
+        "zero3": lambda: GradGuard(make_engine(3, 1), policy(HALT), logger=None),
+        "recovery": lambda: GradGuard(make_engine(2, 1), policy(HALT, recovery={"snapshot_every": 5}), logger=None),
+        "agc": lambda: GradGuard(
+            make_engine(1, 1), policy({"name": "a", "match": "*", "actions": [{"action": "agc"}]}), logger=None
+        ),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt().remove()
+            found[name] = ""
+        except GuardStateError as error:
+            found[name] = str(error)
+    return found
+
+
+def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
+    kind, *numbers = name.split("_")
+    if kind == "halt":
+        return halt_scenario(int(numbers[0]), int(numbers[1]), rank)
+    if kind == "clip":
+        return clip_scenario(int(numbers[0]), int(numbers[1]), rank)
+    if kind == "clean":
+        return clean_scenario(int(numbers[0]), int(numbers[1]), rank)
+    if kind == "fp16":
+        return fp16_scenario(rank)
+    return refusals(rank)
+
+
+# --- the tests ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[str, Any]]]:
+    return torchrun_scenarios(SCRIPT, SCENARIOS, tmp_path_factory.mktemp("deepspeed_guard"), timeout=420)
+
+
+@pytest.mark.parametrize(("stage", "gas"), CONFIGS)
+def test_a_nan_in_one_parameter_on_one_rank_halts_every_rank_at_that_step_naming_it_with_the_weights_untouched(
+    runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
+) -> None:
+    for result in runs(f"halt_{stage}_{gas}"):
+        assert result["halted"] == {"step": 5, "params": [CUT], "kind": "nan"}
+        assert result["untouched"]
+        assert result["counters"]["nonfinite"] == {"nan": 1, "halt_on_nonfinite": 1}
+
+
+@pytest.mark.parametrize(("stage", "gas"), CONFIGS)
+def test_a_per_tensor_clip_of_one_parameter_bounds_its_sgd_update_at_every_step_counted_once_per_step(
+    runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
+) -> None:
+    """Its norm is made of both ranks' pieces (2.weight is cut by the partition boundary): under SGD its update is
+    at most lr x 1e-3 at every step, the others move freely, every rank ends with the same weights."""
+    for result in runs(f"clip_{stage}_{gas}"):
+        # The update is measured as the float32 weights' difference: each element of the new weights is rounded to
+        # half an ulp (~1.5e-8 at |w| ~ 0.3), so the measured norm of a 5e-5 update is exact to ~2e-3 relative.
+        bound = LR * 1e-3
+        assert all(moved <= bound * (1 + 5e-3) for moved in result["moved"]), result["moved"]
+        assert all(moved > bound * (1 - 5e-3) for moved in result["moved"])  # the clip is what held it
+        assert all(other > 10 * LR * 1e-3 for other in result["others"]), result["others"]
+        assert result["counters"]["tight"] == {"clip_norm": 5}
+        assert result["same"]
+
+
+@pytest.mark.parametrize(("stage", "gas"), CONFIGS)
+def test_a_guard_that_never_intervenes_ends_bitwise_equal_to_the_unguarded_deepspeed_run(
+    runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
+) -> None:
+    for result in runs(f"clean_{stage}_{gas}"):
+        assert result["bitwise"]
+        assert result["counters"] == {}
+
+
+def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_and_a_persisting_one_halts(
+    runs: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    for result in runs("fp16_overflow"):
+        once = result["once"]
+        assert once["counters"] == {"grad_scaler": {"skip": 1}}
+        assert once["deepspeed_skipped"] == 1
+        assert once["skipped"] == [False, False, True, False]
+        assert once["scales"][1] == 256.0
+        assert once["scales"][2] == 128.0  # DeepSpeed's own search halved it; the guard did not touch it
+        persisting = result["persisting"]
+        assert persisting is not None
+        assert persisting["rule"] == "nonfinite"
+        assert persisting["counters"]["grad_scaler"]["skip"] == 3
+        assert persisting["step"] == 3
+        assert "clip_norm" in result["clip_refused"]
+        assert "bf16" in result["clip_refused"]
+
+
+def test_zero_3_a_recovery_section_and_agc_are_refused_at_attach_with_what_works(
+    runs: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    for found in runs("refusals"):
+        assert "ZeRO stage 3" in found["zero3"]
+        assert "What works" in found["zero3"]
+        assert "recovery" in found["recovery"]
+        assert "save_checkpoint" in found["recovery"]
+        assert "agc" in found["agc"]
+
+
+if __name__ == "__main__":
+    main(scenario, sys.argv[1:])

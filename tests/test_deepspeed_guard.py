@@ -191,6 +191,11 @@ def refusals(rank: int) -> dict[str, Any]:
         "agc": lambda: GradGuard(
             make_engine(1, 1), policy({"name": "a", "match": "*", "actions": [{"action": "agc"}]}), logger=None
         ),
+        "monitor_mean": lambda: GradGuard(
+            make_engine(2, 1),
+            policy({"name": "m", "match": "*", "actions": [{"action": "monitor", "stats": ["norm", "mean"]}]}),
+            logger=None,
+        ),
     }
     for name, attempt in attempts.items():
         try:
@@ -277,7 +282,7 @@ def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_and_a_persisting_on
         assert "bf16" in result["clip_refused"]
 
 
-def test_zero_3_a_recovery_section_and_agc_are_refused_at_attach_with_what_works(
+def test_zero_3_a_recovery_section_agc_and_a_monitors_piecewise_stats_are_refused_at_attach_with_what_works(
     runs: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     for found in runs("refusals"):
@@ -286,6 +291,8 @@ def test_zero_3_a_recovery_section_and_agc_are_refused_at_attach_with_what_works
         assert "recovery" in found["recovery"]
         assert "save_checkpoint" in found["recovery"]
         assert "agc" in found["agc"]
+        assert "['mean']" in found["monitor_mean"]
+        assert "norm or max_abs" in found["monitor_mean"]
 
 
 if __name__ == "__main__":

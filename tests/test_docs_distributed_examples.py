@@ -15,6 +15,7 @@ from support.docs import ROOT, documented_example
 EXAMPLES = {
     "ddp": documented_example("docs/distributed.md", "ddp"),
     "fsdp2": documented_example("docs/distributed.md", "fsdp2"),
+    "deepspeed": documented_example("docs/distributed.md", "deepspeed"),
 }
 
 
@@ -27,9 +28,11 @@ def free_port() -> int:
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2", "deepspeed"])
 def test_the_documented_distributed_example_runs_as_written_on_two_ranks(name: str, tmp_path: Path) -> None:
     """torchrun --nproc_per_node 2 on the page's code: both ranks finish with the same counters and a log each."""
+    if name == "deepspeed":
+        pytest.importorskip("deepspeed")
     script = tmp_path / f"{name}_example.py"
     script.write_text(EXAMPLES[name], encoding="utf-8")
     command = [

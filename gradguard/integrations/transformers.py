@@ -12,6 +12,15 @@ unscale), puts the guard's counters into Trainer's logs (``gradguard/<rule>/<act
 state beside each checkpoint, and removes the guard when ``trainer.train()`` ends, also by an
 exception such as [`GradientHalt`][gradguard.GradientHalt].
 
+DeepSpeed works too (``TrainingArguments(deepspeed=...)``, ZeRO stage 1 or 2): the Trainer's update then happens
+inside DeepSpeed's engine, which ``accelerator.backward`` steps, and
+[`guard_trainer`][gradguard.integrations.transformers.guard_trainer] guards that engine (``trainer.model_wrapped``), as
+``GradGuard(engine, policy)`` does: the policy acts on the reduced gradients inside DeepSpeed's update, before its
+``gradient_clipping`` (Trainer's ``max_grad_norm``), a NaN halts every rank at the same step naming the parameter,
+and a skip takes DeepSpeed's overflow path, so the Trainer does not step its scheduler either. What the guard refuses
+under DeepSpeed (ZeRO 3, offload, a ``recovery`` section, ``agc``, ``drop``, the size-reading actions under fp16) is
+refused at ``on_train_begin``.
+
 A policy's ``rerun`` section cannot compute a step again here: ``Trainer`` steps without a closure the guard could
 run a second time. The first suspect step says so (``rerun_unavailable``, with why), its verdict stands, and a halt
 says the step was not computed again.
@@ -43,7 +52,8 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
 import torch
 from torch import nn
 
-from gradguard import GradGuard, GuardWarning, Policy
+from gradguard import GradGuard, GuardStateError, GuardWarning, Policy
+from gradguard.enforce.distributed.deepspeed import deepspeed_engine
 from gradguard.enforce.recovery.schedulers import schedulers_with
 
 __all__ = ["STATE_FILE", "GradGuardCallback", "guard_trainer"]
@@ -83,6 +93,11 @@ class GradGuardCallback(transformers.TrainerCallback, ExportableState):
     into ``<checkpoint>/gradguard_state.json``; a run resumed from that checkpoint, wherever it was copied to
     (``resume_from_checkpoint="elsewhere/checkpoint-65"`` or ``True``), reads it back. A resume whose checkpoint holds
     none (a run saved without the guard) warns and logs a ``state_missing`` event: the guard starts afresh.
+
+    Under DeepSpeed the guard is attached to the Trainer's DeepSpeed engine (``trainer.model_wrapped``) and acts inside
+    its update; the callback's own arguments name only the plain model, so this needs the callback from
+    [`guard_trainer`][gradguard.integrations.transformers.guard_trainer]: the callback alone raises
+    [`GuardStateError`][gradguard.GuardStateError] at ``on_train_begin`` saying so.
 
     Args:
         policy: a [`Policy`][gradguard.Policy] or the path of a policy file (loaded, and checked, now).
@@ -138,21 +153,25 @@ class GradGuardCallback(transformers.TrainerCallback, ExportableState):
                 f"GradGuardCallback needs the Trainer's model at on_train_begin, got {type(model).__name__}"
             )
         trainer = self._trainer_ref() if self._trainer_ref is not None else None
+        engine = _deepspeed_engine_of(trainer, args, kwargs)
         options = dict(self.guard_options)
-        if trainer is not None:
-            options.setdefault("scaler", trainer.accelerator.scaler)
+        if trainer is not None and engine is None:
+            options.setdefault("scaler", trainer.accelerator.scaler)  # DeepSpeed keeps its own loss scale
         # For recovery: the scheduler and the scale go back to the snapshot's step with the weights, held through
         # the skip window, and lr_factor holds through the scheduler's later steps. Given at attach, so the attach
         # event counts it.
         options["lr_scheduler"] = _with_trainers(options.get("lr_scheduler"), kwargs.get("lr_scheduler"))
-        guard = GradGuard(model, self.policy, start_step=state.global_step, **options)
+        # Under DeepSpeed the engine's update is the boundary (it reduces the gradients into its partitions and
+        # clips and applies them inside engine.step, which accelerator.backward calls): the guard hooks it there.
+        guard = GradGuard(model if engine is None else engine, self.policy, start_step=state.global_step, **options)
         self.guard = guard
         scaler = getattr(kwargs.get("optimizer"), "scaler", None)  # the prepared AcceleratedOptimizer's (fp16)
-        if guard._enforcer.recovery.live.scaler is None and isinstance(scaler, torch.amp.GradScaler):
+        if engine is None and guard._enforcer.recovery.live.scaler is None and isinstance(scaler, torch.amp.GradScaler):
             guard._enforcer.recovery.set_scaler(scaler)
         self._load_saved_state(guard, args, state)
         if trainer is not None:
-            self._boundary = AcceleratorBoundary(trainer.accelerator, self._current_guard, remove_with_guard=False)
+            if engine is None:  # under DeepSpeed, accelerate's clip_grad_norm_ never unscales: nothing to wrap
+                self._boundary = AcceleratorBoundary(trainer.accelerator, self._current_guard, remove_with_guard=False)
             self._log_patch = InstancePatch(trainer, "log", self._wrap_log(trainer.log))
 
     def on_train_end(
@@ -270,6 +289,40 @@ class GradGuardCallback(transformers.TrainerCallback, ExportableState):
         guard.load_state_dict(saved)
 
 
+def _deepspeed_engine_of(
+    trainer: transformers.Trainer | None, args: transformers.TrainingArguments, kwargs: dict[str, Any]
+) -> Any | None:
+    """The DeepSpeed engine that updates the model, or None when the Trainer does not run DeepSpeed.
+
+    The Trainer wraps its model into the engine before ``on_train_begin`` (``trainer.model_wrapped``), but the
+    callbacks' ``model`` stays the plain model: without the trainer (a callback not added by ``guard_trainer``) the
+    engine cannot be found, and the guard would watch ``p.grad``, which ZeRO 1/2 leaves empty. That is refused."""
+    candidates = [kwargs.get("model")]
+    if trainer is not None:
+        wrapper = getattr(trainer.accelerator, "deepspeed_engine_wrapped", None)
+        candidates += [trainer.model_wrapped, getattr(trainer, "deepspeed", None), getattr(wrapper, "engine", None)]
+    for candidate in candidates:
+        engine = deepspeed_engine(candidate)
+        if engine is not None:
+            return engine
+    optimizer = kwargs.get("optimizer")
+    wrapped = any(klass.__name__ == "DeepSpeedOptimizerWrapper" for klass in type(optimizer).__mro__)
+    deepspeed_on = bool(getattr(trainer, "is_deepspeed_enabled", False)) or wrapped or bool(args.deepspeed)
+    if not deepspeed_on:
+        return None
+    if trainer is None:
+        raise GuardStateError(
+            "this Trainer runs DeepSpeed, whose engine reduces the gradients into its own partitions and applies them "
+            "inside its update; a GradGuardCallback given to the Trainer on its own cannot reach that engine (the "
+            "callbacks are handed the plain model). Use guard_trainer(trainer, policy) instead of "
+            "callbacks=[GradGuardCallback(policy)]: it guards the engine (trainer.model_wrapped)."
+        )
+    raise GuardStateError(
+        f"this Trainer runs DeepSpeed, but its model_wrapped is a {type(trainer.model_wrapped).__name__}, not a "
+        "DeepSpeedEngine, at on_train_begin: gradguard cannot find the engine whose update it must guard"
+    )
+
+
 def _with_trainers(given: Any, scheduler: Any) -> list[Any]:
     """``lr_scheduler=`` given to the callback, and the Trainer's (unwrapped), where it can be held (DeepSpeed's
     ``DummyScheduler`` cannot)."""
@@ -314,6 +367,10 @@ def guard_trainer(
     - starts the guard at ``state.global_step`` and, resuming from a checkpoint, reads back the guard
       state saved beside it;
     - removes the guard and every wrapper when ``train()`` returns or raises.
+
+    With a DeepSpeed config (ZeRO stage 1 or 2) it guards the Trainer's DeepSpeed engine instead: the policy acts
+    on the reduced gradients inside DeepSpeed's update (before its ``gradient_clipping``), every rank reaches the same
+    verdict, and the counters reach the logs as above.
 
     Returns the callback; ``callback.guard`` is the (last) run's guard.
 

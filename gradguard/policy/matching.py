@@ -298,7 +298,12 @@ def _refuse_wrappers(model: nn.Module) -> None:
     if flat is not None:
         kinds.append("FullyShardedDataParallel")
     for kind in kinds:
-        if kind in {"FullyShardedDataParallel", "DeepSpeedEngine"}:
+        if kind == "DeepSpeedEngine":
+            raise GuardStateError(
+                "the model holds a DeepSpeedEngine: pass the engine itself, GradGuard(engine, policy), to guard "
+                "its model at ZeRO 0-2 (docs/distributed.md), not a module that contains one."
+            )
+        if kind == "FullyShardedDataParallel":
             raise GuardStateError(
                 f"the model is wrapped by {kind}, which replaces parameters by flat shards that gradguard "
                 "cannot match by name. Use FSDP2 (torch.distributed.fsdp.fully_shard) or DDP, or attach the "

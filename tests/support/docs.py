@@ -58,6 +58,7 @@ LANGUAGES = ("python", "console", "bash", "yaml", "toml", "json", "text")
 DEDICATED_EXAMPLES: dict[str, str] = {
     "accelerate": "tests/test_integration_transformers.py",
     "ddp": "tests/test_docs_distributed_examples.py",
+    "deepspeed": "tests/test_docs_distributed_examples.py",
     "fsdp2": "tests/test_docs_distributed_examples.py",
     "hf-trainer": "tests/test_integration_transformers.py",
     "lightning": "tests/test_integration_lightning.py",

@@ -32,6 +32,8 @@ __all__ = ["DeepSpeedBoundary", "needs_update_hook", "refuse_under_deepspeed"]
 
 _FP16_ACTIONS = frozenset({"halt_on_nonfinite", "skip_step_on_nonfinite"})
 """What works on gradients that still carry a loss scale: whether they are finite does not depend on it."""
+_PIECEWISE_STATS = frozenset({"mean", "std", "grad_to_weight"})
+"""``monitor`` stats a rank could only take of its own piece (norms and max-abs are combined over the ranks)."""
 _UNMAPPED_ACTIONS = {
     "agc": "it compares each unit's gradient with its weight, and a rank holds a piece of the gradient only",
     "drop": "DeepSpeed applies its partitions whole, with no gradient to leave out",
@@ -65,6 +67,13 @@ def refuse_under_deepspeed(engine: Any | None, policy: Policy, per_micro_batch: 
                 raise GuardStateError(
                     f"rule {rule.name!r} of {where}: action {name!r} is not supported under DeepSpeed ZeRO: "
                     f"{_UNMAPPED_ACTIONS[name]}. Use clip_norm, clip_value, scale, zero or zclip instead."
+                )
+            local = set(getattr(action, "stats", ())) & _PIECEWISE_STATS
+            if local:
+                raise GuardStateError(
+                    f"rule {rule.name!r} of {where}: monitor stat(s) {sorted(local)} would be taken of this rank's "
+                    "piece of each gradient under DeepSpeed ZeRO, not of the whole. Use norm or max_abs (combined "
+                    "over the ranks)."
                 )
             if fp16 and name not in _FP16_ACTIONS:
                 raise GuardStateError(

@@ -115,7 +115,7 @@ def weights(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-class StepWeights(transformers.TrainerCallback):  # type: ignore[misc]
+class StepWeights(transformers.TrainerCallback):
     """The model's weights after each completed step, keyed by ``global_step``."""
 
     def __init__(self) -> None:
@@ -137,14 +137,14 @@ def halt_scenario(rank: int, outdir: Path) -> dict[str, Any]:
     try:
         trainer.train()
     except GradientHalt as halt:
-        result["engine"] = type(trainer.model_wrapped).__name__
-        result["optimizer"] = type(trainer.model_wrapped.optimizer.optimizer).__name__
         last = steps.after[max(steps.after)]
         now = weights(trainer.model)
         result["halted"] = {"step": halt.step, "params": halt.params, "kind": halt.kind}
         result["global_step"] = trainer.state.global_step
         result["untouched"] = all(torch.equal(last[name], now[name]) for name in now)
     handle.remove()
+    result["engine"] = type(trainer.model_wrapped).__name__
+    result["optimizer"] = type(getattr(trainer.model_wrapped.optimizer, "optimizer", None)).__name__
     assert callback.guard is not None
     result["counters"] = callback.guard.counters.snapshot()
     result["attached"] = callback.guard.attached
@@ -222,8 +222,8 @@ def test_a_nan_on_one_rank_halts_trainer_train_on_every_rank_at_that_step_naming
     runs: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     for result in runs("halt"):
-        assert (result["engine"], result["optimizer"]) == ("DeepSpeedEngine", "SGD")
         assert result["halted"] == {"step": 3, "params": [POISONED], "kind": "nan"}
+        assert (result["engine"], result["optimizer"]) == ("DeepSpeedEngine", "SGD")
         assert result["global_step"] == 3
         assert result["untouched"]  # the weights are those after step 2's update: DeepSpeed did not apply step 3
         assert result["counters"]["nonfinite"] == {"nan": 1, "halt_on_nonfinite": 1}

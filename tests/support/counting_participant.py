@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gradguard.enforce.step.participants import Parts
 from gradguard.enforce.work.participant import Participant, Ruling, clear_gradients
-from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.enforce.work.step_work import StepContext, StepPlan, StepWork
 
 NAME = "counting_veto"
 
@@ -19,7 +19,7 @@ class CountingVeto(Participant):
         self.applied_steps: list[int] = []
         self.vetoed: list[int] = []
 
-    def opens(self, step: int, plan: object, context: StepContext) -> bool:
+    def opens(self, step: int, plan: StepPlan, context: StepContext) -> bool:
         self.opened.append(step)
         return True
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from gradguard.enforce.distributed.deepspeed import UpdateHook, ZeroGradients, refusal
-from gradguard.enforce.work.step_work import StepContext
+from gradguard.enforce.work.step_work import StepContext, StepPlan
 from gradguard.errors import GuardStateError
 from gradguard.policy.document import Policy
 
@@ -120,7 +120,7 @@ class DeepSpeedBoundary:
         pieces = self._gradients.pieces()
         by_id = {id(param): piece for param, piece in zip(self._params, pieces, strict=True)}
 
-        def gradients(plan: Any) -> dict[int, torch.Tensor]:
+        def gradients(plan: StepPlan) -> dict[int, torch.Tensor]:
             found = {}
             for entry in plan.params:
                 param = entry.ref()

@@ -5,11 +5,11 @@ counted (``guard.applied_steps``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from gradguard.enforce.recovery.recovery import Recovery
 from gradguard.enforce.work.participant import Participant
-from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.enforce.work.step_work import StepContext, StepPlan, StepWork
 
 if TYPE_CHECKING:
     from gradguard.policy.document import Policy
@@ -21,7 +21,7 @@ class RecoveryTakingPart(Participant):
     def __init__(self, recovery: Recovery, policy: Callable[[], Policy]) -> None:
         self.recovery, self._policy = recovery, policy
 
-    def opens(self, step: int, plan: Any, context: StepContext) -> bool:
+    def opens(self, step: int, plan: StepPlan, context: StepContext) -> bool:
         recovery = self.recovery
         recovery.config = self._policy().recovery  # a reload may have changed it
         return not (recovery.active and recovery.begin_step(step))  # a rewind's window: skipped, its gradients unread

@@ -38,11 +38,10 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from gradguard.enforce.actions import kernel_for
 from gradguard.enforce.work.participant import Participant
-from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.enforce.work.step_work import StepContext, StepPlan, StepWork
 from gradguard.errors import GuardStateError
 
 if TYPE_CHECKING:
-    from gradguard.enforce.plans.plan import Plan
     from gradguard.enforce.triggers.loss import LossVerdict
     from gradguard.policy.document import Policy
 
@@ -77,7 +76,7 @@ class FusedUpdate(Participant):
     def boundary(self, context: StepContext) -> None:
         self.discard()
 
-    def opens(self, step: int, plan: Any, context: StepContext) -> bool:
+    def opens(self, step: int, plan: StepPlan, context: StepContext) -> bool:
         policy = self._policy()
         self._taking = policy is not None and self.takes(plan, context, policy, alone=self._alone())
         return True
@@ -100,7 +99,7 @@ class FusedUpdate(Participant):
     def release(self) -> None:
         self.discard()  # a flag left by a step() that raised must not stop the updates after
 
-    def takes(self, plan: Plan, context: StepContext, policy: Policy, *, alone: bool) -> bool:
+    def takes(self, plan: StepPlan, context: StepContext, policy: Policy, *, alone: bool) -> bool:
         """Whether this step's read may wait for ``context.optimizer``'s update (``alone``: no per-micro-batch hooks,
         no process group, no second computation of the step)."""
         optimizer = context.optimizer

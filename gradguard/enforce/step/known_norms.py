@@ -28,7 +28,7 @@ from torch.utils._foreach_utils import (
 )
 
 from gradguard.enforce.work.participant import Participant
-from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.enforce.work.step_work import StepContext, StepPlan, StepWork
 from gradguard.enforce.work.tensors import EPS, version_of, without_grad
 
 __all__ = ["KnownNorms", "clip_with_known_norms"]
@@ -62,7 +62,7 @@ class KnownNorms(Participant):
         self.stacked: tuple[list[torch.Tensor], torch.Tensor] | None = None
         """The step's raw norms and their stack (``Pending.raw_stack``): a clip over exactly those stacks none again."""
 
-    def opens(self, step: int, plan: Any, context: StepContext) -> bool:
+    def opens(self, step: int, plan: StepPlan, context: StepContext) -> bool:
         self.clear()  # a new step's gradients: the last one's norms describe nothing now
         return True
 

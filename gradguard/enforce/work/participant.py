@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
-from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.enforce.work.step_work import StepContext, StepPlan, StepWork
 
 __all__ = ["STAGES", "Participant", "Ruling", "clear_gradients"]
 
@@ -62,9 +61,9 @@ class Participant:
     def boundary(self, context: StepContext) -> None:
         """A boundary is met, before its gradients are gathered (it may find none to treat)."""
 
-    def opens(self, step: int, plan: Any, context: StepContext) -> bool:
-        """The step ``step`` begins with ``plan`` (the ``enforce.plans.Plan`` it treats; its gradients gathered, none
-        read yet). False: the step lies in a window whose updates are skipped unread (a rewind's)."""
+    def opens(self, step: int, plan: StepPlan, context: StepContext) -> bool:
+        """The step ``step`` begins with ``plan`` (what it treats; its gradients gathered, none read yet). False: the
+        step lies in a window whose updates are skipped unread (a rewind's)."""
         return True
 
     def passed(self, context: StepContext) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -17,7 +17,7 @@ from gradguard.enforce.distributed.collective import Collective, combine_shard_n
 from gradguard.enforce.work.statistics import Statistics, StepStatistics
 from gradguard.enforce.work.tensors import norms, stack_on, without_grad
 from gradguard.enforce.work.writes import DeferredWrites
-from gradguard.policy.matching import Binding
+from gradguard.policy.matching import Binding, BoundRule, GuardedParam
 from gradguard.policy.schema import ClipNorm, Monitor
 
 __all__ = [
@@ -28,8 +28,20 @@ __all__ = [
     "Spike",
     "StepContext",
     "StepOutcome",
+    "StepPlan",
     "StepWork",
 ]
+
+
+class StepPlan(Protocol):
+    """What a step treats, as the step's participants and gradient sources see it (``enforce.plans.Plan`` is one)."""
+
+    @property
+    def names(self) -> dict[int, str]: ...
+    @property
+    def params(self) -> tuple[GuardedParam, ...]: ...
+    @property
+    def rules(self) -> tuple[tuple[BoundRule, tuple[GuardedParam, ...]], ...]: ...
 
 
 @dataclass
@@ -56,7 +68,7 @@ class StepContext:
     scaled_optimizers: Sequence[Any] = ()
     """The optimizers whose gradients a GradScaler unscaled before this explicit boundary: if all are fused, a
     skipping scaler still calls their ``step()`` (the kernel skips on ``found_inf``), which is not a new step."""
-    gradients: Callable[[Any], dict[int, torch.Tensor]] | None = None
+    gradients: Callable[[StepPlan], dict[int, torch.Tensor]] | None = None
     """Where the gradients live when not in ``p.grad`` (DeepSpeed's partitions): the step's ``Plan`` -> tensor index
     -> this rank's piece of its gradient (edits in place reach the update). None: ``p.grad``."""
     pieces: bool = False

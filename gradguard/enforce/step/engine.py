@@ -75,20 +75,20 @@ class Enforcer:
         # a step whose read waits for a fused optimizer's update
         self.fused = FusedUpdate(self._alone, self._loss_peek, lambda: self.binding.policy)
         parts = Parts(
-            lambda: self.binding.policy,
-            counters,
-            events,
-            self.recovery,
-            self.skip_limits,
-            self.statistics,
-            self.loss_watch,
-            self.reruns,
-            self.health,
-            self.known_norms,
-            self.fused,
-            self.verdicts.loss,
-            self._scaler_step,
-            CounterSummary(summary_every, self.emit_summary),
+            policy=lambda: self.binding.policy,
+            counters=counters,
+            events=events,
+            recovery=self.recovery,
+            skip_limits=self.skip_limits,
+            statistics=self.statistics,
+            loss_watch=self.loss_watch,
+            reruns=self.reruns,
+            health=self.health,
+            known_norms=self.known_norms,
+            fused=self.fused,
+            judge_loss=self.verdicts.loss,
+            scaler_skip=self._scaler_step,
+            summary=CounterSummary(summary_every, self.emit_summary),
         )
         self.participants = Participants(parts)
         """Who takes part in the step besides the gradients' own actions (``participants``)."""

@@ -41,13 +41,11 @@ class StepPipeline:
     def __init__(
         self, book: StepBook, participants: Participants, verdicts: Verdicts, carry: Carry, collective: Collective
     ) -> None:
-        self.book, self.participants, self.verdicts, self.carry, self.collective = (
-            book,
-            participants,
-            verdicts,
-            carry,
-            collective,
-        )
+        self.book = book
+        self.participants = participants
+        self.verdicts = verdicts
+        self.carry = carry
+        self.collective = collective
 
     @without_grad
     def run(self, plan: Plan, context: StepContext, binding: Binding) -> bool:
@@ -94,13 +92,6 @@ class StepPipeline:
             self._report(work, context)  # 7. report
         return proceed
 
-    def _report(self, work: StepWork, context: StepContext) -> None:
-        """The update goes ahead: what the step showed becomes the state across steps."""
-        self.carry.keep(work.carried)  # figures its read could not give, for the next read
-        for participant in self.participants.at["applied"]:
-            participant.applied(work)
-        self.book.treated(work, context)
-
     def _verdict(self, work: StepWork, context: StepContext) -> tuple[bool, bool]:
         """The participants' rulings and the gradients' own verdict: (the update goes ahead, as the guard's applied
         step); a final ruling's step goes ahead as another's (a GradScaler skips it itself)."""
@@ -129,3 +120,10 @@ class StepPipeline:
             self.book.mark_halted(work)
             raise
         return True, True
+
+    def _report(self, work: StepWork, context: StepContext) -> None:
+        """The update goes ahead: what the step showed becomes the state across steps."""
+        self.carry.keep(work.carried)  # figures its read could not give, for the next read
+        for participant in self.participants.at["applied"]:
+            participant.applied(work)
+        self.book.treated(work, context)

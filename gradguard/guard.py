@@ -139,7 +139,7 @@ class GradGuard(ServesMetrics):
         """Held while the guard treats a step, or is removed, reloaded, saved or restored (from any thread)."""
         self._model_ref = weakref.ref(model)
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
-        refuse_under_deepspeed(engine, self.policy, per_micro_batch)
+        refuse_under_deepspeed(engine, self.policy, per_micro_batch=per_micro_batch, process_group=process_group)
         self._plans = PlanBook(self.policy, model, weak_call(self._rebound))
         binding = self._plans.binding
         for opt in optimizers or ():
@@ -458,6 +458,8 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer, rerunnable: bool
 def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
     """[`GradGuard.step`][gradguard.GradGuard.step], under the guard's lock."""
     guard._require_attached()
+    if guard._attachment.inside_deepspeed:  # p.grad holds only this rank's unreduced micro-batches
+        raise GuardStateError("remove guard.step() under DeepSpeed ZeRO 1/2: the guard acts inside engine.step()")
     guard._at_boundary()
     if optimizer is None:
         plan = guard._plans.current()
@@ -475,6 +477,8 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     """The loop clips gradients: if they are the guard's, its step runs first, on the raw gradients, as
     ``guard.step()`` there would (after GradScaler's ``unscale_``: a scaler skip stays the scaler's), and the
     optimizer's coming ``step()`` leaves them alone. True: the guard's ``_after_clip`` follows the clip."""
+    if guard._attachment.inside_deepspeed:
+        return False  # p.grad holds this rank's unreduced micro-batches: the guard acts in DeepSpeed's update
     boundary = guard._clips.boundary(call, guard._plans)
     if boundary is None:
         return False

@@ -8,6 +8,7 @@ step; this module holds what happens once, at its start and at its end.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 import warnings
@@ -20,11 +21,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradguard.enforce.distributed.deepspeed import deepspeed_engine
-from gradguard.enforce.hooks.deepspeed_boundary import DeepSpeedBoundary, needs_update_hook
+from gradguard.enforce.hooks.deepspeed_boundary import DeepSpeedBoundary, needs_update_hook, refuse_under_deepspeed
 from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.recovery.recovery import Recovery
 from gradguard.enforce.recovery.schedulers import holdable
 from gradguard.enforce.step.engine import Enforcer
+from gradguard.enforce.step.reload import Reloader
 from gradguard.enforce.work.step_work import StepContext
 from gradguard.errors import GuardStateError, GuardWarning
 from gradguard.events.log import EVENT_SCHEMA_VERSION, EventLog
@@ -59,6 +61,7 @@ class LiveGuard(Protocol):
     _finalizer: weakref.finalize[Any, Any]
     _model_ref: weakref.ReferenceType[nn.Module]
     _plans: PlanBook
+    _reloader: Reloader
 
     @property
     def attached(self) -> bool: ...
@@ -79,6 +82,8 @@ class Attachment:
         self.model = model
         self.handles: list[Removable] = []
         self.open = True
+        self.inside_deepspeed = False
+        """The guard's step runs inside a DeepSpeed engine's update (ZeRO 1/2): no other boundary is the guard's."""
 
     def close(self, reason: str) -> None:
         if not self.open:
@@ -364,8 +369,12 @@ def deepspeed_parts(model: nn.Module) -> tuple[Any | None, nn.Module]:
 def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[DeepSpeedBoundary]:
     """The guard's step at each update of a DeepSpeed engine at ZeRO 1/2 (``hooks.deepspeed_boundary``); none at
     ZeRO 0, where the client optimizer steps the model's own reduced gradients and the optimizer hooks treat them."""
-    if engine is None or not needs_update_hook(engine):
+    if engine is None:
         return []
+    guard._reloader.check = functools.partial(refuse_under_deepspeed, engine, per_micro_batch=False)  # reloads too
+    if not needs_update_hook(engine):
+        return []
+    guard._attachment.inside_deepspeed = True
     ref = weakref.ref(guard)
 
     def treat(context: StepContext) -> bool:
@@ -381,13 +390,13 @@ def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[
             live._record(proceed and not enforcer.book.scaler_skip_at_boundary)
             return proceed  # an fp16 overflow stays DeepSpeed's to skip (its loss scale is updated)
 
-    def skipped() -> None:
+    def skipped(loss_scale: float | None) -> None:
         live = ref()
         if live is None:
             return
         with live._lock:
             enforcer = live._attachment.enforcer
             live._record(False)
-            enforcer.record_scaler_skip((), step=enforcer.step - 1)  # once per step, as under GradScaler
+            enforcer.record_scaler_skip((), step=enforcer.step - 1, loss_scale=loss_scale)  # once a step
 
     return [DeepSpeedBoundary(engine, list(model.parameters()), treat, skipped)]

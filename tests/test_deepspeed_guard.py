@@ -10,6 +10,7 @@ so that DeepSpeed's dynamic loss scaler runs; everything else is unpatched.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ deepspeed = pytest.importorskip("deepspeed")
 from support.deepspeed_ranks import make_engine, torchrun_scenarios, train_step  # noqa: E402
 from support.gloo_ranks import main  # noqa: E402
 
-from gradguard import GradGuard, GradientHalt, GuardStateError, Policy  # noqa: E402
+from gradguard import GradGuard, GradientHalt, GuardStateError, GuardWarning, Policy  # noqa: E402
 
 SCRIPT = Path(__file__)
 CUT = "2.weight"
@@ -37,6 +38,7 @@ SCENARIOS = [
     *(f"clean_{s}_{g}" for s, g in WITH_ZERO_0),
     "fp16_overflow",
     "refusals",
+    "limits",
 ]
 
 
@@ -198,12 +200,45 @@ def refusals(rank: int) -> dict[str, Any]:
             logger=None,
         ),
     }
+    first_only = dist.new_group([0])  # every rank makes it; DeepSpeed reduces over both
+    attempts["process_group"] = lambda: GradGuard(
+        make_engine(2, 1), policy(HALT), logger=None, process_group=first_only
+    )
     for name, attempt in attempts.items():
         try:
             attempt().remove()
             found[name] = ""
         except GuardStateError as error:
             found[name] = str(error)
+    return found
+
+
+def limits(rank: int, outdir: Path) -> dict[str, Any]:
+    """What DeepSpeed's limits hold to beyond attach: a reload, guard.step(), a frozen parameter."""
+    found: dict[str, Any] = {}
+    good, bad = outdir / f"good{rank}.json", outdir / f"bad{rank}.json"
+    good.write_text(json.dumps({"version": 1, "rules": [HALT]}))
+    agc = {"name": "a", "match": "*", "actions": [{"action": "agc"}]}
+    bad.write_text(json.dumps({"version": 1, "rules": [HALT, agc]}))
+    engine = make_engine(2, 1, lr=LR)
+    with GradGuard(engine, good, logger=None, reload=True) as guard:
+        with pytest.warns(GuardWarning, match="policy not reloaded") as warned:
+            found["reloaded"] = guard.reload(bad)
+        found["reload_warning"] = str(warned[0].message)
+        train_step(engine, 0, 1, rank)
+        try:
+            guard.step()
+            found["step"] = ""
+        except GuardStateError as error:
+            found["step"] = str(error)
+        found["policy_rules"] = [rule.name for rule in guard.policy.rules]
+    # A frozen parameter has no gradient: not a zero one (a monitor would call it vanishing).
+    engine = make_engine(2, 1, lr=LR, frozen=("0.weight", "0.bias"))
+    watch = {"name": "mon", "match": "*", "actions": [{"action": "monitor", "every": 1, "vanishing_below": 1e-12}]}
+    with GradGuard(engine, policy(watch, HALT), logger=None) as guard:
+        for step in range(3):
+            train_step(engine, step, 1, rank)
+        found["frozen_counters"] = guard.counters.snapshot()
     return found
 
 
@@ -217,6 +252,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return clean_scenario(int(numbers[0]), int(numbers[1]), rank)
     if kind == "fp16":
         return fp16_scenario(rank)
+    if kind == "limits":
+        return limits(rank, outdir)
     return refusals(rank)
 
 
@@ -293,7 +330,21 @@ def test_zero_3_a_recovery_section_agc_and_a_monitors_piecewise_stats_are_refuse
         assert "save_checkpoint" in found["recovery"]
         assert "agc" in found["agc"]
         assert "['mean']" in found["monitor_mean"]
+        assert "data-parallel group" in found["process_group"]
         assert "norm or max_abs" in found["monitor_mean"]
+
+
+def test_a_reload_guard_step_and_a_frozen_parameter_meet_deepspeeds_limits_too(
+    runs: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    """A reloaded policy is held to what attach refuses (the old one stays), guard.step() says the guard acts inside
+    engine.step(), and a frozen parameter is left out (no gradient), not read as a vanishing zero one."""
+    for found in runs("limits"):
+        assert found["reloaded"] is False
+        assert "agc" in found["reload_warning"]
+        assert found["policy_rules"] == ["nonfinite"]
+        assert "engine.step()" in found["step"]
+        assert found["frozen_counters"] == {}
 
 
 if __name__ == "__main__":

@@ -40,13 +40,17 @@ def make_engine(
     clip: float = 0.0,
     lr: float = 0.05,
     momentum: float = 0.0,
+    frozen: tuple[str, ...] = (),
     **zero: Any,
 ) -> Any:
-    """A DeepSpeed engine over ``make_model()`` with torch's SGD as its client optimizer (no CPU-Adam build)."""
+    """A DeepSpeed engine over ``make_model()`` (``frozen``: parameters made not to require gradients) with torch's
+    SGD as its client optimizer (no CPU-Adam build)."""
     import deepspeed
     import torch.distributed as dist
 
     model = make_model()
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": gas,
@@ -57,7 +61,7 @@ def make_engine(
         "steps_per_print": 10**9,
         **(precision or {}),
     }
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=momentum)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 

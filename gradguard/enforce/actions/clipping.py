@@ -13,6 +13,7 @@ from functools import partial
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.work.step_work import StepOutcome, StepWork
 from gradguard.enforce.work.tensors import (
     EPS,
@@ -296,6 +297,8 @@ def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:
         for bound, action in _tensor_clips(work.binding, index, step):
             grad = grads[index]
             norm = torch.linalg.vector_norm(grad.double(), action.norm_type)
+            if work.sharded and work.collective is not None:  # the whole tensor's norm: every piece the same factor
+                norm = _combined_float64(work.collective, norm, action.norm_type)
             coef = torch.where(finite, torch.clamp(action.max_norm / (norm + EPS), max=1.0), 1.0)
             grad.mul_(coef.to(grad.dtype))
             clips.append((index, bound, action, norm, coef))
@@ -315,6 +318,14 @@ def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:
         if index not in finite_ids or coef >= 1.0:
             continue
         outcome.norm_clipped(step, bound.name, names[index], action, norm, coef, overflowed=True)
+
+
+def _combined_float64(collective: Collective, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """A shard's float64 norm made the whole tensor's (``combine_shard_norms`` in float64: the norm overflowed in
+    float32)."""
+    if math.isinf(norm_type):
+        return collective.max_(norm.reshape(1))[0]
+    return collective.sum_(norm.pow(norm_type).reshape(1))[0].pow(1.0 / norm_type)
 
 
 def _tensor_clips(binding: Binding, index: int, step: int) -> list[tuple[BoundRule, ClipNorm]]:

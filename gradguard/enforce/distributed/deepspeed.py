@@ -323,7 +323,8 @@ class UpdateHook:
 
 @dataclass(frozen=True)
 class DeepSpeedState:
-    """What an exact rewind needs: the fp32 masters, the inner optimizer's state and groups, the loss scaler."""
+    """What an exact rewind needs: the fp32 masters, the inner optimizer's state and groups, the loss scaler. Not used
+    by the guard yet (``recovery`` is refused under DeepSpeed); tests/test_deepspeed_adapter.py shows it bitwise."""
 
     masters: list[torch.Tensor]
     optimizer_state: list[dict[str, Any] | None]

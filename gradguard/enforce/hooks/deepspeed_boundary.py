@@ -40,13 +40,23 @@ _UNMAPPED_ACTIONS = {
 }
 
 
-def refuse_under_deepspeed(engine: Any | None, policy: Policy, per_micro_batch: bool) -> None:
+def refuse_under_deepspeed(
+    engine: Any | None, policy: Policy, *, per_micro_batch: bool, process_group: Any = None
+) -> None:
     """What the guard cannot do on this engine (None: not one), refused at attach with why and what works."""
     if engine is None:
         return
     reason = refusal(engine)
     if reason is not None:
         raise GuardStateError(f"gradguard cannot guard this DeepSpeed engine: {reason}")
+    if process_group is not None and dist.is_initialized():
+        ours, theirs = _ranks(process_group), _ranks(_dp_group(engine))
+        if ours != theirs:
+            raise GuardStateError(
+                f"process_group holds ranks {ours}, but DeepSpeed reduces the gradients over ranks "
+                f"{theirs}: the guard's per-tensor sums must be taken over DeepSpeed's data-parallel group. "
+                "Leave process_group out (the default group) or pass that group."
+            )
     where = f"policy {policy.source!r}" if getattr(policy, "source", None) else "the policy"
     if policy.recovery is not None:
         raise GuardStateError(
@@ -88,6 +98,19 @@ def refuse_under_deepspeed(engine: Any | None, policy: Policy, per_micro_batch: 
         )
 
 
+def _ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (none where this rank is not one of them)."""
+    try:
+        return sorted(dist.get_process_group_ranks(group))
+    except (RuntimeError, ValueError, AttributeError):
+        return []
+
+
+def _dp_group(engine: Any) -> Any:
+    group = ZeroGradients(engine).group
+    return group if group is not None else dist.group.WORLD
+
+
 def needs_update_hook(engine: Any) -> bool:
     """Whether the guard's step must run inside DeepSpeed's update (ZeRO 1/2, bf16 with fp32 accumulation), not at
     the client optimizer's step (ZeRO 0)."""
@@ -96,14 +119,16 @@ def needs_update_hook(engine: Any) -> bool:
 
 class DeepSpeedBoundary:
     """Treats each update of a ZeRO 1/2 engine through ``treat`` (the guard's step on a context), and says when
-    DeepSpeed skipped an update on its own (``skipped``: a non-finite gradient the guard let through)."""
+    DeepSpeed skipped an update on its own (``skipped``, with its loss scale under fp16: a non-finite gradient the
+    guard let through, or DeepSpeed's own overflow check on its global norm). The guard has then already taken the
+    step as applied (its statistics, ``applied_steps``): DeepSpeed's check comes after the guard's verdict."""
 
     def __init__(
         self,
         engine: Any,
         params: Sequence[torch.nn.Parameter],
         treat: Callable[[StepContext], bool],
-        skipped: Callable[[], None],
+        skipped: Callable[[float | None], None],
     ) -> None:
         self._gradients = ZeroGradients(engine, params)
         self._params = list(params)
@@ -124,7 +149,9 @@ class DeepSpeedBoundary:
             found = {}
             for entry in plan.params:
                 param = entry.ref()
-                if param is not None and id(param) in by_id:
+                # A frozen parameter has no gradient (as p.grad is None in plain torch): not a zero one. The same on
+                # every rank, so the collectives still line up.
+                if param is not None and param.requires_grad and id(param) in by_id:
                     found[entry.index] = by_id[id(param)]
             return found
 
@@ -157,8 +184,8 @@ class DeepSpeedBoundary:
         return flag
 
     def _after(self, overflow: bool) -> None:
-        if overflow:
-            self._skipped()
+        if overflow:  # DeepSpeed skipped an update the guard let through (fp16: counted once already)
+            self._skipped(self._gradients.loss_scale() if self._fp16 else None)
 
     def remove(self) -> None:
         self._hook.remove()

@@ -56,7 +56,6 @@ class Enforcer:
         self.collective = collective if collective is not None else Collective()
         self.counters = counters
         self.events = events
-        self.summary_every = summary_every
         self.skip_limits = SkipLimits()
         self.health = Health(counters, events)
         """The monitors' figures, warnings and metrics across steps."""
@@ -109,11 +108,6 @@ class Enforcer:
     def last_run_treated(self) -> bool:
         """Whether the last ``run`` found new gradients to treat."""
         return self.book.last_run_treated
-
-    @property
-    def scaler_skip_at_boundary(self) -> bool:
-        """This step's GradScaler skip was already recorded at an explicit boundary (one-shot)."""
-        return self.book.scaler_skip_at_boundary
 
     @property
     def micro_batch(self) -> MicroBatchHooks | None:

@@ -51,7 +51,9 @@ class KnownNorms(Participant):
     """The 2-norms of the gradients as the guard's last step left them (device tensors, and host floats where read).
 
     Held as the step left them (``hold``), and looked at only when a clip asks (most steps none does): the step's
-    gradients are held until the optimizer has stepped (``clear`` runs then, and at the next step), never longer.
+    gradients are held until the optimizer has stepped (``clear`` runs then, and at the next step), never longer;
+    inside a DeepSpeed update (no guarded optimizer steps) until the next step, where they are views of DeepSpeed's
+    own buffers.
     """
 
     def __init__(self) -> None:

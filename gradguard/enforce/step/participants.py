@@ -65,7 +65,8 @@ _REGISTERED: dict[str, Factory] = {}
 
 
 def register(name: str, factory: Factory) -> None:
-    """Take part in every guard attached from now on, after the participants registered before."""
+    """Take part in every guard attached from now on (and in a guard attached before, from its next reload), after
+    the participants registered before; ``unregister`` takes it out of a guard at its next reload."""
     if name in _REGISTERED:
         raise ValueError(f"a participant named {name!r} is already registered; unregister it first")
     _REGISTERED[name] = factory
@@ -112,11 +113,14 @@ class Participants:
         chosen = [self._given[name] if name in self._given else self._built.get(name) for name in _REGISTERED]
         present = [participant for participant in chosen if participant is not None]
         stages = {participant: participant.stages() for participant in present}
-        self.at = {stage: tuple(p for p in present if stage in stages[p]) for stage in (*STAGES, "defers_read")}
+        self.at = {stage: tuple(p for p in present if stage in stages[p]) for stage in STAGES}
         self.per_micro_batch = self._given.get("micro_batch") is not None
 
 
-# The guard's own participants, in the order the step meets them at each stage.
+# The guard's own participants, in the order the step meets them at each stage. The order is part of the behaviour:
+# the fused read-after first (its quiet conditions from the step's first figure on), the GradScaler's flags before
+# every other figure and its final ruling before the loss's, recovery's ``opens`` before any later one (a window
+# declines the step there, and the ``opens`` after it are not asked), the provenance trace last among the device work.
 register("fused_update", lambda parts: parts.fused)
 register("scaler", lambda parts: ScalerFlags(parts.scaler_skip))
 register("micro_batch", lambda parts: None)  # given by the guard in per-micro-batch mode

@@ -1,7 +1,7 @@
 """The step, top to bottom: the stages every boundary runs, in order.
 
 1. **gather** (``gather``): the gradients to treat, wherever they live; none: nothing to do.
-2. **open**: the step's number (``Steps.begin_step``); each participant may decline it (a rewind's window skips the
+2. **open**: the step's number (``StepBook.begin_step``); each participant may decline it (a rewind's window skips the
    update unread).
 3. **device work** (``device_work``): the figures and changes the actions and participants queue on the device.
 4. **the one read** (``Pending.sync``): everything the host needs, in one transfer; the changes it showed are needed
@@ -12,7 +12,7 @@
 7. **report**: an applied step's figures become the state across steps; counters and events are written.
 
 Each stage gets the data it needs passed in; what lasts across steps (the step count, which gradients were treated)
-is the engine's (``Steps``), and what a feature adds is a participant's (``participants``).
+is the book's (``StepBook``), and what a feature adds is a participant's (``participants``).
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ class StepPipeline:
         """The step's one read, what it shows, the verdict and the report."""
         late = self.carry.ride(work.pending)  # the last applied step's figures that came after its read
         work.pending.sync()  # 4. the one read: the step's one host sync
+        self.verdicts.interventions(*late)
         work.writes.apply()  # the changes the read showed are needed, to those tensors only
         clear_overflows(work, work.fragile)
-        self.verdicts.interventions(*late)
         for participant in self.participants.at["after_read"]:  # 5. after the read
             participant.after_read(work, context)
         proceed, applied = self._verdict(work, context)  # 6. verdict
@@ -107,6 +107,7 @@ class StepPipeline:
             verdicts.report(rules, outcome, work.names, work.step)  # a gradient's halt comes first
             for ruling in rulings:
                 if ruling.decide():
+                    clear_gradients(context)  # the update is skipped: nothing is left for the optimizer
                     return False, False
             if outcome.skipped_by or outcome.spikes:
                 verdicts.skip(rules, outcome, work.names, work.step, context)

@@ -22,6 +22,7 @@ import hashlib
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.step.engine import Enforcer
-from gradguard.errors import PolicyError
+from gradguard.errors import GuardStateError, PolicyError
 from gradguard.events.log import EventLog
 from gradguard.policy.document import Policy
 from gradguard.policy.limits import MAX_FILE_BYTES
@@ -163,6 +164,9 @@ class Reloader:
         """Every enforcement pass makes the agreement collective (``reload=True`` under several ranks)."""
         self._held: Candidate | None = None
         self._reported = False
+        self.check: Callable[[Policy], None] | None = None
+        """What the guard refuses of any policy it runs, a reloaded one too (``GuardStateError``: DeepSpeed's
+        limits); None: nothing beyond binding."""
         self._watcher: PolicyWatcher | None = None
         if watch and path is not None:
             self._watcher = PolicyWatcher(path, interval, self.slot)
@@ -200,8 +204,10 @@ class Reloader:
         """Bind the candidate's policy to the model (training thread); a policy that does not bind fails."""
         if candidate.policy is not None and candidate.plans is None and candidate.error is None:
             try:
+                if self.check is not None:
+                    self.check(candidate.policy)
                 candidate.plans = plans.with_policy(candidate.policy)
-            except PolicyError as exc:
+            except (PolicyError, GuardStateError) as exc:
                 candidate.error = str(exc)
         return candidate
 

@@ -29,6 +29,7 @@ STAGES = (
     "before_figures",
     "beside_actions",
     "after_actions",
+    "defers_read",
     "after_read",
     "ruling",
     "applied",
@@ -43,7 +44,8 @@ class Ruling:
     """A participant's word on the update, taken after the step's read."""
 
     decide: Callable[[], bool]
-    """Run after the gradients' own verdict: True skips the update (``clear_gradients``); a halt raises."""
+    """Run after the gradients' own verdict: True skips the update (the pipeline then clears the gradients); a halt
+    raises."""
     final: bool = False
     """The step is another's to decide (its ``decide`` returns the step's verdict): nothing else is judged."""
 
@@ -93,7 +95,8 @@ class Participant:
         """The update goes ahead: what the step showed becomes the participant's state across steps."""
 
     def halted(self, work: StepWork) -> None:
-        """A halt stops the run at this step."""
+        """The step's verdict is a halt (the gradients' or a ruling's; a halt raised in ``after_read``, the rerun's,
+        does not come here): the run stops at this step."""
 
     def release(self) -> None:
         """The guard is removed: give back every tensor held across steps."""
@@ -101,6 +104,4 @@ class Participant:
     def stages(self) -> frozenset[str]:
         """The stages this participant overrides (the pipeline calls it at those only)."""
         mine = type(self)
-        return frozenset(
-            stage for stage in (*STAGES, "defers_read") if getattr(mine, stage) is not getattr(Participant, stage)
-        )
+        return frozenset(stage for stage in STAGES if getattr(mine, stage) is not getattr(Participant, stage))

@@ -57,7 +57,7 @@ def refuse_under_deepspeed(
                 f"{theirs}: the guard's per-tensor sums must be taken over DeepSpeed's data-parallel group. "
                 "Leave process_group out (the default group) or pass that group."
             )
-    where = f"policy {policy.source!r}" if getattr(policy, "source", None) else "the policy"
+    where = f"policy {policy.source!r}"
     if policy.recovery is not None:
         raise GuardStateError(
             f"{where} has a recovery section, which gradguard does not support under DeepSpeed: DeepSpeed keeps "

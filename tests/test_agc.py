@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterable
@@ -16,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
+from support.gloo_ranks import free_port
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy, PolicyError
@@ -423,7 +423,7 @@ def test_under_fsdp2_agc_clips_the_full_units_as_timm_on_the_unsharded_model(sco
     """torchrun, 2 ranks, gloo, uneven dim-0 shards: the sharded run follows timm's formula (or the group
     reference) on an unsharded copy trained on the whole batch, and both ranks count the same clips."""
     root = Path(__file__).resolve().parent.parent
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
     command += [str(root / "tests" / "agc_fsdp2_scenario.py"), scope]
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
@@ -433,9 +433,3 @@ def test_under_fsdp2_agc_clips_the_full_units_as_timm_on_the_unsharded_model(sco
     reports = {str(rank): json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)}
     assert reports["0"]["counters"] == reports["1"]["counters"]
     assert reports["0"]["counters"]["agc"]["agc"] == reports["0"]["expected"] > 0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

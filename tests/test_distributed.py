@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.gloo_ranks import free_port
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -23,12 +23,6 @@ import distributed_scenarios as scenarios
 
 SCRIPT = Path(__file__).parent / "distributed_scenarios.py"
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch(names: list[str], world: int, outdir: Path, *, torchrun: bool = False, timeout: float = 240) -> None:

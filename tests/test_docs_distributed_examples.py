@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from support.docs import ROOT, documented_example
+from support.gloo_ranks import free_port
 
 EXAMPLES = {
     "ddp": documented_example("docs/distributed.md", "ddp"),
     "fsdp2": documented_example("docs/distributed.md", "fsdp2"),
     "deepspeed": documented_example("docs/distributed.md", "deepspeed"),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 TEARDOWN_ABORT = "terminate called without an active exception"

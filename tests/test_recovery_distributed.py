@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.gloo_ranks import free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 import recovery_distributed_scenarios as scenarios
@@ -30,12 +30,6 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 WINDOW = list(range(scenarios.FAULT + 1, scenarios.SKIP_UNTIL))
 """Steps after the fault whose updates are skipped."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def launch(names: list[str], outdir: Path, timeout: float = 300) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -14,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from support.gloo_ranks import free_port
 
 __all__ = ["batch", "loss_of", "make_engine", "make_model", "torchrun_scenarios", "train_step"]
 
@@ -75,12 +76,6 @@ def train_step(engine: Any, step: int, gas: int, rank: int) -> None:
         engine.step()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def torchrun_scenarios(
     script: Path, scenarios: list[str], outdir: Path, timeout: float
 ) -> Callable[[str], list[dict[str, Any]]]:
@@ -88,7 +83,7 @@ def torchrun_scenarios(
     path = os.pathsep.join(filter(None, [str(script.parent.parent), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     command = [
-        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}"),
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"),
         *(str(script), "--torchrun", ",".join(scenarios), str(outdir)),
     ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)

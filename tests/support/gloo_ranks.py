@@ -14,6 +14,7 @@ import datetime
 import gc
 import json
 import os
+import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TIMEOUT", "Scenario", "main", "run_scenarios", "shutdown"]
+__all__ = ["TIMEOUT", "Scenario", "free_port", "main", "run_scenarios", "shutdown"]
 
 TIMEOUT = datetime.timedelta(seconds=30)
 """How long a collective waits for the other ranks: a rank that hangs fails the test instead of blocking it."""
 
 Scenario = Callable[[str, int, int, Path], dict[str, Any]]
 """``(name, rank, world, outdir) -> the rank's result``, written as JSON."""
+
+
+def free_port() -> int:
+    """A port no process listens on now, for a rendezvous (``MASTER_PORT``, ``--master_port``)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def run_scenarios(scenario: Scenario, names: str, rank: int, world: int, outdir: Path) -> None:

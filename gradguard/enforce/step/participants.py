@@ -53,7 +53,7 @@ class Parts:
     health: Health
     known_norms: KnownNorms
     fused: FusedUpdate
-    judge_loss: Callable[[LossVerdict, int, StepContext], bool]
+    judge_loss: Callable[[LossVerdict, int], bool]
     """``Verdicts.loss``: the loss section's verdict counted, logged, and a halt or a skip made."""
     scaler_skip: Callable[[StepWork, StepContext], bool]
     """The guard's record of a step its GradScaler found inf in (the scaler skips it itself)."""

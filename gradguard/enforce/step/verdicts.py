@@ -141,9 +141,9 @@ class Verdicts:
                     report = HaltReport(step, rule.name, [], {}, "overflow", why, None)
                     self.halt(report, [rule.name], "halt_on_nonfinite")
 
-    def loss(self, verdict: LossVerdict, step: int, context: StepContext) -> bool:
-        """The ``loss`` section's verdict: counted and logged; a halt (a rewind under recovery) raises, a skip clears
-        the step's gradients and returns True; ``ignore`` returns False."""
+    def loss(self, verdict: LossVerdict, step: int) -> bool:
+        """The ``loss`` section's verdict: counted and logged; a halt (a rewind under recovery) raises, a skip returns
+        True (the pipeline clears the step's gradients, as for any ruling that skips); ``ignore`` returns False."""
         self.counters.add(LOSS_RULE, verdict.kind)
         if verdict.kind == "spike":
             fields = {"reference": verdict.reference, "factor": verdict.factor}
@@ -153,10 +153,7 @@ class Verdicts:
         if verdict.action == "halt":
             report = HaltReport(step, LOSS_RULE, [], {}, verdict.halt_kind, verdict.reason, None)
             self.halt(report, [LOSS_RULE], "halt")
-        if verdict.action == "skip":
-            clear_gradients(context)
-            return True
-        return False
+        return verdict.action == "skip"
 
     def rewound(self, request: RewindRequested, context: StepContext) -> None:
         """Recovery turned a halt into a rewind: restore, skip this update, say so as loudly as a halt."""

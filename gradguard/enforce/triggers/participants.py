@@ -38,7 +38,7 @@ class LossTakingPart(Participant):
         watch: LossWatch,
         policy: Callable[[], Policy],
         events: EventLog,
-        judge: Callable[[LossVerdict, int, StepContext], bool],
+        judge: Callable[[LossVerdict, int], bool],
     ) -> None:
         self.watch, self._policy, self._events, self._judge = watch, policy, events, judge
 
@@ -56,7 +56,7 @@ class LossTakingPart(Participant):
         if verdict is None:
             return None
         step, judge = work.step, self._judge
-        return Ruling(lambda: judge(verdict, step, context))
+        return Ruling(lambda: judge(verdict, step))
 
     def applied(self, work: StepWork) -> None:
         self.watch.accept(self._policy().loss, work.outcome.loss)

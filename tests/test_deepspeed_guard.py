@@ -156,26 +156,25 @@ def fp16_scenario(rank: int) -> dict[str, Any]:
         result["once"] = {"counters": guard.counters.snapshot(), "scales": scales, "skipped": skipped}
         result["once"]["deepspeed_skipped"] = int(engine.skipped_steps)
     handle.remove()
-    # A persisting overflow halts, as under torch's GradScaler (more than max_scaler_skips in a row).
-    engine = make_engine(2, 1, fp16)
-    steps = [0]
-    param = dict(engine.module.named_parameters())[CUT]
-    handle = param.register_hook(lambda g: g * float("inf") if rank == 1 and steps[-1] >= 1 else g)
-    persisting = {
-        "name": "nonfinite",
-        "match": "*",
-        "actions": [{"action": "halt_on_nonfinite", "max_scaler_skips": 2}],
-    }
-    with GradGuard(engine, policy(persisting), logger=None) as guard:
-        result["persisting"] = None
-        for step in range(8):
-            steps.append(step)
-            try:
-                train_step(engine, step, 1, rank)
-            except GradientHalt as halt:
-                result["persisting"] = {"step": halt.step, "rule": halt.rule, "counters": guard.counters.snapshot()}
-                break
-    handle.remove()
+    # A persisting overflow halts, as under torch's GradScaler: more than max_scaler_skips in a row, or at a skip whose
+    # loss scale (DeepSpeed's, 256 halved at each skip) has fallen to min_loss_scale.
+    for name, limit in (("persisting", {"max_scaler_skips": 2}), ("floor", {"min_loss_scale": 64.0})):
+        engine = make_engine(2, 1, fp16)
+        steps = [0]
+        param = dict(engine.module.named_parameters())[CUT]
+        handle = param.register_hook(lambda g, steps=steps: g * float("inf") if rank == 1 and steps[-1] >= 1 else g)
+        halting = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite", **limit}]}
+        with GradGuard(engine, policy(halting), logger=None) as guard:
+            result[name] = None
+            for step in range(8):
+                steps.append(step)
+                try:
+                    train_step(engine, step, 1, rank)
+                except GradientHalt as halt:
+                    counters = guard.counters.snapshot()
+                    result[name] = {"step": halt.step, "rule": halt.rule, "counters": counters, "why": halt.reason}
+                    break
+        handle.remove()
     # An action that reads the gradients' size meets DeepSpeed's scaled fp16 pieces: refused at attach.
     clip = {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]}
     try:
@@ -316,6 +315,11 @@ def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_and_a_persisting_on
         assert persisting["rule"] == "nonfinite"
         assert persisting["counters"]["grad_scaler"]["skip"] == 3
         assert persisting["step"] == 3
+        floor = result["floor"]
+        assert floor is not None
+        assert floor["step"] == 3  # scales 256, 128, 64 at the three overflows: the third is at the floor
+        assert floor["counters"]["grad_scaler"]["skip"] == 3
+        assert "64" in floor["why"]
         assert "clip_norm" in result["clip_refused"]
         assert "bf16" in result["clip_refused"]
 

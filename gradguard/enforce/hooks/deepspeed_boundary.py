@@ -155,17 +155,13 @@ class DeepSpeedBoundary:
                     found[entry.index] = by_id[id(param)]
             return found
 
-        found_inf: tuple[torch.Tensor, ...] = ()
-        scales: tuple[torch.Tensor, ...] = ()
-        if self._fp16:
-            found_inf = (self._overflow(pieces),)
-            scales = (torch.tensor(self._gradients.loss_scale(), device=found_inf[0].device),)
+        found_inf = (self._overflow(pieces),) if self._fp16 else ()
         context = StepContext(
             optimizer=None,
             stepped_params=tuple,  # DeepSpeed's skip drops its partitions; no p.grad holds them
             explicit=True,
             found_inf=found_inf,
-            loss_scales=scales,
+            loss_scale=self._gradients.loss_scale() if self._fp16 else None,
             gradients=gradients,
             pieces=self.sharded,
         )

@@ -96,6 +96,8 @@ def read_found_inf(context: StepContext, pending: Pending, outcome: StepOutcome)
         outcome.scaler_found_inf = outcome.scaler_found_inf or values[0] > 0
 
     pending.add(total, read)
+    if context.loss_scale is not None:
+        outcome.loss_scale = context.loss_scale  # a host float: nothing to send to the device and read back
     read_loss_scales(context.loss_scales, pending, outcome)
 
 

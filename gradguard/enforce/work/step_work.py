@@ -62,6 +62,8 @@ class StepContext:
     """A clip the guard saw run over these gradients before this step (e.g. ``clip_grad_norm_`` while a
     GradScaler still held them scaled): it may have spread a NaN to every gradient it clipped."""
     loss_scales: Sequence[torch.Tensor] = ()
+    loss_scale: float | None = None
+    """The loss scale where the host holds it already (DeepSpeed's ``cur_scale``): taken as it is, not read back."""
     """The GradScaler's loss scale(s) with ``found_inf``: a skip at or below a floor halts."""
     rerunnable: bool = False
     """The guard holds the step's computation (a closure) and can run it again (the ``rerun`` section)."""

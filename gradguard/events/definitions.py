@@ -47,8 +47,11 @@ __all__ = [
     "Number",
     "PolicyReload",
     "PolicyReloadFailed",
+    "RankFailure",
+    "RankOutlier",
     "Rebind",
     "Recovered",
+    "ReplicaDivergence",
     "Rerun",
     "RerunUnavailable",
     "Rewind",
@@ -127,6 +130,10 @@ class Attach(Event, tag="attach", kw_only=True):
     """A policy's ``loss`` section: the loss was watched (a clean run's log says so)."""
     rerun: dict[str, Any] | None = None
     """A policy's ``rerun`` section."""
+    ranks: dict[str, Any] | None = None
+    """Under ``torch.distributed``: ``world`` (the ranks the guard agrees over), ``seen`` (where each rank's own
+    gradient is read before the reduction, or null) and ``unseen`` (why it cannot be, or null); a policy's
+    ``ranks`` section's keys. Null in one process."""
 
 
 class Intervention(StepEvent, tag="intervention", kw_only=True):
@@ -177,6 +184,10 @@ class Verdict(StepEvent, kw_only=True):
     kinds: dict[str, str]
     kind: str
     origin: Origin = None
+    ranks: dict[str, str] = msgspec.field(default_factory=dict)
+    """The ranks where it was made, before the reduction ({rank: host}, JSON keys strings); empty in one process,
+    where no rank's own gradient was at fault (made after the reduction), or where the ranks' own gradients are
+    unseen (the attach event's ``ranks`` says why)."""
 
 
 class Halt(Verdict, tag="halt", kw_only=True):
@@ -279,6 +290,37 @@ class RerunUnavailable(StepEvent, tag="rerun_unavailable", kw_only=True):
 
     LEVEL: ClassVar[str] = "warning"
     why: str
+
+
+class RankOutlier(StepEvent, tag="rank_outlier", kw_only=True):
+    """The policy's ``ranks`` section: a rank whose own gradient norm, before the reduction, exceeded
+    ``outlier_factor`` times the median of the ranks'."""
+
+    LEVEL: ClassVar[str] = "warning"
+    ranks: dict[str, str]
+    norms: dict[str, Number]
+    median: Number
+    outlier_factor: float
+    action: str
+
+
+class ReplicaDivergence(StepEvent, tag="replica_divergence", kw_only=True):
+    """The policy's ``ranks.check_replicas_every``: replicas whose parameters differ bitwise from the majority's."""
+
+    LEVEL: ClassVar[str] = "error"
+    ranks: dict[str, str]
+    params: list[str]
+    checked: int
+    action: str
+
+
+class RankFailure(StepEvent, tag="rank_failure", kw_only=True):
+    """An exception inside the guard's step on one rank, as every rank learned it (no rank left waiting)."""
+
+    LEVEL: ClassVar[str] = "error"
+    failed_rank: int
+    host: str
+    error: str
 
 
 class SnapshotPlacement(StepEvent, tag="snapshot_placement", kw_only=True):
@@ -410,6 +452,9 @@ GuardEvent = Union[  # noqa: UP007
     LossUnseen,
     Rerun,
     RerunUnavailable,
+    RankOutlier,
+    ReplicaDivergence,
+    RankFailure,
     SnapshotPlacement,
     SnapshotFallback,
     ScalerSkip,

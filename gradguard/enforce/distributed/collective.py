@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradguard.enforce.distributed.local import LocalGradients
+
 __all__ = ["Collective", "is_sharded", "local_tensor"]
 
 
@@ -64,6 +66,8 @@ class Collective:
 
     def __init__(self, group: Any = None) -> None:
         self.group = group
+        self.local = LocalGradients()
+        """This rank's own gradient before the reduction, as the engine's tap notes it (``distributed.taps``)."""
 
     def active(self) -> bool:
         """Whether collectives are needed: torch.distributed is initialised with more than one rank."""

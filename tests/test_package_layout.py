@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "gradguard"
 
@@ -44,12 +47,31 @@ def _imports(path: Path, type_checking: bool = False) -> set[str]:
     return found
 
 
-def _graph(type_checking: bool = False) -> dict[str, set[str]]:
+def _every_import(source: str) -> set[str]:
+    """gradguard modules a module's source names anywhere: module level, TYPE_CHECKING, inside functions and classes.
+
+    ``from gradguard.events import definitions`` names both ``gradguard.events`` and ``gradguard.events.definitions``
+    (the graph keeps whichever is a module), so a submodule imported by its package's name is seen too.
+    """
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("gradguard"):
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("gradguard"))
+    return found
+
+
+def _graph(type_checking: bool = False, everywhere: bool = False) -> dict[str, set[str]]:
     modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
     graph = {}
     for name, path in modules.items():
         targets = set()
-        for target in _imports(path, type_checking):
+        named = _every_import(path.read_text(encoding="utf-8")) if everywhere else _imports(path, type_checking)
+        for target in named:
+            if everywhere and target not in modules:
+                continue  # a name imported from a module (``from gradguard.x import y``), not a submodule
             while target not in modules and "." in target:
                 target = target.rsplit(".", 1)[0]
             if target in modules and target != name:
@@ -90,6 +112,24 @@ def test_no_module_knows_a_module_above_it_even_for_a_type():
     """Counting the imports under TYPE_CHECKING too, there is no cycle: a lower room that needs a type of a room
     above it declares a Protocol of what it uses instead."""
     _cycle(_graph(type_checking=True))
+
+
+def test_no_module_imports_itself_back_even_through_a_function_local_import() -> None:
+    """Every import of the package counted, at any level (inside a function, under TYPE_CHECKING, a submodule named
+    through its package), the module graph has no cycle: a lazy import that closes a circle still ties the two
+    modules into one, and whichever is imported first sees the other half-initialised."""
+    _cycle(_graph(everywhere=True))
+
+
+def test_the_cycle_check_sees_an_import_inside_a_function() -> None:
+    """The check above can fail: a function-local import that closes a circle is found and named."""
+    seen = _every_import("def f():\n    from gradguard.cli.explain import action_text\n")
+    assert seen == {"gradguard.cli.explain", "gradguard.cli.explain.action_text"}
+    graph = {"gradguard.cli.explain": {"gradguard.cli.explain_policy"}, "gradguard.cli.explain_policy": set()}
+    graph["gradguard.cli.explain_policy"] = {name for name in seen if name in graph}
+    named = re.escape("gradguard.cli.explain -> gradguard.cli.explain_policy -> gradguard.cli.explain")
+    with pytest.raises(AssertionError, match=named):
+        _cycle(graph)
 
 
 def test_each_room_imports_only_the_rooms_it_may():

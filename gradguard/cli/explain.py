@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from gradguard.audit.render import Section, Table, short_path
-from gradguard.cli.explain_policy import loss_halts
+from gradguard.cli.explain_policy import action_text, loss_halts, window_text
 from gradguard.enforce.recovery.snapshot_memory import memory_text, memory_where, readable_bytes
 from gradguard.errors import GradGuardError, PolicyError
 from gradguard.policy.document import Policy
@@ -294,41 +294,6 @@ def explain(policy: Policy, model: nn.Module, model_spec: str) -> Explanation:
         issues = [str(exc)]
     snapshot = snapshot_bytes(model) if policy.recovery is not None else None
     return Explanation(policy, model_spec, type(model).__name__, params, members, issues, snapshot)
-
-
-def window_text(rule_or_action: Any) -> str:
-    start, stop = rule_or_action.from_step, rule_or_action.until_step
-    if start is not None and stop is not None:
-        return f"steps {start}..{stop - 1}"
-    if start is not None:
-        return f"from step {start}"
-    if stop is not None:
-        return f"until step {stop}"
-    return ""
-
-
-_MAIN_FIELD = {"clip_norm": "max_norm", "clip_value": "limit", "scale": "factor"}
-
-
-def action_text(action: Any) -> str:
-    """``clip_norm(1.0, scope=group) until step 2000``: the action's non-default settings, compactly."""
-    data = action.model_dump(exclude_defaults=True)
-    name = str(data.pop("action", action.action))
-    data.pop("from_step", None)
-    data.pop("until_step", None)
-    args = []
-    main = _MAIN_FIELD.get(name)
-    if main is not None and main in data:
-        args.append(str(data.pop(main)))
-    args.extend(f"{key}={_setting(value)}" for key, value in data.items())
-    text = name + (f"({', '.join(args)})" if args else "")
-    window = window_text(action)
-    return f"{text} {window}" if window else text
-
-
-def _setting(value: Any) -> str:
-    """A setting as written in a policy: ``norm+grad_to_weight`` for a list of names."""
-    return "+".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _rule_actions(rule: Rule) -> list[str]:

@@ -3,7 +3,9 @@
 Its rules in the order they apply (patterns, actions, steps), its ``recovery`` section and any other
 top-level section, read as the guard reads them; which parameter gets what, and the problems of
 attaching, need a model (``--model MODULE:CALLABLE``). ``top_level_sections`` is also what ``gradguard
-validate`` names. Importing this module does not import torch (``validate`` does not).
+validate`` names. The words for an action and a step window are here too, and ``explain --model``
+(``gradguard.cli.explain``, which imports torch) builds on them: the import runs one way, from the model's view
+to the policy's. Importing this module does not import torch (``validate`` does not).
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from gradguard.policy.document import Policy
 from gradguard.policy.schema import can_halt
 from gradguard.policy.sections import Loss
 
-__all__ = ["MODEL_ADDS", "policy_header", "policy_json", "policy_sections", "top_level_sections"]
+__all__ = [
+    "MODEL_ADDS",
+    "action_text",
+    "loss_halts",
+    "policy_header",
+    "policy_json",
+    "policy_sections",
+    "top_level_sections",
+    "window_text",
+]
 
 MODEL_ADDS = (
     "with --model MODULE:CALLABLE: each parameter of the model (shape, dtype) and the rules and actions it gets, "
@@ -43,8 +54,6 @@ def policy_header(policy: Policy) -> list[str]:
 
 def policy_sections(policy: Policy) -> list[Section]:
     """The rules, each further top-level section, and what a model would add."""
-    from gradguard.cli.explain import action_text, window_text
-
     rows = [
         [
             rule.name,
@@ -67,6 +76,42 @@ def policy_sections(policy: Policy) -> list[Section]:
     sections.append(Section("What a model adds", [MODEL_ADDS]))
     sections.append(Section("Findings", ["none: the policy is valid (exit 0)"]))
     return sections
+
+
+def window_text(rule_or_action: Any) -> str:
+    """``steps 10..19``, ``from step 10``, ``until step 20``: when a rule or action acts (empty: at every step)."""
+    start, stop = rule_or_action.from_step, rule_or_action.until_step
+    if start is not None and stop is not None:
+        return f"steps {start}..{stop - 1}"
+    if start is not None:
+        return f"from step {start}"
+    if stop is not None:
+        return f"until step {stop}"
+    return ""
+
+
+_MAIN_FIELD = {"clip_norm": "max_norm", "clip_value": "limit", "scale": "factor"}
+
+
+def action_text(action: Any) -> str:
+    """``clip_norm(1.0, scope=group) until step 2000``: the action's non-default settings, compactly."""
+    data = action.model_dump(exclude_defaults=True)
+    name = str(data.pop("action", action.action))
+    data.pop("from_step", None)
+    data.pop("until_step", None)
+    args = []
+    main = _MAIN_FIELD.get(name)
+    if main is not None and main in data:
+        args.append(str(data.pop(main)))
+    args.extend(f"{key}={_setting(value)}" for key, value in data.items())
+    text = name + (f"({', '.join(args)})" if args else "")
+    window = window_text(action)
+    return f"{text} {window}" if window else text
+
+
+def _setting(value: Any) -> str:
+    """A setting as written in a policy: ``norm+grad_to_weight`` for a list of names."""
+    return "+".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def _section_lines(policy: Policy, name: str) -> list[str]:

@@ -5,8 +5,9 @@ Exit codes: 0 all good; 1 findings (an invalid policy, a rule that matches nothi
 non-finite gradient, a skipped step, an unreadable log line, a counter mismatch); 2 a usage or input
 error (a missing file, a bad ``MODULE:CALLABLE``, a log with no gradguard event).
 
-Only ``explain`` and ``demo`` import torch, inside the command: ``validate``, ``audit``,
-``schema`` and ``policies`` answer without it.
+Only ``explain --model``, ``demo``, ``suggest`` and ``replay`` import torch, inside the command: ``validate``,
+``explain`` of a policy alone, ``audit``, ``schema`` and ``policies`` answer without it
+(``tests/test_cli_without_torch.py``).
 """
 
 from __future__ import annotations

@@ -53,9 +53,10 @@ __all__ = ["replay", "suggest"]
     "run_policy",
     type=POLICY,
     metavar="POLICY",
-    help="The policy the run used: the suggestion keeps its recovery, rerun and loss sections (a --loss "
-    "section replaces the latter) and halts on a NaN/Inf gradient where it did. Without it, the recovery section "
-    "of the log's attach event is kept, and a NaN/Inf gradient halts (so rewinds) under it.",
+    help="The policy the run used: the suggestion keeps its sections (recovery, rerun, loss: a --loss section "
+    "replaces the latter), halts on a NaN/Inf gradient where it did, and keeps apart a clip it wrote below a "
+    "tensor's median norm. Without it, the sections of the log's attach event and the clips its interventions "
+    "show are kept the same way, and a NaN/Inf gradient halts (so rewinds) under a recovery section.",
 )
 def suggest(
     logs: tuple[Path, ...],
@@ -75,7 +76,9 @@ def suggest(
     are merged, and each gets a per-tensor clip_norm set from the median and spread of its
     log-norms, so that on the recorded run the clips act on spikes and on at most --budget of the
     ordinary steps. Every parameter gets a non-finite rule (skip the step; halt where the run's policy
-    halted or had a recovery section, which is kept). Each number is explained in a comment.
+    halted or had a recovery section). Every section of the run's policy (loss, recovery, rerun) is
+    kept, and a clip the run held a tensor under (below its median norm) is kept apart from the
+    families; the header says what changed. Each number is explained in a comment.
     Exit 2 if the logs hold no per-tensor norms. The suggestion is replayed on the logs before it is
     written (that check imports torch).
     """
@@ -102,7 +105,8 @@ def suggest(
     click.echo(
         f"policy written to {output}: {families} famil{'ies' if families != 1 else 'y'} with a clip, "
         f"{suggestion.params} parameters, from {suggestion.recording.steps:,} recorded steps"
-        + (f"; loss spike factor {suggestion.loss.factor:g}" if suggestion.loss is not None else ""),
+        + (f"; loss spike factor {suggestion.loss.factor:g}" if suggestion.loss is not None else "")
+        + "".join(f"; {said}" for said in suggestion.changes()),
         err=True,
     )
 

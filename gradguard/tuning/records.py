@@ -10,6 +10,11 @@ the other figures, are counted and left out. The step's loss, which every ``stat
 where the guard saw it (any scope), is kept as the step's ``loss`` (``suggest`` and ``replay`` of the policy's
 ``loss`` section).
 
+Besides the norms, the run's policy as far as the log shows it: the sections its ``attach`` event carries
+(``recovery``, ``loss``, ``rerun``: ``suggest`` keeps them), its rules' names, and each tensor's per-tensor
+``clip_norm`` as its ``intervention`` events show it (the rule, the ``max_norm``, the steps it acted on), so a clip
+the user wrote tighter than the tensor's ordinary norms is known without the policy file.
+
 Each line is read once into its typed event (``gradguard.events.definitions``);
 no torch.
 """
@@ -22,9 +27,9 @@ from pathlib import Path
 from typing import Any, Final
 
 from gradguard.audit.reader import ReadStats, read_merged
-from gradguard.events.definitions import Attach, Number, Stats, as_float
+from gradguard.events.definitions import Attach, Intervention, Number, Stats, as_float
 
-__all__ = ["MONITOR_HINT", "RecordedStep", "Recording", "no_norms_message", "recorded_steps"]
+__all__ = ["MONITOR_HINT", "RecordedClip", "RecordedStep", "Recording", "no_norms_message", "recorded_steps"]
 
 MONITOR_HINT: Final = (
     "{name: record-norms, match: '*', actions: [{action: monitor, stats: [norm], scope: tensor, every: 1}]}"
@@ -44,6 +49,16 @@ class RecordedStep:
     grad_to_weight: dict[str, float] = field(default_factory=dict)
     loss: float | None = None
     """The step's loss (the guard's, as its ``stats`` events carry it), or ``None`` where none was recorded."""
+
+
+@dataclass
+class RecordedClip:
+    """A per-tensor ``clip_norm`` of the run's policy on one tensor, as its ``intervention`` events show it."""
+
+    rule: str
+    max_norm: float
+    steps: int = 0
+    """The steps on which it acted (clipped the tensor)."""
 
 
 @dataclass
@@ -69,9 +84,14 @@ class Recording:
     """The first place the steps went back, ``(from, to)``: the log holds several runs (read as one)."""
     loss_steps: int = 0
     """Recorded steps with a loss."""
-    recovery: dict[str, Any] | None = None
-    """The ``recovery`` section of the run's policy, as the log's last ``attach`` event gives it (its policy keys
-    only), or ``None``: the run had none (``suggest`` keeps it)."""
+    sections: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The top-level sections of the run's policy (``recovery``, ``loss``, ``rerun``, any the ``attach`` event
+    carries) as the log's last ``attach`` event gives them (with what the guard adds, the recovery section's bytes
+    and placement): ``suggest`` keeps them (``gradguard.tuning.run_policy``)."""
+    rules: tuple[str, ...] = ()
+    """The names of the run's rules, from the log's last ``attach`` event."""
+    clips: dict[str, RecordedClip] = field(default_factory=dict)
+    """Parameter name -> the tightest per-tensor 2-norm ``clip_norm`` that acted on it (``intervention`` events)."""
 
 
 def no_norms_message(paths: Sequence[Path], recording: Recording, *, loss: bool = False) -> str:
@@ -101,7 +121,10 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
         event = record.event
         if isinstance(event, Attach):
             recording.guarded_params = event.params
-            recording.recovery = _policy_keys(event.recovery)
+            recording.sections, recording.rules = _sections(event), tuple(event.rules)
+            continue
+        if isinstance(event, Intervention):
+            _note_clip(event, recording.clips)
             continue
         if not isinstance(event, Stats):
             continue
@@ -134,13 +157,27 @@ def recorded_steps(paths: Sequence[Path], recording: Recording) -> Iterator[Reco
         yield current
 
 
-def _policy_keys(section: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The attach event's ``recovery`` less what the guard adds beside the policy's keys (bytes, placement)."""
-    if section is None:
-        return None
-    from gradguard.policy.schema import Recovery
+def _sections(event: Attach) -> dict[str, dict[str, Any]]:
+    """The attach event's policy sections as it carries them. Every top-level field of a policy but its rules is
+    looked for, so a section the event comes to carry is kept with no change here."""
+    from gradguard.policy.schema import PolicyFields
 
-    return {key: value for key, value in section.items() if key in Recovery.model_fields}
+    names = [name for name in PolicyFields.model_fields if name not in ("version", "rules")]
+    return {name: section for name in names if isinstance(section := getattr(event, name, None), dict)}
+
+
+def _note_clip(event: Intervention, clips: dict[str, RecordedClip]) -> None:
+    """Count a per-tensor 2-norm ``clip_norm``'s intervention on its tensor; the tightest ``max_norm`` is kept."""
+    if event.action != "clip_norm" or event.scope != "tensor" or event.param is None or event.max_norm is None:
+        return
+    if event.norm_type is not None and as_float(event.norm_type) != 2.0:
+        return
+    max_norm = as_float(event.max_norm)
+    clip = clips.get(event.param)
+    if clip is None or max_norm < clip.max_norm:
+        clip = clips[event.param] = RecordedClip(event.rule, max_norm, clip.steps if clip is not None else 0)
+    if clip.rule == event.rule:
+        clip.steps += 1
 
 
 def _take(figures: dict[str, dict[str, Number] | Number], into: RecordedStep) -> bool:

@@ -23,9 +23,10 @@ acted on.
 
 Every parameter gets a non-finite rule: ``skip_step_on_nonfinite``, or ``halt_on_nonfinite`` where the run's
 policy halted (``keep``, ``--policy``) or had a ``recovery`` section (a halt is what it turns into a rewind); and a
-``monitor`` keeps recording norms for the next run. The run's ``recovery`` section is kept (from ``keep``, or from
-the log's ``attach`` event), and ``keep``'s ``rerun`` and ``loss`` sections too (a proposed ``loss`` section takes
-the place of the latter).
+``monitor`` keeps recording norms for the next run. Every section the run's policy had (``recovery``, ``loss``,
+``rerun``: from ``keep``, or from the log's ``attach`` event) is kept, a proposed ``loss`` section taking the place of
+the run's, and the header says what changed (``gradguard.tuning.run_policy``). A per-tensor clip of the run's policy
+below a tensor's median norm (a hold-down the user wrote) is kept as it was, that tensor apart from the families.
 
 With ``loss=True`` (``--loss``), where the log holds the step's loss (the ``stats`` events carry it), a ``loss``
 section with a ``spike.factor`` learned the same way from ``ln(loss / reference)``, the reference a running
@@ -38,23 +39,21 @@ from __future__ import annotations
 
 import json
 import math
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-import torch
-
 from gradguard.policy.document import Policy
 from gradguard.policy.loading import load_policy_text
-from gradguard.policy.schema import HaltOnNonfinite
-from gradguard.tuning.blocks import stacked
+from gradguard.policy.patterns import pattern_matcher
 from gradguard.tuning.families import Family, family_key, family_pattern, merge_alike
 from gradguard.tuning.histogram import BIN_WIDTH, LogHistogram, round_up, yaml_float
 from gradguard.tuning.loss_factor import LossFactor, LossRatios, loss_factor, loss_lines
+from gradguard.tuning.norm_summary import NormSummary
 from gradguard.tuning.records import Recording, no_norms_message, recorded_steps
 from gradguard.tuning.replay import ReplayResult, replay_files
+from gradguard.tuning.run_policy import Apart, HardClip, Kept, apart_lines, hard_clips
 
 __all__ = [
     "MIN_FACTOR",
@@ -89,88 +88,6 @@ class NoNorms(Exception):
 
 
 @dataclass
-class NormSummary:
-    """The first pass: every family's histogram of ``ln(norm)``, built one recorded step at a time."""
-
-    families: dict[str, Family] = field(default_factory=dict)
-    names: dict[str, Family] = field(default_factory=dict)
-    """Parameter name -> its family, in the order first seen."""
-
-    _block_names: list[str] = field(default_factory=list)
-    _values: array[float] = field(default_factory=lambda: array("d"))
-    """The gathered steps' norms, row after row (``_block_names`` in each)."""
-
-    def add(self, norms: dict[str, float]) -> None:
-        """One recorded step's norms; they are counted a block of steps at a time (``flush``)."""
-        names = list(norms)
-        if names != self._block_names:
-            self.flush()
-            self._block_names = names
-            for name in names:
-                if name not in self.names:
-                    key = family_key(name)
-                    family = self.families.get(key)
-                    if family is None:
-                        family = self.families[key] = Family([key])
-                    family.members.add(name)
-                    self.names[name] = family
-        self._values.extend(norms.values())
-        if len(self._values) >= _HISTOGRAM_STEPS * len(names):
-            self.flush()
-
-    def flush(self) -> None:
-        """Count the gathered steps' norms, every member's column at once (binned as ``LogHistogram.add`` bins).
-
-        ``ln`` is torch's float64 logarithm, which can be an ulp away from ``math.log``: enough to move a norm on a
-        bin's edge into the next bin, so the few within a millionth of a bin of an edge are binned again with
-        ``math.log``, and the histograms are those ``LogHistogram.add`` makes. One ``unique`` over
-        ``(column, bin)`` pairs counts the whole block.
-        """
-        if not self._values:
-            return
-        values = stacked(self._values, len(self._block_names))
-        self._values = array("d")
-        positive = (values > 0.0) & (values < math.inf)
-        zeros = (values == 0.0).sum(dim=0).tolist()
-        counted = positive.sum(dim=0).tolist()
-        steps = values.shape[0]
-        for name, zero, count in zip(self._block_names, zeros, counted, strict=True):
-            family = self.names[name]
-            family.zeros += zero
-            family.nonfinite += steps - count - zero
-        if not any(counted):
-            return
-        kept = values[positive]
-        scaled = torch.log(kept) / BIN_WIDTH
-        edge = torch.nonzero((scaled - scaled.round()).abs() < 1e-6).flatten()
-        if len(edge):
-            exact = [math.log(value) / BIN_WIDTH for value in kept[edge].tolist()]
-            scaled[edge] = torch.tensor(exact, dtype=torch.float64)
-        keys = torch.floor(scaled).to(torch.int64)
-        columns = positive.nonzero()[:, 1]
-        low = int(keys.min())
-        span = int(keys.max()) - low + 1
-        pairs, counts = torch.unique(columns * span + (keys - low), return_counts=True)
-        by_column: dict[int, dict[int, int]] = {}
-        for pair, count in zip(pairs.tolist(), counts.tolist(), strict=True):
-            column, key = divmod(pair, span)
-            by_column.setdefault(column, {})[key + low] = count
-        for column, binned in by_column.items():
-            name = self._block_names[column]
-            family = self.names[name]
-            own = family.by_member.get(name)
-            if own is None:
-                own = family.by_member[name] = LogHistogram()
-            own.add_counts(binned, counted[column])
-            family.histogram.add_counts(binned, counted[column])
-
-
-_HISTOGRAM_STEPS: Final = 512
-"""Recorded steps gathered before their norms are counted: 512 x 300 tensors is 1.2 MB of float64, and the
-binning's temporaries stay small enough that the peak is flat in the log's length (2,048 steps grew it)."""
-
-
-@dataclass
 class Threshold:
     """One family's ``clip_norm`` and the figures behind it (``ln`` of norms)."""
 
@@ -187,6 +104,8 @@ class Threshold:
     """Which of the three bounds set ``max_norm``: ``spread``, ``factor`` or ``quantile``."""
     steps: list[int] = field(default_factory=list)
     """The recorded steps the replay would have clipped."""
+    exclude: list[str] = field(default_factory=list)
+    """Tensors its patterns match that are kept apart (a clip of the run's, ``gradguard.tuning.run_policy``)."""
 
 
 @dataclass
@@ -204,10 +123,22 @@ class Suggestion:
     z: float
     loss: LossFactor | None = None
     """The proposed ``loss.spike.factor`` and its figures, or ``None`` (too few recorded losses)."""
+    kept: Kept | None = None
+    """What was kept of the run's policy, and what was replaced."""
+    hard: list[HardClip] = field(default_factory=list)
+    """The run's clips below their tensors' median norms, kept as written and apart from the families."""
 
     @property
     def policy(self) -> Policy:
         return load_policy_text(Policy, self.text, "yaml", "<suggested>")
+
+    def changes(self) -> list[str]:
+        """What the suggestion kept of the run's policy and changed, in a few words each (``suggest -o``'s line)."""
+        said = [self.kept.said()] if self.kept is not None and self.kept.said() else []
+        return said + [
+            f"kept the run's clip of {', '.join(clip.params)} at {clip.max_norm:g} (rule {clip.rule!r})"
+            for clip in self.hard
+        ]
 
 
 def suggest_files(
@@ -232,30 +163,49 @@ def suggest_files(
     summary.flush()
     if not summary.names:
         raise NoNorms(no_norms_message(paths, recording, loss=loss))
-    kept = _Kept.of(keep, recording, proposed_loss=loss)
+    kept = Kept.of(keep, recording, proposed_loss=loss)
     # A proposed loss section keeps the run's verdict on a NaN/Inf loss (a halt stays a halt).
-    nonfinite = keep.loss.nonfinite if keep is not None and keep.loss is not None else "skip"
-    shown: dict[str, Any] = {"z": z, "spike_factor": SPIKE_FACTOR, "least": MIN_SAMPLES, "nonfinite": nonfinite}
+    shown: dict[str, Any] = {
+        "z": z,
+        "spike_factor": SPIKE_FACTOR,
+        "least": MIN_SAMPLES,
+        "nonfinite": kept.nonfinite_loss,
+    }
+    medians = {
+        name: math.exp(h.median()) for family in summary.families.values() for name, h in family.by_member.items()
+    }
+    hard = hard_clips(keep, recording, medians)
+    apart = [Apart(clip, [summary.take_apart(name) for name in clip.params]) for clip in hard]
     usable = [family for family in summary.families.values() if family.samples >= MIN_SAMPLES]
     sparse = [family for family in summary.families.values() if family.samples < MIN_SAMPLES]
     merged = merge_alike(usable, merge_within, lambda family: family.histogram.median())
     names = list(summary.names)
     thresholds = [_threshold(family, names, len(merged), budget, z) for family in merged]
     thresholds.sort(key=lambda t: -t.median)
-    _unique_rule_names(thresholds)
+    _unique_rule_names(thresholds, apart)
+    for held in apart:  # what its own norms would have given it, had the clip not been kept
+        held.own = [
+            _threshold(one, names, 1, budget, z).max_norm for one in held.families if one.samples >= MIN_SAMPLES
+        ]
+        held.patterns = [family_pattern(name, {name}, names) for name in held.clip.params]
+    for threshold in thresholds:  # a family's pattern may still reach a tensor kept apart (``blocks.*.weight``)
+        matches = [pattern_matcher(pattern) for pattern in threshold.patterns]
+        threshold.exclude = [name for held in apart for name in held.patterns if any(m(name) for m in matches)]
     found = None
     if ratios.ratios.total >= MIN_SAMPLES:
         bounds = {"min_spread": MIN_SPREAD, "min_factor": MIN_FACTOR, "spike_factor": SPIKE_FACTOR}
         found = loss_factor(ratios, budget=budget, z=z, **bounds)
-    draft = _render(paths, thresholds, sparse, recording, len(names), budget, z, None, kept)
+    draft = _render(paths, thresholds, sparse, recording, len(names), budget, z, None, kept, apart)
     if loss:
         draft += "\n".join(loss_lines(found, ratios, None, **shown)) + "\n"
-    draft += kept.sections()
+    draft += kept.text()
     replay = replay_files(load_policy_text(Policy, draft, "yaml", "<suggested>"), paths)
     by_rule = {entry.rule: entry.steps for entry in replay.actions}
     for threshold in thresholds:
         threshold.steps = by_rule.get(threshold.rule, [])
-    text = _render(paths, thresholds, sparse, recording, len(names), budget, z, replay, kept)
+    for held in apart:
+        held.steps = by_rule.get(held.name, [])
+    text = _render(paths, thresholds, sparse, recording, len(names), budget, z, replay, kept, apart)
     if found is not None:
         verdicts = {entry.action: entry.steps for entry in replay.actions if entry.rule == "loss"}
         found.spikes, found.nonfinite = verdicts.get("spike", []), verdicts.get("nonfinite", [])
@@ -263,9 +213,9 @@ def suggest_files(
         text += "\n".join(loss_lines(found, ratios, flagged, **shown)) + "\n"
     elif loss:
         text += "\n".join(loss_lines(None, ratios, None, **shown)) + "\n"
-    text += kept.sections()
+    text += kept.text()
     load_policy_text(Policy, text, "yaml", "<suggested>")  # what is printed loads: a failure here is a bug
-    return Suggestion(text, thresholds, sparse, replay, recording, len(names), budget, z, found)
+    return Suggestion(text, thresholds, sparse, replay, recording, len(names), budget, z, found, kept, hard)
 
 
 def _threshold(family: Family, names: list[str], families: int, budget: float, z: float) -> Threshold:
@@ -304,8 +254,15 @@ def _rule_name(keys: Sequence[str]) -> str:
     return " & ".join(named)
 
 
-def _unique_rule_names(thresholds: list[Threshold]) -> None:
+def _unique_rule_names(thresholds: list[Threshold], apart: list[Apart]) -> None:
     taken = {NONFINITE_RULE, MONITOR_RULE}
+    for held in apart:
+        name, count = held.clip.rule, 1
+        while name in taken:
+            count += 1
+            name = f"{held.clip.rule}#{count}"
+        held.name = name
+        taken.add(name)
     for threshold in thresholds:
         name, count = threshold.rule, 1
         while name in taken:
@@ -355,7 +312,8 @@ def _render(
     budget: float,
     z: float,
     replay: ReplayResult | None,
-    kept: _Kept,
+    kept: Kept,
+    apart: list[Apart],
 ) -> str:
     steps = recording.steps
     acted: list[int] = []
@@ -368,6 +326,7 @@ def _render(
         "# largest tensor's. Each tensor's norms count against its own median (spread: 1.4826 x MAD of",
         f"# ln(norm / median); ordinary: below e^({ANOMALY_FACTOR * z:g} x spread) and {SPIKE_FACTOR:g} x the median,"
         f" no bound above {SPIKE_FACTOR:g}).",
+        *kept.changes(held.clip for held in apart),
         "version: 1",
         "rules:",
     ]
@@ -389,6 +348,11 @@ def _render(
         lines.append("      - action: halt_on_nonfinite")
     else:
         lines += ["      - action: skip_step_on_nonfinite", f"        max_consecutive_skips: {MAX_CONSECUTIVE_SKIPS}"]
+    for held in apart:
+        acted += held.steps
+        lines += apart_lines(
+            held, f"On the recorded run it {_steps(held.steps, steps)}." if replay is not None else None
+        )
     for threshold in thresholds:
         family = threshold.family
         acted += threshold.steps
@@ -408,6 +372,7 @@ def _render(
         lines += [
             f"  - name: {json.dumps(threshold.rule)}",
             f"    match: [{', '.join(json.dumps(pattern) for pattern in threshold.patterns)}]",
+            *([f"    exclude: {json.dumps(threshold.exclude)}"] if threshold.exclude else []),
             "    actions:",
             "      - action: clip_norm",
             f"        max_norm: {yaml_float(threshold.max_norm)}",
@@ -430,49 +395,6 @@ def _render(
         share = 100.0 * union / steps if steps else 0.0
         lines.append(f"# In all, the clips act on {union:,} of the {steps:,} recorded steps ({share:.2g}%).")
     return "\n".join(lines) + "\n"
-
-
-_WHY_RECOVERY: Final = "which the recovery section (below, the run's) turns into a rewind"
-
-
-@dataclass(frozen=True)
-class _Kept:
-    """What the suggestion keeps of the run's policy: the non-finite verdict and the top-level sections."""
-
-    halts: bool
-    why_halt: str
-    recovery: dict[str, Any] | None
-    recovery_from: str
-    rerun: dict[str, Any] | None
-    loss: dict[str, Any] | None
-
-    @classmethod
-    def of(cls, keep: Policy | None, recording: Recording, *, proposed_loss: bool) -> _Kept:
-        if keep is not None:
-            recovery = keep.recovery.model_dump(mode="json", exclude_defaults=True) if keep.recovery else None
-            rerun = keep.rerun.model_dump(mode="json", exclude_defaults=True) if keep.rerun else None
-            loss = keep.loss.model_dump(mode="json", exclude_defaults=True) if keep.loss and not proposed_loss else None
-            halts = any(isinstance(a, HaltOnNonfinite) for rule in keep.rules for a in rule.actions)
-            why = "as the run's policy did" if halts else ""
-            if not halts and recovery is not None:
-                halts, why = True, _WHY_RECOVERY
-            return cls(halts, why, recovery, f"the run's policy ({keep.source})", rerun, loss)
-        recovery = recording.recovery
-        return cls(recovery is not None, _WHY_RECOVERY, recovery, "the log's attach event", None, None)
-
-    def sections(self) -> str:
-        """The kept sections, in YAML's flow style (JSON), each with a comment saying where it comes from."""
-        lines: list[str] = []
-        if self.loss is not None:
-            lines.append("# The loss section of the run's policy, kept as it was (--loss proposes one instead).")
-            lines.append(f"loss: {json.dumps(self.loss)}")
-        if self.recovery is not None:
-            lines.append(f"# The recovery section, kept from {self.recovery_from}: a halt rewinds to a snapshot.")
-            lines.append(f"recovery: {json.dumps(self.recovery)}")
-        if self.rerun is not None:
-            lines.append("# The rerun section of the run's policy, kept as it was.")
-            lines.append(f"rerun: {json.dumps(self.rerun)}")
-        return "".join(f"{line}\n" for line in lines)
 
 
 def _bound_text(threshold: Threshold, z: float) -> str:

@@ -28,6 +28,7 @@ __all__ = [
     "PolicyIssue",
     "UnsupportedOptimizerError",
     "origin_sentence",
+    "ranks_words",
 ]
 
 
@@ -84,6 +85,7 @@ class GradientHalt(GradGuardError, RuntimeError):
         reason: str | None = None,
         origin: Mapping[str, Any] | None = None,
         restored_to: int | None = None,
+        ranks: Mapping[int, str] | None = None,
     ) -> None:
         self.step = step
         """The guard's 0-based step index at which the halt happened."""
@@ -110,15 +112,26 @@ class GradientHalt(GradGuardError, RuntimeError):
         sentence: how to trace it, or to trace it further); ``None`` if not traced."""
         self.restored_to = restored_to
         """The step of the recovery snapshot restored before this halt (``max_rewinds`` reached), or ``None``."""
+        self.ranks: dict[int, str] = dict(sorted((ranks or {}).items()))
+        """Under ``torch.distributed``: the ranks where the fault was made, before the reduction, and their hosts
+        (``{2: "node-17"}``): drain those. Empty in one process, for a fault made after the reduction, or where the
+        ranks' own gradients are unseen (the ``attach`` event's ``ranks`` says why). For ``kind`` ``"divergence"``,
+        the replicas outside the majority; ``"outlier"``, the ranks far off the others."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
-        what = {"spike": "gradient norm spike", "overflow": "GradScaler overflow (inf/NaN) on every step"}.get(
-            kind, f"non-finite gradient ({kind})"
-        )
+        what = {
+            "spike": "gradient norm spike",
+            "overflow": "GradScaler overflow (inf/NaN) on every step",
+            "divergence": "replica divergence (the data-parallel replicas' weights differ bitwise)",
+            "outlier": "rank outlier (a rank's own gradient far off the others')",
+        }.get(kind, f"non-finite gradient ({kind})")
         if rule == "loss":  # the policy's loss section, not a rule's gradient
             what = "loss spike" if kind == "spike" else f"non-finite loss ({kind})"
         elif kind == "transient":
             what = "transient fault (the step computed again differed)"
         where = f" in {len(self.params)} parameter(s): {shown}" if self.params else ""
+        if self.ranks:
+            made = "made on" if kind not in ("divergence", "outlier") else "on"
+            where += f", {made} {ranks_words(self.ranks)}"
         traced = f" {origin_sentence(origin)}" if origin else ""
         state = "as they were after the last good step"
         if restored_to is not None:
@@ -131,12 +144,24 @@ class GradientHalt(GradGuardError, RuntimeError):
         )
 
 
+def ranks_words(ranks: Mapping[int, str]) -> str:
+    """``rank 2 (host node-17)``, or ``ranks 1 (host a) and 2 (host b)``; at most eight named."""
+    named = [f"{rank} (host {host})" for rank, host in sorted(ranks.items())]
+    shown = ", ".join(named[:8]) + (f" and {len(named) - 8} more" if len(named) > 8 else "")
+    if len(named) == 2:
+        shown = " and ".join(named)
+    return ("rank " if len(named) == 1 else "ranks ") + shown
+
+
 def origin_sentence(origin: Mapping[str, Any]) -> str:
     """Where a NaN/Inf started (a halt's or skip's ``origin``), in one or two sentences."""
     phase, module, seen_in = origin.get("phase"), origin.get("module"), origin.get("seen_in")
     kind = origin.get("kind") or "non-finite"
     first = list(origin.get("first_params") or ())
-    if phase == "forward" and origin.get("input_nonfinite"):
+    if phase == "received":
+        text = f"It was not made on this rank (rank {origin.get('rank')}): its own gradient was finite before the "
+        text += "reduction, which carried in what another rank made."
+    elif phase == "forward" and origin.get("input_nonfinite"):
         text = f"It started in the input batch, already {kind} before the first module (the data is at fault, "
         text += f"not the model); first non-finite output: {seen_in}."
     elif phase == "forward" and module:

@@ -28,6 +28,7 @@ from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.provenance.provenance import attach_provenance, check_mode
 from gradguard.enforce.step.engine import Enforcer
 from gradguard.enforce.step.known_norms import clip_with_known_norms
+from gradguard.enforce.step.ranks import watch_ranks
 from gradguard.enforce.step.reload import Reloader
 from gradguard.enforce.triggers.loss import LossWatch, watches_loss
 from gradguard.enforce.triggers.rerun import ClosureRerun
@@ -156,9 +157,7 @@ class GradGuard(ServesMetrics):
             """Identifies this guard's events in a log that several runs append to."""
             self.rank = distributed_rank()
             events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
-            self._enforcer = Enforcer(
-                binding, self.counters, events, summary_every=summary_every, collective=collective
-            )
+            self._enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
             self._enforcer.step = start_step
             self._events = events
             self._expected: list[Optimizer] | None = optimizers
@@ -185,7 +184,8 @@ class GradGuard(ServesMetrics):
             self._attachment.handles.extend(deepspeed_boundary(self, engine, model))  # ZeRO 1/2: at its update
             self._finalizer = weakref.finalize(self, self._attachment.collected)
             self._finalizer.atexit = False
-            emit_attach(events, self.policy, model, binding, optimizers, start_step, self._enforcer.recovery)
+            ranks = watch_ranks(self._enforcer, model, engine is not None)  # under torch.distributed
+            emit_attach(events, self.policy, model, binding, optimizers, start_step, recovery, ranks, engine=engine)
         except BaseException:
             Attachment.abandon(self.__dict__.get("_attachment"))  # no hook left behind
             forget(self)  # the model is free again

@@ -20,8 +20,17 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradguard.enforce.distributed.deepspeed import deepspeed_engine
-from gradguard.enforce.hooks.deepspeed_boundary import DeepSpeedBoundary, needs_update_hook, refuse_under_deepspeed
+from gradguard.enforce.distributed.deepspeed import deepspeed_engine, inner_optimizer
+from gradguard.enforce.distributed.deepspeed_taps import tap_reduction
+from gradguard.enforce.hooks.boundaries import explicit_context
+from gradguard.enforce.hooks.deepspeed_boundary import (
+    ClipHook,
+    DeepSpeedBoundary,
+    boundary_name,
+    clips_before_step,
+    needs_update_hook,
+    refuse_under_deepspeed,
+)
 from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.recovery.recovery import Recovery
 from gradguard.enforce.recovery.schedulers import holdable
@@ -187,9 +196,14 @@ def emit_attach(
     optimizers: list[Optimizer] | None,
     start_step: int,
     recovery: Recovery,
+    ranks: dict[str, Any] | None = None,
+    *,
+    engine: Any = None,
 ) -> None:
     boundary = "any torch.optim optimizer"
-    if optimizers is not None:
+    if engine is not None:  # a DeepSpeed engine: where in its step the guard acts
+        boundary = boundary_name(engine)
+    elif optimizers is not None:
         boundary = ", ".join(type(opt).__name__ for opt in optimizers)
     events.emit(
         "info",
@@ -204,6 +218,7 @@ def emit_attach(
         pid=os.getpid(),
         **_recovery_fields(policy, recovery),
         **{name: section.model_dump(mode="json") for name, section in _watches(policy).items()},
+        **({"ranks": ranks} if ranks is not None else {}),
     )
 
 
@@ -366,16 +381,27 @@ def deepspeed_parts(model: nn.Module) -> tuple[Any | None, nn.Module]:
     return (engine, engine.module) if engine is not None else (None, model)
 
 
-def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[DeepSpeedBoundary]:
-    """The guard's step at each update of a DeepSpeed engine at ZeRO 1/2 (``hooks.deepspeed_boundary``); none at
-    ZeRO 0, where the client optimizer steps the model's own reduced gradients and the optimizer hooks treat them."""
+def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[Removable]:
+    """The guard's step at each update of a DeepSpeed engine (``hooks.deepspeed_boundary``): inside its update at ZeRO
+    1/2; at ZeRO 0 the client optimizer's step, where the optimizer hooks treat the model's reduced gradients, or
+    before DeepSpeed's own clip where it clips (``ClipHook``). With the tap of each rank's own gradient before the
+    reduction (``distributed.deepspeed_taps``) and, under recovery, the engine's master partitions, optimizer state
+    and LR scheduler in the snapshots."""
     if engine is None:
         return []
     guard._reloader.check = functools.partial(refuse_under_deepspeed, engine, per_micro_batch=False)  # reloads too
-    if not needs_update_hook(engine):
-        return []
-    guard._attachment.inside_deepspeed = True
+    enforcer = guard._attachment.enforcer
+    handles: list[Removable] = []
+    if enforcer.collective.active():  # one rank has no "which rank": nothing to note, nobody to take the notes
+        tap = tap_reduction(engine, enforcer.collective.local)
+        handles += [tap] if tap is not None else []
+    _recover_deepspeed(enforcer.recovery, engine)
     ref = weakref.ref(guard)
+    if not needs_update_hook(engine):
+        if clips_before_step(engine):
+            handles.append(ClipHook(engine, functools.partial(_before_deepspeed_clip, ref, inner_optimizer(engine))))
+        return handles
+    guard._attachment.inside_deepspeed = True
 
     def treat(context: StepContext) -> bool:
         live = ref()
@@ -388,6 +414,8 @@ def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[
             enforcer = live._attachment.enforcer
             proceed = enforcer.run(live._plans.current(), context)
             live._record(proceed and not enforcer.book.scaler_skip_at_boundary)
+            # Only the update is left of this step (no forward moves the buffers now): a snapshot due next keeps them.
+            enforcer.recovery.at_step_start(enforcer.step)
             return proceed  # an fp16 overflow stays DeepSpeed's to skip (its loss scale is updated)
 
     def skipped(loss_scale: float | None) -> None:
@@ -399,4 +427,37 @@ def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[
             live._record(False)
             enforcer.record_scaler_skip((), step=enforcer.step - 1, loss_scale=loss_scale)  # once a step
 
-    return [DeepSpeedBoundary(engine, list(model.parameters()), treat, skipped)]
+    return [*handles, DeepSpeedBoundary(engine, list(model.parameters()), treat, skipped)]
+
+
+def _recover_deepspeed(recovery: Recovery, engine: Any) -> None:
+    """Under a ``recovery`` section, the snapshots hold what DeepSpeed updates: the torch optimizer it steps (at ZeRO
+    1/2 its parameters are this rank's fp32 master partitions, outside the model: copied and put back with its state)
+    and the engine's LR scheduler (rewound to the snapshot's step; DeepSpeed does not step it on a skipped update)."""
+    if not recovery.active:
+        return
+    recovery.saw_optimizer(inner_optimizer(engine))
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None and holdable(scheduler):
+        recovery.add_scheduler(scheduler)
+
+
+def _before_deepspeed_clip(ref: weakref.ReferenceType[LiveGuard], optimizer: Optimizer) -> bool:
+    """ZeRO 0 with DeepSpeed's clip: the guard's step on the raw reduced gradients, as at ``guard.step(optimizer)``;
+    False where it skipped the update (the gradients are gone: DeepSpeed's clip is left out)."""
+    live = ref()
+    if live is None:
+        return True
+    with live._lock:
+        if not live._attachment.open:
+            return True
+        live._at_boundary()
+        plan = live._plans.for_optimizer(optimizer)
+        if plan is None:
+            return True
+        enforcer = live._attachment.enforcer
+        enforcer.recovery.saw_optimizer(optimizer)
+        proceed = enforcer.run(plan, explicit_context(optimizer, live._model_ref, None))
+        if enforcer.last_run_treated:
+            live._record(proceed)
+        return proceed

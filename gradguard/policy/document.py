@@ -31,7 +31,7 @@ class Policy(PolicyFields):
         return hash(self._sections())
 
     def _sections(self) -> tuple[Any, ...]:
-        return (self.version, self.rules, self.loss, self.recovery, self.rerun)
+        return (self.version, self.rules, self.loss, self.recovery, self.rerun, self.ranks)
 
     @property
     def source(self) -> str:

@@ -53,6 +53,7 @@ from gradguard.policy.schema import (
     LossSpike,
     Monitor,
     PolicyFields,
+    Ranks,
     Recovery,
     Rerun,
     Rule,
@@ -107,6 +108,7 @@ _RECOVERY_FIELDS = tuple(Recovery.model_fields)
 _LOSS_FIELDS = tuple(Loss.model_fields)
 _LOSS_SPIKE_FIELDS = tuple(LossSpike.model_fields)
 _RERUN_FIELDS = tuple(Rerun.model_fields)
+_RANKS_FIELDS = tuple(Ranks.model_fields)
 
 
 def load_policy_file(cls: type[P], path: str | os.PathLike[str]) -> P:
@@ -449,6 +451,8 @@ def _allowed_fields(loc: Sequence[int | str], data: Mapping[str, Any]) -> tuple[
         return _LOSS_SPIKE_FIELDS
     if tuple(parent) == ("rerun",):
         return _RERUN_FIELDS
+    if tuple(parent) == ("ranks",):
+        return _RANKS_FIELDS
     if len(parent) == 4 and parent[2] == "actions":
         try:
             action = data["rules"][parent[1]]["actions"][parent[3]]["action"]

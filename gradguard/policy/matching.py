@@ -9,18 +9,28 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from gradguard.errors import GuardStateError, PolicyError, PolicyIssue
+from gradguard.errors import GuardStateError, GuardWarning, PolicyError, PolicyIssue
 from gradguard.policy.document import Policy
 from gradguard.policy.patterns import pattern_matcher, rule_matches
 from gradguard.policy.schema import GRADIENT_CHANGING_ACTIONS, Action, Rule
 
-__all__ = ["Binding", "BoundRule", "GuardedParam", "bind", "canonical_name", "pattern_matcher", "rule_matches"]
+__all__ = [
+    "Binding",
+    "BoundRule",
+    "GuardedParam",
+    "bind",
+    "binding_warnings",
+    "canonical_name",
+    "pattern_matcher",
+    "rule_matches",
+]
 
 _TRANSPARENT_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 _DATA_PARALLEL_TYPES: tuple[type[nn.Module], ...] = (
@@ -85,6 +95,8 @@ class Binding:
     """Every canonical parameter name of the model, covered or not."""
     model_params: tuple[weakref.ReferenceType[nn.Parameter], ...]
     """Every parameter tensor of the model at bind time, in ``parameters()`` order."""
+    warnings: tuple[str, ...] = ()
+    """What the policy says that this model makes void, each a ``GuardWarning`` at bind (``binding_warnings``)."""
 
     def still_matches(self, model: nn.Module) -> bool:
         """Whether the model still has exactly the tensors it was bound to (by identity, not by ``id``:
@@ -134,6 +146,9 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
     if issues:
         raise PolicyError(issues)
     _refuse_unsupported(model, policy, guarded)
+    found = binding_warnings(policy, [tuple(names) for names in names_by_id.values()])
+    for warning in found:
+        warnings.warn(warning, GuardWarning, stacklevel=2)
     return Binding(
         policy=policy,
         params=tuple(guarded),
@@ -141,7 +156,57 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         by_id={id(entry.ref()): entry for entry in guarded},
         all_names=tuple(all_names),
         model_params=tuple(weakref.ref(param) for param in model.parameters()),
+        warnings=tuple(found),
     )
+
+
+def binding_warnings(policy: Policy, tensors: Sequence[tuple[str, ...]]) -> list[str]:
+    """What ``policy`` says that a model whose tensors have the names ``tensors`` (each tensor's canonical names)
+    makes void, in words that name the rule, where it is, the nearest names and the fix; not errors, since the
+    guard does all the rest of the policy:
+
+    - an ``exclude`` pattern that excludes nothing: none of the tensors the rule's ``match`` reaches matches it,
+      so the tensor it was written for keeps the rule's actions (and gets those of the rule it was meant for too);
+    - a ``match`` pattern that is one whole name without a dot (``pos_embed``) and matches nothing, where ``*.NAME``
+      would: a glob matches the full dotted name, so it was meant for the parameter inside a module.
+
+    A rule with ``allow_no_match`` is written for models that may lack what it names, and is not warned about;
+    nor is a rule that matches nothing (``bind``'s error says so).
+    """
+    found: list[str] = []
+    all_names = [name for names in tensors for name in names]
+    for index, rule in enumerate(policy.rules):
+        if rule.allow_no_match:
+            continue
+        matchers = [pattern_matcher(pattern) for pattern in rule.match]
+        reached = [names for names in tensors if any(m(name) for m in matchers for name in names)]
+        if not reached:
+            continue
+        where = policy.rule_location(index)
+        reached_names = [name for names in reached for name in names if any(m(name) for m in matchers)]
+        for pattern in rule.exclude:
+            excludes = pattern_matcher(pattern)
+            if any(excludes(name) for name in reached_names):
+                continue
+            nearest = ", ".join(_nearest_names(pattern, reached_names))
+            found.append(
+                f"{where}: rule {rule.name!r}: exclude {pattern!r} excludes nothing: none of the {len(reached)} "
+                f"parameter(s) its match {list(rule.match)} reaches is named so, so each keeps the rule's actions. "
+                f"Nearest of them: {nearest}. Fix the pattern, or remove it."
+            )
+        for pattern in rule.match:
+            dotless = not pattern.startswith("re:") and "." not in pattern and not set("*?[") & set(pattern)
+            if not dotless or any(map(pattern_matcher(pattern), all_names)):
+                continue
+            within = pattern_matcher(f"*.{pattern}")
+            inside = [name for name in all_names if within(name) and name not in reached_names]
+            if inside:
+                found.append(
+                    f"{where}: rule {rule.name!r}: pattern {pattern!r} matches no parameter: a name without a dot "
+                    f"matches only a parameter of the model itself, and this model has none so named, but "
+                    f"{len(inside)} inside a module ({', '.join(inside[:3])}). Write '*.{pattern}' to match them."
+                )
+    return found
 
 
 def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str]) -> PolicyIssue:

@@ -21,7 +21,7 @@ from pydantic_core import PydanticCustomError
 from gradguard.policy.fields import Finite, PositiveFinite, check_skip_window
 from gradguard.policy.fields import Strict as _Strict
 from gradguard.policy.patterns import check_pattern
-from gradguard.policy.sections import Loss, LossSpike, Rerun, loss_can_halt
+from gradguard.policy.sections import Loss, LossSpike, Ranks, Rerun, loss_can_halt
 
 __all__ = [
     "MONITOR_STATS",
@@ -36,6 +36,7 @@ __all__ = [
     "LossSpike",
     "Monitor",
     "PolicyFields",
+    "Ranks",
     "Recovery",
     "Rerun",
     "Rule",
@@ -437,6 +438,8 @@ class PolicyFields(_Strict):
     """Rewind to an in-memory snapshot instead of halting (``None``: a halt ends the run)."""
     rerun: Rerun | None = None
     """Compute a suspect step again to tell a transient fault from the model's (``None``: never)."""
+    ranks: Ranks | None = None
+    """Watch the data-parallel ranks against each other: outliers, replicas that drift (``None``: neither)."""
 
     @field_validator("recovery")
     @classmethod

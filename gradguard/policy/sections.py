@@ -1,5 +1,5 @@
-"""The policy's top-level sections besides its rules: ``loss`` (the loss as a trigger) and ``rerun`` (a suspect
-step computed again).
+"""The policy's top-level sections besides its rules: ``loss`` (the loss as a trigger), ``rerun`` (a suspect
+step computed again) and ``ranks`` (the data-parallel ranks watched against each other).
 
 Kept apart from ``gradguard.policy.schema`` (the rules and their actions), which imports and re-exports them.
 """
@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from gradguard.policy.fields import Finite, Strict, check_skip_window
 
-__all__ = ["Loss", "LossSpike", "Rerun", "loss_can_halt"]
+__all__ = ["Loss", "LossSpike", "Ranks", "Rerun", "loss_can_halt"]
 
 
 class LossSpike(Strict):
@@ -95,3 +95,31 @@ class Rerun(Strict):
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
         return (value,) if isinstance(value, str) else value
+
+
+class Ranks(Strict):
+    """Watch the data-parallel ranks against each other (docs/policy-reference.md#the-ranks-section): a rank whose own
+    gradient is far off the others' (a finite fault: most silent data corruption is finite), and replicas whose
+    weights no longer agree bitwise. The rank where a NaN or Inf was made is named without this section."""
+
+    outlier_factor: float | None = Field(default=None, gt=1, strict=False)
+    """A rank whose own gradient 2-norm, before the reduction, exceeds this many times the median of the ranks'
+    is an outlier (``None``: not watched). Its norm rides the step's existing collective (a float per rank)."""
+    on_outlier: Literal["warn", "skip", "halt"] = "warn"
+    """An outlier: ``warn`` (a ``rank_outlier`` event and a warning), ``skip`` the step on every rank, or ``halt``
+    (a rewind, with a ``recovery`` section)."""
+    check_replicas_every: int | None = Field(default=None, ge=1, strict=True)
+    """Every this many steps, before the update, the replicas compare a bitwise fingerprint of every parameter,
+    computed on the device (``None``: never). DDP and DeepSpeed ZeRO 0-2, whose parameters are replicated."""
+    on_divergence: Literal["warn", "halt"] = "halt"
+    """Replicas that differ: ``warn`` (a ``replica_divergence`` event and a warning) or ``halt`` (before the
+    update; a rewind, with a ``recovery`` section)."""
+
+    @model_validator(mode="after")
+    def _asks_for_something(self) -> Ranks:
+        if self.outlier_factor is None and self.check_replicas_every is None:
+            raise ValueError(
+                "a ranks section asks for nothing: give outlier_factor (e.g. 10.0) or check_replicas_every "
+                "(e.g. 100), or remove the section (the rank where a NaN was made is named without it)"
+            )
+        return self

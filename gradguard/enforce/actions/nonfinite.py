@@ -121,17 +121,22 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
             pending.add(stacked, read_norms)
         return dict(zip(raw_ids, local, strict=True))
     flags = torch.stack([torch.isnan(evidence), torch.isinf(evidence)]).float().reshape(-1)
+    # Each rank's own-gradient flag (and norm) rides the same collective: which rank made a fault, at no extra cost.
+    slots, read_slots = work.take_rank_payload()
     if work.sharded:
         # One collective: the shards' squared norms (summed into full norms) and every rank's flags.
-        payload = collective.sum_(torch.cat([stacked.square(), flags]))
+        payload = collective.sum_(torch.cat([stacked.square(), flags, *slots]))
         result = list(payload[:count].sqrt().unbind())
         flags = payload[count:]
     else:
         # Replicas hold the same averaged gradient; a NaN injected on one rank must stop them all.
-        flags = collective.sum_(flags)
+        flags = collective.sum_(torch.cat([flags, *slots]) if slots else flags)
         result = local
 
     def read(values: list[float]) -> None:
+        if read_slots is not None:
+            read_slots(values[2 * count :])
+            values = values[: 2 * count]
         if not any(values):
             return  # every flag is 0: nothing non-finite (the common case, without a loop in Python)
         for position, index in enumerate(raw_ids):

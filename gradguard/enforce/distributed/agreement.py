@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from gradguard.enforce.distributed.collective import Collective
+from gradguard.enforce.distributed.local import host_name
 from gradguard.errors import GuardStateError
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import Binding
@@ -69,7 +70,7 @@ def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: fl
     sequence = next(_ATTACHES.setdefault(tag, itertools.count()))
     prefix = f"gradguard/attach/{tag}/{sequence}/"
     store = dist.distributed_c10d._get_default_store()
-    store.set(prefix + str(dist.get_rank()), json.dumps(dict(mine)))
+    store.set(prefix + str(dist.get_rank()), json.dumps(dict(mine) | {"host": host_name()}))
     keys = [prefix + str(rank) for rank in ranks]
     try:
         store.wait(keys, timedelta(seconds=timeout))
@@ -83,7 +84,11 @@ def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: fl
         ) from None
     saved = {rank: json.loads(store.get(key)) for rank, key in zip(ranks, keys, strict=True)}
     differences = []
-    for field in sorted({name for found in saved.values() for name in found} - {"source"}):
+    # Each rank's host, known to every rank from now on: a fault is named with the machine it came from.
+    collective.members, collective.index = ranks, ranks.index(dist.get_rank())
+    collective.hosts = {rank: str(entry.get("host", "?")) for rank, entry in saved.items()}
+    collective.store, collective.failure_key = store, prefix + "failure"
+    for field in sorted({name for found in saved.values() for name in found} - {"source", "host"}):
         by_value: dict[str, list[int]] = {}
         for rank, found in saved.items():
             by_value.setdefault(str(found.get(field, "(missing)")), []).append(rank)

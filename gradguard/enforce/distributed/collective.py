@@ -17,21 +17,47 @@ every rank, unconditionally, in the same order:
   the same collective as the first norms.
 
 Single-process use makes no collective at all.
+
+No rank is left waiting: a rank whose step raises writes its error into the process group's store
+(``Collective.failed``) before it raises, and every collective of the guard's step waits for its peers with an eye
+on that store (``Collective.settle``): a rank still waiting learns which rank failed and why within a fraction of a
+second, and raises ``GuardStateError`` naming it, instead of waiting for the process group's timeout (or dying on a
+transport error that names neither the rank nor the cause when the failed process exits).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradguard.enforce.distributed.local import LocalGradients
+from gradguard.enforce.distributed.local import LocalGradients, RankSlots, host_name
+from gradguard.errors import GradGuardError, GuardStateError
 
-__all__ = ["Collective", "is_sharded", "local_tensor"]
+__all__ = ["Collective", "RankFailed", "is_sharded", "local_tensor"]
+
+POLL_SECONDS = 0.2
+"""How often a rank waiting in the guard's collective looks in the store for a peer's failure."""
+LEFT_GRACE_SECONDS = 3.0
+"""A peer's process that left mid-collective wrote its failure before it raised: how long to look for it."""
+
+
+class RankFailed(GuardStateError):
+    """An exception inside the guard's step on one rank, raised on every rank (``failed_rank``, ``host``, ``error``)."""
+
+    def __init__(self, message: str, failed_rank: int, host: str, error: str, step: int | None) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+        self.host = host
+        self.error = error
+        self.step = step
 
 
 _DTENSOR: type | None = None
@@ -68,6 +94,36 @@ class Collective:
         self.group = group
         self.local = LocalGradients()
         """This rank's own gradient before the reduction, as the engine's tap notes it (``distributed.taps``)."""
+        self.members: list[int] = []
+        """The group's ranks (global ranks), in group order; set at attach (``agreement.agree_at_attach``)."""
+        self.hosts: dict[int, str] = {}
+        """Global rank -> its host's name; set at attach."""
+        self.index = 0
+        """This rank's place in ``members``."""
+        self.store: Any = None
+        """The process group's store, where a failed step is written (set at attach), or None."""
+        self.failure_key: str | None = None
+        """This guard's key in ``store`` for a failed step (one per attach: a later guard's run is not told)."""
+        self.step: int | None = None
+        """The step being treated, for the failure's words."""
+        self._inflight: list[Any] = []
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank."""
+        return self.members[self.index] if self.members else 0
+
+    def slots(self, norms: bool) -> RankSlots:
+        """Where this rank's flag (and norm) rides the step's SUM all-reduce."""
+        return RankSlots(self.index, max(len(self.members), 1), norms)
+
+    def named(self, group_indices: Sequence[int]) -> dict[int, str]:
+        """Group indices -> {global rank: host}."""
+        out = {}
+        for position in group_indices:
+            rank = self.members[position] if position < len(self.members) else position
+            out[rank] = self.hosts.get(rank, "?")
+        return out
 
     def active(self) -> bool:
         """Whether collectives are needed: torch.distributed is initialised with more than one rank."""
@@ -77,13 +133,104 @@ class Collective:
 
     def sum_(self, values: torch.Tensor) -> torch.Tensor:
         """All-reduce ``values`` in place by sum; one collective."""
-        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
-        return values
+        return self._reduce(values, dist.ReduceOp.SUM)
 
     def max_(self, values: torch.Tensor) -> torch.Tensor:
         """All-reduce ``values`` in place by max; one collective."""
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def _reduce(self, values: torch.Tensor, op: Any) -> torch.Tensor:
+        if self.store is None:  # no store to learn of a failure from: wait as torch does
+            dist.all_reduce(values, op=op, group=self.group)
+            return values
+        try:
+            work = dist.all_reduce(values, op=op, group=self.group, async_op=True)
+        except RuntimeError as error:  # a transport error at once: a peer has gone
+            raise self._peer_left(error) from error
+        if values.device.type == "cpu":
+            self._wait(work)  # the host computes with the result next: it must be there
+        else:
+            work.wait()  # ordered on the device's stream; the step's read waits for it (``settle``)
+            self._inflight.append(work)
         return values
+
+    def _wait(self, work: Any) -> None:
+        """Wait for ``work``, looking in the store for a peer's failure every ``POLL_SECONDS``."""
+        done = threading.Event()
+        future = work.get_future()
+        future.add_done_callback(lambda _: done.set())
+        while not done.wait(POLL_SECONDS):
+            self._raise_if_failed()
+        try:
+            work.wait()
+        except RuntimeError as error:  # gloo's "Connection closed by peer": say who and why, where known
+            raise self._peer_left(error) from error
+
+    def settle(self) -> None:
+        """Before the step's read: wait for the device collectives in flight, looking in the store for a peer's
+        failure meanwhile (the read itself would wait without looking)."""
+        inflight, self._inflight = self._inflight, []
+        for work in inflight:
+            while not work.is_completed():
+                self._raise_if_failed()
+                time.sleep(0.0005)
+
+    def failed(self, error: BaseException) -> GradGuardError:
+        """This rank's step raised ``error``: write it where the other ranks look, and return what to raise here."""
+        what = f"{type(error).__name__}: {error}"
+        host = self.hosts.get(self.rank, host_name())
+        if self.store is not None and self.failure_key is not None:
+            # A store gone too: the other ranks learn of it from the transport.
+            with contextlib.suppress(RuntimeError):
+                self.store.set(self.failure_key, f"{self.rank}\t{host}\t{self.step}\t{what}")
+        if isinstance(error, GradGuardError):
+            return error  # already the guard's own words
+        return RankFailed(
+            f"rank {self.rank} (host {host}) failed inside the guard's step {self.step}: {what}. Every rank of the "
+            "process group stops with this error; the process group cannot be used for further collectives.",
+            self.rank,
+            host,
+            what,
+            self.step,
+        )
+
+    def _raise_if_failed(self) -> None:
+        try:
+            failed = self.failure_key is not None and self.store.check([self.failure_key])
+        except RuntimeError:
+            return  # the store went with its host: the transport will say so
+        if failed:
+            raise self._failure()
+
+    def _failure(self) -> RankFailed:
+        text = self.store.get(self.failure_key).decode("utf-8", "replace")
+        rank_text, host, step_text, what = [*text.split("\t", 3), "", "", ""][:4]
+        rank = int(rank_text) if rank_text.isdigit() else -1
+        step = int(step_text) if step_text.isdigit() else self.step
+        return RankFailed(
+            f"rank {rank} (host {host}) failed inside the guard's step {step}: {what}. Rank {self.rank} stops too "
+            "rather than wait in the guard's collective for it; the process group cannot be used for further "
+            "collectives.",
+            rank,
+            host,
+            what,
+            step,
+        )
+
+    def _peer_left(self, error: BaseException) -> GuardStateError:
+        """A collective failed under us: the rank that failed, where it wrote why in time, else the transport's."""
+        deadline = time.monotonic() + LEFT_GRACE_SECONDS
+        while self.failure_key is not None and time.monotonic() < deadline:
+            try:
+                if self.store.check([self.failure_key]):
+                    return self._failure()
+            except RuntimeError:
+                break  # the store went with the peer
+            time.sleep(0.05)
+        return GuardStateError(
+            f"a peer rank left during the guard's collective at step {self.step} (rank {self.rank} waited): {error}. "
+            "No rank wrote a failure of the guard's step: look at the other ranks' logs for why their process ended."
+        )
 
 
 def combine_shard_norms(collective: Collective, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:

@@ -21,7 +21,6 @@ are already averaged (the engine divides the loss by the accumulation steps) and
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,14 +29,13 @@ import torch.distributed as dist
 from gradguard.errors import GuardStateError
 
 __all__ = [
-    "DeepSpeedState",
     "UpdateHook",
     "ZeroGradients",
-    "capture",
     "deepspeed_engine",
+    "inner_optimizer",
+    "layout",
     "loss_scale",
     "refusal",
-    "restore",
     "skip_update",
 ]
 
@@ -60,7 +58,7 @@ def deepspeed_engine(model: object) -> Any | None:
     return None
 
 
-def _layout(engine: Any) -> str:
+def layout(engine: Any) -> str:
     """``zero`` (ZeRO 1/2), ``bf16`` (BF16_Optimizer) or ``plain`` (ZeRO 0: the client optimizer itself)."""
     name = type(engine.optimizer).__name__
     if name in (_ZERO, _BF16):
@@ -79,8 +77,9 @@ def refusal(engine: Any) -> str | None:
     Refused: anything that is not a plain DeepSpeedEngine (PipelineEngine), ZeRO 3, MoE, offload, model,
     tensor or sequence parallelism, ``round_robin_gradients`` (its flat order disagrees with DeepSpeed's own
     fragment map, and ``safe_get_full_grad`` raises on one rank and hangs the other), Muon, ZenFlow, a
-    torch-autocast GradScaler, and at stage 0 DeepSpeed's fp16/bf16 wrappers or its own clip (which
-    runs before the optimizer's step, so the guard would see clipped gradients).
+    torch-autocast GradScaler, and at stage 0 DeepSpeed's fp16/bf16 wrappers. DeepSpeed's own clip at stage 0
+    (``gradient_clipping``, 1.0 in a config that does not say) is not refused: the guard's step runs before it
+    (``hooks.deepspeed_boundary.ClipHook``).
     """
     names = _class_names(engine)
     if deepspeed_engine(engine) is None:
@@ -126,30 +125,33 @@ def refusal(engine: Any) -> str | None:
         return f"ZenFlow updates parameters selectively outside the step this adapter hooks. {_WORKS}"
     if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
         return f"torch autocast with a GradScaler steps the optimizer through the scaler. {_WORKS}"
-    layout = _layout(engine)
-    if layout == "zero":
+    kind = layout(engine)
+    if kind == "zero":
         groups = {id(group) for group in optimizer.real_dp_process_group}
         if len(groups) > 1:
             return f"the parameter groups reduce over different process groups. {_WORKS}"
         return None
-    if layout == "bf16":
+    if kind == "bf16":
         return None
     if stage != 0 or optimizer is not getattr(engine, "basic_optimizer", None):
         return (
             f"{type(optimizer).__name__} (DeepSpeed's fp16/bf16 wrapper at stage 0) keeps gradients this adapter "
             f"does not map. {_WORKS} Or ZeRO 1/2 with fp16/bf16."
         )
-    if float(engine.gradient_clipping()) > 0.0:
-        return (
-            "at ZeRO stage 0 DeepSpeed clips (gradient_clipping) before the optimizer's step, so the guard would "
-            "see clipped gradients. Set gradient_clipping to 0 and clip with the guard, or use ZeRO 1/2."
-        )
     return None
+
+
+def inner_optimizer(engine: Any) -> torch.optim.Optimizer:
+    """The torch optimizer that updates: at ZeRO 1/2 (and under BF16_Optimizer) the client optimizer DeepSpeed wraps,
+    whose parameters DeepSpeed made this rank's fp32 master partitions; at ZeRO 0 the client optimizer itself."""
+    opt = engine.optimizer
+    inner: torch.optim.Optimizer = opt.optimizer if layout(engine) != "plain" else opt
+    return inner
 
 
 def loss_scale(engine: Any) -> float:
     """The factor the gradient pieces carry now: DeepSpeed's current fp16 loss scale, else 1.0 (bf16, fp32)."""
-    if _layout(engine) != "zero":
+    if layout(engine) != "zero":
         return 1.0
     scale = engine.optimizer.loss_scale
     return float(scale.item() if isinstance(scale, torch.Tensor) else scale)
@@ -172,7 +174,7 @@ class ZeroGradients:
             raise GuardStateError(f"gradguard cannot guard this DeepSpeed engine: {reason}")
         self.engine = engine
         self.params = list(params) if params is not None else list(engine.module.parameters())
-        self.layout = _layout(engine)
+        self.layout = layout(engine)
         self.whole = self.layout != "zero"
         opt = engine.optimizer
         self.group: Any = opt.real_dp_process_group[0] if self.layout != "plain" else engine.data_parallel_group
@@ -257,15 +259,15 @@ def skip_update(engine: Any) -> None:
 
 def _drop(engine: Any) -> None:
     opt = engine.optimizer
-    layout = _layout(engine)
-    if layout == "zero":
+    kind = layout(engine)
+    if kind == "zero":
         opt.micro_step_id = -1  # INITIAL_MICRO_STEP_ID, as the top of its step() does
         opt.zero_grad(set_to_none=True)
         opt._release_preflattened_grad_buffers()
         for group in list(opt.averaged_gradients):
             opt.averaged_gradients[group] = None
             opt.all_grad_tensors[group] = None
-    elif layout == "bf16":
+    elif kind == "bf16":
         opt.clear_hp_grads()
         opt.clear_lp_grads()
     else:
@@ -319,82 +321,3 @@ class UpdateHook:
                 opt.step = self._previous
         if self._added_overflow and "overflow" in vars(opt):
             del opt.overflow
-
-
-@dataclass(frozen=True)
-class DeepSpeedState:
-    """What an exact rewind needs: the fp32 masters, the inner optimizer's state and groups, the loss scaler. Not used
-    by the guard yet (``recovery`` is refused under DeepSpeed); tests/test_deepspeed_adapter.py shows it bitwise."""
-
-    masters: list[torch.Tensor]
-    optimizer_state: list[dict[str, Any] | None]
-    param_groups: list[dict[str, Any]]
-    scaler: dict[str, Any]
-
-
-def _masters(engine: Any) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
-    """The tensors the inner optimizer updates (its state is keyed by them), and that optimizer."""
-    opt = engine.optimizer
-    layout = _layout(engine)
-    if layout == "zero":
-        return list(opt.single_partition_of_fp32_groups), opt.optimizer
-    if layout == "bf16":
-        return list(opt.fp32_groups_flat_partition), opt.optimizer
-    return [param for group in opt.param_groups for param in group["params"]], opt
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {key: _copy(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_copy(item) for item in value)
-    return value
-
-
-def capture(engine: Any) -> DeepSpeedState:
-    """Clone this rank's state of ``engine`` (its fp32 master partitions, not the bit16 weights: they follow)."""
-    masters, inner = _masters(engine)
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    fields = {key: _copy(value) for key, value in vars(scaler).items()} if scaler is not None else {}
-    return DeepSpeedState(
-        masters=[master.detach().clone() for master in masters],
-        optimizer_state=[_copy(inner.state[m]) if m in inner.state else None for m in masters],
-        param_groups=[{k: _copy(v) for k, v in group.items() if k != "params"} for group in inner.param_groups],
-        scaler={k: v for k, v in fields.items() if isinstance(v, int | float | bool | torch.Tensor)},
-    )
-
-
-@torch.no_grad()
-def restore(engine: Any, captured: DeepSpeedState) -> None:
-    """Put ``captured`` back in place, then rebuild the bit16 weights from the masters.
-
-    A collective at ZeRO 1/2 and under BF16_Optimizer (the weights are all-gathered): call it on every rank.
-    The engine's counters and the LR scheduler are the caller's.
-    """
-    masters, inner = _masters(engine)
-    if len(masters) != len(captured.masters):
-        raise GuardStateError("the captured DeepSpeed state belongs to another engine (different partitions).")
-    for master, saved in zip(masters, captured.masters, strict=True):
-        master.copy_(saved)
-    for master, state in zip(masters, captured.optimizer_state, strict=True):
-        if state is None:
-            inner.state.pop(master, None)
-            continue
-        current = inner.state.get(master)
-        fresh = _copy(state)
-        if current is not None:
-            for key, value in fresh.items():
-                held = current.get(key)
-                if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and held.shape == value.shape:
-                    held.copy_(value)
-                    fresh[key] = held
-        inner.state[master] = fresh
-    for group, saved_group in zip(inner.param_groups, captured.param_groups, strict=True):
-        group.update(_copy(saved_group))
-    scaler = getattr(engine.optimizer, "loss_scaler", None)
-    for key, value in captured.scaler.items():
-        setattr(scaler, key, _copy(value))
-    if _layout(engine) != "plain":
-        engine.optimizer.update_lp_params()

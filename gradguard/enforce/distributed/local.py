@@ -65,7 +65,8 @@ class LocalGradients:
         if len(notes) == 1:
             return notes[0].to(device)
         stacked = torch.stack([n.to(device) for n in notes])
-        return torch.linalg.vector_norm(stacked, 2)
+        total: torch.Tensor = torch.linalg.vector_norm(stacked, 2)
+        return total
 
     def forget(self) -> None:
         """Drop the notes (a step the guard did not treat)."""

@@ -7,7 +7,9 @@ guard's step runs there, once per update (after every micro-batch of an accumula
 gradient (``StepContext.gradients``); its per-tensor figures are combined over the ranks in one collective, as under
 FSDP2, so every rank reaches the same verdict. A skip takes DeepSpeed's own overflow path without touching its loss
 scale; a halt raises before DeepSpeed's update. At ZeRO 0 the client optimizer steps the model's own gradients, and
-the guard's usual optimizer hooks treat them.
+the guard's usual optimizer hooks treat them; where DeepSpeed clips them first (``gradient_clipping``, which it sets to
+1.0 when a config does not say), ``ClipHook`` runs the guard's step before that clip, as the loop's own
+``clip_grad_norm_`` does in a plain loop, so the policy meets the raw gradients.
 
 Under fp16 the pieces carry DeepSpeed's loss scale: a step with a non-finite piece on any rank is DeepSpeed's to skip
 (its loss-scale search), counted once as a ``scaler_skip`` as under torch's GradScaler, and a persisting overflow
@@ -23,12 +25,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradguard.enforce.distributed.deepspeed import UpdateHook, ZeroGradients, refusal
+from gradguard.enforce.distributed.deepspeed import UpdateHook, ZeroGradients, inner_optimizer, layout, refusal
 from gradguard.enforce.work.step_work import StepContext, StepPlan
 from gradguard.errors import GuardStateError
 from gradguard.policy.document import Policy
 
-__all__ = ["DeepSpeedBoundary", "needs_update_hook", "refuse_under_deepspeed"]
+__all__ = [
+    "ClipHook",
+    "DeepSpeedBoundary",
+    "boundary_name",
+    "clips_before_step",
+    "needs_update_hook",
+    "refuse_under_deepspeed",
+]
 
 _FP16_ACTIONS = frozenset({"halt_on_nonfinite", "skip_step_on_nonfinite"})
 """What works on gradients that still carry a loss scale: whether they are finite does not depend on it."""
@@ -58,18 +67,18 @@ def refuse_under_deepspeed(
                 "Leave process_group out (the default group) or pass that group."
             )
     where = f"policy {policy.source!r}"
-    if policy.recovery is not None:
+    fp16 = bool(getattr(engine, "fp16_enabled", lambda: False)())
+    if policy.recovery is not None and fp16:
         raise GuardStateError(
-            f"{where} has a recovery section, which gradguard does not support under DeepSpeed: DeepSpeed keeps "
-            "the fp32 master weights and the optimizer state in its own partitions, which the guard's snapshots do "
-            "not take. Remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
+            f"{where} has a recovery section, which gradguard does not support under DeepSpeed's fp16: its dynamic "
+            "loss scaler is not in the guard's snapshots, so a rewind would not be exact. Train in bf16 (recommended), "
+            "or remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
         )
     if per_micro_batch:
         raise GuardStateError(
             "per_micro_batch=True is not supported under DeepSpeed: the micro-batches' gradients are reduced into "
             "DeepSpeed's partitions, not into p.grad. Leave it False: the guard acts once per update."
         )
-    fp16 = bool(getattr(engine, "fp16_enabled", lambda: False)())
     for rule in policy.rules:
         for action in rule.actions:
             name = action.action
@@ -109,6 +118,51 @@ def _ranks(group: Any) -> list[int]:
 def _dp_group(engine: Any) -> Any:
     group = ZeroGradients(engine).group
     return group if group is not None else dist.group.WORLD
+
+
+def clips_before_step(engine: Any) -> bool:
+    """Whether DeepSpeed clips the model's gradients before the client optimizer's step (ZeRO 0 with
+    ``gradient_clipping``): the guard's step must then come before that clip (``ClipHook``)."""
+    return layout(engine) == "plain" and float(engine.gradient_clipping()) > 0.0
+
+
+def boundary_name(engine: Any) -> str:
+    """Where the guard's step runs on ``engine``, as the ``attach`` event says it."""
+    stage, kind = int(engine.zero_optimization_stage()), layout(engine)
+    where = f"DeepSpeed ZeRO {stage}" + (" (BF16_Optimizer)" if kind == "bf16" else "")
+    if kind != "plain":
+        return f"{where}: inside engine.step(), after the reduction, before DeepSpeed's overflow check, clip and update"
+    client = type(inner_optimizer(engine)).__name__
+    if clips_before_step(engine):
+        return f"{where}: inside engine.step(), before DeepSpeed's gradient_clipping and the {client}'s step"
+    return f"{where}: the {client}'s step inside engine.step()"
+
+
+class ClipHook:
+    """At ZeRO 0, runs ``before()`` (the guard's step) where DeepSpeed is about to clip (``clip_fp32_gradients``),
+    then DeepSpeed's clip. ``before`` returning False (a skip: the gradients are gone) leaves the clip out, which would
+    fail on no gradients; the client optimizer's step then has nothing to apply. The guard's step counts its
+    gradients as treated until that step, so the clip's change does not make them new to it."""
+
+    def __init__(self, engine: Any, before: Callable[[], bool]) -> None:
+        self.engine = engine
+        self._previous = vars(engine).get("clip_fp32_gradients")
+        original = engine.clip_fp32_gradients
+
+        def clip() -> Any:
+            return original() if before() else None
+
+        self._wrapper = clip
+        engine.clip_fp32_gradients = clip
+
+    def remove(self) -> None:
+        engine = self.engine
+        if vars(engine).get("clip_fp32_gradients") is not self._wrapper:
+            return  # wrapped again on top of ours since: that wrapper stays
+        if self._previous is None:
+            del engine.clip_fp32_gradients
+        else:
+            engine.clip_fp32_gradients = self._previous
 
 
 def needs_update_hook(engine: Any) -> bool:

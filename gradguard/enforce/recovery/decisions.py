@@ -4,7 +4,7 @@ decision (``Decision``: rewind, or halt after restoring), and the rewind asked o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gradguard.enforce.recovery.snapshots import Snapshot
@@ -23,6 +23,8 @@ class HaltReport:
     kind: str
     reason: str | None
     origin: Mapping[str, Any] | None
+    ranks: Mapping[int, str] = field(default_factory=dict)
+    """The ranks where it was made, before the reduction: {global rank: host} (``StepOutcome.ranks``)."""
 
     def fields(self) -> dict[str, Any]:
         """The fields the ``halt`` and ``rewind`` events share, in the log's order."""
@@ -34,6 +36,7 @@ class HaltReport:
             "kind": self.kind,
             "reason": self.reason,
             "origin": self.origin,
+            "ranks": {str(rank): host for rank, host in sorted(self.ranks.items())},
         }
 
 

@@ -130,6 +130,7 @@ register("known_norms", lambda parts: parts.known_norms)
 register("recovery", lambda parts: RecoveryTakingPart(parts.recovery, parts.policy))
 register("loss", lambda parts: LossTakingPart(parts.loss_watch, parts.policy, parts.events, parts.judge_loss))
 register("provenance", lambda parts: None)  # given by the guard: GradGuard(provenance=...)
+register("ranks", lambda parts: None)  # given by the guard under torch.distributed (``step.ranks``)
 register(
     "rerun",
     lambda parts: (

@@ -70,9 +70,8 @@ class Verdicts:
             counts = [rules[r].name for r in sorted(set(outcome.halted_by.values()))]
             params = first_first([names[i] for i in offenders], outcome.origin)
             kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
-            self.halt(
-                HaltReport(step, rule, params, kinds, kind, outcome.note, outcome.origin), counts, "halt_on_nonfinite"
-            )
+            report = HaltReport(step, rule, params, kinds, kind, outcome.note, outcome.origin, outcome.ranks)
+            self.halt(report, counts, "halt_on_nonfinite")
         if outcome.skipped_by or outcome.spikes or outcome.loss_skip:
             return  # the step will not happen: its interventions did not either
         self.interventions(outcome)
@@ -114,6 +113,7 @@ class Verdicts:
             reason=reason,
             origin=halt.origin,
             restored_to=restored,
+            ranks=halt.ranks,
         )
 
     def scaler_skip(self, rules: Sequence[Rule], step: int, loss_scale: float | None) -> None:
@@ -187,7 +187,7 @@ class Verdicts:
             if reason is not None:
                 why = f"skip limit exceeded: {reason}"
                 if cause is SkipStepOnNonfinite:
-                    report = HaltReport(step, rule.name, params, kinds, kind, why, outcome.origin)
+                    report = HaltReport(step, rule.name, params, kinds, kind, why, outcome.origin, outcome.ranks)
                     self.halt(report, [rule.name], "halt_on_nonfinite")
                 spiked = [p for spike in outcome.spikes if spike.rule_index == rule_index for p in spike.params]
                 self.halt(HaltReport(step, rule.name, spiked, {}, "spike", why, None), [rule.name], "halt_on_spike")
@@ -203,6 +203,7 @@ class Verdicts:
                 kinds=kinds,
                 kind=kind,
                 origin=outcome.origin,
+                ranks={str(rank): host for rank, host in sorted(outcome.ranks.items())},
             )
         for rule_index in sorted({spike.rule_index for spike in outcome.spikes}):
             mine = [spike for spike in outcome.spikes if spike.rule_index == rule_index]

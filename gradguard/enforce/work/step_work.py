@@ -6,6 +6,7 @@ what they did into ``StepOutcome``; the engine reads everything back in one tran
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any, Protocol
 import torch
 
 from gradguard.enforce.distributed.collective import Collective, combine_shard_norms, local_tensor
+from gradguard.enforce.distributed.local import RankSlots
 from gradguard.enforce.work.statistics import Statistics, StepStatistics
 from gradguard.enforce.work.tensors import norms, stack_on, without_grad
 from gradguard.enforce.work.writes import DeferredWrites
@@ -31,6 +33,15 @@ __all__ = [
     "StepPlan",
     "StepWork",
 ]
+
+
+def _read_rank_slots(slots: RankSlots, collective: Collective, outcome: StepOutcome, values: Sequence[float]) -> None:
+    """The summed slots, read (``RankSlots.read``): the ranks where a fault was made, every rank's norm."""
+    faulty, rank_norms = slots.read(values)
+    outcome.ranks = collective.named(faulty)
+    if rank_norms is not None:
+        members = collective.members or list(range(len(rank_norms)))
+        outcome.rank_norms = dict(zip(members, rank_norms, strict=False))
 
 
 class StepPlan(Protocol):
@@ -212,6 +223,10 @@ class StepOutcome:
     """The ``loss`` section skips this step."""
     note: str | None = None
     """Said with a halt of this step (a re-run found the fault reproducible)."""
+    ranks: dict[int, str] = field(default_factory=dict)
+    """The ranks whose own gradients, before the reduction, were non-finite: {global rank: host} (``RankSlots``)."""
+    rank_norms: dict[int, float] | None = None
+    """Every rank's own gradient 2-norm before the reduction, where the policy's ``ranks.outlier_factor`` asks."""
 
     def norm_clipped(
         self, step: int, rule: str, param: str | None, action: ClipNorm, before: float, coef: float, **extra: Any
@@ -315,6 +330,11 @@ class StepWork:
     """Figures to read with the next step's read."""
     sampled: bool = False
     """A ``monitor`` sampled this step (its figures of the gradients as they arrived are queued)."""
+    slots: RankSlots | None = None
+    """Where each rank's own-gradient flag (and norm) rides the step's collective, where the ranks' own gradients
+    are seen (``Collective.local``); None in one process."""
+    rank_payload: torch.Tensor | None = None
+    """This rank's slots, to ride the step's first SUM all-reduce; None once sent (``take_rank_payload``)."""
 
     @classmethod
     def begin(
@@ -333,7 +353,23 @@ class StepWork:
         sharded = active is not None and (bool(wrapped) or context.pieces)  # per-tensor figures combined over ranks
         work = cls(binding, names, grads, step, Pending(), StepOutcome(), active, sharded, wrapped, fragile)
         work.outcome.clipped_before = context.clipped_before
+        if active is not None:
+            active.step = step
+            if active.local.seen is not None:
+                device = next(iter(grads.values())).device
+                ranks = binding.policy.ranks
+                work.slots = active.slots(norms=ranks is not None and ranks.outlier_factor is not None)
+                work.rank_payload = work.slots.payload(active.local.take(device), device)
         return work
+
+    def take_rank_payload(self) -> tuple[tuple[torch.Tensor, ...], Callable[[Sequence[float]], None] | None]:
+        """This rank's slots, once, for the first SUM all-reduce of the step to carry, and the reader of their sums
+        (``(), None``: none, or sent). The reader holds the outcome, not the work (a cycle through the pending read
+        would keep the step's gradients alive)."""
+        payload, self.rank_payload = self.rank_payload, None
+        if payload is None or self.slots is None or self.collective is None:
+            return (), None
+        return (payload,), functools.partial(_read_rank_slots, self.slots, self.collective, self.outcome)
 
     @property
     def after_read(self) -> frozenset[int]:

@@ -27,6 +27,7 @@ from support.deepspeed_ranks import make_engine as plain_engine  # noqa: E402
 from support.gloo_ranks import main  # noqa: E402
 
 from gradguard.enforce.distributed import deepspeed as adapter  # noqa: E402
+from gradguard.enforce.distributed import deepspeed_state  # noqa: E402
 from gradguard.errors import GuardStateError  # noqa: E402
 
 SCRIPT = Path(__file__)
@@ -180,11 +181,11 @@ def bitwise(stage: int, gas: int, rank: int) -> dict[str, Any]:
     hook = adapter.UpdateHook(engine, before)
     for step in range(2):
         train_step(engine, step, gas, rank)
-    captured, at_capture = adapter.capture(engine), state_of(engine)
+    captured, at_capture = deepspeed_state.capture(engine), state_of(engine)
     for step in range(2, 4):
         train_step(engine, step, gas, rank)
     guarded = weights(engine)
-    adapter.restore(engine, captured)
+    deepspeed_state.restore(engine, captured)
     restored = state_of(engine)
     for step in range(2, 4):
         train_step(engine, step, gas, rank)
@@ -229,7 +230,7 @@ def precision_run(config: dict[str, Any], stage: int, rank: int) -> dict[str, An
         handle = cut.register_hook(lambda g: g * float("nan")) if step == 1 and rank == 1 else None
         held = state_of(engine)
         if step == 1:
-            captured, at_capture = adapter.capture(engine), held
+            captured, at_capture = deepspeed_state.capture(engine), held
         train_step(engine, step, 1, rank)
         if handle is not None:
             handle.remove()
@@ -237,7 +238,7 @@ def precision_run(config: dict[str, Any], stage: int, rank: int) -> dict[str, An
             out.setdefault("unchanged", []).append(same(held, state_of(engine)))
     out["skipped_steps"] = engine.skipped_steps
     out["scale_after"] = adapter.loss_scale(engine)
-    adapter.restore(engine, captured)  # the loss scaler comes back with the masters and the momentum
+    deepspeed_state.restore(engine, captured)  # the loss scaler comes back with the masters and the momentum
     out["restored"] = [same(at_capture, state_of(engine)), adapter.loss_scale(engine)]
     hook.remove()
     return out
@@ -394,7 +395,7 @@ def test_deepspeed_s_own_overflow_reaches_after_a_guard_skip_keeps_the_loss_scal
             assert result["restored"] == [True, 1.0]
 
 
-def test_zero_3_round_robin_and_a_stage_0_clip_are_refused_with_what_works(
+def test_zero_3_and_round_robin_are_refused_with_what_works_and_a_stage_0_clip_is_not(
     runs: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     for result in runs("refusals"):
@@ -403,7 +404,7 @@ def test_zero_3_round_robin_and_a_stage_0_clip_are_refused_with_what_works(
         assert result["zero3_raises"].startswith("gradguard cannot guard this DeepSpeed engine")
         assert "round_robin_gradients" in result["round_robin"]
         assert "false" in result["round_robin"]
-        assert "gradient_clipping" in result["stage0_clip"]
+        assert result["stage0_clip"] is None  # DeepSpeed's clip at stage 0 runs after the guard's step
 
 
 if __name__ == "__main__":

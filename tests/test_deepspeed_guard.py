@@ -11,6 +11,7 @@ so that DeepSpeed's dynamic loss scaler runs; everything else is unpatched.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from support.deepspeed_ranks import make_engine, torchrun_scenarios, train_step  # noqa: E402
+from support.deepspeed_ranks import batch, loss_of, make_engine, torchrun_scenarios, train_step  # noqa: E402
 from support.gloo_ranks import main  # noqa: E402
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, GuardWarning, Policy  # noqa: E402
@@ -39,7 +40,12 @@ SCENARIOS = [
     "fp16_overflow",
     "refusals",
     "limits",
+    "taps",
 ]
+TAPPED: list[tuple[int, int, dict[str, Any]]] = [(0, 1, {}), (0, 2, {}), (1, 1, {}), (1, 2, {}), (2, 1, {}), (2, 2, {})]
+TAPPED += [(2, 2, {"overlap_comm": True, "contiguous_gradients": True}), (2, 2, {"contiguous_gradients": False})]
+TAPPED += [(2, 1, {"reduce_scatter": False}), (1, 2, {"overlap_comm": True})]
+"""Each stage, with and without accumulation, and ZeRO's reduction switches that take other paths to the reduction."""
 
 
 # --- the ranks ------------------------------------------------------------------------------------
@@ -78,7 +84,7 @@ def poison(engine: Any, name: str, rank: int, at: int, steps: list[int], value: 
 
 
 def halt_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
-    engine = make_engine(stage, gas, lr=LR)
+    engine = make_engine(stage, gas, clip=None, lr=LR)  # DeepSpeed's default config: it clips at 1.0, ZeRO 0 too
     steps = [0]
     handle = poison(engine, CUT, rank, 5, steps)
     result: dict[str, Any] = {"halted": None}
@@ -96,6 +102,7 @@ def halt_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
                 break
         result["counters"] = guard.counters.snapshot()
     handle.remove()
+    result["deepspeed_clip"] = float(engine.gradient_clipping())
     return result
 
 
@@ -119,10 +126,16 @@ def clip_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
 
 
 def clean_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
+    """Unguarded and guarded, in DeepSpeed's default config (its clip at 1.0). At ZeRO 0, where the guard's step runs
+    before DeepSpeed's clip, also with a clip of 0.05 that acts at every step (it changes the run against no clip), so
+    the guarded run matching the unguarded one shows DeepSpeed's clip running after the guard's step, unchanged."""
     quiet = {"name": "quiet", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1e6}]}
-    runs = []
-    for guarded in (False, True):
-        engine = make_engine(stage, gas, clip=1.0 if stage else 0.0, lr=LR)  # ZeRO 0 clips before the guard: refused
+    configs: list[tuple[bool, float | None]] = [(False, None), (True, None)]
+    if stage == 0:
+        configs += [(False, 0.05), (True, 0.05), (False, 0.0)]
+    runs, counters = [], {}
+    for guarded, clip in configs:
+        engine = make_engine(stage, gas, clip=clip, lr=LR)
         if guarded:
             with GradGuard(engine, policy(quiet, HALT), logger=None) as guard:
                 for step in range(5):
@@ -132,8 +145,44 @@ def clean_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
             for step in range(5):
                 train_step(engine, step, gas, rank)
         runs.append(weights(engine))
-    equal = all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
-    return {"bitwise": equal, "counters": counters}
+
+    def equal(a: int, b: int) -> bool:
+        return all(torch.equal(runs[a][n], runs[b][n]) for n in runs[a])
+
+    result = {"bitwise": equal(0, 1), "counters": counters}
+    if stage == 0:
+        result |= {"bitwise_clipped": equal(2, 3), "clip_acted": not equal(2, 4)}
+    return result
+
+
+def taps_scenario(rank: int) -> dict[str, Any]:
+    """One update's backwards with a NaN made on rank 1 only, in the first micro-batch: each rank's own gradient as
+    the tap noted it before DeepSpeed's reduction (``collective.local``), read before the guard's step takes it."""
+    found: dict[str, Any] = {}
+    for stage, gas, zero in TAPPED:
+        engine = make_engine(stage, gas, lr=LR, **zero)
+        param = dict(engine.module.named_parameters())[CUT]
+        micro = [0]
+        handle = param.register_hook(lambda g, micro=micro: g * float("nan") if rank == 1 and micro[0] == 0 else g)
+        with GradGuard(engine, policy(HALT), logger=None) as guard:
+            local = guard._enforcer.collective.local
+            for micro[0] in range(gas):
+                x, y = batch(0, micro[0], rank)
+                engine.backward(loss_of(engine(x), y))
+                if micro[0] < gas - 1:
+                    engine.step()  # not a boundary: no update, no guard step
+            taken = local.take(torch.device("cpu"))
+            found[key(stage, gas, zero)] = {
+                "norm": None if taken is None else float(taken),
+                "seen": local.seen,
+                "unseen": local.unseen,
+            }
+        handle.remove()
+    return found
+
+
+def key(stage: int, gas: int, zero: dict[str, Any]) -> str:
+    return f"{stage}_{gas}" + "".join(f"_{name}={value}" for name, value in sorted(zero.items()))
 
 
 def fp16_scenario(rank: int) -> dict[str, Any]:
@@ -189,7 +238,6 @@ def refusals(rank: int) -> dict[str, Any]:
     found: dict[str, str] = {}
     attempts: dict[str, Callable[[], Any]] = {
         "zero3": lambda: GradGuard(make_engine(3, 1), policy(HALT), logger=None),
-        "recovery": lambda: GradGuard(make_engine(2, 1), policy(HALT, recovery={"snapshot_every": 5}), logger=None),
         "agc": lambda: GradGuard(
             make_engine(1, 1), policy({"name": "a", "match": "*", "actions": [{"action": "agc"}]}), logger=None
         ),
@@ -231,6 +279,13 @@ def limits(rank: int, outdir: Path) -> dict[str, Any]:
         except GuardStateError as error:
             found["step"] = str(error)
         found["policy_rules"] = [rule.name for rule in guard.policy.rules]
+    # The attach event names where in DeepSpeed's step the guard acts.
+    found["boundaries"] = {}
+    for stage, clip in ((0, None), (0, 0.0), (2, None)):
+        log = outdir / f"attach_{stage}_{clip}_{rank}.jsonl"
+        GradGuard(make_engine(stage, 1, clip=clip), policy(HALT), logger=None, audit_log=log).remove()
+        attach = next(event for event in map(json.loads, log.read_text().splitlines()) if event["event"] == "attach")
+        found["boundaries"][f"{stage}_{clip}"] = attach["boundary"]
     # A frozen parameter has no gradient: not a zero one (a monitor would call it vanishing).
     engine = make_engine(2, 1, lr=LR, frozen=("0.weight", "0.bias"))
     watch = {"name": "mon", "match": "*", "actions": [{"action": "monitor", "every": 1, "vanishing_below": 1e-12}]}
@@ -253,6 +308,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return fp16_scenario(rank)
     if kind == "limits":
         return limits(rank, outdir)
+    if kind == "taps":
+        return taps_scenario(rank)
     return refusals(rank)
 
 
@@ -268,7 +325,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[
 def test_a_nan_in_one_parameter_on_one_rank_halts_every_rank_at_that_step_naming_it_with_the_weights_untouched(
     runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
 ) -> None:
+    """In DeepSpeed's default config, which clips at 1.0 (at ZeRO 0 before the client optimizer's step: the guard's
+    step comes first, on the raw gradients, so the clip cannot spread the NaN to every parameter)."""
     for result in runs(f"halt_{stage}_{gas}"):
+        assert result["deepspeed_clip"] == 1.0
         assert result["halted"] == {"step": 5, "params": [CUT], "kind": "nan"}
         assert result["untouched"]
         assert result["counters"]["nonfinite"] == {"nan": 1, "halt_on_nonfinite": 1}
@@ -295,9 +355,13 @@ def test_a_per_tensor_clip_of_one_parameter_bounds_its_sgd_update_at_every_step_
 def test_a_guard_that_never_intervenes_ends_bitwise_equal_to_the_unguarded_deepspeed_run(
     runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
 ) -> None:
+    """In DeepSpeed's default config (its clip at 1.0); at ZeRO 0 also with DeepSpeed's clip acting at every step."""
     for result in runs(f"clean_{stage}_{gas}"):
         assert result["bitwise"]
         assert result["counters"] == {}
+        if stage == 0:
+            assert result["clip_acted"]
+            assert result["bitwise_clipped"]
 
 
 def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_and_a_persisting_one_halts(
@@ -324,14 +388,12 @@ def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_and_a_persisting_on
         assert "bf16" in result["clip_refused"]
 
 
-def test_zero_3_a_recovery_section_agc_and_a_monitors_piecewise_stats_are_refused_at_attach_with_what_works(
+def test_zero_3_agc_and_a_monitors_piecewise_stats_are_refused_at_attach_with_what_works(
     runs: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     for found in runs("refusals"):
         assert "ZeRO stage 3" in found["zero3"]
         assert "What works" in found["zero3"]
-        assert "recovery" in found["recovery"]
-        assert "save_checkpoint" in found["recovery"]
         assert "agc" in found["agc"]
         assert "['mean']" in found["monitor_mean"]
         assert "data-parallel group" in found["process_group"]
@@ -349,6 +411,37 @@ def test_a_reload_guard_step_and_a_frozen_parameter_meet_deepspeeds_limits_too(
         assert found["policy_rules"] == ["nonfinite"]
         assert "engine.step()" in found["step"]
         assert found["frozen_counters"] == {}
+
+
+def test_the_attach_event_names_deepspeed_s_boundary_not_any_torch_optimizer(
+    runs: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    for found in runs("limits"):
+        boundaries = found["boundaries"]
+        assert boundaries["0_None"] == (
+            "DeepSpeed ZeRO 0: inside engine.step(), before DeepSpeed's gradient_clipping and the SGD's step"
+        )
+        assert boundaries["0_0.0"] == "DeepSpeed ZeRO 0: the SGD's step inside engine.step()"
+        assert boundaries["2_None"] == (
+            "DeepSpeed ZeRO 2: inside engine.step(), after the reduction, before DeepSpeed's overflow check, clip and "
+            "update"
+        )
+
+
+@pytest.mark.parametrize(("stage", "gas", "zero"), TAPPED, ids=[key(*config) for config in TAPPED])
+def test_each_rank_s_own_gradient_is_noted_before_deepspeed_reduces_it_a_nan_in_a_first_micro_batch_included(
+    runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int, zero: dict[str, Any]
+) -> None:
+    """Rank 1 made the NaN; after the reduction both ranks' gradients hold it, but rank 0's own was finite."""
+    mine, theirs = (found[key(stage, gas, zero)] for found in runs("taps"))
+    for found in (mine, theirs):
+        assert found["seen"] == f"DeepSpeed ZeRO {stage} reduction"
+        assert found["unseen"] is None
+    assert mine["norm"] is not None
+    assert math.isfinite(mine["norm"])
+    assert mine["norm"] > 0
+    assert theirs["norm"] is not None
+    assert math.isnan(theirs["norm"])
 
 
 if __name__ == "__main__":

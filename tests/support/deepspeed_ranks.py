@@ -38,14 +38,17 @@ def make_engine(
     gas: int,
     precision: dict[str, Any] | None = None,
     *,
-    clip: float = 0.0,
+    clip: float | None = 0.0,
     lr: float = 0.05,
     momentum: float = 0.0,
     frozen: tuple[str, ...] = (),
+    decay: float | None = None,
     **zero: Any,
 ) -> Any:
     """A DeepSpeed engine over ``make_model()`` (``frozen``: parameters made not to require gradients) with torch's
-    SGD as its client optimizer (no CPU-Adam build)."""
+    SGD as its client optimizer (no CPU-Adam build); ``decay``: the engine's LR scheduler multiplies the LR by it at
+    each update (torch's LambdaLR on the client optimizer); ``clip=None`` leaves ``gradient_clipping`` out of the
+    config, as DeepSpeed's default config does (DeepSpeed then clips at 1.0)."""
     import deepspeed
     import torch.distributed as dist
 
@@ -58,12 +61,16 @@ def make_engine(
         "train_batch_size": 4 * gas * dist.get_world_size(),
         "zero_optimization": {"stage": stage, **zero},
         "zero_allow_untested_optimizer": True,
-        "gradient_clipping": clip,
         "steps_per_print": 10**9,
+        **({"gradient_clipping": clip} if clip is not None else {}),
         **(precision or {}),
     }
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=momentum)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    scheduler = None
+    if decay is not None:
+        rate = decay
+        scheduler = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: rate**step)  # noqa: E731
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
     return engine
 
 

@@ -249,14 +249,16 @@ def test_a_counters_event_the_events_disagree_with_is_a_mismatch(tmp_path: Path)
 
 
 def test_one_log_per_rank_is_merged_in_step_order(tmp_path: Path) -> None:
-    """Several files are read as one run per rank, merged by step, with the totals summed over runs."""
+    """Several files are read as one run per rank, merged by step; the ranks make one job, whose totals are per
+    step across its ranks: its clips (rank 0's at even steps, rank 1's at odd ones) add up, while the scale every
+    rank applied to the same parameter at each step counts once, not once per rank."""
     logs = [clean_log(tmp_path / f"rank{rank}.jsonl", run=f"r{rank}", rank=rank) for rank in (0, 1)]
     paths = [str(tmp_path / "rank0.jsonl"), str(tmp_path / "rank1.jsonl")]
     code, data = audit_json(*paths)
     assert code == 0
     assert data["ranks"] == [0, 1]
     assert [run["run"] for run in data["runs"]] == ["r0", "r1"]
-    assert data["totals"] == {"slow": {"scale": 48}, "embed": {"clip_norm": 12}}
+    assert data["totals"] == {"slow": {"scale": 24}, "embed": {"clip_norm": 12}}
     assert [run["counters"] for run in data["runs"]] == [log.counts for log in logs]
     steps = [record.order for record in read_merged([Path(p) for p in paths], ReadStats())]
     assert steps == sorted(steps)

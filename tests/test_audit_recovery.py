@@ -329,7 +329,8 @@ def _rank_log(path: Path, rank: int, *, rewind: dict[str, Any] | None = None) ->
 
 
 def test_the_ranks_of_a_distributed_run_rewind_together_in_one_row(tmp_path: Path) -> None:
-    """Two ranks' logs with the same rewind: one row naming both ranks; each run's counters kept and summed."""
+    """Two ranks' logs with the same rewind: one row naming both ranks; each run's counters kept as its rank's, and
+    the totals per step across the ranks (one rewind and its two NaNs, not one per rank)."""
     logs = [_rank_log(tmp_path / f"rank{rank}.jsonl", rank) for rank in (0, 1)]
     data = audit_json(*logs)
     assert data["rewinds_total"] == 1
@@ -337,7 +338,8 @@ def test_the_ranks_of_a_distributed_run_rewind_together_in_one_row(tmp_path: Pat
     assert row["ranks"] == [0, 1]
     assert row["runs"] == ["run0", "run1"]
     assert row["lr_scale"] == 0.5
-    assert data["totals"] == {"nonfinite": {"nan": 4, "rewind": 2}}
+    assert data["totals"] == {"nonfinite": {"nan": 2, "rewind": 1}}
+    assert [run["counters"] for run in data["runs"]] == [{"nonfinite": {"nan": 2, "rewind": 1}}] * 2
     assert [run["rewinds"] for run in data["runs"]] == [1, 1]
     assert data["mismatches_total"] == 0
     assert data["unlearned_steps"] == [[20, 27]]

@@ -167,6 +167,33 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ddp_runs: Path) -> None
     assert results[0]["digests"] == results[1]["digests"]
 
 
+def test_the_audit_of_both_ranks_logs_counts_the_skip_and_each_clip_once(ddp_runs: Path) -> None:
+    """The issue's reproduction on real logs: both ranks write the skip at BAD_STEP and every clip; the audit of
+    the two files reads 1 step skipped and each rank's clip count, not twice it, and names the job's ranks."""
+    from gradguard.audit.command import render_summary, summarize_files
+    from gradguard.audit.filters import Filters
+
+    results = results_of(ddp_runs, "ddp_skip_one_rank", 2)
+    logs = [ddp_runs / "ddp_skip_one_rank" / f"audit-rank{rank}.jsonl" for rank in (0, 1)]
+    summary = summarize_files(logs, Filters(), progress=False)
+    assert (summary.skips.events, summary.skips.steps) == (1, [scenarios.BAD_STEP])
+    clips = results[0]["counters"]["clip"]["clip_norm"]
+    assert clips > 0
+    assert summary.intervention_count == clips
+    assert summary.totals == results[0]["counters"] == results[1]["counters"]
+    assert [run.counters for run in summary.runs] == [result["counters"] for result in results]
+    assert summary.mismatches_total == 0
+    assert [sorted(job.ranks) for job in summary.jobs] == [[0, 1]]
+    text = render_summary(summary, "table", 10)
+    assert f"1 step skipped by the guard (rule nonfinite 1) at steps {scenarios.BAD_STEP}" in text
+    assert f"{clips} gradients changed" in text
+    transient = results_of(ddp_runs, "ddp_rerun_transient_one_rank", 2)
+    logs = [ddp_runs / "ddp_rerun_transient_one_rank" / f"audit-rank{rank}.jsonl" for rank in (0, 1)]
+    by_rank = {row.rank: row for row in summarize_files(logs, Filters(), progress=False).by_rank}
+    assert by_rank[1].transient == 1  # the re-run both ranks wrote, once, against the rank that differed
+    assert all(row.transient == 0 for rank, row in by_rank.items() if rank not in transient[0]["reruns"][0]["ranks"])
+
+
 @pytest.mark.parametrize("runs", ["ddp_runs", "fsdp2_runs"])
 def test_a_loss_spike_on_one_rank_skips_the_step_on_every_rank(runs: str, request: pytest.FixtureRequest) -> None:
     """The ranks judge the mean of their losses (one collective in the step): rank 1's 50x loss is a spike of the

@@ -320,3 +320,60 @@ def test_a_monitors_figures_are_served_as_gauges_equal_to_guard_metrics():
     }
     assert len(gauges) == 2 * len(list(model.parameters()))
     assert gauges == figures
+
+
+def test_faults_are_served_by_origin_rank_and_host_counted_exactly_from_several_threads():
+    """``RankFaults`` fed with halt/skip/rewind events from 4 threads at once: the scrape has each (event, origin
+    rank, host) exactly as often as fed; events naming no rank, and other events, add nothing."""
+    from gradguard.events.counters import Counters
+    from gradguard.events.prometheus import MetricsServer, MetricsSource, RankFaults
+
+    faults = RankFaults()
+    source = MetricsSource(Counters(), lambda: 0, 1, {}, rank_faults=faults)
+    fed = [
+        ("skip", {"ranks": {"2": "host-a"}}),
+        ("halt", {"ranks": {"2": "host-a", "3": "host-b"}}),
+        ("skip", {"ranks": {}}),  # made after the reduction: no rank to name
+        ("intervention", {"ranks": {"2": "host-a"}}),  # not a fault
+    ]
+
+    def feed() -> None:
+        for _ in range(250):
+            for event, fields in fed:
+                faults.observe(event, fields)
+
+    threads = [threading.Thread(target=feed) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    server = MetricsServer(source, port=0)
+    try:
+        samples = scrape(server.url)
+    finally:
+        server.remove()
+    by_rank = {key: value for key, value in samples.items() if key[0] == "gradguard_faults_by_rank_total"}
+
+    def key(event: str, origin: str, host: str) -> tuple[str, frozenset[tuple[str, str]]]:
+        labelled = {"event": event, "origin_rank": origin, "host": host, "rank": "1"}
+        return "gradguard_faults_by_rank_total", frozenset(labelled.items())
+
+    assert by_rank == {
+        key("skip", "2", "host-a"): 1000.0,
+        key("halt", "2", "host-a"): 1000.0,
+        key("halt", "3", "host-b"): 1000.0,
+    }
+
+
+def test_a_guard_serving_metrics_serves_its_rank_faults():
+    """A guard's endpoint has the faults its ``rank_faults`` was fed, labelled with the guard's own rank too."""
+    model = nn.Linear(4, 2)
+    with GradGuard(model, POLICY, metrics_port=0, logger=None) as guard:
+        assert guard.rank_faults is not None
+        assert guard.metrics_url is not None
+        before = scrape(guard.metrics_url)
+        guard.rank_faults.observe("rewind", {"ranks": {"5": "node-7"}})
+        after = scrape(guard.metrics_url)
+    name = "gradguard_faults_by_rank_total"
+    assert not any(key[0] == name for key in before)
+    assert after[(name, labels(event="rewind", origin_rank="5", host="node-7"))] == 1.0

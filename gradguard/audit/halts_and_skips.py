@@ -44,8 +44,10 @@ class HaltSkipCollector:
         self.scaler = StepTally()
         self.rewinds: list[RewindRow] = []
         """Every rewind shown, one row for all the ranks that made it (a run makes at most ``max_rewinds``)."""
-        self._same_rewind: dict[tuple[Any, ...], list[RewindRow]] = {}
-        """The rows of each (step, to_step, skip_until, rule, kind): one per run of the log that made it."""
+        self._same_rewind: dict[tuple[Any, ...], RewindRow] = {}
+        """The row of each (job, step, to_step, skip_until, rule, kind): its replicas on other ranks join it."""
+        self._same_halt: dict[tuple[Any, ...], HaltRow] = {}
+        """The row of each halt kept, by (job, step, rule, kind): its replicas on other ranks join it."""
 
     def halt(self, event: Halt, run: RunState, record: Record) -> None:
         rule, params, step, reason, kind = event.rule, event.params, event.step, event.reason, event.kind
@@ -68,27 +70,37 @@ class HaltSkipCollector:
                 run.count(name, "halt_on_nonfinite")
         run.halted_at.append(step)
         self.counters.snapshot(event, run, record)
+        if run.replica:  # the same halt on another rank of the job: its row names this rank too
+            row = self._same_halt.get((run.job.number, step, rule, kind))
+            if row is not None and run.rank not in row.ranks:
+                row.ranks.append(run.rank)
+                row.runs.append(run.run)
+                if not row.n_params and params:  # a re-run's halt names its parameters on the ranks they differed
+                    row.params, row.n_params = params[:HALT_PARAMS_SHOWN], len(params)
+            return
         if not self._shown(step, rule) or not self._params_shown(params):
             return
         self.halts_total += 1
         if len(self.halts) < KEPT_HALTS:
-            self.halts.append(
-                HaltRow(
-                    run=run.run,
-                    rank=run.rank,
-                    step=step,
-                    rule=rule,
-                    kind=kind,
-                    reason=reason,
-                    params=params[:HALT_PARAMS_SHOWN],
-                    n_params=len(params),
-                    where=f"{self.paths[record.file]}:{record.line}",
-                    ts=event.ts,
-                    preceded_by=_describe(run.last_intervention),
-                    origin=event.origin,
-                    restored_to=event.restored_to,
-                )
+            row = HaltRow(
+                run=run.run,
+                rank=run.rank,
+                step=step,
+                rule=rule,
+                kind=kind,
+                reason=reason,
+                params=params[:HALT_PARAMS_SHOWN],
+                n_params=len(params),
+                where=f"{self.paths[record.file]}:{record.line}",
+                ts=event.ts,
+                preceded_by=_describe(run.last_intervention),
+                origin=event.origin,
+                restored_to=event.restored_to,
+                ranks=[run.rank],
+                runs=[run.run],
             )
+            self.halts.append(row)
+            self._same_halt[(run.job.number, step, rule, kind)] = row
 
     def rewind(self, event: Rewind, run: RunState, record: Record) -> None:
         """Recovery turned a halt into a rewind: counted under the halt's rule as ``rewind``; the run went on."""
@@ -101,16 +113,15 @@ class HaltSkipCollector:
         stretch = unlearned_stretch(step, to_step, skip_until)
         if stretch is not None:
             run.rewound.append(stretch)
+        key = (run.job.number, step, to_step, skip_until, rule, kind)
+        if run.replica:  # the same rewind on another rank of the job: one row for all its ranks
+            same = self._same_rewind.get(key)
+            if same is not None and run.rank not in same.ranks:
+                same.runs.append(run.run)
+                same.ranks.append(run.rank)
+            return
         if not self._shown(step, rule) or not self._params_shown(params):
             return
-        rows = self._same_rewind.setdefault((step, to_step, skip_until, rule, kind), [])
-        for row in rows:
-            if run.run in row.runs:
-                return
-            if run.rank not in row.ranks:  # another rank of the same rewind (a rank seen is another run's)
-                row.runs.append(run.run)
-                row.ranks.append(run.rank)
-                return
         row = RewindRow(
             step=step,
             to_step=to_step,
@@ -128,7 +139,7 @@ class HaltSkipCollector:
             ts=event.ts,
             origin=event.origin,
         )
-        rows.append(row)
+        self._same_rewind[key] = row
         self.rewinds.append(row)
 
     def _params_shown(self, params: list[str]) -> bool:
@@ -140,7 +151,7 @@ class HaltSkipCollector:
         skipping = run.skipping_rules if run.watch_step == step and run.skipping_rules else {rule: None}
         for name in skipping:
             run.count(name, "skip_step_on_nonfinite")
-        if not self._tally(step, rule, params, self.skipped_params):
+        if run.replica or not self._tally(step, rule, params, self.skipped_params):
             return
         origin = event.origin
         if origin is not None and len(self.skip_origins) < KEPT_HALTS:
@@ -150,7 +161,7 @@ class HaltSkipCollector:
         """A step ``skip_step_on_spike`` skipped: one event per spiking rule (or parameter)."""
         rule, params, step = event.rule, event.params, event.step
         run.count(rule, "skip_step_on_spike")
-        if not self._tally(step, rule, params, self.spiked_params):
+        if run.replica or not self._tally(step, rule, params, self.spiked_params):
             return
         z = event.z
         if type(z) is float and (self.largest_spike is None or z > self.largest_spike[0]):
@@ -172,7 +183,7 @@ class HaltSkipCollector:
     def scaler_skip(self, event: ScalerSkip, run: RunState, record: Record) -> None:
         run.count(*SCALER_KEY)
         step = event.step
-        if self._param_filter is None and self._shown(step, None) and not self._rules:
+        if not run.replica and self._param_filter is None and self._shown(step, None) and not self._rules:
             self.scaler.add(step)
 
 

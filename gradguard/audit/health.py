@@ -203,7 +203,7 @@ class HealthCollector:
 
     def stats(self, event: Stats, run: RunState, record: Record) -> None:
         rule, scope, figures, step = event.rule, event.scope, event.figures, event.step
-        if not self._filter.shown(step, rule):
+        if run.replica or not self._filter.shown(step, rule):  # another rank's figures of the same gradient
             return
         keep = self._filter.params
         for stat, values in figures.items():
@@ -258,7 +258,11 @@ class HealthCollector:
         threshold = None if isinstance(event, Recovered) else as_float(event.threshold)
         if kind != "recovered":
             run.count(rule, kind)
-        if not self._filter.shown(step, rule) or (self._filter.params is not None and not self._filter.params(name)):
+        if (
+            run.replica
+            or not self._filter.shown(step, rule)
+            or (self._filter.params is not None and not self._filter.params(name))
+        ):
             return
         if kind == "recovered":
             assert isinstance(event, Recovered)

@@ -118,7 +118,10 @@ class InterventionCollector:
             return
         # tensor_clip inlined: a line of a hundred tensors' clips is a hundred clips (a tenth of a log's clips).
         key = (rule, action)
-        run.recomputed[key] = run.recomputed.get(key, 0) + len(params)
+        run.count(rule, action, len(params))
+        if run.replica:  # another rank of the job wrote these clips at this step: counted in the tables once
+            run.last_intervention = (step, rule, action, params[-1], number_or_none(before[-1]))
+            return
         entries = self.entries.get(key)
         if entries is None:
             entries = self.entries[key] = {}
@@ -144,7 +147,9 @@ class InterventionCollector:
         """One clip of one tensor (the summarizer inlines this for ``intervention`` lines when no filter is on)."""
         before = raw if type(raw) is float else number_or_none(raw)
         key = (rule, action)
-        run.recomputed[key] = run.recomputed.get(key, 0) + 1
+        run.count(rule, action)
+        if run.replica:
+            return
         if self.filtered and (
             not self._shown(step, rule) or (self._param_filter is not None and not self._param_filter(param))
         ):
@@ -184,8 +189,8 @@ class InterventionCollector:
         n = n_params if n_params is not None else len(names)
         run.last_intervention = (step, rule, action, n, before)
         key = (rule, action)
-        run.recomputed[key] = run.recomputed.get(key, 0) + n
-        if not self._shown(step, rule):
+        run.count(rule, action, n)
+        if run.replica or not self._shown(step, rule):
             return
         if self._param_filter is not None:
             names = self._narrow(names)

@@ -61,6 +61,8 @@ class LossCollector:
 
     def spike(self, event: LossSpike, run: RunState, record: Record) -> None:
         run.count(LOSS_RULE, "spike")
+        if run.replica:
+            return
         row = self._verdict("spike", event.action, event.step)
         loss, reference = number_or_none(event.loss), number_or_none(event.reference)
         if row is None or loss is None or reference is None or reference <= 0:
@@ -73,6 +75,8 @@ class LossCollector:
 
     def nonfinite(self, event: LossNonfinite, run: RunState, record: Record) -> None:
         run.count(LOSS_RULE, "nonfinite")
+        if run.replica:
+            return
         row = self._verdict("nonfinite", event.action, event.step)
         if row is None:
             return
@@ -81,7 +85,7 @@ class LossCollector:
         row.values[value] = row.values.get(value, 0) + 1
 
     def unseen(self, event: LossUnseen, run: RunState, record: Record) -> None:
-        if len(self.unseen_lines) < KEPT_UNSEEN:
+        if not run.replica and len(self.unseen_lines) < KEPT_UNSEEN:
             self.unseen_lines.append(f"run {run.run}, rank {run.rank}, step {event.step}: {event.why}")
 
     def rows(self) -> list[LossRow]:

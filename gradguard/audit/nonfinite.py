@@ -45,7 +45,7 @@ class NonfiniteCollector:
             run.halting_rules[rule] = None
         if event.skips:
             run.skipping_rules[rule] = None
-        if not self._shown(step, rule) or not self._narrow([param]):
+        if run.replica or not self._shown(step, rule) or not self._narrow([param]):
             return
         self.steps.add(step)
         self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
@@ -58,7 +58,7 @@ class NonfiniteCollector:
 
     def unhalted_event(self, event: NonfiniteUnhalted, run: RunState, record: Record) -> None:
         names, step = event.params, event.step
-        if self._rules or not self._shown(step, None):
+        if run.replica or self._rules or not self._shown(step, None):
             return
         names = self._narrow(names)
         if not names:
@@ -69,7 +69,7 @@ class NonfiniteCollector:
 
     def group_norm_event(self, event: NonfiniteGroupNorm, run: RunState, record: Record) -> None:
         step = event.step
-        if self._param_filter is None and self._shown(step, event.rule):
+        if not run.replica and self._param_filter is None and self._shown(step, event.rule):
             self.group_norm.add(step)
 
     def by_param_rows(self) -> list[NonfiniteRow]:

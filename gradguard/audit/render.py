@@ -17,6 +17,7 @@ from gradguard.audit.layout import Section, Table, num, short_path, step_list, s
 from gradguard.audit.layout import name_list as _names
 from gradguard.audit.layout import plural as _plural
 from gradguard.audit.loss_report import loss_section
+from gradguard.audit.ranks_report import ranks_section
 from gradguard.audit.rerun_report import rerun_section
 from gradguard.audit.stops_report import halts_section, rewinds_section, skips_section
 from gradguard.audit.summary import AuditSummary
@@ -160,6 +161,12 @@ def audit_header(summary: AuditSummary) -> list[str]:
         head += f"; steps {steps_range(summary.first_step, summary.last_step)}"
     span = _time_span(summary.start, summary.end, summary.seconds)
     lines = [head + (f"; {span}" if span else "")]
+    for job in summary.jobs:
+        if len(job.runs) > 1:
+            lines.append(
+                f"runs {', '.join(job.runs)} (ranks {', '.join(map(str, job.ranks))}) are one job: figures are per "
+                "step across its ranks, an event every rank wrote counted once (not summed over ranks)"
+            )
     if summary.filters.active:
         lines.append(
             f"filters: {summary.filters.describe()} (runs and counters cover the whole log; the rest is filtered)"
@@ -176,6 +183,8 @@ def audit_sections(summary: AuditSummary, top: int = 10) -> list[Section]:
     if summary.rewinds_total:
         sections.append(rewinds_section(summary))
     sections.append(skips_section(summary))
+    if summary.by_rank or any(len(job.runs) > 1 for job in summary.jobs):
+        sections.append(ranks_section(summary))
     if summary.loss or summary.loss_unseen or summary.loss_watched:
         sections.append(loss_section(summary))
     if summary.reruns or summary.rerun_notes:
@@ -353,6 +362,11 @@ def _counters(summary: AuditSummary) -> Section:
             rows.append(row)
     headers = ["rule", "action", "count"] + ([f"run {run.run}" for run in runs] if per_run else [])
     lines = [f"run {run.run}: from the {run.counters_source}" for run in runs[:8]]
+    if any(len(job.runs) > 1 for job in summary.jobs):
+        lines.append(
+            "count: per step across the ranks of each job (its ranks count the same events: once, not summed "
+            "over ranks)" + ("; a run's column is its rank's own guard.counters" if per_run else "")
+        )
     if len(runs) > 8:
         lines.append(f"and {len(runs) - 8} more runs (--format json has each run's counters)")
     if summary.mismatches_total:

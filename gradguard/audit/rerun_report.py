@@ -3,7 +3,8 @@
 ``RerunCollector`` takes the ``rerun`` and ``rerun_unavailable`` events. Each re-run is counted for the counters'
 cross-check (``{"rerun": {"transient": n, "reproducible": n}}``) and gathered into one ``RerunRow`` per verdict;
 a transient fault is also counted against each rank whose computation differed (every rank of a process group
-writes the same event, so one re-run is counted once per run and step): a rank with many is a suspect device.
+writes the same event, so one re-run is counted once per job and step: ``gradguard.audit.jobs``): a rank with
+many is a suspect device.
 """
 
 from __future__ import annotations
@@ -37,19 +38,19 @@ class RerunCollector:
 
     def rerun(self, event: Rerun, run: RunState, record: Record) -> None:
         run.count(RERUN_RULE, event.verdict)
-        if not self._shown(event.step, RERUN_RULE):
+        if run.replica or not self._shown(event.step, RERUN_RULE):  # every rank of the group wrote it: once
             return
         self._steps.setdefault(event.verdict, StepTally()).add(event.step)
         asked = self._asked.setdefault(event.verdict, {})
         asked[event.asked] = asked.get(event.asked, 0) + 1
         key = (run.run, event.step)
-        if event.verdict == "transient" and key not in self._seen:  # every rank of the group wrote it
+        if event.verdict == "transient" and key not in self._seen:  # a run that wrote it twice (a hand-made log)
             self._seen.add(key)
             for rank in event.ranks:
                 self.by_rank.setdefault(rank, StepTally()).add(event.step)
 
     def unavailable(self, event: RerunUnavailable, run: RunState, record: Record) -> None:
-        if len(self.notes) < KEPT_NOTES:
+        if not run.replica and len(self.notes) < KEPT_NOTES:
             self.notes.append(f"run {run.run}, rank {run.rank}, step {event.step}: {event.why}")
 
     def rows(self) -> list[RerunRow]:

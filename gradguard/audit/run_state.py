@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from gradguard.audit.jobs import Job
 from gradguard.audit.summary import Counts
 from gradguard.events.counters import LOSS_RULE, RERUN_RULE, SCALER_RULE
 from gradguard.events.definitions import Intervention
@@ -51,9 +52,14 @@ def recomputable(key: tuple[str, str]) -> bool:
 class RunState:
     """Whole-log bookkeeping for one run id; never filtered."""
 
-    def __init__(self, run: str, rank: int) -> None:
+    def __init__(self, run: str, rank: int, job: Job | None = None) -> None:
         self.run = run
         self.rank = rank
+        self.job = job if job is not None else Job(0)
+        """The runs of the other ranks it trained with (``gradguard.audit.jobs``)."""
+        self.replica = False
+        """True while the event being read is one another rank of the job already wrote: the run counts it (its
+        own counters count it), the audit's tables do not again."""
         self.files: dict[int, None] = {}
         self.model: str | None = None
         self.policy: str | None = None
@@ -94,8 +100,12 @@ class RunState:
         """The run's last intervention, for the halt that may follow it."""
 
     def count(self, rule: str, action: str, n: int = 1) -> None:
+        """Count ``n`` under (rule, action) for this run, and for its job unless the event is a replica."""
         key = (rule, action)
         self.recomputed[key] = self.recomputed.get(key, 0) + n
+        if not self.replica:
+            counted = self.job.counted
+            counted[key] = counted.get(key, 0) + n
 
     def watch(self, step: int | None) -> None:
         """Start collecting the halting and skipping rules of ``step`` (its non-finite events come first)."""

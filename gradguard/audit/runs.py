@@ -1,5 +1,6 @@
 """The run table: one ``RunState`` per run id (attach info, steps, times, how it ended), made into
-``RunInfo`` rows. Whole log, never filtered.
+``RunInfo`` rows, and the runs grouped by job (``gradguard.audit.jobs``) into ``JobInfo`` rows. Whole log, never
+filtered.
 """
 
 from __future__ import annotations
@@ -8,12 +9,13 @@ from datetime import datetime
 from typing import Any
 
 from gradguard.audit.counters import CounterCheck, reproduced_counters
+from gradguard.audit.jobs import Job
 from gradguard.audit.reader import AnyEvent, Record
-from gradguard.audit.run_state import RunState
-from gradguard.audit.summary import RunInfo, joined_stretches
+from gradguard.audit.run_state import RunState, recomputable
+from gradguard.audit.summary import Counts, JobInfo, RunInfo, joined_stretches
 from gradguard.events.definitions import Attach, Detach
 
-__all__ = ["RunTable", "ran_steps", "seconds_between", "snapshot_memory"]
+__all__ = ["RunTable", "job_counters", "ran_steps", "seconds_between", "snapshot_memory"]
 
 
 class RunTable:
@@ -23,6 +25,7 @@ class RunTable:
         self.paths = paths
         self.counters = counters
         self.by_id: dict[str, RunState] = {}
+        self.jobs: list[Job] = []
         self._last: RunState | None = None
         self._last_file = -1
 
@@ -33,7 +36,7 @@ class RunTable:
             run_id = event.run
             run = self.by_id.get(run_id)
             if run is None:
-                run = self.by_id[run_id] = RunState(run_id, event.rank)
+                run = self.by_id[run_id] = RunState(run_id, event.rank, self._job_for(run_id, event.rank))
             if record.file not in run.files:
                 run.files[record.file] = None
             self._last, self._last_file = run, record.file
@@ -50,6 +53,15 @@ class RunTable:
             if run.last_step is None or step > run.last_step:
                 run.last_step = step
         return run
+
+    def _job_for(self, run: str, rank: int) -> Job:
+        """The newest job if it has no run of ``rank`` yet (another rank of it), else a new one."""
+        job = self.jobs[-1] if self.jobs else None
+        if job is None or rank in job.runs:
+            job = Job(len(self.jobs) + 1)
+            self.jobs.append(job)
+        job.runs[rank] = run
+        return job
 
     def attach(self, event: Attach, run: RunState, record: Record) -> None:
         run.model, run.policy, run.params = event.model, event.policy, event.params
@@ -109,7 +121,46 @@ class RunTable:
             snapshot_memory=run.snapshot_memory,
             rewinds=run.rewinds,
             unlearned_steps=joined_stretches(run.rewound),
+            job=run.job.number,
         )
+
+    def job_infos(self, infos: list[RunInfo]) -> list[JobInfo]:
+        """Every job, with its counters per step across its ranks (``job_counters``)."""
+        by_job: dict[int, list[RunInfo]] = {}
+        for info in infos:
+            by_job.setdefault(info.job, []).append(info)
+        return [
+            JobInfo(
+                job.number,
+                [info.run for info in by_job.get(job.number, [])],
+                [info.rank for info in by_job.get(job.number, [])],
+                job_counters(job, by_job.get(job.number, [])),
+            )
+            for job in self.jobs
+        ]
+
+
+def job_counters(job: Job, runs: list[RunInfo]) -> Counts:
+    """A job's counters, per step across its ranks: each count once, not once per rank.
+
+    One run: its own counters, as they are. Several ranks: each (rule, action) is the largest of the job's own
+    count (its events, each distributed event once: ``Job.counted``) and of each rank's counters; the ranks of a
+    data-parallel job count the same events, so a rank whose count is larger had events the log lost (or the
+    guard counted without a line: ``scale``, ``zero``, ``drop``), and the job's events more than any rank's when
+    the ranks differed.
+    """
+    if len(runs) == 1:
+        return runs[0].counters
+    counters: Counts = {}
+    for (rule, action), n in job.counted.items():
+        if n and recomputable((rule, action)):
+            counters.setdefault(rule, {})[action] = n
+    for info in runs:
+        for rule, by_action in info.counters.items():
+            into = counters.setdefault(rule, {})
+            for action, n in by_action.items():
+                into[action] = max(into.get(action, 0), n)
+    return counters
 
 
 def ran_steps(run: RunState) -> tuple[int | None, int | None]:

@@ -37,9 +37,10 @@ def halts_section(summary: AuditSummary) -> Section:
             )
         if halt.origin:
             lines.append(f"    origin: {origin_text(halt.origin)}")
-        lines.append(
-            f"    run {halt.run}, rank {halt.rank}, at {short_path(halt.where)}" + (f", {halt.ts}" if halt.ts else "")
-        )
+        who = f"run {halt.run}, rank {halt.rank}"
+        if len(halt.ranks) > 1:  # the ranks of a job halt together: one halt, written by each
+            who = f"runs {', '.join(halt.runs)}, ranks {', '.join(map(str, halt.ranks))}"
+        lines.append(f"    {who}, at {short_path(halt.where)}" + (f", {halt.ts}" if halt.ts else ""))
         if halt.preceded_by:
             lines.append(f"    last intervention before it: {halt.preceded_by}")
     more = summary.halts_total - len(summary.halts)

@@ -7,9 +7,13 @@ the first few halts, with totals for the rest.
 ``Summarizer`` finds each event's run (``gradguard.audit.runs``) and hands the event to the
 collector of its kind: counters snapshots (``gradguard.audit.counters``), interventions
 (``gradguard.audit.interventions``), non-finite gradients (``gradguard.audit.nonfinite``), halts,
-rewinds and skips (``gradguard.audit.halts_and_skips``), gradient health (``gradguard.audit.health``),
-or, for any other event name,
+rewinds and skips (``gradguard.audit.halts_and_skips``), gradient health (``gradguard.audit.health``), the
+ranks (``gradguard.audit.ranks_report``), or, for any other event name,
 ``OtherEventCollector``. A malformed event becomes an unreadable line in the read statistics.
+
+The runs of a distributed job's ranks make one job (``gradguard.audit.jobs``): an event another rank of the job
+already wrote at its step is a replica, counted by its run (each rank's counters are its own) but not again by
+the tables, which are then per step across ranks.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from gradguard.audit.health import HealthCollector
 from gradguard.audit.interventions import Entry, InterventionCollector
 from gradguard.audit.loss_report import LossCollector, loss_findings
 from gradguard.audit.nonfinite import NonfiniteCollector
+from gradguard.audit.ranks_report import RankCollector
 from gradguard.audit.reader import AnyEvent, ReadStats, Record
 from gradguard.audit.rerun_report import RerunCollector
 from gradguard.audit.run_state import LastIntervention, RunState
@@ -79,6 +84,19 @@ class OtherEventCollector:
         steps.add(step)
 
 
+Handler = Callable[[Any, RunState, Record], None]
+
+
+def _both(first: Handler, second: Handler) -> Handler:
+    """One event to two collectors, in order."""
+
+    def handle(event: Any, run: RunState, record: Record) -> None:
+        first(event, run, record)
+        second(event, run, record)
+
+    return handle
+
+
 def _end_streak(
     run: RunState, events: int, last_ts: str | None, last_clip: LastIntervention | None, low: int, high: int
 ) -> None:
@@ -107,8 +125,10 @@ class Summarizer:
         self.health = HealthCollector(event_filter)
         self.loss = LossCollector(event_filter, self.halts_and_skips)
         self.reruns = RerunCollector(event_filter)
+        self.by_rank = RankCollector(event_filter)
         self._run_of = self.runs.run_of
-        self._handlers: dict[type[AnyEvent], Callable[[Any, RunState, Record], None]] = {
+        stops, by_rank = self.halts_and_skips, self.by_rank
+        self._handlers: dict[type[AnyEvent], Handler] = {
             ev.Attach: self.runs.attach,
             ev.Detach: self.runs.detach,
             ev.Counters: self.counters.snapshot,
@@ -117,9 +137,10 @@ class Summarizer:
             ev.Nonfinite: self.nonfinite.nonfinite,
             ev.NonfiniteUnhalted: self.nonfinite.unhalted_event,
             ev.NonfiniteGroupNorm: self.nonfinite.group_norm_event,
-            ev.Halt: self.halts_and_skips.halt,
-            ev.Rewind: self.halts_and_skips.rewind,
-            ev.Skip: self.halts_and_skips.skip,
+            # The ranks first: a ``ranks`` that names no rank makes the line unreadable before anything counts it.
+            ev.Halt: _both(by_rank.verdict, stops.halt),
+            ev.Rewind: _both(by_rank.verdict, stops.rewind),
+            ev.Skip: _both(by_rank.verdict, stops.skip),
             ev.SpikeSkip: self.halts_and_skips.spike_skip,
             ev.ScalerSkip: self.halts_and_skips.scaler_skip,
             ev.Stats: self.health.stats,
@@ -129,8 +150,11 @@ class Summarizer:
             ev.LossSpike: self.loss.spike,
             ev.LossNonfinite: self.loss.nonfinite,
             ev.LossUnseen: self.loss.unseen,
-            ev.Rerun: self.reruns.rerun,
+            ev.Rerun: _both(self.reruns.rerun, by_rank.rerun),
             ev.RerunUnavailable: self.reruns.unavailable,
+            ev.RankOutlier: by_rank.outlier,
+            ev.ReplicaDivergence: by_rank.divergence,
+            ev.RankFailure: by_rank.failure,
         }
 
     def add(self, record: Record) -> None:
@@ -153,7 +177,7 @@ class Summarizer:
             for record in records:
                 self._handle(record)
             return
-        handlers, run_of, other = self._handlers, self._run_of, self.other.add
+        run_of = self._run_of
         clips = self.interventions
         entries = clips.entries
         seq = clips.seq
@@ -227,20 +251,17 @@ class Summarizer:
             try:
                 run = run_of(event, record)
                 run_id, run_file = event.run, record.file
-                handler = handlers.get(type(event))
-                if handler is None:
-                    other(event)
-                else:
-                    handler(event, run, record)
+                self._dispatch(event, run, record)
             except Malformed as exc:
                 self._bad(record, str(exc))
             except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
                 # A value no definition foresaw (a fuzzed or hand-edited line): that line is lost, not the report.
                 self._bad(record, f"gradguard {name_of(event)!r} event the audit cannot read ({type(exc).__name__})")
             seq = clips.seq
-            # The streak starts only where the run has a step span to widen (a clip's own run_of would start it).
+            # The streak starts only where the run has a step span to widen (a clip's own run_of would start it),
+            # and only in a job of one rank: another rank's clips may be replicas, which the streak cannot tell.
             first, last = (None, None) if run is None else (run.first_step, run.last_step)
-            if run is None or first is None or last is None:
+            if run is None or first is None or last is None or run.job.multi:
                 streak = -1
             else:
                 streak, last_ts, last_clip, low, high = 0, run.last_ts, run.last_intervention, first, last
@@ -255,23 +276,36 @@ class Summarizer:
         """One event, to its run and its handler (every clip too, as a filter is on)."""
         event = record.event
         try:
-            run = self._run_of(event, record)
-            handler = self._handlers.get(type(event))
-            if handler is None:
-                self.other.add(event)
-            else:
-                handler(event, run, record)
+            self._dispatch(event, self._run_of(event, record), record)
         except Malformed as exc:
             self._bad(record, str(exc))
         except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
             self._bad(record, f"gradguard {name_of(event)!r} event the audit cannot read ({type(exc).__name__})")
 
+    def _dispatch(self, event: AnyEvent, run: RunState, record: Record) -> None:
+        """``event`` to its handler, marked as a replica where another rank of the run's job wrote it already.
+
+        A job of one rank so far remembers its events too: another rank's run may join it later (its first line
+        read after this rank's first steps: one file of several ranks, or a job's files restarted at step 0).
+        """
+        run.replica = run.job.replica(event, run.rank)
+        try:
+            handler = self._handlers.get(type(event))
+            if handler is None:
+                if not run.replica:
+                    self.other.add(event)
+            else:
+                handler(event, run, record)
+        finally:
+            run.replica = False
+
     def summary(self) -> AuditSummary:
         """The summary of everything added so far."""
         runs = self.runs.infos()
+        jobs = self.runs.job_infos(runs)
         totals: Counts = {}
-        for info in runs:
-            for rule, by_action in info.counters.items():
+        for job in jobs:  # a job's ranks count the same events: its counters once, not each rank's
+            for rule, by_action in job.counters.items():
                 into = totals.setdefault(rule, {})
                 for action, n in by_action.items():
                     into[action] = into.get(action, 0) + n
@@ -355,6 +389,8 @@ class Summarizer:
             reruns=self.reruns.rows(),
             rerun_ranks={rank: steps.done() for rank, steps in sorted(self.reruns.by_rank.items())},
             rerun_notes=list(self.reruns.notes),
+            jobs=jobs,
+            by_rank=self.by_rank.rows(),
         )
         summary.findings = findings_of(summary) + loss_findings(summary)
         return summary

@@ -21,11 +21,13 @@ __all__ = [
     "FlagRow",
     "HaltRow",
     "HealthRow",
+    "JobInfo",
     "LossRow",
     "Mismatch",
     "NonfiniteRow",
     "ParamRow",
     "ParamTally",
+    "RankRow",
     "RerunRow",
     "RewindRow",
     "RuleActionRow",
@@ -86,6 +88,40 @@ class RunInfo:
     faulty and skipped steps, overlapping stretches joined)."""
     snapshot_memory: str | None = None
     """Where recovery's snapshots lived and the bytes they held (the attach event's ``recovery``), or ``None``."""
+    job: int = 1
+    """The job it belongs to (``JobInfo.job``): the runs of the other ranks it trained with."""
+
+
+@dataclass
+class JobInfo:
+    """The runs of one job, one per rank: an event every rank wrote is counted once per step."""
+
+    job: int
+    runs: list[str]
+    ranks: list[int]
+    counters: Counts
+    """Its counters per step across its ranks: an event every rank counted, once (each run's are its rank's own)."""
+
+
+@dataclass
+class RankRow:
+    """What the log says about one rank: the faults made there (before the reduction), its outliers, replica
+    divergences and failures, and the re-runs whose computations differed or not there."""
+
+    rank: int
+    hosts: list[str]
+    halts: int = 0
+    rewinds: int = 0
+    skips: int = 0
+    outliers: int = 0
+    divergences: int = 0
+    failures: int = 0
+    transient: int = 0
+    reproducible: int = 0
+    steps: StepList = field(default_factory=lambda: StepList())
+    """The steps at which an event named the rank."""
+    errors: list[str] = field(default_factory=list)
+    """The first exceptions of its ``rank_failure`` events."""
 
 
 @dataclass
@@ -206,6 +242,9 @@ class HaltRow:
     """Where the NaN/Inf started, as the guard traced it (``GradGuard(provenance=...)``)."""
     restored_to: int | None = None
     """The step of the recovery snapshot restored before the halt (``max_rewinds`` reached), or ``None``."""
+    ranks: list[int] = field(default_factory=list)
+    """Every rank that wrote the halt (the ranks of a job halt together: one row for all)."""
+    runs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -339,7 +378,8 @@ class AuditSummary:
     events: int
     filters: Filters
     totals: Counts
-    """The reproduced ``guard.counters.snapshot()``, summed over runs (whole log, never filtered)."""
+    """The reproduced ``guard.counters.snapshot()``, summed over jobs (whole log, never filtered): a job's ranks
+    count the same events, so a job counts each once per step, not once per rank."""
     totals_complete: bool
     intervention_count: int
     intervention_events: int
@@ -398,6 +438,10 @@ class AuditSummary:
     """Rank -> the steps at which its computation of a re-run step differed (transient faults)."""
     rerun_notes: list[str] = field(default_factory=list)
     """Suspect steps that could not be computed again (``rerun_unavailable``), in words."""
+    jobs: list[JobInfo] = field(default_factory=list)
+    """The runs grouped by job (one run per rank); ``totals`` sums the jobs' counters, not the runs'."""
+    by_rank: list[RankRow] = field(default_factory=list)
+    """Faults by the rank where they were made, outliers, divergences, failures and re-runs, by rank."""
 
     @property
     def exit_code(self) -> int:

@@ -19,7 +19,10 @@ Exported (every sample carries ``rank``; a count is what ``guard.counters.snapsh
   by the GradScaler under ``rule="grad_scaler"``;
 - ``gradguard_halts_total{rule}``: halts (``halt_on_nonfinite``, or a skip rule past its limits);
 - ``gradguard_stat{rule,stat,name}``: gauges of monitored statistics, from a provider returning
-  ``{"gradguard/<rule>/<stat>[/<name>]": value}`` (see ``parse_stat_key``).
+  ``{"gradguard/<rule>/<stat>[/<name>]": value}`` (see ``parse_stat_key``);
+- ``gradguard_faults_by_rank_total{event,origin_rank,host}``: halts, skips and rewinds by the rank where the fault
+  was made (their events' ``ranks``, before the reduction), from ``RankFaults``: every rank counts each fault, so
+  a query sums over ``origin_rank`` of one ``rank``, not over ``rank``.
 
 Series of the policy's rules start at 0 (a first NaN is then an increase, not a new series).
 """
@@ -45,6 +48,7 @@ __all__ = [
     "INSTALL_HINT",
     "MetricsServer",
     "MetricsSource",
+    "RankFaults",
     "ServesMetrics",
     "check_metrics_port",
     "parse_stat_key",
@@ -110,6 +114,41 @@ def parse_stat_key(key: str, rules: Iterable[str]) -> tuple[str, str, str] | Non
     return rule, stat, name
 
 
+FAULT_EVENTS = frozenset({"halt", "skip", "rewind"})
+"""The events whose ``ranks`` name where a fault was made ({rank: host}, JSON keys strings)."""
+
+
+class RankFaults:
+    """Faults by origin rank and host, fed by the guard's ``halt``, ``skip`` and ``rewind`` events: safe to feed
+    from the training thread and read from a scrape's at once.
+
+    The counters (``guard.counters``) count by rule, not by rank: where a fault was made is only in its event's
+    ``ranks``, so this tally takes the events as they are emitted (``observe``, the signature of
+    ``EventLog.emit`` less the level) and the collector serves it at scrape time.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str, str], int] = {}
+
+    def observe(self, event: str, fields: Mapping[str, Any]) -> None:
+        """Count a fault event once for each rank its ``ranks`` names; any other event, or none named, is ignored."""
+        if event not in FAULT_EVENTS:
+            return
+        ranks = fields.get("ranks")
+        if not isinstance(ranks, Mapping) or not ranks:
+            return
+        keys = [(event, str(rank), str(host)) for rank, host in ranks.items()]
+        with self._lock:
+            for key in keys:
+                self._counts[key] = self._counts.get(key, 0) + 1
+
+    def snapshot(self) -> dict[tuple[str, str, str], int]:
+        """``{(event, origin rank, host): count}``, a copy consistent at one instant."""
+        with self._lock:
+            return dict(self._counts)
+
+
 @dataclass(frozen=True)
 class MetricsSource:
     """What a scrape reads: nothing here refers to the guard itself, so the guard stays collectable."""
@@ -121,6 +160,8 @@ class MetricsSource:
     rule_actions: Mapping[str, tuple[str, ...]]
     """``{rule: action names}`` of the policy: its series are served from 0."""
     stats: StatProvider | None = None
+    rank_faults: RankFaults | None = None
+    """Faults by origin rank (``gradguard_faults_by_rank_total``); None serves no such series."""
 
     @classmethod
     def of_guard(cls, guard: Any) -> MetricsSource:
@@ -144,7 +185,7 @@ class MetricsSource:
                 return bound() if bound is not None else {}
 
         rule_actions = {rule.name: tuple(action.action for action in rule.actions) for rule in guard.policy.rules}
-        return cls(guard.counters, steps, int(guard.rank), rule_actions, stats)
+        return cls(guard.counters, steps, int(guard.rank), rule_actions, stats, guard.rank_faults)
 
 
 class _GuardCollector:
@@ -195,6 +236,16 @@ class _GuardCollector:
             if skips is not None:
                 skipped.add_metric([rule, rank], skips)
         yield from (steps, interventions, nonfinite, skipped, halts)
+        if source.rank_faults is not None:
+            by_rank = CounterMetricFamily(
+                "gradguard_faults_by_rank",
+                "Halts, skips and rewinds by the rank where the fault was made, before the reduction (their events' "
+                "ranks); every rank counts each fault.",
+                labels=["event", "origin_rank", "host", "rank"],
+            )
+            for (event, origin, host), count in sorted(source.rank_faults.snapshot().items()):
+                by_rank.add_metric([event, origin, host, rank], count)
+            yield by_rank
         gauges = GaugeMetricFamily(
             "gradguard_stat",
             "Statistics the guard monitors, from its gradguard/<rule>/<stat>[/<name>] metrics.",
@@ -302,6 +353,9 @@ class ServesMetrics:
     [`metrics_url`][gradguard.events.prometheus.ServesMetrics.metrics_url] and the start."""
 
     _metrics_server: MetricsServer | None = None
+    rank_faults: RankFaults | None = None
+    """While metrics are served: faults by origin rank, fed by ``rank_faults.observe(event, fields)`` for each event
+    the guard emits (``gradguard_faults_by_rank_total``)."""
 
     @property
     def metrics_url(self) -> str | None:
@@ -322,6 +376,7 @@ class ServesMetrics:
         """
         if port is None:
             return
+        self.rank_faults = RankFaults()
         try:
             server = MetricsServer(MetricsSource.of_guard(self), host=host, port=port)
         except BaseException:

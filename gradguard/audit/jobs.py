@@ -1,0 +1,133 @@
+"""The jobs of a log: the runs of one distributed job (one run per rank), and which of their events are replicas.
+
+Under ``torch.distributed`` every rank runs its own guard (its own ``run`` id) and writes every distributed event
+itself: a skip, halt or rewind the ranks agreed on, a clip of the reduced gradient (under FSDP2 and DeepSpeed with
+the figures combined over the ranks), a re-run's verdict. Read rank by rank, one skip on 2 ranks would be 2 skips,
+and 12 clips 24. A ``Job`` groups the runs of distinct ranks that trained together (they share the step numbers),
+and ``Job.replica`` says whether an event is one another rank of the job already wrote at that step: the audit's
+tables count it once, naming the ranks, while each run keeps its own counts (its ``counters`` events are that
+rank's own ``guard.counters``, checked against that rank's lines).
+
+Runs are put in jobs as they are first seen (``RunTable.run_of``): a run joins the newest job when that job has no
+run of its rank yet, else starts a new one. Two runs of one rank are never one job (a single-process log of
+several runs stays a log of several runs), and the per-rank files of one job, read merged in step order, meet
+every rank's first run before any step.
+
+Memory stays bounded by the model, not the log: the events of a step are remembered only until every rank of
+the job has gone past it (``WINDOW_STEPS`` at most, for a rank whose lines stopped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any, Final
+
+import msgspec
+
+from gradguard.events import definitions as ev
+
+__all__ = ["WINDOW_STEPS", "Job", "identity"]
+
+WINDOW_STEPS: Final = 64
+"""Steps of a job's events held at most to find replicas: a rank whose lines lag further is counted again."""
+
+_IDENTITY_FIELDS: Final = ("rule", "action", "param", "params", "name", "kind", "verdict", "why", "failed_rank")
+"""The fields that say what an event is about (not its figures), where its definition has them."""
+_VERDICT_FIELDS: Final = ("rule", "kind")
+"""A halt, rewind or skip is one per step and rule: its ``params`` may differ by rank (a re-run's halt names only
+the parameters whose own norms differed, empty on the other ranks)."""
+_PER_RANK: Final = (ev.Counters, ev.SnapshotPlacement)
+"""Events of one rank's own state, never replicas: its counters, where its own snapshots live."""
+
+_fields_by_type: dict[type[Any], tuple[str, ...] | None] = {}
+
+
+def _identity_fields(kind: type[Any]) -> tuple[str, ...] | None:
+    found = _fields_by_type.get(kind, ())
+    if found != ():
+        return found
+    fields: tuple[str, ...] | None
+    if not issubclass(kind, ev.StepEvent) or issubclass(kind, _PER_RANK):
+        fields = None
+    elif issubclass(kind, ev.Verdict):
+        fields = _VERDICT_FIELDS
+    else:
+        names = {field.name for field in msgspec.structs.fields(kind)}
+        fields = tuple(name for name in _IDENTITY_FIELDS if name in names)
+        if issubclass(kind, ev.Intervention):
+            fields += ("micro_batch",)  # one clip per micro-batch: the n-th of one rank matches the n-th of another
+    _fields_by_type[kind] = fields
+    return fields
+
+
+def identity(event: Any) -> tuple[Hashable, ...] | None:
+    """What ``event`` is about at its step (its kind, rule, parameter...), or None where it is a rank's own
+    (an attach, a detach, a counters snapshot, an event of a name no definition has)."""
+    kind = type(event)
+    fields = _identity_fields(kind)
+    if fields is None:
+        return None
+    values: list[Any] = [kind]
+    for name in fields:
+        value = getattr(event, name)
+        values.append(tuple(value) if isinstance(value, list) else value)
+    return tuple(values)
+
+
+class Job:
+    """The runs of one job, by rank, and the events of its recent steps, to tell a replica from a new event."""
+
+    __slots__ = ("_last", "_window", "counted", "number", "runs")
+
+    def __init__(self, number: int) -> None:
+        self.number = number
+        self.runs: dict[int, str] = {}
+        """Rank -> the run id of its guard."""
+        self.counted: dict[tuple[str, str], int] = {}
+        """The counts of its events, each distributed event once (``RunState.count`` of an event no other rank
+        of the job wrote before it)."""
+        self._window: dict[int, dict[Hashable, dict[int, int]]] = {}
+        """Step -> what an event was about -> how many such events each rank wrote at that step."""
+        self._last: dict[int, int] = {}
+        """Rank -> the highest step of its events so far."""
+
+    @property
+    def multi(self) -> bool:
+        """Whether the job has runs of several ranks (only then can an event be a replica)."""
+        return len(self.runs) > 1
+
+    def replica(self, event: Any, rank: int) -> bool:
+        """Whether another rank of the job already wrote ``event`` (as often) at its step; remembers it."""
+        step = getattr(event, "step", None)
+        if step is None:
+            return False
+        key = identity(event)
+        if key is None:
+            return False
+        window = self._window
+        at = window.get(step)
+        if at is None:
+            at = window[step] = {}
+            self._forget(step, rank)
+        elif self._last.get(rank, -1) < step:
+            self._last[rank] = step
+        seen = at.get(key)
+        if seen is None:
+            at[key] = {rank: 1}
+            return False
+        n = seen[rank] = seen.get(rank, 0) + 1
+        return any(count >= n for other, count in seen.items() if other != rank)
+
+    def _forget(self, step: int, rank: int) -> None:
+        """A new step entered the window: drop the steps every rank has gone past, and the oldest past the cap."""
+        last = self._last
+        if last.get(rank, -1) < step:
+            last[rank] = step
+        window = self._window
+        if len(last) == len(self.runs):
+            # An event may come a step late (a group clip written with the next step's read): keep one step more.
+            below = min(last.values()) - 1
+            for old in [old for old in window if old < below]:
+                del window[old]
+        while len(window) > WINDOW_STEPS:
+            del window[min(window)]

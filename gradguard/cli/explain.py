@@ -26,7 +26,7 @@ from gradguard.cli.explain_policy import action_text, loss_halts, window_text
 from gradguard.enforce.recovery.snapshot_memory import memory_text, memory_where, readable_bytes
 from gradguard.errors import GradGuardError, PolicyError
 from gradguard.policy.document import Policy
-from gradguard.policy.matching import bind, canonical_name, rule_matches
+from gradguard.policy.matching import bind, binding_warnings, canonical_name, rule_matches
 from gradguard.policy.schema import HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike, can_halt
 
 __all__ = ["Explanation", "ModelSpecError", "explain", "explain_sections", "load_model"]
@@ -169,6 +169,8 @@ class Explanation:
     """What ``bind`` refuses: the errors GradGuard would raise at attach."""
     snapshot: SnapshotBytes | None = None
     """With a ``recovery`` section: the bytes one snapshot will hold for this model."""
+    warnings: list[str] = field(default_factory=list)
+    """What the model makes void in the policy (an exclude that excludes nothing): the guard warns of each."""
 
     @property
     def findings(self) -> list[str]:
@@ -222,6 +224,7 @@ class Explanation:
             "tied": [entry.names for entry in self.params if len(entry.names) > 1],
             "recovery": self._recovery_json(),
             "issues": self.issues,
+            "warnings": self.warnings,
             "exit_code": self.exit_code,
         }
 
@@ -293,7 +296,8 @@ def explain(policy: Policy, model: nn.Module, model_spec: str) -> Explanation:
     except GradGuardError as exc:
         issues = [str(exc)]
     snapshot = snapshot_bytes(model) if policy.recovery is not None else None
-    return Explanation(policy, model_spec, type(model).__name__, params, members, issues, snapshot)
+    found = binding_warnings(policy, [tuple(entry.names) for entry in params])
+    return Explanation(policy, model_spec, type(model).__name__, params, members, issues, snapshot, found)
 
 
 def _rule_actions(rule: Rule) -> list[str]:
@@ -383,7 +387,9 @@ def explain_sections(expl: Explanation) -> list[Section]:
     )
     recovery = _recovery_section(expl)
     problems = Section("Problems GradGuard would raise when attaching", expl.issues or ["none"])
+    warned = Section("Warnings GradGuard would give when attaching (it attaches)", expl.warnings or ["none"])
     verdict = f"{len(expl.issues)} problem(s)" if expl.issues else "none"
+    verdict += f", {len(expl.warnings)} warning(s)" if expl.warnings else ""
     return [
         parameters,
         rule_section,
@@ -392,6 +398,7 @@ def explain_sections(expl: Explanation) -> list[Section]:
         tied_section,
         *([recovery] if recovery is not None else []),
         problems,
+        warned,
         Section("Findings", [f"{verdict} (exit {expl.exit_code})"]),
     ]
 

@@ -5,8 +5,8 @@ Exit codes: 0 all good; 1 findings (an invalid policy, a rule that matches nothi
 non-finite gradient, a skipped step, an unreadable log line, a counter mismatch); 2 a usage or input
 error (a missing file, a bad ``MODULE:CALLABLE``, a log with no gradguard event).
 
-Only ``explain --model``, ``demo``, ``suggest`` and ``replay`` import torch, inside the command: ``validate``,
-``explain`` of a policy alone, ``audit``, ``schema`` and ``policies`` answer without it
+Only ``explain --model``, ``validate --model``, ``demo``, ``suggest`` and ``replay`` import torch, inside the
+command: ``validate`` and ``explain`` of a policy alone, ``audit``, ``schema`` and ``policies`` answer without it
 (``tests/test_cli_without_torch.py``).
 """
 
@@ -24,6 +24,8 @@ from gradguard.cli.common import POLICY, fail, load_policy, output_option, run_a
 from gradguard.cli.tuning import replay, suggest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from gradguard.policy.document import Policy
 
 __all__ = ["main", "run"]
@@ -71,21 +73,32 @@ def run() -> None:
 
 @main.command()
 @click.argument("policies", nargs=-1, required=True, type=POLICY)
-def validate(policies: tuple[Path, ...]) -> None:
-    """Check policy files (.yaml, .yml, .toml, .json) without a model.
+@click.option(
+    "--model",
+    "model_spec",
+    metavar="MODULE:CALLABLE",
+    help="Also bind each policy to this model, as the guard does at attach: a rule that matches nothing is an "
+    "error, an exclude that excludes nothing a warning (see `gradguard explain --model`; imports torch).",
+)
+def validate(policies: tuple[Path, ...], model_spec: str | None) -> None:
+    """Check policy files (.yaml, .yml, .toml, .json), without a model or against one (--model).
 
     A POLICY is a file, or the name of a shipped policy (`gradguard policies`); a path that exists wins.
 
     Every problem is printed with its file, line, field, what was given and what is expected.
     What a valid policy can never do (a rerun verdict nothing gives, a pattern that can only match a
     parameter on the model itself) is printed as a warning, with exit 0.
+    With --model, what the guard would refuse at attach is an error (the file is invalid) and what it would
+    warn of (an exclude that excludes nothing) a warning.
     Exit 1 if any file is invalid. JSON Schema files (*.schema.json, as `gradguard schema` writes
     beside the policies) are skipped, so `gradguard validate policies/*` checks the policies alone.
-    Does not import torch.
+    Does not import torch without --model.
     """
     from gradguard.errors import PolicyError
     from gradguard.policy.advice import policy_warnings
     from gradguard.policy.document import Policy
+
+    against = _model_check(model_spec) if model_spec is not None else None
 
     invalid = 0
     checked = [path for path in policies if not _is_json_schema(path)]
@@ -99,14 +112,36 @@ def validate(policies: tuple[Path, ...]) -> None:
             invalid += 1
             click.echo(f"{path}: {exc}")
             continue
+        problems, model_warnings = against(policy) if against is not None else ([], [])
+        if problems:
+            invalid += 1
+            click.echo(f"{path}: does not bind to {model_spec}:" + "".join(f"\n  {problem}" for problem in problems))
+            continue
         names = ", ".join(rule.name for rule in policy.rules)
         count = len(policy.rules)
         click.echo(f"{path}: ok ({count} rule{'s' if count != 1 else ''}: {names}{_also_sections(policy)})")
-        for warning in policy_warnings(policy):
+        for warning in [*policy_warnings(policy), *model_warnings]:
             click.echo(f"{path}: warning: {warning}")
     if len(checked) > 1:
         click.echo(f"{len(checked) - invalid} of {len(checked)} policy files valid")
     sys.exit(1 if invalid else 0)
+
+
+def _model_check(model_spec: str) -> Callable[[Policy], tuple[list[str], list[str]]]:
+    """``validate --model``: the model loaded once, and a check of each policy against it that gives what attaching
+    would refuse and what it would warn of (``gradguard.cli.explain``'s, which binds as the guard does)."""
+    from gradguard.cli.explain import ModelSpecError, explain, load_model
+
+    try:
+        model = load_model(model_spec)
+    except ModelSpecError as exc:
+        fail(str(exc))
+
+    def check(policy: Policy) -> tuple[list[str], list[str]]:
+        found = explain(policy, model, model_spec)
+        return found.issues, found.warnings
+
+    return check
 
 
 def _also_sections(policy: Policy) -> str:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import bisect
 import difflib
-import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from gradguard.errors import GuardStateError, GuardWarning, PolicyError, PolicyIssue
+from gradguard.errors import GuardStateError, PolicyError, PolicyIssue
 from gradguard.policy.document import Policy
 from gradguard.policy.patterns import pattern_matcher, rule_matches
 from gradguard.policy.schema import GRADIENT_CHANGING_ACTIONS, Action, Rule
@@ -96,7 +95,7 @@ class Binding:
     model_params: tuple[weakref.ReferenceType[nn.Parameter], ...]
     """Every parameter tensor of the model at bind time, in ``parameters()`` order."""
     warnings: tuple[str, ...] = ()
-    """What the policy says that this model makes void, each a ``GuardWarning`` at bind (``binding_warnings``)."""
+    """What the policy says that this model makes void (``binding_warnings``): the guard warns of each."""
 
     def still_matches(self, model: nn.Module) -> bool:
         """Whether the model still has exactly the tensors it was bound to (by identity, not by ``id``:
@@ -147,8 +146,6 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         raise PolicyError(issues)
     _refuse_unsupported(model, policy, guarded)
     found = binding_warnings(policy, [tuple(names) for names in names_by_id.values()])
-    for warning in found:
-        warnings.warn(warning, GuardWarning, stacklevel=2)
     return Binding(
         policy=policy,
         params=tuple(guarded),

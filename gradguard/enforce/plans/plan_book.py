@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import chain
 from operator import itemgetter
 
@@ -34,6 +34,7 @@ class PlanBook:
     def __init__(self, policy: Policy, model: nn.Module, on_rebind: Callable[[Binding, list[str]], None]) -> None:
         self.policy = policy
         self.binding = bind(policy, model)
+        _warn_binding(self.binding.warnings)
         self.whole = Plan.build(self.binding, self.binding.params)
         """Every guarded tensor of the model (``guard.step()`` without an optimizer)."""
         self._model_ref = weakref.ref(model)
@@ -129,6 +130,7 @@ class PlanBook:
     def _rebind(self, model: nn.Module) -> None:
         old = self.binding
         new = bind(self.policy, model)
+        _warn_binding([warning for warning in new.warnings if warning not in old.warnings])
         old_refs = {name: entry.ref for entry in old.params for name in entry.names}
         replaced = [
             entry.name
@@ -159,6 +161,13 @@ class PlanBook:
                     GuardWarning,
                     stacklevel=5,
                 )
+
+
+def _warn_binding(found: Sequence[str]) -> None:
+    """A GuardWarning for each part of the policy the model makes void (an exclude that excludes nothing): the guard
+    attaches and does the rest, but the user meant something it does not do."""
+    for warning in found:
+        warnings.warn(warning, GuardWarning, stacklevel=4)
 
 
 def _fingerprint(optimizer: Optimizer) -> tuple[int, ...]:

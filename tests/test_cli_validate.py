@@ -190,7 +190,9 @@ def test_a_rerun_verdict_the_policy_gives_is_not_warned_about(tmp_path: Path) ->
     assert "add a loss section" in result.output
 
 
-def test_a_pattern_without_a_dot_or_glob_is_a_warning_naming_the_rule_and_the_fix(tmp_path: Path) -> None:
+def test_a_pattern_without_a_dot_is_not_warned_about_without_a_model(tmp_path: Path) -> None:
+    """'ok' is right for a parameter of the model itself and wrong for one inside a module: only a model tells
+    which (tests/test_warnings_are_right.py holds what validate --model and the guard say)."""
     policy = tmp_path / "p.yaml"
     policy.write_text(
         "version: 1\nrules:\n  - {name: clip, match: ['ok', '*.weight'], allow_no_match: true,"
@@ -198,9 +200,7 @@ def test_a_pattern_without_a_dot_or_glob_is_a_warning_naming_the_rule_and_the_fi
     )
     result = CliRunner().invoke(main, ["validate", str(policy)])
     assert result.exit_code == 0, result.output
-    assert f"{policy}: warning: rule 'clip': pattern 'ok' is a whole name without a dot" in result.output
-    assert "write '*.ok' or '*ok*'" in result.output
-    assert "'*.weight'" not in result.output
+    assert "warning" not in result.output
 
 
 def test_the_shipped_policies_validate_without_a_warning() -> None:

@@ -1,30 +1,28 @@
 """What a policy can load with and still never do: warnings, not errors (``gradguard validate`` prints them and
 exits 0). Without a model only the policy's own text is read, so each warning is about the policy alone:
 
-- a ``rerun`` section's verdict that nothing in the policy can give (``on: [spike]`` with no
-  ``skip_step_on_spike``, ``loss`` with no ``loss`` section, ``nonfinite`` with no non-finite rule): a section
-  whose every verdict is such never computes a step again;
-- a pattern that is one whole name without a dot (``ok``): globs match the full dotted name, so it matches only a
-  parameter registered on the model itself, never one inside a module (``layer.ok``), which is seldom meant.
+a ``rerun`` section's verdict that nothing in the policy can give (``on: [spike]`` with no ``skip_step_on_spike``,
+``loss`` with no ``loss`` section, ``nonfinite`` with no non-finite rule): a section whose every verdict is such
+never computes a step again.
 
-Which parameters a pattern matches needs the model: ``gradguard explain POLICY --model MODULE:CALLABLE`` (and the
-guard at attach) names a rule that matches none.
+Which parameters a pattern matches needs the model, so nothing is said here about a pattern: a name without a dot
+(``pos_embed``) is right for a parameter of the model itself (ViT's ``pos_embed``, ``cls_token``; ``suggest`` writes
+such names) and wrong for one inside a module, and only the model tells which. ``validate --model``, ``explain
+--model`` and the guard at attach say it where it is wrong (``gradguard.policy.matching.binding_warnings``: the
+pattern matches nothing and ``*.NAME`` would), with a rule that matches nothing and an exclude that excludes nothing.
 """
 
 from __future__ import annotations
 
 from gradguard.policy.document import Policy
-from gradguard.policy.patterns import REGEX_PREFIX
 from gradguard.policy.schema import HaltOnNonfinite, SkipStepOnNonfinite, SkipStepOnSpike
 
 __all__ = ["policy_warnings"]
 
-_GLOB = frozenset("*?[")
-
 
 def policy_warnings(policy: Policy) -> list[str]:
     """Each thing ``policy`` loads with but can never do, in words that repeat it and say how to fix it."""
-    return [*_rerun_warnings(policy), *_pattern_warnings(policy)]
+    return _rerun_warnings(policy)
 
 
 def _rerun_warnings(policy: Policy) -> list[str]:
@@ -54,18 +52,3 @@ def _rerun_warnings(policy: Policy) -> list[str]:
         )
     wanted = " / ".join(fixes[verdict] for verdict in never)
     return [f"{head}; add {wanted}, or take {never} out of rerun.on"]
-
-
-def _pattern_warnings(policy: Policy) -> list[str]:
-    found: list[str] = []
-    for rule in policy.rules:
-        for pattern in rule.match:
-            if pattern.startswith(REGEX_PREFIX) or "." in pattern or _GLOB & set(pattern):
-                continue
-            found.append(
-                f"rule {rule.name!r}: pattern {pattern!r} is a whole name without a dot: it matches only a parameter "
-                f"registered on the model itself, never one inside a module ('layer.{pattern}'); write "
-                f"'*.{pattern}' or '*{pattern}*' to match it anywhere, and check with "
-                "`gradguard explain POLICY --model MODULE:CALLABLE`"
-            )
-    return found

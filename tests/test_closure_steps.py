@@ -56,17 +56,27 @@ def test_step_with_a_closure_clips_the_gradients_the_closure_produced(
 
 
 def test_closure_passed_positionally_is_treated_too(make_workload, make_policy, same):
-    """opt.step(closure) and opt.step(closure=closure) are the same to the guard."""
+    """opt.step(closure) and opt.step(closure=closure) are the same to the guard, and both are the step of the
+    gradients halved by hand (the policy's scale of 0.5, exact in floating point) with no guard."""
     policy = make_policy({"match": "*", "actions": [{"action": "scale", "factor": 0.5}]})
     a = make_workload("mlp")
     b = a.clone()
+    ref = a.clone()
     opt_a = torch.optim.SGD(a.model.parameters(), lr=0.1)
     opt_b = torch.optim.SGD(b.model.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(ref.model.parameters(), lr=0.1)
     with GradGuard(a.model, policy, logger=None):
         opt_a.step(_closure_for(a, opt_a, 0))
     with GradGuard(b.model, policy, logger=None):
         opt_b.step(closure=_closure_for(b, opt_b, 0))
+    opt_r.zero_grad(set_to_none=True)
+    ref.backward(0)
+    for param in ref.model.parameters():
+        assert param.grad is not None
+        param.grad.mul_(0.5)
+    opt_r.step()
     same(dict(a.model.named_parameters()), dict(b.model.named_parameters()))
+    same(dict(a.model.named_parameters()), dict(ref.model.named_parameters()))
 
 
 def test_nan_made_inside_a_closure_halts_before_the_update(make_workload, make_policy, same):

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.gloo_ranks import free_port
+from support.gloo_ranks import TIMEOUT, free_port
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -96,19 +96,26 @@ def reference_run(micro_batches: int = 1, world: int = 2) -> dict[str, torch.Ten
     return {name: p.detach().reshape(-1) for name, p in model.named_parameters()}
 
 
-def assert_matches_reference(result: dict[str, Any], reference: dict[str, torch.Tensor]) -> None:
+def assert_matches_reference(
+    result: dict[str, Any], reference: dict[str, torch.Tensor], *, exact: bool = False
+) -> None:
+    """The rank's final parameters against the one-process reference: bitwise with ``exact``, else to float32's
+    rounding (where the reference divides or sums in another order than DDP: by 3 micro-batches, over 4 ranks)."""
     for name, values in result["final"].items():
-        torch.testing.assert_close(torch.tensor(values), reference[name], rtol=1e-5, atol=1e-6, msg=name)
+        tolerance = {"rtol": 0.0, "atol": 0.0} if exact else {"rtol": 1e-5, "atol": 1e-6}
+        torch.testing.assert_close(torch.tensor(values), reference[name], **tolerance, msg=name)
 
 
 def test_ddp_policy_acts_on_the_averaged_gradient_identically_on_every_rank(ddp_runs: Path) -> None:
-    """DDP, 2 ranks: the result equals clipping the averaged gradient, and replicas stay bit-identical."""
+    """DDP, 2 ranks: the result equals, bitwise, torch's clips of the averaged gradient computed in one process (the
+    reference's backward of each rank's loss / 2 halves the rank's gradient exactly, and DDP's sum of two, halved,
+    rounds as the reference's sum of the halves), and replicas stay bit-identical."""
     results = results_of(ddp_runs, "ddp_clip", 2)
     assert results[0]["digests"] == results[1]["digests"]
     assert len(results[0]["digests"]) == scenarios.STEPS
     assert results[0]["counters"] == results[1]["counters"]
     assert results[0]["counters"]["embed"]["clip_norm"] > 0
-    assert_matches_reference(results[0], reference_run())
+    assert_matches_reference(results[0], reference_run(), exact=True)
     assert [r["log_ranks"] for r in results] == [[0], [1]]
 
 
@@ -129,7 +136,8 @@ def test_ddp_started_by_torchrun_behaves_like_multiprocessing(tmp_path: Path) ->
 
 
 def test_ddp_no_sync_accumulation_clips_the_synchronised_sum_once(ddp_runs: Path) -> None:
-    """no_sync for two micro-batches, sync on the third: clip acts on the averaged sum, once per step."""
+    """no_sync for two micro-batches, sync on the third: clip acts on the averaged sum, once per step (to float32's
+    rounding: a third is not exact, and the reference divides each micro-batch's loss where DDP's sum is divided)."""
     results = results_of(ddp_runs, "ddp_no_sync", 2)
     assert results[0]["digests"] == results[1]["digests"]
     assert_matches_reference(results[0], reference_run(micro_batches=3))
@@ -143,7 +151,7 @@ def test_ddp_with_find_unused_parameters_guards_the_used_ones(ddp_runs: Path) ->
 
 
 def test_a_nan_on_one_rank_halts_every_rank_promptly_with_no_collective_timeout(ddp_runs: Path) -> None:
-    """NaN injected into rank 1's gradient only: both ranks halt at the same step within a second."""
+    """NaN injected into rank 1's gradient only: both ranks halt at the same step, before any collective's timeout."""
     results = results_of(ddp_runs, "ddp_nan_one_rank", 2)
     for result in results:
         halt = result["halt"]
@@ -152,7 +160,8 @@ def test_a_nan_on_one_rank_halts_every_rank_promptly_with_no_collective_timeout(
         assert halt["params"] == ["body.weight"]
         assert halt["kind"] == "nan"
         assert halt["unchanged"]
-        assert halt["seconds"] < 1.0
+        # A hang guard, not a speed claim: a rank left waiting in a collective would wait out its timeout.
+        assert halt["seconds"] < TIMEOUT.total_seconds(), "a rank waited for a collective's timeout"
     assert results[0]["digests"] == results[1]["digests"]
 
 

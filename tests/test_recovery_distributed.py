@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.gloo_ranks import free_port
+from support.gloo_ranks import TIMEOUT, free_port
 
 sys.path.insert(0, str(Path(__file__).parent))
 import recovery_distributed_scenarios as scenarios
@@ -77,7 +77,8 @@ def assert_every_rank_rewound_together(results: list[dict[str, Any]]) -> None:
         assert run["counters"] == {"nonfinite": {"nan": 1, "rewind": 1}, "recovery": {"skip": window}}
         assert run["metrics"]["gradguard/recovery/rewinds"] == 1.0
         assert run["guard_steps"] == scenarios.STEPS
-        assert run["fault_seconds"] < 1.0  # agreed at once: no rank waits for a collective's timeout
+        # A hang guard, not a speed claim: a rank left waiting in a collective would wait out its timeout.
+        assert run["fault_seconds"] < TIMEOUT.total_seconds(), "a rank waited for a collective's timeout"
 
 
 def assert_equal_to_the_run_that_skipped_the_batches(result: dict[str, Any]) -> None:

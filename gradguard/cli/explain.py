@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 
 from gradguard.audit.render import Section, Table, short_path
-from gradguard.cli.explain_policy import action_text, loss_halts, window_text
+from gradguard.cli.explain_policy import action_text, loss_halts, section_lines, top_level_sections, window_text
 from gradguard.enforce.recovery.snapshot_memory import memory_text, memory_where, readable_bytes
 from gradguard.errors import GradGuardError, PolicyError
 from gradguard.policy.document import Policy
@@ -223,10 +223,16 @@ class Explanation:
             ],
             "tied": [entry.names for entry in self.params if len(entry.names) > 1],
             "recovery": self._recovery_json(),
+            **{name: getattr(self.policy, name).model_dump(mode="json") for name in self.other_sections()},
             "issues": self.issues,
             "warnings": self.warnings,
             "exit_code": self.exit_code,
         }
+
+    def other_sections(self) -> list[str]:
+        """The policy's top-level sections but its rules and recovery (which the model's figures tell): ``loss``,
+        ``rerun``, ...; shown as ``explain`` without a model shows them."""
+        return [name for name in top_level_sections(self.policy) if name != "recovery"]
 
     def _recovery_json(self) -> dict[str, Any] | None:
         recovery = self.policy.recovery
@@ -386,6 +392,7 @@ def explain_sections(expl: Explanation) -> list[Section]:
         or ["none"],
     )
     recovery = _recovery_section(expl)
+    others = [Section(f"The {name} section", section_lines(expl.policy, name)) for name in expl.other_sections()]
     problems = Section("Problems GradGuard would raise when attaching", expl.issues or ["none"])
     warned = Section("Warnings GradGuard would give when attaching (it attaches)", expl.warnings or ["none"])
     verdict = f"{len(expl.issues)} problem(s)" if expl.issues else "none"
@@ -397,6 +404,7 @@ def explain_sections(expl: Explanation) -> list[Section]:
         nothing_section,
         tied_section,
         *([recovery] if recovery is not None else []),
+        *others,
         problems,
         warned,
         Section("Findings", [f"{verdict} (exit {expl.exit_code})"]),

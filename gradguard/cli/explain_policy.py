@@ -24,6 +24,7 @@ __all__ = [
     "policy_header",
     "policy_json",
     "policy_sections",
+    "section_lines",
     "top_level_sections",
     "window_text",
 ]
@@ -72,7 +73,7 @@ def policy_sections(policy: Policy) -> list[Section]:
         )
     ]
     for name in top_level_sections(policy):
-        sections.append(Section(f"The {name} section", _section_lines(policy, name)))
+        sections.append(Section(f"The {name} section", section_lines(policy, name)))
     sections.append(Section("What a model adds", [MODEL_ADDS]))
     sections.append(Section("Findings", ["none: the policy is valid (exit 0)"]))
     return sections
@@ -114,10 +115,14 @@ def _setting(value: Any) -> str:
     return "+".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
-def _section_lines(policy: Policy, name: str) -> list[str]:
+def section_lines(policy: Policy, name: str) -> list[str]:
+    """A top-level section in words: its settings, and for ``recovery`` what a halt becomes and which rules halt
+    (``explain --model`` shows the same lines for every section but recovery, which it tells with the model)."""
     value = getattr(policy, name)
     settings = ", ".join(f"{key} {_word(item)}" for key, item in value.model_dump().items())
     lines = [f"{name}: {settings}"]
+    if name == "loss":
+        lines.append(_loss_words(value))
     if name == "recovery":
         lines.append(
             f"a halt becomes a rewind to the newest snapshot (one every {value.snapshot_every} steps, the newest "
@@ -131,6 +136,19 @@ def _section_lines(policy: Policy, name: str) -> list[str]:
             halting.append(f"the loss section ({'; '.join(loss)})")
         lines.append("rules that can halt, and so rewind: " + (", ".join(halting) if halting else "none"))
     return lines
+
+
+def _loss_words(loss: Loss) -> str:
+    """What the loss section does, in a sentence: the verdict on a NaN/Inf loss, and on a spike."""
+    nonfinite = {"halt": "halts", "skip": "skips the step", "ignore": "is let through"}[loss.nonfinite]
+    spike = loss.spike
+    if spike is None:
+        return f"a NaN/Inf loss {nonfinite}; spikes are not watched"
+    verdict = "skips the step" if spike.action == "skip" else "halts"
+    return (
+        f"a NaN/Inf loss {nonfinite}; a loss above {spike.factor:g}x the median of the last {spike.window} applied "
+        f"steps' losses {verdict} (judged once {spike.warmup} losses are in)"
+    )
 
 
 def loss_halts(loss: Loss | None) -> list[str]:

@@ -422,6 +422,10 @@ def test_audit_lines_are_complete_when_the_process_is_killed_mid_training(read_a
         steps_done = int(process.stdout.readline())
     while (not log.exists() or log.stat().st_size < 4096) and time.monotonic() < deadline:
         time.sleep(0.01)
+    # The premise, held (the deadline is a hang guard): 30 steps trained and 4 KiB of lines written before the kill.
+    assert steps_done >= 30, f"the child trained {steps_done + 1} steps before the deadline"
+    assert log.exists(), "the child wrote no line before the deadline"
+    assert log.stat().st_size >= 4096, "the child wrote no 4 KiB of lines before the deadline"
     process.send_signal(signal.SIGKILL)
     process.communicate(timeout=60)
     assert process.returncode == -signal.SIGKILL

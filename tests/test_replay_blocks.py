@@ -171,18 +171,24 @@ OVER = {"a": 3.5e38, "b": 1.0}
 """Finite as a double, infinite in float32 (where the guard and the replay decide): a non-finite norm."""
 
 
+Expected = tuple[tuple[int, str] | None, dict[str, list[int]]]
+"""What the case must decide, worked out by hand: the halt (step, rule) or None, and each rule's steps."""
+
+
 @pytest.mark.parametrize(
-    ("case", "steps", "rules"),
+    ("case", "steps", "rules", "expected"),
     [
         (
             "a halt, then a rule starts",
             [(0, ONES), (1, OVER), *((step, ONES) for step in range(2, 5))],
             [_rule("halt", "*", {"action": "halt_on_nonfinite"}), _rule("clip", "*", _CLIP, from_step=2)],
+            ((1, "halt"), {"halt": [1], "clip": []}),  # 3.5e38 is Inf in float32: halted before the clip starts
         ),
         (
             "a halt on the 257th step",
             [*((step, ONES) for step in range(BLOCK_STEPS)), (BLOCK_STEPS, OVER), (BLOCK_STEPS + 1, ONES)],
             [_rule("halt", "*", {"action": "halt_on_nonfinite"}), _rule("clip", "*", _CLIP)],
+            ((BLOCK_STEPS, "halt"), {"halt": [BLOCK_STEPS], "clip": list(range(BLOCK_STEPS))}),  # 1.0 > max_norm 0.5
         ),
         (
             "a skip limit, then a rule starts",
@@ -191,15 +197,30 @@ OVER = {"a": 3.5e38, "b": 1.0}
                 _rule("skip", "*", {"action": "skip_step_on_nonfinite", "max_consecutive_skips": 1}),
                 _rule("clip", "*", _CLIP, from_step=3),
             ],
+            ((2, "skip"), {"skip": [1, 2], "clip": []}),  # the second skip in a row is past the limit: a halt
         ),
-        ("no names on the first steps", [(0, {}), (1, {}), (2, {"a": 1.0}), (3, {"a": 2.0})], [_rule("c", "*", _CLIP)]),
+        (
+            "no names on the first steps",
+            [(0, {}), (1, {}), (2, {"a": 1.0}), (3, {"a": 2.0})],
+            [_rule("c", "*", _CLIP)],
+            (None, {"c": [2, 3]}),
+        ),
     ],
 )
 def test_a_norm_beyond_float32_and_an_empty_step_are_decided_as_one_step_at_a_time_decides_them(
-    case: str, steps: list[tuple[int, dict[str, Any]]], rules: list[dict[str, Any]], tmp_path: Path
+    case: str,
+    steps: list[tuple[int, dict[str, Any]]],
+    rules: list[dict[str, Any]],
+    expected: Expected,
+    tmp_path: Path,
 ) -> None:
-    """A halt is read as far as one step at a time reads it (first and last step included)."""
+    """A halt is read as far as one step at a time reads it (first and last step included), and both decide what
+    the float32 maths says: a norm of 3.5e38 is not finite."""
     log = tmp_path / "run.jsonl"
     _write_steps(log, steps)
     policy = _policy(rules)
-    assert replay_files(policy, [log]).as_json() == _one_step_at_a_time(policy, log), case
+    replayed = replay_files(policy, [log]).as_json()
+    assert replayed == _one_step_at_a_time(policy, log), case
+    halt, by_rule = expected
+    assert (None if replayed["halt"] is None else (replayed["halt"]["step"], replayed["halt"]["rule"])) == halt, case
+    assert {entry["rule"]: entry["steps"] for entry in replayed["actions"]} == by_rule, case

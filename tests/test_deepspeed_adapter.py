@@ -395,15 +395,14 @@ def test_deepspeed_s_own_overflow_reaches_after_a_guard_skip_keeps_the_loss_scal
             assert result["restored"] == [True, 1.0]
 
 
-def test_zero_3_and_round_robin_are_refused_with_what_works_and_a_stage_0_clip_is_not(
+def test_zero_3_is_refused_with_what_works_and_neither_round_robin_nor_a_stage_0_clip_is(
     runs: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     for result in runs("refusals"):
         assert "ZeRO stage 3" in result["zero3"]
         assert "What works" in result["zero3"]
         assert result["zero3_raises"].startswith("gradguard cannot guard this DeepSpeed engine")
-        assert "round_robin_gradients" in result["round_robin"]
-        assert "false" in result["round_robin"]
+        assert result["round_robin"] is None  # mapped through ZeRO's own offset tables (test_deepspeed_guard.py)
         assert result["stage0_clip"] is None  # DeepSpeed's clip at stage 0 runs after the guard's step
 
 

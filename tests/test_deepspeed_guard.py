@@ -33,10 +33,13 @@ CUT = "2.weight"
 LR = 0.05
 CONFIGS = [(stage, gas) for stage in (1, 2) for gas in (1, 2)]
 WITH_ZERO_0 = [(0, 1), (0, 2), *CONFIGS]  # ZeRO 0: the client optimizer's step, on the model's reduced p.grad
+ROUND_ROBIN = ["1_2_rr", "2_2_rr"]
+"""round_robin_gradients: ZeRO reorders the flat partition (another parameter may be the one cut in two)."""
+NAMED = [f"{s}_{g}" for s, g in WITH_ZERO_0] + ROUND_ROBIN
 SCENARIOS = [
-    *(f"halt_{s}_{g}" for s, g in WITH_ZERO_0),
-    *(f"clip_{s}_{g}" for s, g in WITH_ZERO_0),
-    *(f"clean_{s}_{g}" for s, g in WITH_ZERO_0),
+    *(f"halt_{n}" for n in NAMED),
+    *(f"clip_{n}" for n in NAMED),
+    *(f"clean_{n}" for n in NAMED),
     "fp16_overflow",
     "refusals",
     "limits",
@@ -83,8 +86,8 @@ def poison(engine: Any, name: str, rank: int, at: int, steps: list[int], value: 
     return param.register_hook(hook)
 
 
-def halt_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
-    engine = make_engine(stage, gas, clip=None, lr=LR)  # DeepSpeed's default config: it clips at 1.0, ZeRO 0 too
+def halt_scenario(stage: int, gas: int, rank: int, **zero: Any) -> dict[str, Any]:
+    engine = make_engine(stage, gas, clip=None, lr=LR, **zero)  # DeepSpeed's default config: clips at 1.0, ZeRO 0 too
     steps = [0]
     handle = poison(engine, CUT, rank, 5, steps)
     result: dict[str, Any] = {"halted": None}
@@ -106,8 +109,8 @@ def halt_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
     return result
 
 
-def clip_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
-    engine = make_engine(stage, gas, lr=LR)
+def clip_scenario(stage: int, gas: int, rank: int, **zero: Any) -> dict[str, Any]:
+    engine = make_engine(stage, gas, lr=LR, **zero)
     rules = [
         {"name": "tight", "match": CUT, "actions": [{"action": "clip_norm", "max_norm": 1e-3}]},
         HALT,
@@ -125,7 +128,7 @@ def clip_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
     return {"moved": moved, "others": others, "counters": counters, "same": all_equal_across_ranks(weights(engine))}
 
 
-def clean_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
+def clean_scenario(stage: int, gas: int, rank: int, **zero: Any) -> dict[str, Any]:
     """Unguarded and guarded, in DeepSpeed's default config (its clip at 1.0). At ZeRO 0, where the guard's step runs
     before DeepSpeed's clip, also with a clip of 0.05 that acts at every step (it changes the run against no clip), so
     the guarded run matching the unguarded one shows DeepSpeed's clip running after the guard's step, unchanged."""
@@ -135,7 +138,7 @@ def clean_scenario(stage: int, gas: int, rank: int) -> dict[str, Any]:
         configs += [(False, 0.05), (True, 0.05), (False, 0.0)]
     runs, counters = [], {}
     for guarded, clip in configs:
-        engine = make_engine(stage, gas, clip=clip, lr=LR)
+        engine = make_engine(stage, gas, clip=clip, lr=LR, **zero)
         if guarded:
             with GradGuard(engine, policy(quiet, HALT), logger=None) as guard:
                 for step in range(5):
@@ -224,14 +227,49 @@ def fp16_scenario(rank: int) -> dict[str, Any]:
                     result[name] = {"step": halt.step, "rule": halt.rule, "counters": counters, "why": halt.reason}
                     break
         handle.remove()
-    # An action that reads the gradients' size meets DeepSpeed's scaled fp16 pieces: refused at attach.
-    clip = {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]}
+    # The policy meets the unscaled gradients and the unscaled loss, as under bf16: the same rules on both.
+    result["unscaled"] = {
+        name: fp16_thresholds(precision, rank) for name, precision in (("fp16", fp16), ("bf16", BF16))
+    }
     try:
-        GradGuard(make_engine(2, 1, fp16), policy(clip), logger=None)
-        result["clip_refused"] = ""
+        GradGuard(make_engine(2, 1, fp16), policy(HALT, recovery={"snapshot_every": 5}), logger=None)
+        result["recovery_refused"] = ""
     except GuardStateError as error:
-        result["clip_refused"] = str(error)
+        result["recovery_refused"] = str(error)
     return result
+
+
+BF16 = {"bf16": {"enabled": True}}
+
+
+def fp16_thresholds(precision: dict[str, Any], rank: int) -> dict[str, Any]:
+    """A tight clip of one parameter, a loose one of another, AutoClip, a monitor and a loss section, four updates of
+    two micro-batches: what the guard measured (the monitor's norm, the loss it judged) and what it clipped."""
+    engine = make_engine(2, 2, precision, lr=LR)
+    rules = [
+        {"name": "tight", "match": CUT, "actions": [{"action": "clip_norm", "max_norm": 1e-3}]},
+        {"name": "watch", "match": "0.weight", "actions": [{"action": "monitor", "every": 1, "stats": ["norm"]}]},
+        {"name": "auto", "match": "4.*", "actions": [{"action": "autoclip", "percentile": 50.0}]},
+        HALT,
+    ]
+    norms, judged, losses = [], [], []
+    with GradGuard(engine, policy(*rules, loss={"nonfinite": "halt"}), logger=None) as guard:
+        for step in range(4):
+            total = 0.0
+            for micro in range(2):
+                x, y = batch(step, micro, rank)
+                loss = loss_of(engine(x.to(torch.float16 if "fp16" in precision else torch.bfloat16)), y)
+                engine.backward(loss)
+                engine.step()
+                total += float(loss) / 2
+            losses.append(total)
+            metrics = guard.metrics()
+            norms.append(metrics["gradguard/watch/norm/0.weight"])
+            judged.append(metrics["gradguard/loss"])
+        counters = guard.counters.snapshot()
+    mine = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mine)
+    return {"norms": norms, "judged": judged, "losses": (mine / 2).tolist(), "counters": counters}
 
 
 def refusals(rank: int) -> dict[str, Any]:
@@ -298,12 +336,13 @@ def limits(rank: int, outdir: Path) -> dict[str, Any]:
 
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     kind, *numbers = name.split("_")
+    zero = {"round_robin_gradients": True} if numbers[-1:] == ["rr"] else {}
     if kind == "halt":
-        return halt_scenario(int(numbers[0]), int(numbers[1]), rank)
+        return halt_scenario(int(numbers[0]), int(numbers[1]), rank, **zero)
     if kind == "clip":
-        return clip_scenario(int(numbers[0]), int(numbers[1]), rank)
+        return clip_scenario(int(numbers[0]), int(numbers[1]), rank, **zero)
     if kind == "clean":
-        return clean_scenario(int(numbers[0]), int(numbers[1]), rank)
+        return clean_scenario(int(numbers[0]), int(numbers[1]), rank, **zero)
     if kind == "fp16":
         return fp16_scenario(rank)
     if kind == "limits":
@@ -321,26 +360,26 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[
     return torchrun_scenarios(SCRIPT, SCENARIOS, tmp_path_factory.mktemp("deepspeed_guard"), timeout=420)
 
 
-@pytest.mark.parametrize(("stage", "gas"), WITH_ZERO_0)
+@pytest.mark.parametrize("config", NAMED)
 def test_a_nan_in_one_parameter_on_one_rank_halts_every_rank_at_that_step_naming_it_with_the_weights_untouched(
-    runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
+    runs: Callable[[str], list[dict[str, Any]]], config: str
 ) -> None:
     """In DeepSpeed's default config, which clips at 1.0 (at ZeRO 0 before the client optimizer's step: the guard's
     step comes first, on the raw gradients, so the clip cannot spread the NaN to every parameter)."""
-    for result in runs(f"halt_{stage}_{gas}"):
+    for result in runs(f"halt_{config}"):
         assert result["deepspeed_clip"] == 1.0
         assert result["halted"] == {"step": 5, "params": [CUT], "kind": "nan"}
         assert result["untouched"]
         assert result["counters"]["nonfinite"] == {"nan": 1, "halt_on_nonfinite": 1}
 
 
-@pytest.mark.parametrize(("stage", "gas"), WITH_ZERO_0)
+@pytest.mark.parametrize("config", NAMED)
 def test_a_per_tensor_clip_of_one_parameter_bounds_its_sgd_update_at_every_step_counted_once_per_step(
-    runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
+    runs: Callable[[str], list[dict[str, Any]]], config: str
 ) -> None:
     """Its norm is made of both ranks' pieces (2.weight is cut by the partition boundary): under SGD its update is
     at most lr x 1e-3 at every step, the others move freely, every rank ends with the same weights."""
-    for result in runs(f"clip_{stage}_{gas}"):
+    for result in runs(f"clip_{config}"):
         # The update is measured as the float32 weights' difference: each element of the new weights is rounded to
         # half an ulp (~1.5e-8 at |w| ~ 0.3), so the measured norm of a 5e-5 update is exact to ~2e-3 relative.
         bound = LR * 1e-3
@@ -351,20 +390,20 @@ def test_a_per_tensor_clip_of_one_parameter_bounds_its_sgd_update_at_every_step_
         assert result["same"]
 
 
-@pytest.mark.parametrize(("stage", "gas"), WITH_ZERO_0)
+@pytest.mark.parametrize("config", NAMED)
 def test_a_guard_that_never_intervenes_ends_bitwise_equal_to_the_unguarded_deepspeed_run(
-    runs: Callable[[str], list[dict[str, Any]]], stage: int, gas: int
+    runs: Callable[[str], list[dict[str, Any]]], config: str
 ) -> None:
     """In DeepSpeed's default config (its clip at 1.0); at ZeRO 0 also with DeepSpeed's clip acting at every step."""
-    for result in runs(f"clean_{stage}_{gas}"):
+    for result in runs(f"clean_{config}"):
         assert result["bitwise"]
         assert result["counters"] == {}
-        if stage == 0:
+        if config.startswith("0_"):
             assert result["clip_acted"]
             assert result["bitwise_clipped"]
 
 
-def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_and_a_persisting_one_halts(
+def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_a_persisting_one_halts_and_recovery_is_refused(
     runs: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     for result in runs("fp16_overflow"):
@@ -384,8 +423,24 @@ def test_an_fp16_overflow_is_deepspeeds_to_skip_counted_once_and_a_persisting_on
         assert floor["step"] == 3  # scales 256, 128, 64 at the three overflows: the third is at the floor
         assert floor["counters"]["grad_scaler"]["skip"] == 3
         assert "64" in floor["why"]
-        assert "clip_norm" in result["clip_refused"]
-        assert "bf16" in result["clip_refused"]
+        assert "recovery" in result["recovery_refused"]
+        assert "bf16" in result["recovery_refused"]
+
+
+def test_under_fp16_the_policy_meets_the_unscaled_gradients_and_loss_as_under_bf16(
+    runs: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    """DeepSpeed's loss scale (256 here) is divided out before the policy reads the gradients: the monitor measures
+    what bf16 measures (within the two precisions' rounding, not 256 times it), the tight clip acts at every update,
+    AutoClip runs, and the loss section judges the ranks' mean loss, not the scaled one."""
+    for result in runs("fp16_overflow"):
+        fp16, bf16 = result["unscaled"]["fp16"], result["unscaled"]["bf16"]
+        for half, brain in zip(fp16["norms"], bf16["norms"], strict=True):
+            assert half == pytest.approx(brain, rel=0.05)
+        for run in (fp16, bf16):
+            assert run["judged"] == pytest.approx(run["losses"], rel=1e-3)
+            assert run["counters"]["tight"] == {"clip_norm": 4}
+            assert "nonfinite" not in run["counters"]
 
 
 def test_zero_3_agc_and_a_monitors_piecewise_stats_are_refused_at_attach_with_what_works(

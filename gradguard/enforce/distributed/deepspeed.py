@@ -75,9 +75,10 @@ def refusal(engine: Any) -> str | None:
     """None when the gradients of ``engine`` can be mapped and guarded; else why not, and what works.
 
     Refused: anything that is not a plain DeepSpeedEngine (PipelineEngine), ZeRO 3, MoE, offload, model,
-    tensor or sequence parallelism, ``round_robin_gradients`` (its flat order disagrees with DeepSpeed's own
-    fragment map, and ``safe_get_full_grad`` raises on one rank and hangs the other), Muon, ZenFlow, a
-    torch-autocast GradScaler, and at stage 0 DeepSpeed's fp16/bf16 wrappers. DeepSpeed's own clip at stage 0
+    tensor or sequence parallelism, Muon, ZenFlow, a torch-autocast GradScaler, and at stage 0 DeepSpeed's
+    fp16/bf16 wrappers. ``round_robin_gradients`` is mapped: its reordering makes DeepSpeed's fragment map
+    (``p._hp_mapping``, ``safe_get_full_grad``) wrong, but not the offset tables and ``params_in_partition`` that
+    ``ZeroGradients`` reads, which ZeRO builds from the round-robin order itself. DeepSpeed's own clip at stage 0
     (``gradient_clipping``, 1.0 in a config that does not say) is not refused: the guard's step runs before it
     (``hooks.deepspeed_boundary.ClipHook``).
     """
@@ -111,11 +112,6 @@ def refusal(engine: Any) -> str | None:
         )
     if _offloaded(getattr(zero_config, "offload_param", None)):
         return f"parameter offload is a ZeRO 3 feature. {_WORKS}"
-    if getattr(optimizer, "round_robin_gradients", False) or getattr(zero_config, "round_robin_gradients", False):
-        return (
-            "round_robin_gradients reorders the flat gradient partition: DeepSpeed's own fragment map "
-            f"(p._hp_mapping) is then wrong. Set round_robin_gradients to false. {_WORKS}"
-        )
     if int(getattr(engine, "mp_world_size", 1) or 1) > 1 or int(getattr(engine, "sequence_parallel_size", 1) or 1) > 1:
         return f"model/tensor or sequence parallelism shards parameters over another group. {_WORKS}"
     inner = getattr(optimizer, "optimizer", optimizer)

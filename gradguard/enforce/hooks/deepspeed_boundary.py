@@ -13,8 +13,10 @@ the guard's usual optimizer hooks treat them; where DeepSpeed clips them first (
 
 Under fp16 the pieces carry DeepSpeed's loss scale: a step with a non-finite piece on any rank is DeepSpeed's to skip
 (its loss-scale search), counted once as a ``scaler_skip`` as under torch's GradScaler, and a persisting overflow
-halts as it does there (``halt_on_nonfinite``'s ``min_loss_scale``, skips in a row); the actions that read a
-gradient's size are refused (their thresholds would meet the scaled gradients).
+halts as it does there (``halt_on_nonfinite``'s ``min_loss_scale``, skips in a row). The policy meets the unscaled
+gradients: fp32 copies of the pieces divided by the scale (known at the step as a host float), written back times it
+(bitwise the piece where nothing changed it: an fp16 value divided and multiplied back in fp32 rounds to itself), and
+the ``loss`` section the unscaled loss (``LossScaleHook``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from gradguard.enforce.distributed.deepspeed import UpdateHook, ZeroGradients, inner_optimizer, layout, refusal
+from gradguard.enforce.hooks.torch_hooks import note_scaled_root
 from gradguard.enforce.work.step_work import StepContext, StepPlan
 from gradguard.errors import GuardStateError
 from gradguard.policy.document import Policy
@@ -33,14 +36,13 @@ from gradguard.policy.document import Policy
 __all__ = [
     "ClipHook",
     "DeepSpeedBoundary",
+    "LossScaleHook",
     "boundary_name",
     "clips_before_step",
     "needs_update_hook",
     "refuse_under_deepspeed",
 ]
 
-_FP16_ACTIONS = frozenset({"halt_on_nonfinite", "skip_step_on_nonfinite"})
-"""What works on gradients that still carry a loss scale: whether they are finite does not depend on it."""
 _PIECEWISE_STATS = frozenset({"mean", "std", "grad_to_weight"})
 """``monitor`` stats a rank could only take of its own piece (norms and max-abs are combined over the ranks)."""
 _UNMAPPED_ACTIONS = {
@@ -94,17 +96,6 @@ def refuse_under_deepspeed(
                     "piece of each gradient under DeepSpeed ZeRO, not of the whole. Use norm or max_abs (combined "
                     "over the ranks)."
                 )
-            if fp16 and name not in _FP16_ACTIONS:
-                raise GuardStateError(
-                    f"rule {rule.name!r} of {where}: action {name!r} reads the gradients' size, which under "
-                    "DeepSpeed's fp16 still carries its loss scale when the guard sees it. Train in bf16 "
-                    "(recommended), or keep only halt_on_nonfinite and skip_step_on_nonfinite under fp16."
-                )
-    if fp16 and policy.loss is not None:
-        raise GuardStateError(
-            f"{where} has a loss section, which under DeepSpeed's fp16 would judge the scaled loss. Train in bf16, "
-            "or remove the section."
-        )
 
 
 def _ranks(group: Any) -> list[int]:
@@ -165,6 +156,34 @@ class ClipHook:
             engine.clip_fp32_gradients = self._previous
 
 
+class LossScaleHook:
+    """Under DeepSpeed's fp16 the loss reaches backward times its loss scale (``optimizer.scale_if_loss``): each scaled
+    loss is handed to the guards' loss section as the loss it scaled, as after ``GradScaler.scale``."""
+
+    def __init__(self, engine: Any) -> None:
+        self.optimizer = opt = engine.optimizer
+        self._previous = vars(opt).get("scale_if_loss")
+        original = opt.scale_if_loss
+
+        def scale_if_loss(loss: Any) -> Any:
+            scaled = original(loss)
+            if isinstance(scaled, torch.Tensor) and isinstance(loss, torch.Tensor) and scaled is not loss:
+                note_scaled_root(scaled, loss)
+            return scaled
+
+        self._wrapper = scale_if_loss
+        opt.scale_if_loss = scale_if_loss
+
+    def remove(self) -> None:
+        opt = self.optimizer
+        if vars(opt).get("scale_if_loss") is not self._wrapper:
+            return  # wrapped again on top of ours since: that wrapper stays
+        if self._previous is None:
+            del opt.scale_if_loss
+        else:
+            opt.scale_if_loss = self._previous
+
+
 def needs_update_hook(engine: Any) -> bool:
     """Whether the guard's step must run inside DeepSpeed's update (ZeRO 1/2, bf16 with fp32 accumulation), not at
     the client optimizer's step (ZeRO 0)."""
@@ -189,6 +208,8 @@ class DeepSpeedBoundary:
         self._treat, self._skipped = treat, skipped
         self._fp16 = bool(getattr(engine, "fp16_enabled", lambda: False)())
         self._hook = UpdateHook(engine, self._before, self._after)
+        scales_loss = self._fp16 and hasattr(engine.optimizer, "scale_if_loss")
+        self._loss_hook = LossScaleHook(engine) if scales_loss else None
 
     @property
     def sharded(self) -> bool:
@@ -197,7 +218,11 @@ class DeepSpeedBoundary:
 
     def _before(self) -> bool:
         pieces = self._gradients.pieces()
-        by_id = {id(param): piece for param, piece in zip(self._params, pieces, strict=True)}
+        scale = self._gradients.loss_scale() if self._fp16 else None
+        treated = pieces
+        if scale is not None and scale != 1.0:  # the policy's thresholds are for the unscaled gradients
+            treated = [piece.to(torch.float32, copy=True).div_(scale) for piece in pieces]
+        by_id = {id(param): piece for param, piece in zip(self._params, treated, strict=True)}
 
         def gradients(plan: StepPlan) -> dict[int, torch.Tensor]:
             found = {}
@@ -215,11 +240,16 @@ class DeepSpeedBoundary:
             stepped_params=tuple,  # DeepSpeed's skip drops its partitions; no p.grad holds them
             explicit=True,
             found_inf=found_inf,
-            loss_scale=self._gradients.loss_scale() if self._fp16 else None,
+            loss_scale=scale,
             gradients=gradients,
             pieces=self.sharded,
         )
-        return self._treat(context)
+        proceed = self._treat(context)
+        if proceed and treated is not pieces:
+            assert scale is not None
+            for piece, unscaled in zip(pieces, treated, strict=True):
+                piece.copy_(unscaled.mul_(scale))  # what the policy changed, scaled again for DeepSpeed's step
+        return proceed
 
     def _overflow(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         """1.0 where a piece on any rank holds NaN or Inf (the loss-scale search's overflow), on the device."""
@@ -239,3 +269,5 @@ class DeepSpeedBoundary:
 
     def remove(self) -> None:
         self._hook.remove()
+        if self._loss_hook is not None:
+            self._loss_hook.remove()

@@ -51,6 +51,7 @@ __all__ = [
     "Enlisted",
     "GuardHooks",
     "enlist",
+    "note_scaled_root",
     "optimizer_steps",
 ]
 
@@ -302,6 +303,13 @@ def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
 _unscaled_roots: dict[int, tuple[weakref.ReferenceType[torch.Tensor], torch.Tensor]] = {}
 """``id(scaled loss) -> (the scaled loss, the loss)``: what ``GradScaler.scale`` returned, until its backward."""
+
+
+def note_scaled_root(scaled: torch.Tensor, loss: torch.Tensor) -> None:
+    """``scaled`` is ``loss`` times a loss scale another library applied (DeepSpeed's fp16): a backward of ``scaled``
+    hands the guards' loss section ``loss``, as after ``GradScaler.scale``."""
+    with _scaler_lock:
+        _unscaled_roots[id(scaled)] = (weakref.ref(scaled), loss.detach())
 
 
 def _backward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:

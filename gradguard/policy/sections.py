@@ -103,8 +103,9 @@ class Ranks(Strict):
     weights no longer agree bitwise. The rank where a NaN or Inf was made is named without this section."""
 
     outlier_factor: float | None = Field(default=None, gt=1, strict=False)
-    """A rank whose own gradient 2-norm, before the reduction, exceeds this many times the median of the ranks'
-    is an outlier (``None``: not watched). Its norm rides the step's existing collective (a float per rank)."""
+    """A rank whose own gradient 2-norm, before the reduction, exceeds this many times the median of the other
+    ranks' (with two ranks, the other's) is an outlier (``None``: not watched). The norms ride the step's existing
+    collective (a float per rank)."""
     on_outlier: Literal["warn", "skip", "halt"] = "warn"
     """An outlier: ``warn`` (a ``rank_outlier`` event and a warning), ``skip`` the step on every rank, or ``halt``
     (a rewind, with a ``recovery`` section)."""

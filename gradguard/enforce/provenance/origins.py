@@ -33,6 +33,7 @@ __all__ = [
 ]
 
 ROOT: Final = "(model)"
+_INDEX_MODULES: Final = (nn.Embedding, nn.EmbeddingBag)
 DATA, INPUT, OUTPUT = 0, 1, 2
 """A forward figure's role: the batch given to the model, a module's input, a module's output."""
 
@@ -57,6 +58,9 @@ class ModuleTree:
         self.level = [0] * len(self.names)
         for index in range(1, len(self.names)):
             self.level[index] = self.level[self.parent[index]] + 1
+        self.fed_from_input = [isinstance(module, _INDEX_MODULES) for _, module in named]
+        """Modules whose input is indices (an embedding lookup): no gradient flows back through them, so their
+        backward passes nothing to any module; they sit beside the modules before them, not after."""
 
     def within(self, inner: int, outer: int) -> bool:
         """Whether module ``inner`` is ``outer`` or lies inside it (by name)."""
@@ -213,6 +217,25 @@ def unrooted(origin: dict[str, Any]) -> dict[str, Any]:
     return origin
 
 
+def _passer(tree: ModuleTree, modules: list[int], last: int, good: set[int]) -> dict[str, Any]:
+    """Who handed the gradient of module ``modules[last]``'s output back to it: the next module in forward order
+    that took something computed from it. A module fed from the input (an embedding beside it, its output summed with
+    this one's: GPT-2's ``wpe`` beside ``wte``) took nothing from it and passed nothing back, so it is skipped and
+    named ``beside``; ``passer_kept``: the passer's own parameters kept finite gradients."""
+    faulty = modules[last]
+    beside: list[str] = []
+    for position in range(last + 1, len(modules)):
+        index = modules[position]
+        if index == 0 or tree.within(index, faulty) or tree.within(faulty, index):
+            continue  # the model itself, or a module around or inside the faulty one: not a consumer of its output
+        if tree.fed_from_input[index]:
+            beside.append(tree.names[index])
+            continue
+        found: dict[str, Any] = {"passer": tree.names[index], "passer_kept": position in good}
+        return found | ({"beside": beside[:4]} if beside else {})
+    return {"beside": beside[:4]} if beside else {}
+
+
 def boundary_origin(
     tree: ModuleTree,
     param_names: Mapping[int, str],
@@ -269,6 +292,7 @@ def boundary_origin(
         # after it, and nothing before can tell. Said so (``first``), with the parameters of the same module
         # that stayed finite: a non-finite gradient carried in would most likely have spoiled them too.
         owner = next(iter(owners))
+        origin |= _passer(tree, modules, last, good)
         origin["first"] = True
         origin["finite_own"] = [
             name

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gradguard.enforce.actions.nonfinite import SkipLimits
-from gradguard.enforce.distributed.collective import Collective
+from gradguard.enforce.distributed.collective import Collective, RankFailed
 from gradguard.enforce.hooks.micro_batch import MicroBatchHooks
 from gradguard.enforce.hooks.scaler import stepped_when_skipped
 from gradguard.enforce.plans.plan import Plan
@@ -33,6 +33,7 @@ from gradguard.enforce.triggers.loss import LossWatch
 from gradguard.enforce.triggers.rerun import Reruns
 from gradguard.enforce.work.statistics import Statistics
 from gradguard.enforce.work.step_work import Carry, StepContext, StepWork
+from gradguard.errors import GradientHalt
 from gradguard.events.counters import SCALER_RULE, Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.matching import Binding
@@ -133,8 +134,30 @@ class Enforcer:
         """Treat the current gradients of ``plan``'s tensors (``StepPipeline.run``); False: the step must be skipped.
 
         Raises [`GradientHalt`][gradguard.GradientHalt] (before the optimizer step) when a halt rule sees NaN or Inf, or
-        a skip rule's limits are exceeded; or from ``after_update``, where the read waits for a fused update."""
-        return self.pipeline.run(plan, context, self.binding)
+        a skip rule's limits are exceeded; or from ``after_update``, where the read waits for a fused update.
+
+        Under ``torch.distributed``, any other exception raised inside the step is written where the other ranks look
+        (``Collective.failed``), so that none waits for this rank in the step's collective: every rank raises
+        ``GuardStateError`` naming it (and writes a ``rank_failure`` event)."""
+        try:
+            return self.pipeline.run(plan, context, self.binding)
+        except GradientHalt:
+            raise  # every rank halts together
+        except Exception as error:
+            if not self.collective.active():
+                raise
+            failure = error if isinstance(error, RankFailed) else self.collective.failed(error)
+            collective = self.collective
+            rank, host = collective.rank, collective.hosts.get(collective.rank, "?")
+            what = f"{type(error).__name__}: {error}"
+            if isinstance(failure, RankFailed):
+                rank, host, what = failure.failed_rank, failure.host, failure.error
+            step = collective.step if collective.step is not None else max(self.book.step - 1, 0)
+            self.events.emit("error", "rank_failure", step=step, failed_rank=rank, host=host, error=what)
+            self.events.flush()
+            if failure is error:
+                raise
+            raise failure from error
 
     def after_update(self, optimizer: Any, otherwise: bool) -> bool:
         """A fused optimizer's update is done: the verdict of the step that waited for it (``otherwise``: none did)."""

@@ -37,6 +37,7 @@ from gradguard.errors import GuardStateError, GuardWarning, ranks_words
 from gradguard.events.counters import Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.document import Policy
+from gradguard.policy.matching import canonical_name
 
 __all__ = [
     "RANKS_RULE",
@@ -154,14 +155,21 @@ class RanksTakingPart(Participant):
     def _find_outliers(self, work: StepWork) -> dict[int, str]:
         ranks = self._policy().ranks
         norms = work.outcome.rank_norms or {}
-        finite = [value for value in norms.values() if math.isfinite(value)]
-        if ranks is None or ranks.outlier_factor is None or len(finite) < 2:
+        if ranks is None or ranks.outlier_factor is None or len(norms) < 2:
             return {}
-        median = statistics.median(finite)
-        limit = ranks.outlier_factor * median
-        far = [rank for rank, value in norms.items() if math.isfinite(value) and value > limit and median > 0]
+        # Each rank against the median of the others (with two ranks, the other's): a rank's own norm does not pull
+        # its reference up, and two ranks can be told apart at all (the median of both is at most half the larger).
+        far, references = [], {}
+        for rank, value in norms.items():
+            others = [v for r, v in norms.items() if r != rank and math.isfinite(v)]
+            if not others or not math.isfinite(value):
+                continue
+            references[rank] = reference = statistics.median(others)
+            if reference > 0 and value > ranks.outlier_factor * reference:
+                far.append(rank)
         if not far:
             return {}
+        median = min(references[rank] for rank in far)
         named = {rank: self.collective.hosts.get(rank, "?") for rank in far}
         self.counters.add(RANKS_RULE, "outlier")
         fields = {"ranks": {str(r): h for r, h in named.items()}, "norms": {str(r): v for r, v in norms.items()}}
@@ -245,10 +253,13 @@ class RanksTakingPart(Participant):
 def model_parameters(model: nn.Module) -> Callable[[], list[tuple[str, torch.Tensor]]]:
     """Every parameter of ``model`` by name (tied ones once), held weakly: what the replicas compare."""
     ref = weakref.ref(model)
+    strip = isinstance(model, nn.parallel.DistributedDataParallel)
 
     def named() -> list[tuple[str, torch.Tensor]]:
         module = ref()
-        return [] if module is None else list(module.named_parameters())
+        if module is None:
+            return []
+        return [(canonical_name(name, strip_module_prefix=strip), param) for name, param in module.named_parameters()]
 
     return named
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -140,15 +139,13 @@ def test_validate_as_a_subprocess_never_imports_torch(bad_policy: Path) -> None:
     assert "torch imported: False" in done.stdout
 
 
-def test_the_gradguard_script_validates_quickly(bad_policy: Path) -> None:
-    """`python -m gradguard.cli validate` in a subprocess gives exit codes 0 and 1 and never loads torch."""
+def test_the_gradguard_script_validates_without_loading_torch(bad_policy: Path) -> None:
+    """`python -m gradguard.cli validate` in a subprocess gives exit codes 0 and 1 and never loads torch (what
+    keeps it quick: counted by -X importtime, not timed; the subprocess timeout is a hang guard)."""
     command = [sys.executable, "-X", "importtime", "-m", "gradguard.cli", "validate"]
-    started = time.perf_counter()
     good = subprocess.run([*command, *SHIPPED], capture_output=True, text=True, timeout=60, check=False)
-    elapsed = time.perf_counter() - started
     assert good.returncode == 0, good.stderr
     assert " torch" not in good.stderr.replace("|", " ")  # -X importtime lists every module imported
-    assert elapsed < 10  # typically ~0.4 s; generous for a shared CI machine
     bad = subprocess.run([*command, str(bad_policy)], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 1
     assert "unknown action 'clip'" in bad.stdout

@@ -10,7 +10,6 @@ clip_grad_norm_ applied by hand to those raw gradients (bitwise, whatever the ba
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -76,7 +75,6 @@ def test_a_compiled_model_gets_the_same_gradients_and_the_same_treatment_as_eage
     compiled = torch.compile(model, backend=backend)
     opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2, foreach=True)
     opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-2, foreach=True)
-    started = time.perf_counter()
     with GradGuard(compiled, HALT_AND_CLIP, logger=None) as guard:
         # Names seen by the guard are the model's own, not "_orig_mod.inp.weight".
         assert list(guard.guarded) == [name for name, _ in eager.named_parameters()]
@@ -102,7 +100,6 @@ def test_a_compiled_model_gets_the_same_gradients_and_the_same_treatment_as_eage
             assert_same(grads_of(model), grads_of(expected), f"{backend}: treated gradients, step {step}")
         assert guard.step_count == 3
         assert guard.counters.total("clip_norm") > 0
-    assert time.perf_counter() - started < 60
 
 
 def test_a_guard_attached_to_the_module_guards_the_compiled_wrapper_of_it_too() -> None:

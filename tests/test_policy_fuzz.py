@@ -1,5 +1,5 @@
-"""Fuzzed policies, from files in the three formats and from dicts: each loads or raises PolicyError, fast,
-and nothing in them runs.
+"""Fuzzed policies, from files in the three formats and from dicts: each loads or raises PolicyError, never
+hangs, and nothing in them runs.
 
 The file fuzzer is seeded (the same cases every run): it mutates the shipped policies and a few
 hostile seeds by byte flips, truncation, line shuffles and insertions of YAML tags, anchors and
@@ -25,8 +25,9 @@ from gradguard.policy.loading import load_policy_text
 from gradguard.policy.matching import bind
 
 REPO = Path(__file__).resolve().parent.parent
-CASE_BOUND_S = 1.0
-"""Generous bound for one case (load and bind); the real maximum is printed."""
+HUNG_S = 60.0
+"""A hang guard, not a speed claim: a case that takes longer has hung (a parser or matcher gone quadratic or
+exponential). The slowest case is printed; speed is measured by ``benchmarks/policy_fuzz.py`` (``--bound``)."""
 FILE_CASES = 3000
 FROM_DISK = 10
 """One case in this many is written to a file and read by Policy.from_file; the others parse the text."""
@@ -69,8 +70,8 @@ class Tally:
                 self.failures.append(f"{label} (bind): {type(exc).__name__}: {str(exc)[:300]}")
         elapsed = time.perf_counter() - start
         self.slowest = max(self.slowest, elapsed)
-        if elapsed > CASE_BOUND_S:
-            self.failures.append(f"{label}: took {elapsed:.2f} s")
+        if elapsed > HUNG_S:
+            self.failures.append(f"{label}: hung ({elapsed:.0f} s)")
 
     def report(self, what: str) -> str:
         return (

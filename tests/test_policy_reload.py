@@ -158,8 +158,9 @@ def test_a_bad_file_keeps_the_old_policy_and_logs_why(tmp_path: Path, content: s
     assert not events_of(log, "policy_reload")
 
 
-def test_reload_true_notices_a_rewritten_file_within_a_bounded_time(tmp_path: Path) -> None:
-    """With reload_interval 0.05 s the watcher has the rewritten file ready within 5 s; the next step switches."""
+def test_reload_true_notices_a_rewritten_file_and_a_later_step_switches(tmp_path: Path) -> None:
+    """With reload_interval 0.05 s the watcher has the rewritten file ready, and the step after switches to it (60 s
+    is a hang guard, not a speed claim)."""
     path = write_policy(tmp_path / "p.json", clip(1.0))
     model = SmallMLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -168,7 +169,7 @@ def test_reload_true_notices_a_rewritten_file_within_a_bounded_time(tmp_path: Pa
         write_policy(path, clip(0.25))
         started = time.monotonic()
         while guard.policy.rules[0].actions[0].max_norm != 0.25:
-            assert time.monotonic() - started < 5, "the rewritten file was not noticed in 5 s"
+            assert time.monotonic() - started < 60, "hung: the rewritten file was never noticed"
             time.sleep(0.02)
             one_step(model, opt, 1)
 

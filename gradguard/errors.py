@@ -172,21 +172,28 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
         # The first module with parameters (a stem, an input layer), the modules after it finite: with no module
         # before it to tell them apart (the last layer's case, ``own``), both readings remain; say which is likelier.
         consumers = list(origin.get("consumers") or ())
-        after = consumers[0] if consumers else origin["before"]  # whose backward hands the gradient to ``module``
+        # Whose backward hands the gradient to ``module``: the next module that took its output (``passer``), not a
+        # sibling fed from the input (``beside``: an embedding whose output is summed with this one's).
+        after = origin.get("passer") or (consumers[0] if consumers else origin["before"])
+        kept_too = origin["passer_kept"] if "passer" in origin else after == origin["before"]
+        beside = list(origin.get("beside") or ())
+        aside = f"{', '.join(beside)}, fed from the input beside it, passed nothing back to it" if beside else ""
         kept = list(origin.get("finite_own") or ())
         made = "a hook on a parameter, the weight-gradient computation, or code that touched only these gradients"
         if kept:  # a gradient carried in would most likely have spoiled every parameter of the module
             text = f"It started in the gradients of {module}'s own parameters: {module} is the first module with "
             text += f"parameters, so no module before it can show whether backward carried it in, but {kept[0]} kept "
-            text += f"a finite gradient, which a non-finite one passed back by {after} would most likely have spoiled "
-            text += f"too ({made} made it)."
+            text += f"a finite gradient, which a non-finite one passed back by {after}"
+            text += f" ({aside})" if aside else ""
+            text += f" would most likely have spoiled too ({made} made it)."
         else:
             text = f"It started in {module}, the first module with parameters: in the gradients of its own "
             text += f"parameters, or in the gradient of its output that {after} passed back (the modules from "
             text += f"{origin['before']} on kept finite gradients, and no module before {module} can tell the two "
-            text += f"apart). Likelier its own gradients ({made}): for {after} to have made it, its backward must "
+            text += f"apart{'; ' + aside if aside else ''}). Likelier its own gradients ({made}): for {after} to have "
+            text += "made it, its backward must "
             text += f"have turned finite gradients {kind}"
-            text += ", while its own parameters' gradients stayed finite." if after == origin["before"] else "."
+            text += ", while its own parameters' gradients stayed finite." if kept_too else "."
     elif phase == "backward" and module and origin.get("before"):
         text = f"It started in the backward pass, in {module} or after it: the parameters' gradients up to "
         text += f"{module} went {kind}, those from {origin['before']} on stayed finite"

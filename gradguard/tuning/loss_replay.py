@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from gradguard.enforce.triggers.loss import LossVerdict, LossWatch
+from gradguard.enforce.triggers.loss_reference import LossReference, LossVerdict
 from gradguard.policy.schema import Loss
 from gradguard.tuning.records import RecordedStep
 
@@ -29,7 +29,7 @@ class LossReplay:
 
     def __init__(self, config: Loss | None) -> None:
         self.config = config
-        self.watch = LossWatch()
+        self.watch = LossReference()
         self.steps: dict[str, list[int]] = {}
         """Verdict -> the steps it was given on: ``nonfinite`` (always watched by a section), ``spike`` (where
         configured)."""

@@ -52,8 +52,8 @@ from pathlib import Path
 
 import torch
 
-from gradguard.enforce.actions.nonfinite import SkipLimits
-from gradguard.enforce.triggers.loss import LossVerdict
+from gradguard.enforce.triggers.loss_reference import LossVerdict
+from gradguard.enforce.work.skips import SkipBook
 from gradguard.events.counters import LOSS_RULE
 from gradguard.policy.document import Policy
 from gradguard.policy.patterns import rule_matches
@@ -115,7 +115,7 @@ class Replayer:
                     self.entries[(index, position)] = ActionSteps(rule.name, action.action, position)
         self.undecidable: dict[tuple[int, int], str] = {}
         self.stats: dict[tuple[int, int], Stats] = {}
-        self.skip_limits = SkipLimits()
+        self.skip_limits = SkipBook()
         self.halt: Halt | None = None
         self.steps = 0
         self.in_blocks = decides_in_blocks(self.rules)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from gradguard.enforce.actions.nonfinite import SkipLimits
+from gradguard.enforce.work.skips import SkipBook
 from gradguard.events.counters import RECOVERY_RULE
 from gradguard.policy.schema import Recovery
 from gradguard.tuning.acting import Stats
@@ -25,7 +25,7 @@ class HeldState:
     """The replay's own state: what the guard's snapshot holds of the guard."""
 
     stats: dict[tuple[int, int], Stats]
-    skip_limits: SkipLimits
+    skip_limits: SkipBook
     loss: dict[str, Any]
     """The loss section's ``LossWatch.state_dict()``."""
 

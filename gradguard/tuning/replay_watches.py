@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from gradguard.enforce.actions.nonfinite import has_active
 from gradguard.enforce.actions.spikes import spike_decide
+from gradguard.enforce.work.skips import has_active
 from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 from gradguard.tuning.acting import Proposal, Stats, followed
 from gradguard.tuning.blocks import BoundRule

@@ -10,18 +10,16 @@ Skip limits escalate to a halt after too many skips in a row or within a window 
 from __future__ import annotations
 
 import math
-from collections import deque
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.work.participant import Participant
+from gradguard.enforce.work.skips import SkipBook, SkipHistory, has_active, joined_kind
 from gradguard.enforce.work.step_work import StepWork
 from gradguard.enforce.work.tensors import norms, stack_on, version_of
-from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
+from gradguard.policy.schema import HaltOnNonfinite, SkipStepOnNonfinite
 
 
 class Watched(Protocol):
@@ -150,98 +148,9 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     return dict(zip(raw_ids, result, strict=True))
 
 
-class _Limits(Protocol):
-    max_consecutive_skips: int | None
-    max_skips: int | None
-    window_steps: int | None
-
-
-@dataclass
-class SkipHistory:
-    """Skips in a row and at which recent steps: a skip rule's, or the ``loss`` section's."""
-
-    consecutive: int = 0
-    recent: deque[int] = field(default_factory=deque)
-
-    def note(self, step: int) -> None:
-        self.consecutive += 1
-        self.recent.append(step)
-
-    def exceeded(self, limits: _Limits, step: int, skips: str) -> str | None:
-        """Why the skips noted so far exceed ``limits`` at ``step`` (``skips`` names them: ``skipped steps``), or
-        None. Forgets the skips that fell out of the window."""
-        reason = None
-        if limits.max_consecutive_skips is not None and self.consecutive > limits.max_consecutive_skips:
-            reason = f"{self.consecutive} consecutive {skips} (max_consecutive_skips: {limits.max_consecutive_skips})"
-        if limits.max_skips is not None and limits.window_steps is not None:
-            while self.recent and self.recent[0] <= step - limits.window_steps:
-                self.recent.popleft()
-            if len(self.recent) > limits.max_skips:
-                reason = f"{len(self.recent)} {skips} within the last {limits.window_steps} steps "
-                reason += f"(max_skips: {limits.max_skips})"
-        return reason
-
-
-class SkipLimits(Participant):
-    """Each skip rule's history of skipped steps, and when it escalates to a halt. As a participant: an applied step
-    ends every run of skips."""
-
-    def __init__(self) -> None:
-        self.history: dict[int, SkipHistory] = {}
-        """Rule index -> its skips: how many in a row, and at which recent steps."""
-        self.scaler_skips = 0
-        """GradScaler skips in a row (``halt_on_nonfinite``'s ``max_scaler_skips``)."""
-
-    def record(
-        self, rule_index: int, rule: Rule, step: int, cause: type[SkipStepOnNonfinite | SkipStepOnSpike]
-    ) -> str | None:
-        """Note a skip by ``rule`` at ``step``; return why it must halt instead, or ``None``.
-
-        The rule's history counts all its skips; the limits are those of its actions of type ``cause``.
-        """
-        history = self.history.setdefault(rule_index, SkipHistory())
-        history.note(step)
-        for action in rule.actions:
-            if isinstance(action, cause) and action.active_at(step):
-                reason = history.exceeded(action, step, "skipped steps")
-                if reason is not None:
-                    return reason
-        return None
+class SkipLimits(SkipBook, Participant):
+    """Each skip rule's history of skipped steps, and when it escalates to a halt (``SkipBook``, torch-free, which
+    ``gradguard replay`` keeps too). As a participant: an applied step ends every run of skips."""
 
     def applied(self, work: StepWork) -> None:
         self.step_applied()
-
-    def step_applied(self) -> None:
-        """A step went through: no rule's skips are consecutive any more."""
-        for history in self.history.values():
-            history.consecutive = 0
-        self.scaler_skips = 0
-
-    def state_dict(self, rules: Sequence[Rule]) -> dict[str, Any]:
-        return {
-            rules[index].name: {"consecutive": history.consecutive, "recent": list(history.recent)}
-            for index, history in sorted(self.history.items())
-        }
-
-    def load_state_dict(self, saved: dict[str, Any], rules: Sequence[Rule]) -> list[str]:
-        """Take over saved histories, by rule name; returns the names this policy lacks."""
-        by_name = {rule.name: index for index, rule in enumerate(rules)}
-        self.history = {}
-        unknown = []
-        for name, entry in saved.items():
-            if name not in by_name:
-                unknown.append(name)
-                continue
-            recent = deque(int(step) for step in entry["recent"])
-            self.history[by_name[name]] = SkipHistory(int(entry["consecutive"]), recent)
-        return unknown
-
-
-def joined_kind(kinds: Iterable[str]) -> str:
-    """``"nan"``, ``"inf"`` or ``"nan+inf"``, always in that order."""
-    present = set(kinds)
-    return "+".join(kind for kind in ("nan", "inf") if kind in present)
-
-
-def has_active(actions: Sequence[Action], kind: type, step: int) -> bool:
-    return any(isinstance(action, kind) and action.active_at(step) for action in actions)

@@ -85,7 +85,7 @@ def test_validate_and_the_guard_do_not_warn_about_suggest_s_own_output(
     with GradGuard(model, Policy.from_dict(record), logger=None, audit_log=log):
         for _ in range(30):
             opt.zero_grad()
-            model(torch.randn(4, 4, 12)).square().mean().backward()  # type: ignore[no-untyped-call]
+            model(torch.randn(4, 4, 12)).square().mean().backward()
             opt.step()
     suggested = tmp_path / "suggested.yaml"
     suggested.write_text(suggest_files([log]).text, encoding="utf-8")

@@ -1,10 +1,11 @@
 """What one action of a policy does to one step's recorded norms, for ``gradguard.tuning.replay``.
 
-Each action decides as the guard's kernel does, from the same formulas: the clips with
-``clip_coefficients`` on float32 norms, ``zclip``, ``autoclip`` with ``zclip_decide``
-and ``autoclip_decide`` on float64 norms (and ``skip_step_on_spike``, in the replay,
-with ``spike_decide``). What no recorded figure can decide is named here too
-(``never_decidable``).
+Each action decides as the guard's kernel does, from the same formulas: the clips with ``clip_coefficients`` on
+float32 norms, in numpy (``gradguard.tuning.float32``, bitwise torch's: the replay never imports torch for them);
+``zclip``, ``autoclip`` with the guard's own ``zclip_decide`` and ``autoclip_decide`` on float64 norms (and
+``skip_step_on_spike``, in the replay, with ``spike_decide``), and ``agc``, whose statistics and float32 sums are
+torch's: torch is imported only for a policy that has one of these actions. What no recorded figure can decide is
+named here too (``never_decidable``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+from numpy.typing import NDArray
 
-from gradguard.enforce.actions.adaptive import autoclip_decide, autoclip_empty, zclip_decide, zclip_empty
-from gradguard.enforce.actions.spikes import spike_empty
-from gradguard.enforce.work.statistics import STATS_DTYPE, Init
-from gradguard.enforce.work.tensors import clip_coefficients
 from gradguard.policy.schema import (
     Action,
     AdaptiveGradClip,
@@ -31,7 +30,13 @@ from gradguard.policy.schema import (
     ZClip,
     Zero,
 )
+from gradguard.tuning.float32 import F32, Bools, Floats, clip_coefficients, group_coefficients, tensor_norms
 from gradguard.tuning.records import RecordedStep
+
+if TYPE_CHECKING:
+    import torch
+
+    from gradguard.enforce.work.statistics import Init
 
 __all__ = [
     "NO_MAX_ABS",
@@ -46,108 +51,142 @@ __all__ = [
     "stateless_coefficients",
 ]
 
-F32 = torch.float32
+Indices = NDArray[np.int64]
 
 
 @dataclass
 class Stats:
-    """One adaptive action's statistics: tensors whose rows are its columns (members, or one for a group)."""
+    """One adaptive action's statistics: torch tensors whose rows are its columns (members, or one for a group)."""
 
     tensors: dict[str, torch.Tensor]
     slot: int = 0
 
 
-Proposal = tuple[tuple[int, int], torch.Tensor | None, dict[str, torch.Tensor], int]
+Proposal = tuple[tuple[int, int], "torch.Tensor | None", dict[str, "torch.Tensor"], int]
 """``((rule, position), columns or None, tensors, next ring slot)``: statistics a step would leave behind."""
 
 
 def act(
     key: tuple[int, int],
     action: Action,
-    current: torch.Tensor,
-    peaks: torch.Tensor | None,
+    current: Floats,
+    peaks: Floats | None,
     recorded: RecordedStep,
     names: list[str],
-    index: torch.Tensor,
     ids: list[int],
-    cols: torch.Tensor | None,
+    cols: Indices | None,
     proposals: list[Proposal],
     state_of: Callable[[int], Stats],
     columns: int,
-) -> tuple[torch.Tensor | None, bool]:
+    exact: bool = True,
+) -> tuple[Floats | None, bool]:
     """One action on one step's norms: the float32 coefficient it multiplies its members' norms by, and whether
     it acted. ``current``: every recorded tensor's 2-norm as the earlier actions left it; ``peaks``: its max-abs
-    (or ``None``); ``index``/``ids``: the members with a norm this step, ``cols`` their columns in the action's
-    statistics (``None``: all, in order); ``state_of(columns)``: the action's statistics, made on first use with
-    ``columns`` columns (all its members, or 1 for a group). Statistics go to ``proposals``: kept if the step is.
+    (or ``None``); ``ids``: the members with a norm this step, ``cols`` their columns in the action's statistics
+    (``None``: all, in order); ``state_of(columns)``: the action's statistics, made on first use with ``columns``
+    columns (all its members, or 1 for a group). Statistics go to ``proposals``: kept if the step is. ``exact``:
+    a later action reads the norms this one leaves (a group clip's coefficient must then be torch's to the bit).
     """
-    norms = current.index_select(0, index)
+    index = np.asarray(ids, dtype=np.int64)
+    norms = current[index]
     if isinstance(action, ClipNorm | Scale | Zero):
         if isinstance(action, ClipNorm) and action.norm_type != 2.0:
             assert peaks is not None
-            norms = peaks.index_select(0, index)
-        coefs, changed = stateless_coefficients(action, norms.unsqueeze(0))
-        return coefs[0], bool(changed[0])
+            norms = peaks[index]
+        coefs, changed = stateless_coefficients(action, norms[np.newaxis, :], exact)
+        return np.array(coefs[0]), bool(changed[0])
     if isinstance(action, ZClip | AutoClip):
-        group = action.scope == "group"
-        g = followed(current, ids, group)
-        stats = state_of(1 if group else columns)
-        take = None if group else cols
-        state = stats.tensors if take is None else {k: v.index_select(0, take) for k, v in stats.tensors.items()}
-        if isinstance(action, ZClip):
-            decision = zclip_decide(action, g, state, warming=not bool(stats.tensors["ready"].all()))
-            proposals.append((key, take, decision.proposal, stats.slot))
-            coef64 = decision.coef
-        else:
-            slot = stats.slot % action.history
-            auto = autoclip_decide(action, g, state, slot)
-            proposals.append((key, take, auto.proposal, slot + 1))
-            coef64 = auto.coef
-        coef = coef64.to(F32)
-        did = bool((coef64 < 1.0).any())
-        return (coef.expand(len(ids)) if group else coef), did
+        return _adaptive(key, action, current, ids, cols, proposals, state_of, columns)
     if isinstance(action, ClipValue):
         assert peaks is not None
-        mine = peaks.index_select(0, index)
-        did = bool(((mine > action.limit) & torch.isfinite(mine)).any())
-        peaks[index] = torch.clamp(mine, max=action.limit)
+        mine = peaks[index]
+        limit = F32(action.limit)
+        did = bool(((mine > limit) & np.isfinite(mine)).any())
+        peaks[index] = np.minimum(mine, limit)
         return None, did
     if isinstance(action, AdaptiveGradClip):
-        weights = torch.tensor([recorded.norm[names[i]] / recorded.grad_to_weight[names[i]] for i in ids], dtype=F32)
-        if action.scope == "group":
-            total, weight = torch.linalg.vector_norm(norms), torch.linalg.vector_norm(weights)
-        else:
-            total, weight = norms, weights
-        limit = action.clipping * torch.clamp(weight, min=action.eps)
-        coef = torch.where(total > limit, limit / torch.clamp(total, min=1e-6), torch.ones_like(total))
-        coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
-        return coef.expand(len(ids)) if action.scope == "group" else coef, bool((coef < 1.0).any())
+        return _agc(action, norms, recorded, names, ids)
     if isinstance(action, Drop):
         return None, True
     raise AssertionError(f"unexpected action {action.action!r}")
 
 
-def stateless_coefficients(action: ClipNorm | Scale | Zero, norms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _adaptive(
+    key: tuple[int, int],
+    action: ZClip | AutoClip,
+    current: Floats,
+    ids: list[int],
+    cols: Indices | None,
+    proposals: list[Proposal],
+    state_of: Callable[[int], Stats],
+    columns: int,
+) -> tuple[Floats, bool]:
+    """``zclip`` or ``autoclip`` with the guard's own functions, on torch tensors (torch imported here only)."""
+    import torch
+
+    from gradguard.enforce.actions.adaptive import autoclip_decide, zclip_decide
+
+    group = action.scope == "group"
+    g = followed(current, ids, group)
+    stats = state_of(1 if group else columns)
+    take = None if group or cols is None else torch.from_numpy(cols)
+    state = stats.tensors if take is None else {k: v.index_select(0, take) for k, v in stats.tensors.items()}
+    if isinstance(action, ZClip):
+        decision = zclip_decide(action, g, state, warming=not bool(stats.tensors["ready"].all()))
+        proposals.append((key, take, decision.proposal, stats.slot))
+        coef64 = decision.coef
+    else:
+        slot = stats.slot % action.history
+        auto = autoclip_decide(action, g, state, slot)
+        proposals.append((key, take, auto.proposal, slot + 1))
+        coef64 = auto.coef
+    coef: Floats = coef64.to(torch.float32).numpy()
+    did = bool((coef64 < 1.0).any())
+    return (np.repeat(coef, len(ids)) if group else coef), did
+
+
+def _agc(
+    action: AdaptiveGradClip, norms: Floats, recorded: RecordedStep, names: list[str], ids: list[int]
+) -> tuple[Floats, bool]:
+    """``agc`` at ``scope: group`` on the recorded norms, with torch's float32 sums (torch imported here only)."""
+    import torch
+
+    f32 = torch.float32
+    weights = torch.tensor([recorded.norm[names[i]] / recorded.grad_to_weight[names[i]] for i in ids], dtype=f32)
+    mine = torch.from_numpy(np.ascontiguousarray(norms))
+    if action.scope == "group":
+        total, weight = torch.linalg.vector_norm(mine), torch.linalg.vector_norm(weights)
+    else:
+        total, weight = mine, weights
+    limit = action.clipping * torch.clamp(weight, min=action.eps)
+    coef = torch.where(total > limit, limit / torch.clamp(total, min=1e-6), torch.ones_like(total))
+    coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))
+    did = bool((coef < 1.0).any())
+    out: Floats = (coef.expand(len(ids)) if action.scope == "group" else coef).numpy().copy()
+    return out, did
+
+
+def stateless_coefficients(action: ClipNorm | Scale | Zero, norms: Floats, exact: bool = True) -> tuple[Floats, Bools]:
     """What an action that keeps no statistics does to ``[steps x members]`` float32 norms: the coefficients
     (same shape) it multiplies them by, and per step whether it changed a gradient.
 
     One step is a one-row matrix (``act``); a block of steps (``gradguard.tuning.blocks``) is many rows of the
     same formulas, element by element (a group's norm is reduced along its row alone), so both decide alike.
+    ``exact``: a later action reads the norms left (see ``float32.group_coefficients``).
     """
     steps, width = norms.shape
     if isinstance(action, ClipNorm):
         assert action.norm_type in (2.0, math.inf)
         if action.scope == "tensor":
-            totals = torch.linalg.vector_norm(norms.unsqueeze(2), action.norm_type, dim=2)
-            coef = clip_coefficients(totals, action.max_norm)
-            return coef, (coef < 1.0).any(dim=1)
-        total = torch.linalg.vector_norm(norms, action.norm_type, dim=1)
-        coef = clip_coefficients(total, action.max_norm)
-        return coef.unsqueeze(1).expand(steps, width), coef < 1.0
-    every = torch.ones(steps, dtype=torch.bool)
+            coef = clip_coefficients(tensor_norms(norms, action.norm_type), action.max_norm)
+            changed: Bools = np.asarray((coef < 1.0).any(axis=1), dtype=np.bool_)
+            return coef, changed
+        total_coef, acted = group_coefficients(norms, action.norm_type, action.max_norm, exact)
+        return np.broadcast_to(total_coef[:, np.newaxis], (steps, width)), acted
+    every = np.ones(steps, dtype=np.bool_)
     if isinstance(action, Scale):
-        return torch.full((steps, width), action.factor, dtype=F32), every
-    return torch.zeros((steps, width), dtype=F32), every
+        return np.full((steps, width), action.factor, dtype=F32), every
+    return np.zeros((steps, width), dtype=F32), every
 
 
 # --- the result ---------------------------------------------------------------------------------
@@ -184,6 +223,10 @@ def scope_of(action: Action) -> str:
 
 
 def init_for(action: Action) -> Init:
+    """The action's empty statistics, as the guard makes them (torch imported here: only an adaptive action has any)."""
+    from gradguard.enforce.actions.adaptive import autoclip_empty, zclip_empty
+    from gradguard.enforce.actions.spikes import spike_empty
+
     if isinstance(action, ZClip):
         return zclip_empty(action.warmup_steps)
     if isinstance(action, AutoClip):
@@ -192,9 +235,14 @@ def init_for(action: Action) -> Init:
     return spike_empty(action.window)
 
 
-def followed(norms: torch.Tensor, ids: list[int], group: bool) -> torch.Tensor:
-    """The float64 norms an adaptive action follows: one per member, or their joint float32 norm (as the guard)."""
-    mine = norms.index_select(0, torch.tensor(ids, dtype=torch.long))
+def followed(norms: Floats, ids: list[int], group: bool) -> torch.Tensor:
+    """The float64 norms an adaptive action follows: one per member, or their joint float32 norm (as the guard), as
+    a torch tensor for the guard's own decisions (torch imported here only)."""
+    import torch
+
+    from gradguard.enforce.work.statistics import STATS_DTYPE
+
+    mine = torch.from_numpy(norms[np.asarray(ids, dtype=np.int64)])
     if group:
         joint: torch.Tensor = torch.linalg.vector_norm(mine, 2.0)
         return joint.reshape(1).to(STATS_DTYPE)

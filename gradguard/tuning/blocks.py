@@ -3,7 +3,7 @@
 A policy made of ``clip_norm`` (2-norm), ``scale``, ``zero``, ``drop``, ``monitor`` and the non-finite
 watches decides each step from that step's norms alone: only the skip limits (skips in a row, skips in a
 window) and a halt carry from one step to the next. So a run of recorded steps is decided as one
-``[steps x tensors]`` float32 matrix, each action one tensor operation on its members' columns with the
+``[steps x tensors]`` float32 matrix, each action one array operation on its members' columns with the
 formulas a single step uses (``stateless_coefficients``, element by element, a group's norm reduced along
 its own row), and the steps are then walked in order to note what acted, keep the skip limits and stop at
 a halt. A step the matrix cannot decide alone goes through ``Replayer.feed`` in its place: a name missing
@@ -27,7 +27,8 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-import torch
+import numpy as np
+from numpy.typing import NDArray
 
 from gradguard.policy.schema import (
     Action,
@@ -42,6 +43,7 @@ from gradguard.policy.schema import (
     Zero,
 )
 from gradguard.tuning.acting import stateless_coefficients
+from gradguard.tuning.float32 import F32_MAX, Floats
 
 __all__ = [
     "BLOCK_STEPS",
@@ -52,15 +54,13 @@ __all__ = [
     "decide_block",
     "decides_in_blocks",
     "gradient_actions",
+    "reads_after",
     "stacked",
     "windowed",
 ]
 
 BLOCK_STEPS: Final = 256
 """Recorded steps gathered and decided together (memory holds that many steps' norms)."""
-
-F32_MAX: Final = torch.finfo(torch.float32).max
-"""A recorded norm (a double) above this is infinite in float32, where the guard and the replay decide."""
 
 _WATCHES: Final = Monitor | HaltOnNonfinite | SkipStepOnNonfinite
 
@@ -86,10 +86,10 @@ def decides_in_blocks(rules: Sequence[Rule]) -> bool:
     return True
 
 
-def as_matrix(rows: Sequence[Mapping[str, float]]) -> torch.Tensor:
+def as_matrix(rows: Sequence[Mapping[str, float]]) -> NDArray[np.float64]:
     """Steps' figures of the same names in the same order as one float64 ``[steps x names]`` matrix.
 
-    Gathered in an ``array`` (C doubles) and viewed by torch: a tenth of ``torch.tensor``'s cost on nested lists.
+    Gathered in an ``array`` (C doubles) and viewed by numpy: a tenth of building it from nested lists.
     """
     values = array("d")
     for row in rows:
@@ -97,9 +97,9 @@ def as_matrix(rows: Sequence[Mapping[str, float]]) -> torch.Tensor:
     return stacked(values, len(rows[0]))
 
 
-def stacked(values: array[float], width: int) -> torch.Tensor:
-    """Doubles gathered row after row, ``width`` to a row, as a float64 ``[rows x width]`` tensor (no copy)."""
-    return torch.frombuffer(values, dtype=torch.float64).view(-1, width)
+def stacked(values: array[float], width: int) -> NDArray[np.float64]:
+    """Doubles gathered row after row, ``width`` to a row, as a float64 ``[rows x width]`` array (no copy)."""
+    return np.frombuffer(values, dtype=np.float64).reshape(-1, width)
 
 
 def windowed(rules: Sequence[Rule]) -> list[Rule | Action]:
@@ -119,9 +119,9 @@ class Acting:
     action: Action
     ids: list[int]
     """The rule's members with a gradient left (a ``drop`` of an earlier rule takes its members away)."""
-    index: torch.Tensor
-    """``ids`` as a tensor."""
-    columns: torch.Tensor | None
+    index: NDArray[np.int64]
+    """``ids`` as an array."""
+    columns: NDArray[np.int64] | None
     """Their places among the rule's members, or ``None`` for all of them in order."""
 
     @property
@@ -143,8 +143,8 @@ def gradient_actions(
         if not places:
             continue
         ids = [bound.members[place] for place in places]
-        index = torch.tensor(ids, dtype=torch.long)
-        columns = None if len(places) == len(bound.members) else torch.tensor(places, dtype=torch.long)
+        index = np.asarray(ids, dtype=np.int64)
+        columns = None if len(places) == len(bound.members) else np.asarray(places, dtype=np.int64)
         for position, action in enumerate(bound.rule.actions):
             if not action.active_at(step) or (bound.index, position) in undecidable:
                 continue
@@ -158,24 +158,31 @@ def gradient_actions(
 
 
 def decide_block(
-    rules: Sequence[BoundRule], undecidable: Container[tuple[int, int]], raw: torch.Tensor, step: int
+    rules: Sequence[BoundRule], undecidable: Container[tuple[int, int]], raw: Floats, step: int
 ) -> tuple[list[tuple[int, int]], list[list[bool]]]:
     """Every rule's gradient-changing actions in policy order on ``raw``'s rows, each row one step with a norm
     for every name (as ``Replayer._actions`` on one step), under the rules' activity at ``step``: the actions'
     keys ``(rule, position)``, and per row whether each one acted."""
-    current = raw.clone()
+    current = raw.copy()
     keys: list[tuple[int, int]] = []
-    acted: list[torch.Tensor] = []
-    for acting in gradient_actions(rules, undecidable, [True] * raw.shape[1], step):
+    acted: list[NDArray[np.bool_]] = []
+    actings = list(gradient_actions(rules, undecidable, [True] * raw.shape[1], step))
+    for position, acting in enumerate(actings):
         keys.append(acting.key)
         if isinstance(acting.action, Drop):
-            acted.append(torch.ones(raw.shape[0], dtype=torch.bool))
+            acted.append(np.ones(raw.shape[0], dtype=np.bool_))
             continue
         assert isinstance(acting.action, ClipNorm | Scale | Zero)
-        norms = current.index_select(1, acting.index)
-        coef, did = stateless_coefficients(acting.action, norms)
+        norms = current[:, acting.index]
+        coef, did = stateless_coefficients(acting.action, norms, reads_after(actings, position))
         current[:, acting.index] = norms * coef
         acted.append(did)
     if not keys:
         return keys, [[] for _ in range(raw.shape[0])]
-    return keys, torch.stack(acted, dim=1).tolist()
+    rows: list[list[bool]] = np.stack(acted, axis=1).tolist()
+    return keys, rows
+
+
+def reads_after(actings: Sequence[Acting], position: int) -> bool:
+    """Whether an action after ``actings[position]`` reads the norms it leaves (a ``drop`` reads none)."""
+    return any(not isinstance(later.action, Drop) for later in actings[position + 1 :])

@@ -11,7 +11,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Final
 
-import torch
+import numpy as np
 
 from gradguard.tuning.blocks import stacked
 from gradguard.tuning.families import Family, family_key
@@ -69,9 +69,10 @@ class NormSummary:
     def flush(self) -> None:
         """Count the gathered steps' norms, every member's column at once (binned as ``LogHistogram.add`` bins).
 
-        ``ln`` is torch's float64 logarithm, which can be an ulp away from ``math.log``: enough to move a norm on a
+        ``ln`` is numpy's float64 logarithm, which can be an ulp away from ``math.log``: enough to move a norm on a
         bin's edge into the next bin, so the few within a millionth of a bin of an edge are binned again with
-        ``math.log``, and the histograms are those ``LogHistogram.add`` makes. One ``unique`` over
+        ``math.log``, and the histograms are those ``LogHistogram.add`` makes (whichever library takes the logarithm:
+        no torch, so ``gradguard suggest`` starts without it). One ``unique`` over
         ``(column, bin)`` pairs counts the whole block.
         """
         if not self._values:
@@ -79,8 +80,8 @@ class NormSummary:
         values = stacked(self._values, len(self._block_names))
         self._values = array("d")
         positive = (values > 0.0) & (values < math.inf)
-        zeros = (values == 0.0).sum(dim=0).tolist()
-        counted = positive.sum(dim=0).tolist()
+        zeros: list[int] = (values == 0.0).sum(axis=0).tolist()
+        counted: list[int] = positive.sum(axis=0).tolist()
         steps = values.shape[0]
         for name, zero, count in zip(self._block_names, zeros, counted, strict=True):
             family = self.names[name]
@@ -91,16 +92,15 @@ class NormSummary:
         if not any(counted):
             return
         kept = values[positive]
-        scaled = torch.log(kept) / BIN_WIDTH
-        edge = torch.nonzero((scaled - scaled.round()).abs() < 1e-6).flatten()
+        scaled = np.log(kept) / BIN_WIDTH
+        edge = np.flatnonzero(np.abs(scaled - np.round(scaled)) < 1e-6)
         if len(edge):
-            exact = [math.log(value) / BIN_WIDTH for value in kept[edge].tolist()]
-            scaled[edge] = torch.tensor(exact, dtype=torch.float64)
-        keys = torch.floor(scaled).to(torch.int64)
-        columns = positive.nonzero()[:, 1]
+            scaled[edge] = [math.log(value) / BIN_WIDTH for value in kept[edge].tolist()]
+        keys = np.floor(scaled).astype(np.int64)
+        columns = np.nonzero(positive)[1]
         low = int(keys.min())
         span = int(keys.max()) - low + 1
-        pairs, counts = torch.unique(columns * span + (keys - low), return_counts=True)
+        pairs, counts = np.unique(columns * span + (keys - low), return_counts=True)
         by_column: dict[int, dict[int, int]] = {}
         for pair, count in zip(pairs.tolist(), counts.tolist(), strict=True):
             column, key = divmod(pair, span)

@@ -9,7 +9,10 @@ multiplies a tensor's norm by its coefficient; later actions see the scaled norm
 actions decide with the guard's own functions (``zclip_decide``, ``autoclip_decide``,
 ``spike_decide``) on float64 tensors of the recorded norms, and their statistics change only on steps
 the replay applies, as the guard's do: a skipped step, a spike, a non-finite norm never enters them.
-The clips decide with ``clip_coefficients`` on float32 norms, as the guard does. So replaying the
+The clips decide with ``clip_coefficients`` on float32 norms, as the guard does, in numpy
+(``gradguard.tuning.float32``, bitwise torch's): torch is imported only for a policy with an adaptive action or
+``agc`` (or, rarely, for a group clip's total within a few ulps of its ``max_norm``), so ``gradguard replay`` and
+``gradguard suggest`` start without it. So replaying the
 policy a run used, on that run's log, gives the steps of that run's ``intervention``,
 ``adaptive_clip``, ``spike_skip`` and ``skip`` events.
 
@@ -50,8 +53,6 @@ import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import torch
-
 from gradguard.enforce.triggers.loss_reference import LossVerdict
 from gradguard.enforce.work.skips import SkipBook
 from gradguard.events.counters import LOSS_RULE
@@ -68,7 +69,6 @@ from gradguard.policy.schema import (
     SkipStepOnSpike,
 )
 from gradguard.tuning.acting import (
-    F32,
     NO_MAX_ABS,
     NO_WEIGHTS,
     Proposal,
@@ -80,14 +80,15 @@ from gradguard.tuning.acting import (
 )
 from gradguard.tuning.blocks import (
     BLOCK_STEPS,
-    F32_MAX,
     BoundRule,
     as_matrix,
     decide_block,
     decides_in_blocks,
     gradient_actions,
+    reads_after,
     windowed,
 )
+from gradguard.tuning.float32 import F32_MAX, Floats, as_float32
 from gradguard.tuning.loss_replay import NO_LOSS, LossReplay
 from gradguard.tuning.records import RecordedStep, Recording, recorded_steps
 from gradguard.tuning.replay_recovery import HeldState, RecoveryReplay
@@ -158,6 +159,8 @@ class Replayer:
             if scope_of(action) == "tensor":
                 grown = len(self.bound[rule_index].members) - next(iter(stats.tensors.values())).shape[0]
                 if grown > 0:
+                    import torch  # statistics are torch's: torch is already imported
+
                     extra = init_for(action)(grown, torch.device("cpu"))
                     stats.tensors = {k: torch.cat([v, extra[k]]) for k, v in stats.tensors.items()}
 
@@ -200,7 +203,7 @@ class Replayer:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        raw = as_matrix([recorded.norm for recorded in pending]).to(F32)
+        raw = as_float32(as_matrix([recorded.norm for recorded in pending]))
         keys, acted = decide_block(self.bound, self.undecidable, raw, pending[0].step)
         for recorded, did in zip(pending, acted, strict=True):
             # What _feed_one does with a step whose norms are all finite: no watch fires, the step is applied.
@@ -214,12 +217,12 @@ class Replayer:
         self._learn(recorded.norm)
         step = recorded.step
         self.steps += 1
-        raw = torch.tensor([recorded.norm.get(name, math.nan) for name in self.names], dtype=F32)
+        raw = as_float32([recorded.norm.get(name, math.nan) for name in self.names])
         present = [name in recorded.norm for name in self.names]
         everyone = all(present)
-        peaks: torch.Tensor | None = None
+        peaks: Floats | None = None
         if recorded.max_abs and all(name in recorded.max_abs for name in recorded.norm):
-            peaks = torch.tensor([recorded.max_abs.get(name, math.nan) for name in self.names], dtype=F32)
+            peaks = as_float32([recorded.max_abs.get(name, math.nan) for name in self.names])
         halted_by, skipped_by = nonfinite_verdicts(raw, present, step, self.rules, self.watchers)
         proposals: list[Proposal] = []
         spikes = spiked_rules(raw, present, everyone, step, self.bound, self._state, proposals)
@@ -300,13 +303,15 @@ class Replayer:
     def _state(self, key: tuple[int, int], action: Action, columns: int) -> Stats:
         stats = self.stats.get(key)
         if stats is None:
+            import torch  # only an adaptive action keeps statistics: the guard's own, on torch tensors
+
             stats = self.stats[key] = Stats(init_for(action)(columns, torch.device("cpu")))
         return stats
 
     def _actions(
         self,
-        raw: torch.Tensor,
-        peaks: torch.Tensor | None,
+        raw: Floats,
+        peaks: Floats | None,
         present: list[bool],
         step: int,
         recorded: RecordedStep,
@@ -314,8 +319,9 @@ class Replayer:
         acted: list[tuple[int, int]],
     ) -> None:
         """Every rule's gradient-changing actions in policy order, on the norms the earlier ones left."""
-        current = raw.clone()
-        for acting in gradient_actions(self.bound, self.undecidable, list(present), step):
+        current = raw.copy()
+        actings = list(gradient_actions(self.bound, self.undecidable, list(present), step))
+        for position, acting in enumerate(actings):
             action, key, ids, index = acting.action, acting.key, acting.ids, acting.index
             inf_norm = isinstance(action, ClipNorm) and action.norm_type != 2.0
             if (isinstance(action, ClipValue) or inf_norm) and peaks is None:
@@ -333,12 +339,12 @@ class Replayer:
                 peaks,
                 recorded,
                 self.names,
-                index,
                 ids,
                 acting.columns,
                 proposals,
                 lambda width, key=key, action=action: self._state(key, action, width),  # type: ignore[misc]
                 len(acting.bound.members),
+                reads_after(actings, position),
             )
             if did:
                 acted.append(key)

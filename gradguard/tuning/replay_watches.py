@@ -1,21 +1,26 @@
 """The watches the replay runs on one step's norms as they arrived, before any action changes them, as the guard's
 step engine does (``gradguard.enforce.step.engine``): the non-finite watch (which ``halt_on_nonfinite`` or
 ``skip_step_on_nonfinite`` rule covers each non-finite norm) and the spike watch (which ``skip_step_on_spike`` rules
-see a spike, deciding with the guard's ``spike_decide``). They only say what fired; the replayer
+see a spike, deciding with the guard's ``spike_decide``, on torch tensors: torch is imported only for a policy with
+such an action). They only say what fired; the replayer
 (``gradguard.tuning.replay``) decides what that does to the step, and keeps the statistics they propose.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
-from gradguard.enforce.actions.spikes import spike_decide
 from gradguard.enforce.work.skips import has_active
 from gradguard.policy.schema import Action, HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 from gradguard.tuning.acting import Proposal, Stats, followed
 from gradguard.tuning.blocks import BoundRule
+from gradguard.tuning.float32 import Floats
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["StateOf", "nonfinite_verdicts", "present_members", "spiked_rules"]
 
@@ -24,7 +29,7 @@ StateOf = Callable[[tuple[int, int], Action, int], Stats]
 
 
 def nonfinite_verdicts(
-    raw: torch.Tensor,
+    raw: Floats,
     present: Sequence[bool],
     step: int,
     rules: Sequence[Rule],
@@ -35,9 +40,10 @@ def nonfinite_verdicts(
     ``watchers`` maps a name index to the rules with a halt or skip action covering it, in policy order."""
     halted_by: dict[int, int] = {}
     skipped_by: dict[int, int] = {}
-    if bool(torch.isfinite(raw).all()):
+    finite = np.isfinite(raw)
+    if bool(finite.all()):
         return halted_by, skipped_by
-    for index in torch.nonzero(~torch.isfinite(raw)).flatten().tolist():
+    for index in np.flatnonzero(~finite).tolist():
         if not present[index]:
             continue
         covering = [r for r in watchers.get(index, ()) if rules[r].active_at(step)]
@@ -51,15 +57,17 @@ def nonfinite_verdicts(
 
 
 def present_members(bound: BoundRule, present: Sequence[bool], everyone: bool) -> tuple[list[int], torch.Tensor | None]:
-    """The members with a norm this step, and their columns (``None``: all of them, in order)."""
+    """The members with a norm this step, and their columns (``None``: all of them, in order), as a torch index."""
     if everyone:
         return bound.members, None
+    import torch
+
     columns = [column for column, index in enumerate(bound.members) if present[index]]
     return [bound.members[c] for c in columns], torch.tensor(columns, dtype=torch.long)
 
 
 def spiked_rules(
-    raw: torch.Tensor,
+    raw: Floats,
     present: Sequence[bool],
     everyone: bool,
     step: int,
@@ -82,6 +90,8 @@ def spiked_rules(
             ids, cols = present_members(bound, present, everyone)
             if not ids:
                 continue
+            from gradguard.enforce.actions.spikes import spike_decide  # imports torch: for a spike action only
+
             group = action.scope == "group"
             g = followed(raw, ids, group)
             key = (bound.index, position)

@@ -1,7 +1,8 @@
 """``gradguard suggest`` and ``gradguard replay``: a policy from a recorded run, and any policy tried on one.
 
 Both read the ``stats`` events of a ``monitor`` (each tensor's gradient norm as it arrived); the work is
-done in ``gradguard.tuning``, imported inside the commands (``suggest`` checks its answer with torch).
+done in ``gradguard.tuning``, imported inside the commands (neither imports torch, but for a policy with an adaptive
+action or ``agc``, whose decisions are the guard's own torch functions).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def suggest(
     kept, and a clip the run held a tensor under (below its median norm) is kept apart from the
     families; the header says what changed. Each number is explained in a comment.
     Exit 2 if the logs hold no per-tensor norms. The suggestion is replayed on the logs before it is
-    written (that check imports torch).
+    written.
     """
     keep = load_policy(run_policy) if run_policy is not None else None
     from gradguard.tuning.suggest import NoNorms, suggest_files

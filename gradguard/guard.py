@@ -157,7 +157,8 @@ class GradGuard(ServesMetrics):
             """Identifies this guard's events in a log that several runs append to."""
             self.rank = distributed_rank()
             events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
-            self._enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
+            enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
+            self._enforcer = enforcer
             self._enforcer.step = start_step
             self._events = events
             self._expected: list[Optimizer] | None = optimizers
@@ -168,7 +169,7 @@ class GradGuard(ServesMetrics):
                 path, watch=reload, interval=reload_interval, collective=collective, events=events
             )
             self._attachment.handles.append(self._reloader)
-            self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, on_failure=events.close)
+            self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, events=events)
             if per_micro_batch:
                 self._attach_micro_batch_hooks()
             self._enforcer.provenance = attach_provenance(model, binding, provenance, self._attachment.handles.append)

@@ -15,6 +15,7 @@ import os
 import socket
 import sys
 import time
+import urllib.request
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +82,7 @@ def train(
     guarded: bool = True,
     provenance: str | None = "first_fault",
     fsdp2: bool = False,
+    metrics: bool = False,
 ) -> dict[str, Any]:
     """A DDP loop as nanoGPT's: accumulation under no_sync, the loop's own clip, then step (or the same under
     FSDP2: each Linear and the model sharded)."""
@@ -114,8 +116,9 @@ def train(
     result: dict[str, Any] = {"rank": rank, "halt": None, "warnings": [], "steps": 0}
     if isinstance(policy, dict):
         policy = Policy.from_dict(policy)
+    served = {"metrics_port": 0} if metrics else {}
     guard_context = (
-        GradGuard(ddp, policy, audit_log=log, logger=None, provenance=provenance)
+        GradGuard(ddp, policy, audit_log=log, logger=None, provenance=provenance, **served)
         if guarded
         else contextlib.nullcontext()
     )
@@ -150,6 +153,10 @@ def train(
                     "origin": halt.origin,
                     "unchanged": digest(inner) == before,
                 }
+                if metrics:
+                    with urllib.request.urlopen(guard.metrics_url, timeout=30) as response:
+                        text = response.read().decode()
+                    result["scraped"] = [line for line in text.splitlines() if line.startswith("gradguard_faults")]
                 break
             result["steps"] = step + 1
         if guard is not None:
@@ -195,7 +202,9 @@ def failure(rank: int, outdir: Path, *, exits: bool) -> dict[str, Any]:
     with registered("fails_on_rank_one", lambda parts: FailsOnRankOne()):
         ddp = Ddp(make_model())
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        GradGuard(ddp, Policy.from_dict(HALT_AND_CLIP), audit_log=outdir / f"audit-rank{rank}.jsonl", logger=None)
+        guard = GradGuard(
+            ddp, Policy.from_dict(HALT_AND_CLIP), audit_log=outdir / f"audit-rank{rank}.jsonl", logger=None
+        )
         try:
             for step in range(STEPS):
                 opt.zero_grad()
@@ -211,6 +220,7 @@ def failure(rank: int, outdir: Path, *, exits: bool) -> dict[str, Any]:
                 "seconds": time.monotonic() - started,
                 "timeout": TIMEOUT.total_seconds(),
             }
+        result["steps"] = guard.step_count  # the guard stays referenced (and attached) until here
     events = [json.loads(line) for line in (outdir / f"audit-rank{rank}.jsonl").read_text().splitlines()]
     result["failures"] = [event for event in events if event["event"] == "rank_failure"]
     (outdir / f"rank{rank}.json").write_text(json.dumps(result))
@@ -223,7 +233,7 @@ def failure(rank: int, outdir: Path, *, exits: bool) -> dict[str, Any]:
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     nan_at_two = nan_on(2)
     if name == "nan_one_rank":  # the shipped default policy, nothing else asked for
-        return train(rank, outdir, "default", nan_at_two)
+        return train(rank, outdir, "default", nan_at_two, metrics=True)
     if name == "nan_one_rank_always":
         return train(rank, outdir, "default", nan_at_two, provenance="always")
     if name == "nan_one_rank_untraced":

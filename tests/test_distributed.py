@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -226,6 +227,10 @@ def test_a_transient_fault_on_one_rank_is_computed_again_on_both_and_both_go_on(
         (rerun,) = result["reruns"]
         assert (rerun["step"], rerun["verdict"]) == (scenarios.BAD_STEP, "transient")
         assert 1 in rerun["ranks"]
+        # The NaN was made in rank 1's own backward (before DDP's all-reduce), and not made there again: rank 1's
+        # device is the suspect, its host named.
+        assert rerun["origin_ranks"] == {"1": socket.gethostname()}
+        assert rerun["recurred"] == {}
     assert results[0]["final"] == results[1]["final"]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ EXAMPLES = {
     "ddp": documented_example("docs/distributed.md", "ddp"),
     "fsdp2": documented_example("docs/distributed.md", "fsdp2"),
     "deepspeed": documented_example("docs/distributed.md", "deepspeed"),
+    "which-rank": documented_example("docs/distributed.md", "which-rank"),
 }
 
 
@@ -52,3 +54,21 @@ def test_the_documented_distributed_example_runs_as_written_on_two_ranks(name: s
     assert "clip_norm" in reports["0"]
     assert (tmp_path / f"{name}-rank0.jsonl").stat().st_size > 0
     assert (tmp_path / f"{name}-rank1.jsonl").stat().st_size > 0
+
+
+def test_the_which_rank_example_names_the_rank_that_made_the_nan_on_both_ranks(tmp_path: Path) -> None:
+    """torchrun --nproc_per_node 2 on the page's code: both ranks halt at step 5 naming rank 1 and this host."""
+    script = tmp_path / "which_rank.py"
+    script.write_text(EXAMPLES["which-rank"], encoding="utf-8")
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"),
+        str(script),
+    ]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    host = socket.gethostname()
+    for rank in (0, 1):
+        expected = f"rank {rank}: halted at step 5 in ['2.weight'], made on {{1: {host!r}}}"
+        assert expected in done.stdout, done.stdout

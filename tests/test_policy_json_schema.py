@@ -57,7 +57,7 @@ def test_the_schema_is_draft_2020_12_with_a_title_and_the_policy_fields():
     assert schema["type"] == "object"
     assert schema["required"] == ["version", "rules"]
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == {"$schema", "version", "rules", "loss", "recovery", "rerun"}
+    assert set(schema["properties"]) == {"$schema", "version", "rules", "loss", "recovery", "rerun", "ranks"}
     assert schema["properties"]["version"]["const"] == 1
     assert schema["properties"]["rules"]["minItems"] == 1
 

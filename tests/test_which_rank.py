@@ -18,6 +18,10 @@ from support.gloo_ranks import free_port
 sys.path.insert(0, str(Path(__file__).parent))
 import rank_scenarios as scenarios
 
+from gradguard.events.definitions import EVENT_DECODER, fields_of
+
+COMMON = {"ts", "level", "event", "run", "rank"}
+
 SCRIPT = Path(__file__).parent / "rank_scenarios.py"
 HOST = socket.gethostname()
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
@@ -89,6 +93,44 @@ def test_a_nan_made_in_one_ranks_own_backward_names_that_rank_and_host_on_every_
         assert event["ranks"] == {"2": HOST}
         (attach,) = logged(result, "attach")
         assert attach["ranks"] == {"world": 3, "seen": "DDP communication hook", "unseen": None}
+        rank = result["rank"]
+        labels = f'event="halt",host="{HOST}",origin_rank="2",rank="{rank}"'
+        assert f"gradguard_faults_by_rank_total{{{labels}}} 1.0" in result["scraped"]
+
+
+def test_every_line_the_ranks_wrote_fits_its_definition_exactly(ddp: Path, fsdp2: Path) -> None:
+    """The distributed events (rank_outlier, replica_divergence, rank_failure, ranks on halt and skip) as real gloo
+    runs write them decode into their definitions, at their levels, with no field the definitions lack."""
+    lines = [
+        line
+        for folder in (ddp, fsdp2)
+        for log in sorted(folder.glob("*/audit-rank*.jsonl"))
+        for line in log.read_text().splitlines()
+    ]
+    written = {json.loads(line)["event"] for line in lines}
+    assert {"rank_outlier", "replica_divergence", "halt", "attach"} <= written
+    for line in lines:
+        event = EVENT_DECODER.decode(line)
+        raw = json.loads(line)
+        assert set(raw) - COMMON - set(fields_of(type(event))) == set(), line
+        assert raw["level"] == type(event).LEVEL, line
+
+
+def test_the_audit_of_the_ranks_logs_names_the_origin_rank_and_host_once(ddp: Path) -> None:
+    logs = sorted(str(path) for path in (ddp / "nan_one_rank").glob("audit-rank*.jsonl"))
+    done = subprocess.run(
+        [sys.executable, "-m", "gradguard.cli", "audit", "--format", "json", *logs],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(SCRIPT.parent.parent)},
+    )
+    report = json.loads(done.stdout)
+    assert done.returncode == report["exit_code"] == 1, done.stderr  # a halt in the run: the audit says so
+    assert len(report["halts"]) == 1, report["halts"]
+    by_rank = {str(row["rank"]): row for row in report["by_rank"]}
+    assert by_rank["2"]["halts"] == 1
+    assert HOST in by_rank["2"]["hosts"]
 
 
 def test_a_rank_that_only_received_the_fault_says_so_and_the_origin_rank_names_the_module(ddp: Path) -> None:

@@ -75,6 +75,8 @@ class HaltSkipCollector:
             if row is not None and run.rank not in row.ranks:
                 row.ranks.append(run.rank)
                 row.runs.append(run.run)
+                if _origin_rank_speaks(row.origin, event.origin):
+                    row.origin = event.origin
                 if not row.n_params and params:  # a re-run's halt names its parameters on the ranks they differed
                     row.params, row.n_params = params[:HALT_PARAMS_SHOWN], len(params)
             return
@@ -119,6 +121,8 @@ class HaltSkipCollector:
             if same is not None and run.rank not in same.ranks:
                 same.runs.append(run.run)
                 same.ranks.append(run.rank)
+                if _origin_rank_speaks(same.origin, event.origin):
+                    same.origin = event.origin
             return
         if not self._shown(step, rule) or not self._params_shown(params):
             return
@@ -210,3 +214,10 @@ def _describe(last: LastIntervention | None) -> str | None:
     if isinstance(what, int):
         return f"{action} of {what} parameters as a group (rule {rule!r}) at step {step}, group norm before {value}"
     return f"{action} of {what} (rule {rule!r}) at step {step}, before {value}"
+
+
+def _origin_rank_speaks(shown: Any, other: Any) -> bool:
+    """Whether a replica's origin should replace the row's: the row has a rank's that only received the fault through
+    the reduction (or none), the replica the account of a rank that made it (where it started, its module)."""
+    received = not isinstance(shown, dict) or shown.get("phase") == "received"
+    return received and isinstance(other, dict) and other.get("phase") != "received"

@@ -283,6 +283,10 @@ class Rerun(StepEvent, tag="rerun", kw_only=True):
     max_rel_diff: Number
     params: list[str]
     ranks: list[int]
+    origin_ranks: dict[str, str] = msgspec.field(default_factory=dict)
+    """Where the first computation's fault was made, before the reduction ({rank: host})."""
+    recurred: dict[str, str] = msgspec.field(default_factory=dict)
+    """Those of ``origin_ranks`` where the second computation made it again (a transient fault: none)."""
 
 
 class RerunUnavailable(StepEvent, tag="rerun_unavailable", kw_only=True):

@@ -28,7 +28,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -379,6 +379,8 @@ class EventLog:
             if not structlog.is_configured():
                 self._app_min_level = _LEVELS["warning"]
         self._app: Any = logger.bind(**context) if logger is not None else None
+        self.observers: list[Callable[[str, Mapping[str, Any]], None]] = []
+        """Called with each event and its fields as it is emitted (the live metrics' faults by rank)."""
 
     @property
     def audit_path(self) -> Path | None:
@@ -396,6 +398,9 @@ class EventLog:
             item: _Item = (level, event, fields, time.time())
             self._writer.put(item if self._render_on_writer else self._writer.render(item))
             self._warn_on_write_error()
+        if self.observers:
+            for observe in self.observers:
+                observe(event, fields)
         if self._app is not None and _LEVELS[level] >= self._app_min_level:
             getattr(self._app, level)(event, **console_fields(event, fields))
 

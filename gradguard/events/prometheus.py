@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from gradguard.errors import GuardStateError
 from gradguard.events.counters import RECOVERY_RULE, SCALER_RULE
+from gradguard.events.log import EventLog
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -368,11 +369,12 @@ class ServesMetrics:
         return server.url if server is not None and server.serving else None
 
     def _serve_metrics(
-        self, host: str, port: int | None, register: Callable[[MetricsServer], None], *, on_failure: Callable[[], None]
+        self, host: str, port: int | None, register: Callable[[MetricsServer], None], *, events: EventLog
     ) -> None:
         """Start serving this guard's metrics (nothing when ``port`` is ``None``); ``register`` it for removal.
 
-        ``on_failure`` runs if the server cannot start (the port is taken, say) before the error propagates.
+        ``events`` feeds the faults by rank, and is closed if the server cannot start (the port is taken, say) before
+        the error propagates.
         """
         if port is None:
             return
@@ -380,7 +382,8 @@ class ServesMetrics:
         try:
             server = MetricsServer(MetricsSource.of_guard(self), host=host, port=port)
         except BaseException:
-            on_failure()
+            events.close()
             raise
+        events.observers.append(self.rank_faults.observe)
         self._metrics_server = server
         register(server)

@@ -112,6 +112,9 @@ class RanksTakingPart(Participant):
         self._diverged: tuple[dict[int, str], list[str]] | None = None
         self._outliers: dict[int, str] = {}
 
+    def passed(self, context: StepContext) -> None:
+        self.collective.local.forget()  # a step skipped unread (a rewind's window): its gradients are not this step's
+
     def beside_actions(self, work: StepWork) -> None:
         ranks = self._policy().ranks
         if ranks is None or work.collective is None:

@@ -16,7 +16,7 @@ from gradguard.enforce.triggers.loss import LossVerdict, LossWatch
 from gradguard.enforce.triggers.rerun import Figures, Reruns
 from gradguard.enforce.work.participant import Participant, Ruling
 from gradguard.enforce.work.step_work import StepContext, StepWork
-from gradguard.errors import GradientHalt
+from gradguard.errors import GradientHalt, ranks_words
 from gradguard.events.counters import RERUN_RULE, Counters
 from gradguard.events.log import EventLog
 
@@ -109,6 +109,7 @@ class RerunTakingPart(Participant):
         if asked is None:
             return
         if context.rerunnable:
+            reruns.origin_ranks = dict(outcome.ranks)  # where the first computation's fault was made, if known
             reruns.request(step, asked, Figures(outcome.loss, norms))
         if not reruns.noted:
             reruns.noted = True
@@ -126,6 +127,13 @@ class RerunTakingPart(Participant):
         fields: dict[str, Any] = {"loss_first": first.loss, "loss_second": outcome.loss}
         fields |= {"max_rel_diff": result.max_rel_diff}
         fields |= {"params": result.params, "ranks": result.ranks}
+        # Whether the fault came back on the rank that made it: a transient one there points at that device.
+        origin = reruns.origin_ranks
+        recurred = {rank: host for rank, host in origin.items() if rank in outcome.ranks}
+        fields |= {
+            "origin_ranks": {str(r): h for r, h in origin.items()},
+            "recurred": {str(r): h for r, h in recurred.items()},
+        }
         self._events.emit("warning", "rerun", step=step, verdict=result.verdict, asked=asked, **fields)
         if result.verdict == "reproducible":
             outcome.note = f"computed again, the fault repeated (reproducible; asked by {asked})"
@@ -147,6 +155,8 @@ class RerunTakingPart(Participant):
         if first.loss is not None and outcome.loss is not None:
             losses = f"; loss {first.loss:.6g} then {outcome.loss:.6g}"
         ranks = f"; on rank(s) {', '.join(map(str, result.ranks))}" if result.ranks else ""
+        if origin:
+            ranks += f"; made on {ranks_words(origin)} and not made there again"
         why = (
             f"the rerun section (transient: halt) computed step {step} again, asked by {asked}, and the second "
             f"computation differed from the first (max relative difference {result.max_rel_diff:.3g}{losses}"
@@ -155,7 +165,7 @@ class RerunTakingPart(Participant):
         )
         # Not a rewind: the state is sound, the device is not.
         self._counters.add(RERUN_RULE, "halt")
-        fields = HaltReport(step, RERUN_RULE, result.params, kinds, "transient", why, None).fields()
+        fields = HaltReport(step, RERUN_RULE, result.params, kinds, "transient", why, None, origin).fields()
         self._events.emit("error", "halt", **fields, counters=self._counters.snapshot())
         self._events.flush()
-        raise GradientHalt(step=step, params=result.params, kind="transient", rule=RERUN_RULE, reason=why)
+        raise GradientHalt(step=step, params=result.params, kind="transient", rule=RERUN_RULE, reason=why, ranks=origin)

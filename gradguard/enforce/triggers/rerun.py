@@ -319,6 +319,8 @@ class Reruns:
         self.asked: str | None = None
         self.noted = False
         """A ``rerun_unavailable`` was said."""
+        self.origin_ranks: dict[int, str] = {}
+        """Where the first computation's fault was made, before the reduction ({rank: host}; empty: unknown)."""
         self._said: set[str] = set()
         """The reasons a ``rerun_unavailable`` gave: each is said once."""
 

@@ -21,6 +21,7 @@ from gradguard.enforce.work.tensors import (
     by_device_and_dtype,
     clamp_,
     clip_coefficients,
+    host_clip_coefficient,
     in_torch_order,
     stack_on,
 )
@@ -129,10 +130,16 @@ def _clip_tensors(
         device = norms[positions[0]].device
         whole = len(positions) == len(ids)  # one group (the common case): positions are 0, 1, ... in order
         per_tensor = pending.stack(norms if whole else [norms[k] for k in positions], device)
+        if not fresh and not work.sharded and final.issuperset(device_ids):
+            # The common case: the raw norms, every change after the read. Their values are read anyway; the
+            # coefficients are found from them on the host, bitwise, and nothing is launched for them.
+            group = gs if whole else [gs[k] for k in positions]
+            _clip_on_host(work, bound, action, device_ids, group, per_tensor)
+            continue
         # clip_grad_norm_([p]) takes the norm of the one-element stack of norms; so do we, row-wise.
         totals = torch.linalg.vector_norm(per_tensor.unsqueeze(1), action.norm_type, dim=1)
         coefs = clip_coefficients(totals, action.max_norm)
-        if final.issuperset(device_ids):  # every change waits for the read (the common case): no loop in Python
+        if final.issuperset(device_ids):  # every change waits for the read: no loop in Python
             now: list[int] = []
             group = gs if whole else [gs[k] for k in positions]
             deferred = list(zip(range(len(positions)), device_ids, group, strict=True))
@@ -159,14 +166,64 @@ def _clip_tensors(
             for row, index, grad in deferred:
                 if values[count + row] < 1.0:  # the 0-dim coefficient is only taken for half precision
                     writes.scale(index, grad, values[count + row], partial(coefs.select, 0, row))
-            for index, norm, coef in zip(device_ids, values[:count], values[count:], strict=False):
-                if norm != norm or abs(norm) == float("inf"):
-                    outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
-                elif coef < 1.0:
-                    outcome.norm_clipped(step, bound.name, names[index], action, norm, coef)
+            _report_clips(outcome, step, names, bound, action, device_ids, values[:count], values[count:])
 
         pending.quiet_if(partial(_unclipped, totals, coefs, fresh))
         pending.add(totals, read, coefs)
+
+
+def _clip_on_host(
+    work: StepWork, bound: BoundRule, action: ClipNorm, ids: list[int], gs: list[torch.Tensor], norms: torch.Tensor
+) -> None:
+    """A per-tensor clip of raw 2-norms whose every change waits for the read: ``norms`` (their stack, which the
+    non-finite watch reads already: read again in the same transfer, not launched again) are read and each
+    coefficient is taken on the host (``host_clip_coefficient``: bitwise the device's)."""
+    outcome, names, step, writes, max_norm = work.outcome, work.names, work.step, work.writes, action.max_norm
+    single, wide = norms.dtype == torch.float32, norms.device.type == "cpu"
+    # Below this, every coefficient is above 1 whatever the rounding (each of torch's roundings moves it 2**-24 at
+    # most; a norm from 2**64 on may square to Inf on a GPU): the common step decides in two C calls.
+    below = min((max_norm - 2 * EPS) * (1 - 2**-20), 2.0**64)
+
+    def read(values: list[float]) -> None:
+        if max(values) < below and math.isfinite(sum(values)):
+            return  # nothing clipped, every norm finite
+        found = [host_clip_coefficient(value, max_norm, single, wide) for value in values]
+        totals, coefs = [total for total, _ in found], [coef for _, coef in found]
+        for row, (index, coef) in enumerate(zip(ids, coefs, strict=True)):
+            if coef < 1.0:  # the 0-dim coefficient is only taken for half precision
+                writes.scale(index, gs[row], coef, partial(_device_coefficient, norms, row, max_norm))
+        _report_clips(outcome, step, names, bound, action, ids, totals, coefs)
+
+    work.pending.quiet_if(partial(_host_unclipped, norms, max_norm))
+    work.pending.add(norms, read)
+
+
+def _device_coefficient(norms: torch.Tensor, row: int, max_norm: float) -> torch.Tensor:
+    """One row's coefficient as the device takes it (for a half-precision gradient, multiplied by it as torch does)."""
+    return clip_coefficients(torch.linalg.vector_norm(norms[row].reshape(1, 1), 2.0, dim=1), max_norm)[0]
+
+
+def _host_unclipped(norms: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``_unclipped`` for ``_clip_on_host``, on the device (only where a fused update asks before the read)."""
+    return clip_coefficients(torch.linalg.vector_norm(norms.unsqueeze(1), 2.0, dim=1), max_norm) >= 1.0
+
+
+def _report_clips(
+    outcome: StepOutcome,
+    step: int,
+    names: dict[int, str],
+    bound: BoundRule,
+    action: ClipNorm,
+    ids: list[int],
+    norms: list[float],
+    coefs: list[float],
+) -> None:
+    """What a per-tensor clip's figures say: each non-finite norm (left as it is), each clip."""
+    for index, norm, coef in zip(ids, norms, coefs, strict=False):
+        if norm != norm or abs(norm) == float("inf"):
+            outcome.nonfinite.setdefault(index, ("nan" if norm != norm else "inf", bound.index))
+        elif coef < 1.0:
+            outcome.norm_clipped(step, bound.name, names[index], action, norm, coef)
 
 
 def _clip_group(

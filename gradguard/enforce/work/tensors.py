@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from ctypes import c_float
 from functools import lru_cache
 from operator import attrgetter
 from typing import Any, TypeVar, cast
@@ -25,6 +26,7 @@ __all__ = [
     "clamp_",
     "clip_coefficients",
     "device_constant",
+    "host_clip_coefficient",
     "in_torch_order",
     "norms",
     "stack_on",
@@ -61,6 +63,12 @@ def without_grad(function: _F) -> _F:
 
 def norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
     """Per-tensor norms, in float32 for half-precision gradients, in one ``_foreach_norm`` per dtype."""
+    if norm_type == math.inf and not all(map(torch.Tensor.numel, grads)):
+        # An empty tensor (a rank that holds none of a DeepSpeed gradient) has no max-abs norm in torch (no identity
+        # for max): 0, the identity of the max over the ranks' pieces, as its 2-norm is 0.
+        full = [k for k, g in enumerate(grads) if g.numel()]
+        found = dict(zip(full, norms([grads[k] for k in full], norm_type), strict=True)) if full else {}
+        return [found[k] if k in found else g.new_zeros((), dtype=_norm_dtype(g)) for k, g in enumerate(grads)]
     if set(map(_DTYPE, grads)).isdisjoint(LOW_PRECISION):
         return list(torch._foreach_norm(list(grads), norm_type))
     out: list[torch.Tensor | None] = [None] * len(grads)
@@ -68,8 +76,8 @@ def norms(grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]
     high = [i for i, g in enumerate(grads) if g.dtype not in LOW_PRECISION]
     for indices, kwargs in ((low, {"dtype": torch.float32}), (high, {})):
         if indices:
-            norms = torch._foreach_norm([grads[i] for i in indices], norm_type, **kwargs)
-            for i, norm in zip(indices, norms, strict=True):
+            taken = torch._foreach_norm([grads[i] for i in indices], norm_type, **kwargs)
+            for i, norm in zip(indices, taken, strict=True):
                 out[i] = norm
     return [norm for norm in out if norm is not None]
 
@@ -136,6 +144,34 @@ def clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
     return torch.where(totals < math.inf, coef, device_constant(1.0, coef.dtype, coef.device))
 
 
+_F32_EPS = c_float(EPS).value
+_SQUARE_OVERFLOWS_F32, _SQUARE_OVERFLOWS_F64 = 2.0**64, 2.0**512
+"""The smallest norms whose square overflows float32, float64: the least float32 above sqrt(float32 max) is 2**64."""
+
+
+def host_clip_coefficient(norm: float, max_norm: float, single: bool, wide: bool) -> tuple[float, float]:
+    """``clip_coefficients`` of one read 2-norm, on the host: (the total ``clip_grad_norm_([p])`` takes, its
+    coefficient), the coefficient bitwise the device's, so the step launches nothing to find it.
+
+    ``single``: the norm is float32, and so is every step of torch's arithmetic (``total + 1e-6``, ``reciprocal``,
+    ``* max_norm``, each rounded to float32; a scalar is cast to float32 first): each is taken in float64 here and
+    rounded to float32, which for these operations is the float32 result itself (float64 has more than twice float32's
+    precision). ``wide``: the device takes the 2-norm of the one-element stack with a wider accumulator than the norm
+    (the CPU's), so the total is the norm itself. Elsewhere (CUDA accumulates float32 in float32) it is
+    ``sqrt(norm * norm)`` in the norm's type: the norm itself (``sqrt`` of a correctly rounded square is exact) but
+    where the square overflows (Inf) or underflows (a total below 2**-63, whose ``+ 1e-6`` rounds to ``1e-6`` all the
+    same: the same coefficient).
+    """
+    if not wide and norm >= (_SQUARE_OVERFLOWS_F32 if single else _SQUARE_OVERFLOWS_F64):
+        return math.inf, 1.0
+    if not norm < math.inf:  # NaN or Inf: left at 1, and reported (``clip_coefficients``' ``where``)
+        return norm, 1.0
+    if single:
+        reciprocal = c_float(1.0 / c_float(norm + _F32_EPS).value).value
+        return norm, min(c_float(reciprocal * c_float(max_norm).value).value, 1.0)
+    return norm, min(1.0 / (norm + EPS) * max_norm, 1.0)
+
+
 def by_device_and_dtype(ids: Sequence[int], tensors: Sequence[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
     """``by_device``, with each dtype apart too: a float32 norm stacked with a float64 one would be promoted, and
     its clip coefficient would no longer be the one ``clip_grad_norm_([p])`` computes."""
@@ -167,3 +203,8 @@ def _grouped(
 def _one_value(values: Iterator[object], value: object) -> bool:
     """Whether every one of ``values`` equals ``value`` (none: True), compared in C, not in a Python loop."""
     return set(values) <= {value}
+
+
+def _norm_dtype(grad: torch.Tensor) -> torch.dtype:
+    """The dtype ``norms`` gives ``grad``'s norm: float32 for half precision, else its own."""
+    return torch.float32 if grad.dtype in LOW_PRECISION else grad.dtype

@@ -1,0 +1,75 @@
+"""The host's share of the guard's step (issue 51): the per-tensor clip's coefficients found on the host bitwise as the
+device finds them, and the shipped default policy's work per step, counted (not timed), held to its budget.
+
+The counts are deterministic: every torch op dispatched (a ``TorchDispatchMode``) and every Python function called
+(``sys.setprofile``) during a step of nanoGPT's smallest shape with the loop's own clip, over the same loop unguarded,
+averaged over 10 steps (the default policy's monitor samples every 10th). ``benchmarks/host_time.py`` prints them
+with the time ratios.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradguard.enforce.work.tensors import clip_coefficients, host_clip_coefficient
+
+MAX_NORMS = (1.0, 0.5, 3.0, 7.3, 0.1, 1.0000001, 1e-6, 1e-7, 1e30, 1e-30)
+
+
+def norms_to_check(dtype: torch.dtype) -> torch.Tensor:
+    """Norms over the whole range of ``dtype`` (log-uniform), its edges, and the 30 representable norms on either side
+    of each place where a coefficient crosses 1 (``max_norm - 1e-6``, in float64 and rounded to ``dtype``)."""
+    finfo = torch.finfo(dtype)
+    span = math.log(finfo.max)
+    spread = (torch.rand(20_000, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2 - 1) * span
+    values = spread.exp().to(dtype).tolist()
+    values += [0.0, finfo.tiny, finfo.max, 2.0**64, 2.0**-63, 2.0**-75, math.inf, math.nan]
+    up, down = torch.tensor(math.inf, dtype=dtype), torch.tensor(-math.inf, dtype=dtype)
+    for max_norm in MAX_NORMS:
+        rounded = torch.tensor(max_norm, dtype=dtype).item()
+        for edge in torch.tensor([max_norm - 1e-6, rounded - 1e-6, max_norm, 1e-6], dtype=dtype):
+            above = below = edge
+            for _ in range(30):
+                values += [above.item(), below.item()]
+                above, below = torch.nextafter(above, up), torch.nextafter(below, down)
+    return torch.tensor([value for value in values if not value < 0], dtype=dtype)  # a norm is never negative
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_host_clip_coefficient_is_bitwise_the_one_torch_computes_on_the_cpu_for_every_norm(
+    dtype: torch.dtype,
+) -> None:
+    norms = norms_to_check(dtype)
+    for max_norm in MAX_NORMS:
+        # clip_grad_norm_([p]) on the CPU: the 2-norm of the one-element stack, then its coefficient.
+        totals = torch.linalg.vector_norm(norms.unsqueeze(1), 2.0, dim=1)
+        expected = list(zip(totals.tolist(), clip_coefficients(totals, max_norm).tolist(), strict=True))
+        found = [host_clip_coefficient(norm, max_norm, dtype == torch.float32, True) for norm in norms.tolist()]
+        wrong = [
+            (norm, want, got)
+            for norm, want, got in zip(norms.tolist(), expected, found, strict=True)
+            if got[1] != want[1] or not (got[0] == want[0] or (math.isnan(got[0]) and math.isnan(want[0])))
+        ]
+        assert not wrong, (max_norm, wrong[:5])
+        assert any(coef < 1.0 for _, coef in found)
+        assert any(coef == 1.0 for _, coef in found)
+
+
+def test_the_host_clip_coefficient_follows_a_float32_accumulator_where_the_device_squares_in_float32() -> None:
+    """Where the device's 2-norm of one float32 norm squares it in float32 (CUDA): the total is Inf from 2**64 on, and
+    below 2**-63 (the square underflows) the coefficient is still the device's; checked here with torch's own float32
+    square root of the square on the CPU."""
+    norms = norms_to_check(torch.float32)
+    squared = torch.sqrt(norms * norms)
+    for max_norm in MAX_NORMS:
+        expected = clip_coefficients(squared, max_norm).tolist()
+        found = [host_clip_coefficient(norm, max_norm, True, False) for norm in norms.tolist()]
+        assert [coef for _, coef in found] == expected, max_norm
+        overflowed = [total for norm, (total, _) in zip(norms.tolist(), found, strict=True) if norm >= 2.0**64]
+        assert overflowed
+        assert all(total == math.inf for total in overflowed)
+    assert host_clip_coefficient(2.0**512, 1.0, False, False) == (math.inf, 1.0)
+    assert host_clip_coefficient(2.0**511, 1.0, False, False)[0] == 2.0**511

@@ -28,6 +28,7 @@ from support.gloo_ranks import main  # noqa: E402
 
 from gradguard.enforce.distributed import deepspeed as adapter  # noqa: E402
 from gradguard.enforce.distributed import deepspeed_state  # noqa: E402
+from gradguard.enforce.distributed.deepspeed_update import UpdateHook  # noqa: E402
 from gradguard.errors import GuardStateError  # noqa: E402
 
 SCRIPT = Path(__file__)
@@ -133,7 +134,7 @@ def checks(stage: int, gas: int, rank: int) -> dict[str, Any]:
             raise RuntimeError("before failed")
         return step != 1
 
-    hook = adapter.UpdateHook(engine, before, lambda overflow: out["afters"].append((step, overflow)))
+    hook = UpdateHook(engine, before, lambda overflow: out["afters"].append((step, overflow)))
     for step in range(4):
         held, skipped = state_of(engine), engine.skipped_steps
         try:
@@ -178,7 +179,7 @@ def bitwise(stage: int, gas: int, rank: int) -> dict[str, Any]:
             dist.all_reduce(sums)
         return bool(torch.isfinite(sums).all())
 
-    hook = adapter.UpdateHook(engine, before)
+    hook = UpdateHook(engine, before)
     for step in range(2):
         train_step(engine, step, gas, rank)
     captured, at_capture = deepspeed_state.capture(engine), state_of(engine)
@@ -224,7 +225,7 @@ def precision_run(config: dict[str, Any], stage: int, rank: int) -> dict[str, An
             out["rel"] = max(float((a / scale).norm() / b.norm() - 1) for a, b in zip(full, ref, strict=True))
         return step != 2
 
-    hook = adapter.UpdateHook(engine, before, lambda overflow: out["afters"].append(overflow))
+    hook = UpdateHook(engine, before, lambda overflow: out["afters"].append(overflow))
     cut = dict(engine.module.named_parameters())[CUT]
     for step in range(3):
         handle = cut.register_hook(lambda g: g * float("nan")) if step == 1 and rank == 1 else None

@@ -41,6 +41,7 @@ def make_engine(
     clip: float | None = 0.0,
     lr: float = 0.05,
     momentum: float = 0.0,
+    weight_decay: float = 0.0,
     frozen: tuple[str, ...] = (),
     decay: float | None = None,
     **zero: Any,
@@ -65,7 +66,8 @@ def make_engine(
         **({"gradient_clipping": clip} if clip is not None else {}),
         **(precision or {}),
     }
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=momentum)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trained, lr=lr, momentum=momentum, weight_decay=weight_decay)
     scheduler = None
     if decay is not None:
         rate = decay

@@ -16,7 +16,9 @@ gradient norm before and after ride in the step's one host read.
 
 Under FSDP2 (dim-0 shards) a unit of a tensor of two or more dimensions lies on one rank, so its
 norms are local; the norms of tensors of at most one dimension, and of a group, are combined across
-ranks first (one collective), and the per-tensor figures after (two).
+ranks first (one collective), and the per-tensor figures after (two). Under DeepSpeed ZeRO each rank
+holds a flat piece of each gradient, which may begin or end inside a unit: each unit's squared norms
+are summed over its pieces (one collective), and the weights are read at the pieces' places.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ class AgcKernel(ActionKernel):
             _clip_group(work, bound, action, ids, gs)
             return True
         for device_ids, positions in by_device(ids, gs):
-            _clip_units(work, bound, action, device_ids, [gs[k] for k in positions])
+            if work.places and all(i in work.places for i in device_ids):
+                _clip_unit_pieces(work, bound, action, device_ids, [gs[k] for k in positions])
+            else:
+                _clip_units(work, bound, action, device_ids, [gs[k] for k in positions])
         return True
 
 
@@ -146,7 +151,71 @@ def _clip_units(
         sums = torch.cat([work.collective.sum_(sums[:count].contiguous()), sums[count:]])
         peaks = torch.cat([work.collective.max_(peaks[:count].contiguous()), peaks[count:]])
 
-    ordered_ids = [ids[k] for k in order]
+    _report_units(work, bound, action, [ids[k] for k in order], sums, peaks)
+
+
+def _clip_unit_pieces(
+    work: StepWork, bound: BoundRule, action: AdaptiveGradClip, ids: list[int], gs: list[torch.Tensor]
+) -> None:
+    """Tensor scope where each rank holds a flat piece of each gradient (DeepSpeed ZeRO, ``work.places``): a piece may
+    begin or end inside a unit, so each unit's squared gradient and weight norms are this rank's elements' sums,
+    summed over the ranks in one collective (in float64); every rank then holds every unit's whole norms, decides the
+    same factors, and scales its own elements by their unit's."""
+    places = [work.places[i] for i in ids]
+    weights = work.weights(ids)
+    device = gs[0].device
+    units = [_units_of(place.shape) for place in places]
+    which = [_unit_index(p.start, g.numel(), _width(p.shape), device) for p, g in zip(places, gs, strict=True)]
+    local = [
+        torch.zeros(2, count, dtype=torch.float64, device=device).index_add_(
+            1, index, torch.stack([g.double().square(), w.double().square()])
+        )
+        for g, w, count, index in zip(gs, weights, units, which, strict=True)
+    ]
+    joined = torch.cat(local, dim=1)
+    if work.sharded and work.collective is not None:  # not where every rank holds the whole (BF16_Optimizer)
+        joined = work.collective.sum_(joined)
+    grad_norms, weight_norms = joined.sqrt().unbind(0)
+    factor, clipped, limits = _coefficients(grad_norms, weight_norms, action)
+    spans = list(torch.split(factor, units))
+    torch._foreach_mul_(gs, [span[index].to(g.dtype) for span, index, g in zip(spans, which, gs, strict=True)])
+    lengths = _lengths(tuple(units), device)
+    sums = torch.segment_reduce(
+        torch.stack([grad_norms.square(), (grad_norms * factor).square(), clipped.double()], dim=1),
+        "sum",
+        lengths=lengths,
+        unsafe=True,
+    )
+    peaks = torch.segment_reduce(grad_norms / limits, "max", lengths=lengths, unsafe=True)
+    _report_units(work, bound, action, ids, sums, peaks, units)
+
+
+def _units_of(shape: tuple[int, ...]) -> int:
+    return int(shape[0]) if len(shape) >= 2 else 1
+
+
+def _width(shape: tuple[int, ...]) -> int:
+    """Elements per unit: a row's (every dimension but the first), or the whole tensor's."""
+    return max(math.prod(shape[1:]) if len(shape) >= 2 else math.prod(shape), 1)
+
+
+@lru_cache(maxsize=256)
+def _unit_index(start: int, length: int, width: int, device: torch.device) -> torch.Tensor:
+    """The unit of each element of a piece that starts at flat element ``start``: made once per layout."""
+    return torch.arange(start, start + length, device=device).floor_divide_(width)
+
+
+def _report_units(
+    work: StepWork,
+    bound: BoundRule,
+    action: AdaptiveGradClip,
+    ordered_ids: list[int],
+    sums: torch.Tensor,
+    peaks: torch.Tensor,
+    unit_counts: list[int] | None = None,
+) -> None:
+    """Queue the tensor scope's figures (per tensor: squared norms before and after, units clipped; the largest
+    ``norm / max``) for the step's read, with the reader that reports them."""
     outcome, names, step, params = work.outcome, work.names, work.step, work.binding.params
     rule, clipping, eps, append = bound.name, action.clipping, action.eps, outcome.events.append
 
@@ -175,7 +244,9 @@ def _clip_units(
             "param": None,
             "params": [names[ordered_ids[k]] for k in clipped],
             "n_params": len(clipped),
-            "units": [_units(params[ordered_ids[k]].ref()) for k in clipped],
+            "units": [
+                unit_counts[k] if unit_counts is not None else _units(params[ordered_ids[k]].ref()) for k in clipped
+            ],
             "units_clipped": [int(counts[k]) for k in clipped],
             "max_ratio": [values[3 * n + k] for k in clipped],
             "before": [math.sqrt(squares[k]) for k in clipped],

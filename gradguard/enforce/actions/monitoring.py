@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
-from gradguard.enforce.distributed.collective import local_tensor
+from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.work.step_work import Observation, StepWork
 from gradguard.enforce.work.tensors import LOW_PRECISION, device_constant, stack_on
 from gradguard.policy.matching import BoundRule
@@ -63,12 +63,14 @@ class MonitorKernel(ActionKernel):
                 base["norm"] = stack_on(work.norms(gs, 2.0), device).float()
         if "max_abs" in wanted:
             base["max_abs"] = stack_on(work.norms(gs, float("inf")), device).float()
-        if wanted & {"mean", "std"}:
+        if wanted & {"mean", "std"} and work.sharded and work.collective is not None:
+            base |= _moments(work.collective, gs, device, std="std" in wanted and not joint)
+        elif wanted & {"mean", "std"}:
             base["mean"] = torch.stack([_mean(g).to(device) for g in gs])
-        if "std" in wanted and not joint:
-            base["std"] = torch.stack([_std(g).to(device) for g in gs])
-        if "grad_to_weight" in wanted:
-            params = [local_tensor(_param(work, i)).detach() for i in ids]
+            if "std" in wanted and not joint:
+                base["std"] = torch.stack([_std(g).to(device) for g in gs])
+        if "grad_to_weight" in wanted:  # the weights where the gradients are (shards, pieces): combined as they are
+            params = [weight.detach() for weight in work.weights(ids)]
             base["weight"] = stack_on(work.norms(params, 2.0), device).float()
         if joint:
             names, figures = _joint(work, action, bound.name, ids, gs, base)
@@ -89,12 +91,6 @@ class MonitorKernel(ActionKernel):
         work.pending.add(torch.cat([figures[stat].reshape(-1) for stat in order]), read)
 
 
-def _param(work: StepWork, index: int) -> torch.Tensor:
-    param = work.binding.params[index].ref()
-    assert param is not None, "a tensor with a gradient this step is alive"
-    return param
-
-
 def _mean(grad: torch.Tensor) -> torch.Tensor:
     return grad.mean(dtype=torch.float32) if grad.dtype in LOW_PRECISION else grad.mean()
 
@@ -104,6 +100,31 @@ def _std(grad: torch.Tensor) -> torch.Tensor:
         return torch.full((), float("nan"), device=grad.device)
     # std_mean's std is Tensor.std's, bit for bit, without the host read Tensor.std makes on a CPU.
     return torch.std_mean(grad.float() if grad.dtype in LOW_PRECISION else grad)[0]
+
+
+def _moments(
+    collective: Collective, gs: list[torch.Tensor], device: torch.device, std: bool
+) -> dict[str, torch.Tensor]:
+    """The whole tensors' means (and standard deviations) where each rank holds a part of each (FSDP2's shards,
+    DeepSpeed's pieces): every part's count, sum and sum of squares, in float64, summed over the ranks in one
+    collective, so a part's mean is never averaged as if the parts were equal. ``count``: the whole tensors' sizes."""
+    rows = [
+        torch.stack([g.new_tensor(float(g.numel()), dtype=torch.float64), g.sum(dtype=torch.float64), _squares(g)])
+        if g.numel()
+        else torch.zeros(3, dtype=torch.float64, device=g.device)
+        for g in gs
+    ]
+    count, total, squares = collective.sum_(stack_on(rows, device)).unbind(1)
+    mean = total / count
+    out = {"mean": mean, "count": count}
+    if std:  # torch's (Bessel-corrected) std of the whole tensor; NaN below two elements, as torch.std's
+        out["std"] = ((squares - total * mean).clamp(min=0) / (count - 1)).sqrt().where(count > 1, torch.nan)
+    return out
+
+
+def _squares(grad: torch.Tensor) -> torch.Tensor:
+    wide = grad.double()
+    return torch.dot(wide.reshape(-1), wide.reshape(-1))
 
 
 def _per_tensor(stat: str, base: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -131,7 +152,10 @@ def _joint(
         names = list(slots)
     n = len(names)
     seg = device_constant(tuple(segments), torch.int64, device)
-    sizes = device_constant(tuple(float(g.numel()) for g in gs), torch.float64, device)
+    # The whole tensors' sizes where each rank holds parts of them (``_moments``), else the tensors'.
+    sizes = base.get("count")
+    if sizes is None:
+        sizes = device_constant(tuple(float(g.numel()) for g in gs), torch.float64, device)
     numel = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, sizes)
 
     def total(values: torch.Tensor) -> torch.Tensor:

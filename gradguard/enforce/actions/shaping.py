@@ -47,7 +47,12 @@ class ZeroKernel(ActionKernel):
 
 
 class DropKernel(ActionKernel):
-    """``drop``: ``p.grad = None``, which every torch optimizer skips: the parameter stays as it is."""
+    """``drop``: ``p.grad = None``, which every torch optimizer skips: the parameter stays as it is.
+
+    Where the gradient is a piece of DeepSpeed's partitions (``work.places``), which DeepSpeed updates whole, the
+    piece is zeroed (DeepSpeed's norm, clip and overflow check then leave it out, as torch's leave out a ``None``) and
+    the boundary is asked to keep the parameter as it is through the update (``Place.hold``: its weights, master
+    copy and optimizer state put back after DeepSpeed's step)."""
 
     alarms = True
 
@@ -57,10 +62,14 @@ class DropKernel(ActionKernel):
         return True
 
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
-        params = work.binding.params
+        params, places = work.binding.params, work.places
         for i in ids:
-            param = params[i].ref()
-            if param is not None:
+            place = places.get(i)
+            if place is not None:
+                assert place.hold is not None, "the boundary refuses drop where it cannot hold a parameter still"
+                work.grads[i].zero_()
+                place.hold()
+            elif (param := params[i].ref()) is not None:
                 param.grad = None
             del work.grads[i]
         work.outcome.counts.append((bound.name, "drop", len(ids)))

@@ -20,7 +20,7 @@ are already averaged (the engine divides the loss by the accumulation steps) and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,19 +28,12 @@ import torch.distributed as dist
 
 from gradguard.errors import GuardStateError
 
-__all__ = [
-    "UpdateHook",
-    "ZeroGradients",
-    "deepspeed_engine",
-    "inner_optimizer",
-    "layout",
-    "loss_scale",
-    "refusal",
-    "skip_update",
-]
+__all__ = ["ZeroGradients", "deepspeed_engine", "inner_optimizer", "layout", "loss_scale", "refusal"]
 
 _ZERO = "DeepSpeedZeroOptimizer"
 """ZeRO 1 and 2 (stage_1_and_2.py): partitioned, reduced gradients in ``averaged_gradients``."""
+_STAGE3 = "DeepSpeedZeroOptimizer_Stage3"
+"""ZeRO 3 (stage3.py): each parameter's own partition of its reduce-scattered gradient in ``averaged_gradients``."""
 _BF16 = "BF16_Optimizer"
 """bf16 weights with fp32 gradient accumulation at ZeRO 1: the whole reduced fp32 gradient on every rank."""
 _WORKS = "What works: ZeRO stage 0 (fp32), 1 or 2 on a plain DeepSpeedEngine, without offload."
@@ -59,11 +52,8 @@ def deepspeed_engine(model: object) -> Any | None:
 
 
 def layout(engine: Any) -> str:
-    """``zero`` (ZeRO 1/2), ``bf16`` (BF16_Optimizer) or ``plain`` (ZeRO 0: the client optimizer itself)."""
-    name = type(engine.optimizer).__name__
-    if name in (_ZERO, _BF16):
-        return "zero" if name == _ZERO else "bf16"
-    return "plain"
+    """``zero`` (ZeRO 1/2), ``stage3``, ``bf16`` (BF16_Optimizer) or ``plain`` (ZeRO 0: the client optimizer)."""
+    return {_ZERO: "zero", _STAGE3: "stage3", _BF16: "bf16"}.get(type(engine.optimizer).__name__, "plain")
 
 
 def _offloaded(config: Any) -> bool:
@@ -147,7 +137,7 @@ def inner_optimizer(engine: Any) -> torch.optim.Optimizer:
 
 def loss_scale(engine: Any) -> float:
     """The factor the gradient pieces carry now: DeepSpeed's current fp16 loss scale, else 1.0 (bf16, fp32)."""
-    if layout(engine) != "zero":
+    if layout(engine) not in ("zero", "stage3"):
         return 1.0
     scale = engine.optimizer.loss_scale
     return float(scale.item() if isinstance(scale, torch.Tensor) else scale)
@@ -158,10 +148,12 @@ class ZeroGradients:
 
     ``pieces()`` returns one 1-D tensor per parameter of ``params`` (the model's parameters by default),
     in that order: a view into DeepSpeed's buffers (in-place edits reach the update), or an empty tensor
-    of the same dtype and device where this rank holds none of it. With ``whole`` False (ZeRO 1/2) the
-    pieces of a parameter on all ranks of ``group`` add up to its gradient: sum per-tensor figures across
-    them (sums of squares, non-finite counts). With ``whole`` True (ZeRO 0, BF16_Optimizer) every rank
-    holds the whole gradient: summing across ranks would count it ``world`` times.
+    of the same dtype and device where this rank holds none of it; ``starts`` then holds where each piece
+    begins in its parameter's flat elements, ``weights()`` the weights at the same places and ``master(i)``
+    the fp32 master copy's. With ``whole`` False (ZeRO 1/2/3) the pieces of a parameter on all ranks of
+    ``group`` add up to its gradient: sum per-tensor figures across them (sums of squares, non-finite
+    counts). With ``whole`` True (ZeRO 0, BF16_Optimizer) every rank holds the whole gradient: summing
+    across ranks would count it ``world`` times.
     """
 
     def __init__(self, engine: Any, params: Sequence[torch.nn.Parameter] | None = None) -> None:
@@ -171,149 +163,135 @@ class ZeroGradients:
         self.engine = engine
         self.params = list(params) if params is not None else list(engine.module.parameters())
         self.layout = layout(engine)
-        self.whole = self.layout != "zero"
+        self.whole = self.layout in ("plain", "bf16")
         opt = engine.optimizer
-        self.group: Any = opt.real_dp_process_group[0] if self.layout != "plain" else engine.data_parallel_group
-        if self.layout == "zero":
+        if self.layout == "stage3":
+            self.group: Any = opt.dp_process_group
+        else:
+            self.group = opt.real_dp_process_group[0] if self.layout != "plain" else engine.data_parallel_group
+        if self.layout in ("zero", "stage3"):
             self.dtype: torch.dtype = opt.gradient_accumulation_dtype
         elif self.layout == "bf16":
             self.dtype = opt.fp32_groups_gradients_flat[0].dtype
         else:
             self.dtype = self.params[0].dtype if self.params else torch.float32
+        self.starts: list[int] = [0] * len(self.params)
+        self._masters: list[torch.Tensor | None] = [None] * len(self.params)
 
     def loss_scale(self) -> float:
         """DeepSpeed's current loss scale, which the pieces carry (1.0 without fp16)."""
         return loss_scale(self.engine)
 
-    def _empty(self, param: torch.nn.Parameter) -> torch.Tensor:
-        return torch.empty(0, dtype=self.dtype, device=param.device)
+    def shape(self, param: torch.nn.Parameter) -> tuple[int, ...]:
+        """The whole parameter's shape (a ZeRO 3 parameter is empty between its forwards)."""
+        return tuple(getattr(param, "ds_shape", None) or param.shape)
 
     def pieces(self) -> list[torch.Tensor]:
         """One 1-D view per parameter (empty where this rank holds none); only between the boundary backward
         and DeepSpeed's step, i.e. inside ``UpdateHook``'s ``before``."""
         index = {id(param): i for i, param in enumerate(self.params)}
         found: list[torch.Tensor | None] = [None] * len(self.params)
+        self.starts, self._masters = [0] * len(self.params), [None] * len(self.params)
         opt = self.engine.optimizer
         if self.layout == "plain":
-            for i, param in enumerate(self.params):
-                found[i] = param.grad
+            found = [param.grad for param in self.params]
         elif self.layout == "bf16":
             for group, grads in zip(opt.bf16_groups, opt.fp32_groups_gradients, strict=True):
                 for param, grad in zip(group, grads, strict=True):
                     if id(param) in index:
                         found[index[id(param)]] = grad
+                        mapping = getattr(param, "_hp_mapping", None)
+                        self._masters[index[id(param)]] = mapping.hp_fragment if mapping is not None else None
+        elif self.layout == "stage3":
+            self._stage3(index, found)
         else:
-            for g, params in enumerate(opt.params_in_partition):
-                grads = opt.averaged_gradients.get(g)
-                if grads is None:
-                    if not params:
-                        continue
-                    raise GuardStateError(
-                        "DeepSpeed holds no reduced gradients now: pieces() is only valid inside the update hook, "
-                        "between the backward of an accumulation boundary and DeepSpeed's optimizer step."
-                    )
-                rank = dist.get_rank(group=opt.real_dp_process_group[g])
-                size = int(opt.partition_size[g])
-                # Interleaved padding is flagged; the last rank's trailing pad is not, so pair with the params
-                # (DeepSpeed's get_grad_norm_direct does the same).
-                real = [grad for grad in grads if not getattr(grad, "_zero_padding", False)]
-                if len(real) < len(params):
-                    raise GuardStateError("DeepSpeed holds fewer gradient buffers than parameters in its partition.")
-                for param, grad in zip(params, real, strict=False):
-                    pid = opt.get_param_id(param)
-                    start = int(opt.grad_start_offset[g][rank][pid])
-                    length = min(param.numel() - start, size - int(opt.grad_partition_insertion_offset[g][rank][pid]))
-                    if grad.numel() != length:
-                        raise GuardStateError(
-                            f"DeepSpeed's partition bookkeeping disagrees with its gradient buffers ({grad.numel()} "
-                            f"elements held, {length} expected): this DeepSpeed version or configuration is not mapped."
-                        )
-                    if id(param) in index:
-                        found[index[id(param)]] = grad
+            self._zero(index, found)
         out = []
         for param, grad in zip(self.params, found, strict=True):
             if grad is None:
-                out.append(self._empty(param))
+                out.append(torch.empty(0, dtype=self.dtype, device=param.device))
             elif not grad.is_contiguous():
                 raise GuardStateError("a DeepSpeed gradient buffer is not contiguous: no 1-D view of it exists.")
             else:
                 out.append(grad.view(-1))
         return out
 
+    def _held(self, g: int, grads: Any, params: Sequence[Any]) -> Any:
+        if grads is None and params:
+            raise GuardStateError(
+                "DeepSpeed holds no reduced gradients now: pieces() is only valid inside the update hook, "
+                "between the backward of an accumulation boundary and DeepSpeed's optimizer step."
+            )
+        return grads
 
-def skip_update(engine: Any) -> None:
-    """Drop this boundary's gradients and mark the step skipped; weights, fp32 masters and optimizer state stay.
+    def _zero(self, index: dict[int, int], found: list[torch.Tensor | None]) -> None:
+        """ZeRO 1/2: the averaged gradients of the partition's parameters, placed by ZeRO's own offset tables."""
+        opt = self.engine.optimizer
+        for g, params in enumerate(opt.params_in_partition):
+            grads = self._held(g, opt.averaged_gradients.get(g), params)
+            if grads is None:
+                continue
+            rank = dist.get_rank(group=opt.real_dp_process_group[g])
+            size = int(opt.partition_size[g])
+            # Interleaved padding is flagged; the last rank's trailing pad is not, so pair with the params
+            # (DeepSpeed's get_grad_norm_direct does the same).
+            real = [grad for grad in grads if not getattr(grad, "_zero_padding", False)]
+            if len(real) < len(params):
+                raise GuardStateError("DeepSpeed holds fewer gradient buffers than parameters in its partition.")
+            for param, grad in zip(params, real, strict=False):
+                pid = opt.get_param_id(param)
+                start = int(opt.grad_start_offset[g][rank][pid])
+                inserted = int(opt.grad_partition_insertion_offset[g][rank][pid])
+                length = min(param.numel() - start, size - inserted)
+                if grad.numel() != length:
+                    raise GuardStateError(
+                        f"DeepSpeed's partition bookkeeping disagrees with its gradient buffers ({grad.numel()} "
+                        f"elements held, {length} expected): this DeepSpeed version or configuration is not mapped."
+                    )
+                if id(param) in index:
+                    i = index[id(param)]
+                    found[i], self.starts[i] = grad, start
+                    self._masters[i] = opt.single_partition_of_fp32_groups[g].narrow(0, inserted, length)
 
-    This is DeepSpeed's own overflow path minus the loss-scale update (a guard's verdict says nothing about
-    fp16 range): ``averaged_gradients`` must be cleared, or a compact bf16/fp32-accumulation buffer is reused
-    and the next update adds two steps' gradients. ``overflow`` set True makes the engine count a skipped step
-    and hold the LR scheduler (and Hugging Face's ``optimizer_step_was_skipped`` say so). Run it on every rank.
-    """
-    _drop(engine)
-    engine.optimizer.overflow = True
+    def _stage3(self, index: dict[int, int], found: list[torch.Tensor | None]) -> None:
+        """ZeRO 3: each parameter's own partition (``partition_numel`` elements from ``rank * partition_numel`` of
+        its flat elements, the last rank's padded): its reduce-scattered gradient in ``averaged_gradients[sub
+        group]``, its fp32 master at ``grad_position``'s offset in the sub group's flat master."""
+        opt = self.engine.optimizer
+        for g, params in enumerate(opt.fp16_groups):
+            grads = self._held(g, opt.averaged_gradients.get(g), params)
+            if grads is None:
+                continue
+            rank = dist.get_rank(group=opt._get_sub_group_process_group(g))
+            for param, grad in zip(params, grads, strict=True):
+                size = int(param.partition_numel())
+                start = rank * size
+                length = max(0, min(size, int(param.ds_numel) - start))
+                if grad.numel() != size or int(opt.grad_position[opt.get_param_id(param)][0]) != g:
+                    raise GuardStateError(
+                        "DeepSpeed's ZeRO 3 partition bookkeeping disagrees with its gradient buffers: this DeepSpeed "
+                        "version or configuration is not mapped."
+                    )
+                if id(param) in index:
+                    i = index[id(param)]
+                    found[i], self.starts[i] = grad.narrow(0, 0, length), start
+                    offset = int(opt.grad_position[opt.get_param_id(param)][1])
+                    self._masters[i] = opt.fp32_partitioned_groups_flat[g].narrow(0, offset, length)
 
-
-def _drop(engine: Any) -> None:
-    opt = engine.optimizer
-    kind = layout(engine)
-    if kind == "zero":
-        opt.micro_step_id = -1  # INITIAL_MICRO_STEP_ID, as the top of its step() does
-        opt.zero_grad(set_to_none=True)
-        opt._release_preflattened_grad_buffers()
-        for group in list(opt.averaged_gradients):
-            opt.averaged_gradients[group] = None
-            opt.all_grad_tensors[group] = None
-    elif kind == "bf16":
-        opt.clear_hp_grads()
-        opt.clear_lp_grads()
-    else:
-        opt.zero_grad(set_to_none=True)
-
-
-class UpdateHook:
-    """Runs ``before()`` once per update, between the reduction and DeepSpeed's overflow check, clip and update.
-
-    ``before`` returning False skips the update (``skip_update``): it must return the same on every rank,
-    which is the caller's collective's job. When DeepSpeed's step ran, ``after(overflow)`` says whether it
-    skipped the update itself (non-finite gradients under fp16/bf16). An exception from ``before`` propagates
-    with the weights untouched and this boundary's gradients dropped (so a caller that goes on does not fold
-    them into its next update); that ``engine.step()`` did not finish, so its counters are not advanced.
-    """
-
-    def __init__(self, engine: Any, before: Callable[[], bool], after: Callable[[bool], None] | None = None) -> None:
-        self.engine = engine
-        self.optimizer = opt = engine.optimizer
-        self._previous = vars(opt).get("step")
-        # A client optimizer (ZeRO 0) has no ``overflow``: the engine reads it only when present.
-        self._added_overflow = not hasattr(opt, "overflow")
-        inner = opt.step
-
-        def step(*args: Any, **kwargs: Any) -> Any:
-            try:
-                go = before()
-            except BaseException:
-                _drop(engine)
-                raise
-            if not go:
-                skip_update(engine)
-                return None
-            if self._added_overflow:
-                opt.overflow = False
-            result = inner(*args, **kwargs)
-            if after is not None:
-                after(bool(getattr(opt, "overflow", False)))
-            return result
-
-        self._wrapper = step
-        opt.step = step
-
-    def remove(self) -> None:
-        """Give the optimizer its own ``step`` back (the class method, or what was there before)."""
-        opt = self.optimizer
-        if vars(opt).get("step") is self._wrapper:
-            if self._previous is None:
-                del opt.step
+    def weights(self, pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The model's weights at the places of ``pieces`` (this ``pieces()``'s), 1-D: at ZeRO 3 this rank's own
+        partition of each parameter, elsewhere a view of the whole parameter every rank holds."""
+        out = []
+        params: list[Any] = self.params  # ZeRO 3's are DeepSpeed's, with its ds_ attributes
+        for param, piece, start in zip(params, pieces, self.starts, strict=True):
+            if self.layout == "stage3":
+                out.append(param.ds_tensor.detach().view(-1).narrow(0, 0, piece.numel()))
             else:
-                opt.step = self._previous
-        if self._added_overflow and "overflow" in vars(opt):
-            del opt.overflow
+                out.append(param.detach().view(-1).narrow(0, start, piece.numel()))
+        return out
+
+    def master(self, i: int) -> torch.Tensor | None:
+        """The fp32 master copy of this rank's piece of parameter ``i`` (a view of the flat master partition that
+        the inner optimizer updates), after ``pieces()``; None where this rank's update holds none of it, or at
+        ZeRO 0 (the client optimizer steps the model's own parameters)."""
+        return self._masters[i]

@@ -21,14 +21,17 @@ the ``loss`` section the unscaled loss (``LossScaleHook``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradguard.enforce.distributed.deepspeed import UpdateHook, ZeroGradients, inner_optimizer, layout, refusal
+from gradguard.enforce.distributed.deepspeed import ZeroGradients, inner_optimizer, layout, refusal
+from gradguard.enforce.distributed.deepspeed_update import HeldStill, UpdateHook
 from gradguard.enforce.hooks.torch_hooks import note_scaled_root
+from gradguard.enforce.work.places import Place
 from gradguard.enforce.work.step_work import StepContext, StepPlan
 from gradguard.errors import GuardStateError
 from gradguard.policy.document import Policy
@@ -42,13 +45,6 @@ __all__ = [
     "needs_update_hook",
     "refuse_under_deepspeed",
 ]
-
-_PIECEWISE_STATS = frozenset({"mean", "std", "grad_to_weight"})
-"""``monitor`` stats a rank could only take of its own piece (norms and max-abs are combined over the ranks)."""
-_UNMAPPED_ACTIONS = {
-    "agc": "it compares each unit's gradient with its weight, and a rank holds a piece of the gradient only",
-    "drop": "DeepSpeed applies its partitions whole, with no gradient to leave out",
-}
 
 
 def refuse_under_deepspeed(
@@ -81,21 +77,6 @@ def refuse_under_deepspeed(
             "per_micro_batch=True is not supported under DeepSpeed: the micro-batches' gradients are reduced into "
             "DeepSpeed's partitions, not into p.grad. Leave it False: the guard acts once per update."
         )
-    for rule in policy.rules:
-        for action in rule.actions:
-            name = action.action
-            if name in _UNMAPPED_ACTIONS:
-                raise GuardStateError(
-                    f"rule {rule.name!r} of {where}: action {name!r} is not supported under DeepSpeed ZeRO: "
-                    f"{_UNMAPPED_ACTIONS[name]}. Use clip_norm, clip_value, scale, zero or zclip instead."
-                )
-            local = set(getattr(action, "stats", ())) & _PIECEWISE_STATS
-            if local:
-                raise GuardStateError(
-                    f"rule {rule.name!r} of {where}: monitor stat(s) {sorted(local)} would be taken of this rank's "
-                    "piece of each gradient under DeepSpeed ZeRO, not of the whole. Use norm or max_abs (combined "
-                    "over the ranks)."
-                )
 
 
 def _ranks(group: Any) -> list[int]:
@@ -205,6 +186,7 @@ class DeepSpeedBoundary:
     ) -> None:
         self._gradients = ZeroGradients(engine, params)
         self._params = list(params)
+        self._held = HeldStill(engine)
         self._treat, self._skipped = treat, skipped
         self._fp16 = bool(getattr(engine, "fp16_enabled", lambda: False)())
         self._hook = UpdateHook(engine, self._before, self._after)
@@ -217,12 +199,16 @@ class DeepSpeedBoundary:
         return not self._gradients.whole
 
     def _before(self) -> bool:
-        pieces = self._gradients.pieces()
-        scale = self._gradients.loss_scale() if self._fp16 else None
+        self._held.clear()
+        source = self._gradients
+        pieces = source.pieces()
+        scale = source.loss_scale() if self._fp16 else None
         treated = pieces
         if scale is not None and scale != 1.0:  # the policy's thresholds are for the unscaled gradients
             treated = [piece.to(torch.float32, copy=True).div_(scale) for piece in pieces]
-        by_id = {id(param): piece for param, piece in zip(self._params, treated, strict=True)}
+        weights = source.weights(pieces)
+        by_id = {id(param): k for k, param in enumerate(self._params)}
+        context: StepContext
 
         def gradients(plan: StepPlan) -> dict[int, torch.Tensor]:
             found = {}
@@ -231,7 +217,10 @@ class DeepSpeedBoundary:
                 # A frozen parameter has no gradient (as p.grad is None in plain torch): not a zero one. The same on
                 # every rank, so the collectives still line up.
                 if param is not None and param.requires_grad and id(param) in by_id:
-                    found[entry.index] = by_id[id(param)]
+                    k = by_id[id(param)]
+                    found[entry.index] = treated[k]
+                    hold = functools.partial(self._held.hold, param, weights[k], source.master(k))
+                    context.places[entry.index] = Place(source.starts[k], source.shape(param), weights[k], hold)
             return found
 
         found_inf = (self._overflow(pieces),) if self._fp16 else ()
@@ -264,6 +253,7 @@ class DeepSpeedBoundary:
         return flag
 
     def _after(self, overflow: bool) -> None:
+        self._held.put_back()  # what a drop held still, as it was before the update
         if overflow:  # DeepSpeed skipped an update the guard let through (fp16: counted once already)
             self._skipped(self._gradients.loss_scale() if self._fp16 else None)
 

@@ -1,7 +1,8 @@
 """What one step works with: its context, the figures it queues for its one read, its outcome, and the tensor maths.
 
 Owns ``step_work`` (``StepContext``, ``StepWork``, ``Pending``: the one host sync, ``StepOutcome``), ``writes``
-(``DeferredWrites``: the changes the read showed are needed), ``skips`` (the skip rules' histories and limits, on
+(``DeferredWrites``: the changes the read showed are needed), ``places`` (``Place``: where a rank's piece of a
+DeepSpeed gradient lies in its parameter, and the weights there), ``skips`` (the skip rules' histories and limits, on
 plain numbers: ``gradguard replay`` keeps them too, without torch), ``tensors`` (batched norms, clip coefficients and
 clamps, bitwise as torch's), ``statistics`` (the adaptive actions' statistics across steps, changed only by an
 applied step) and ``participant`` (``Participant``: the one protocol through which a feature takes part in the

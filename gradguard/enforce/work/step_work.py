@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 import torch
 
-from gradguard.enforce.distributed.collective import Collective, combine_shard_norms, local_tensor
+from gradguard.enforce.distributed.collective import Collective, combine_shard_norms
 from gradguard.enforce.distributed.local import RankSlots
+from gradguard.enforce.work.places import Place, weights_at
 from gradguard.enforce.work.statistics import Statistics, StepStatistics
 from gradguard.enforce.work.tensors import norms, stack_on, without_grad
 from gradguard.enforce.work.writes import DeferredWrites
@@ -86,6 +87,8 @@ class StepContext:
     -> this rank's piece of its gradient (edits in place reach the update). None: ``p.grad``."""
     pieces: bool = False
     """``gradients``' pieces are parts of each gradient spread over the ranks: per-tensor figures are combined."""
+    places: dict[int, Place] = field(default_factory=dict)
+    """Tensor index -> where its piece lies in its parameter: filled by ``gradients`` where it knows (DeepSpeed)."""
 
 
 @dataclass
@@ -335,6 +338,8 @@ class StepWork:
     are seen (``Collective.local``); None in one process."""
     rank_payload: torch.Tensor | None = None
     """This rank's slots, to ride the step's first SUM all-reduce; None once sent (``take_rank_payload``)."""
+    places: dict[int, Place] = field(default_factory=dict)
+    """``StepContext.places``: where each piece lies in its parameter (DeepSpeed ZeRO); empty elsewhere."""
 
     @classmethod
     def begin(
@@ -353,6 +358,7 @@ class StepWork:
         sharded = active is not None and (bool(wrapped) or context.pieces)  # per-tensor figures combined over ranks
         work = cls(binding, names, grads, step, Pending(), StepOutcome(), active, sharded, wrapped, fragile)
         work.outcome.clipped_before = context.clipped_before
+        work.places = context.places
         if active is not None:
             active.step = step
             if active.local.seen is not None:
@@ -382,14 +388,6 @@ class StepWork:
         return combine_shard_norms(self.collective, local, norm_type) if self.sharded and self.collective else local
 
     def weights(self, ids: Sequence[int]) -> list[torch.Tensor]:
-        """The parameters of ``ids`` (this rank's shards under FSDP2), for the actions that read weights (``agc``).
-
-        Taken when asked, so only those actions pay; the engine runs under ``torch.no_grad``.
-        """
-        params = self.binding.params
-        out = []
-        for index in ids:
-            param = params[index].ref()
-            assert param is not None, "a tensor with a gradient this step is alive"
-            out.append(local_tensor(param))
-        return out
+        """The parameters of ``ids`` where their gradients are (FSDP2's shards, DeepSpeed's pieces at ``places``), for
+        the actions that read weights (``agc``, ``grad_to_weight``): taken when asked, so only those actions pay."""
+        return weights_at(self.binding.params, self.places, ids)

@@ -64,6 +64,7 @@ DEDICATED_EXAMPLES: dict[str, str] = {
     "lightning": "tests/test_integration_lightning.py",
     "metrics": "tests/test_live_metrics.py",
     "timm": "tests/test_recovery_schedulers.py",
+    "which-rank": "tests/test_docs_distributed_examples.py",
 }
 """Each ``<!-- example: NAME -->`` block and the test file that runs it (and checks what it does)."""
 

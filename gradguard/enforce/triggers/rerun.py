@@ -26,8 +26,8 @@ step's computation: ``optimizer.step(closure)`` (and Lightning's automatic optim
   is reproducible, and the verdict stands (the second computation gives it again). Differ: transient; with
   ``transient: continue`` the second computation's gradients are judged as the step's own, with ``halt`` the run
   halts saying the fault was transient. Under a process group the ranks agree on both: the verdict is the same on
-  every rank before the re-run (its figures come from collectives), and whether the computations differed is
-  summed over the ranks after it, so every rank goes the same way and the ranks that differed are named.
+  every rank before the re-run, and whether the computations differed is summed over the ranks after it: every
+  rank goes the same way, the ranks that differed are named, and whether the rank that made it made it again.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.distributed.collective import Collective
@@ -319,8 +320,7 @@ class Reruns:
         self.asked: str | None = None
         self.noted = False
         """A ``rerun_unavailable`` was said."""
-        self.origin_ranks: dict[int, str] = {}
-        """Where the first computation's fault was made, before the reduction ({rank: host}; empty: unknown)."""
+        self.origin_ranks: dict[int, str] = {}  # where the first computation's fault was made ({rank: host})
         self._said: set[str] = set()
         """The reasons a ``rerun_unavailable`` gave: each is said once."""
 
@@ -390,8 +390,6 @@ class Reruns:
         params = sorted(name for name, diff in diffs.items() if diff > config.tolerance)
         ranks: list[int] = [0] if differs else []
         if collective is not None:
-            import torch.distributed as dist
-
             world, rank = dist.get_world_size(collective.group), dist.get_rank(collective.group)
             flags = torch.zeros(world, dtype=torch.float64, device=device)
             flags[rank] = float(differs)

@@ -207,3 +207,18 @@ def test_one_step_reads_top_to_bottom_through_at_most_12_files_with_at_most_5_re
     assert pipeline.returns <= 5, pipeline.entries
     assert not pipeline.climbs
     assert {"opens", "applied"} <= set(pipeline.visits)  # the participants took part, at their stages
+
+
+def test_the_ddp_benchmark_prints_every_treatment_of_nanogpts_loop_on_two_ranks() -> None:
+    """``benchmarks/ddp_agreement.py --shape gpt`` (two gloo ranks, one round): every treatment, the tapped and the
+    untapped default guard among them, has a row with a step time and a ratio against the unguarded loop."""
+    args = [sys.executable, str(BENCHMARKS / "ddp_agreement.py"), "--shape", "gpt", "--rounds", "1", "--steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "DDP, gloo, 2 ranks, gpt" in done.stdout
+    for name in ("none", "halt only", "halt, no a-r", "default.yaml", "default, untapped"):
+        (row,) = [line for line in done.stdout.splitlines() if line.startswith(f"{name}  ")]
+        step_ms, ratio = (float(value) for value in row[len(name) :].split())
+        assert step_ms > 0
+        assert ratio > 0

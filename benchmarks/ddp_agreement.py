@@ -130,6 +130,18 @@ def worker(rank: int, world: int, port: int, rounds: int, steps: int, width: int
     for _ in range(200):
         dist.all_reduce(flags)
     collective_ms = (time.perf_counter() - start) / 200 * 1e3
+    # The replica check (ranks.check_replicas_every): what one check adds to its step, the fingerprints and the MAX
+    # all-reduce of two int64 per parameter, as the guard's participant takes them.
+    from gradguard.enforce.step.ranks import fingerprints
+
+    params = list(model.parameters())
+    start = time.perf_counter()
+    for _ in range(50):
+        mine = fingerprints(params)
+        both = torch.cat([mine, ~mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        bool(torch.eq(both[: len(params)], ~both[len(params) :]).all())
+    check_ms = (time.perf_counter() - start) / 50 * 1e3
     if rank == 0:
         print(
             f"DDP, gloo, {world} ranks, {shape}, {tensors} parameter tensors"
@@ -140,6 +152,11 @@ def worker(rank: int, world: int, port: int, rounds: int, steps: int, width: int
             ratios = [value / base for value, base in zip(values, medians["none"], strict=True)]
             print(f"{name:<18}{statistics.median(values) * 1e3:>16.3f}{statistics.median(ratios):>16.4f}")
         print(f"the agreement all_reduce alone ({flags.numel()} floats): {collective_ms:.3f} ms per call")
+        step_ms = statistics.median(medians["default.yaml"]) * 1e3
+        print(
+            f"a replica check: {check_ms:.3f} ms ({check_ms / step_ms:.1%} of a default-guarded step); at "
+            f"check_replicas_every: 100, {check_ms / step_ms / 100:.3%} of a step"
+        )
     steps_of.clear()
     del model, opt
     gc.collect()

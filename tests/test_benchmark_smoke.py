@@ -222,3 +222,4 @@ def test_the_ddp_benchmark_prints_every_treatment_of_nanogpts_loop_on_two_ranks(
         step_ms, ratio = (float(value) for value in row[len(name) :].split())
         assert step_ms > 0
         assert ratio > 0
+    assert "a replica check: " in done.stdout

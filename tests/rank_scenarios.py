@@ -230,6 +230,37 @@ def failure(rank: int, outdir: Path, *, exits: bool) -> dict[str, Any]:
     os._exit(0)
 
 
+MONITOR = {
+    "version": 1,
+    "rules": [{"name": "watch", "match": "*", "actions": [{"action": "monitor", "stats": ["mean", "std", "norm"]}]}],
+}
+
+
+def fsdp2_monitor(rank: int, outdir: Path) -> dict[str, Any]:
+    """FSDP2: the monitor's mean and std of each gradient, beside the same figures of the whole (gathered) gradient
+    taken in float64 by hand."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = outdir / f"audit-rank{rank}.jsonl"
+    expected: dict[str, dict[str, float]] = {"mean": {}, "std": {}}
+    with GradGuard(model, Policy.from_dict(MONITOR), audit_log=log, logger=None):
+        x, y = batch(rank, 0)
+        nn.functional.mse_loss(model(x), y).backward()
+        for name, param in model.named_parameters():
+            whole = param.grad.full_tensor().double()  # type: ignore[union-attr]
+            expected["mean"][name], expected["std"][name] = whole.mean().item(), whole.std().item()
+        opt.step()
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    (stats,) = [event for event in events if event["event"] == "stats"]
+    return {"rank": rank, "expected": expected, "figures": stats["figures"]}
+
+
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     nan_at_two = nan_on(2)
     if name == "nan_one_rank":  # the shipped default policy, nothing else asked for
@@ -252,6 +283,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         policy = {**HALT_AND_CLIP, "ranks": {"outlier_factor": 10, "on_outlier": "skip"}}
         big: Poison = lambda r, step, micro: 1e4 if r == 1 and step == BAD_STEP else None  # noqa: E731
         return train(rank, outdir, policy, big, fsdp2=True)
+    if name == "fsdp2_monitor":
+        return fsdp2_monitor(rank, outdir)
     if name == "outlier":
         policy = {**HALT_AND_CLIP, "ranks": {"outlier_factor": 10, "on_outlier": "halt"}}
         big: Poison = lambda r, step, micro: 1e4 if r == 1 and step == BAD_STEP else None  # noqa: E731

@@ -39,7 +39,7 @@ DDP = [
     "unguarded",
     "quiet_guard",
 ]
-FSDP2 = ["fsdp2_nan_one_rank", "fsdp2_nan_first_micro_batch", "fsdp2_outlier"]
+FSDP2 = ["fsdp2_nan_one_rank", "fsdp2_nan_first_micro_batch", "fsdp2_outlier", "fsdp2_monitor"]
 
 
 def launch(names: list[str], world: int, outdir: Path, *, debug: str = "INFO") -> None:
@@ -235,3 +235,12 @@ def test_a_failure_inside_one_ranks_step_ends_every_rank_at_once_naming_it(name:
         assert error["seconds"] < error["timeout"] / 3, error
         (event,) = result["failures"]
         assert (event["failed_rank"], event["error"]) == (1, "ValueError: the device returned garbage")
+
+
+def test_under_fsdp2_the_monitors_mean_and_std_are_the_whole_gradients_not_a_shards(fsdp2: Path) -> None:
+    """#48 item 7: each rank's monitor reports the mean and std of the full gradient (its shards' sums and counts
+    combined over the ranks), equal to the gathered gradient's, on every rank."""
+    for result in results(fsdp2, "fsdp2_monitor", 2):
+        for stat in ("mean", "std"):
+            for name, value in result["expected"][stat].items():
+                assert result["figures"][stat][name] == pytest.approx(value, rel=1e-5, abs=1e-9), (stat, name)

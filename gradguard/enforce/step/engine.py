@@ -30,7 +30,7 @@ from gradguard.enforce.step.summary import CounterSummary
 from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.triggers.health import Health
 from gradguard.enforce.triggers.loss import LossWatch
-from gradguard.enforce.triggers.rerun import Reruns
+from gradguard.enforce.triggers.rerun import RerunRequested, Reruns
 from gradguard.enforce.work.statistics import Statistics
 from gradguard.enforce.work.step_work import Carry, StepContext, StepWork
 from gradguard.errors import GradientHalt
@@ -141,8 +141,8 @@ class Enforcer:
         ``GuardStateError`` naming it (and writes a ``rank_failure`` event)."""
         try:
             return self.pipeline.run(plan, context, self.binding)
-        except GradientHalt:
-            raise  # every rank halts together
+        except (GradientHalt, RerunRequested, RewindRequested):
+            raise  # every rank halts (or computes the step again, or rewinds) together
         except Exception as error:
             if not self.collective.active():
                 raise

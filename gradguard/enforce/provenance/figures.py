@@ -167,8 +167,9 @@ class HeldOutputs:
     """
 
     def __init__(self) -> None:
-        self._held: list[tuple[int, int, weakref.ReferenceType[torch.Tensor], int]] = []
-        """(position among the figures, module index, output, its version when recorded)."""
+        self.outputs: list[tuple[int, int, weakref.ReferenceType[torch.Tensor], int]] = []
+        """The outputs held: (position among the figures, module index, output, its version when recorded); the light
+        trace's hook appends to it itself in its common case (``hold_known``'s work without its call)."""
         self._watched: list[tuple[int, weakref.ReferenceType[torch.Tensor], int]] = []
         """(module index, output, its version) of outputs reduced in the hook, to see whether they stay alive and
         unchanged."""
@@ -181,15 +182,25 @@ class HeldOutputs:
         """Held modules (``_unchanged``, not ``in_hook``) whose hook may hold a plain small output with no more checks
         (``hold_known``): the light trace's common case, where a step is host-bound."""
         self._never_fast: set[int] = set()
+        self.reduced: set[int] = set()
+        """``in_hook`` modules but ``never_fast`` ones: the light trace's hook reduces a plain output of theirs with no
+        more checks."""
 
     def never_fast(self, indices: set[int]) -> None:
         """Modules whose outputs need the hook's checks at every forward (a Linear's figure may come from its input)."""
         self._never_fast |= indices
         self.fast -= indices
+        self.reduced -= indices
+
+    def _in_hook(self, index: int) -> None:
+        self.in_hook.add(index)
+        self.fast.discard(index)
+        if index not in self._never_fast:
+            self.reduced.add(index)
 
     def hold_known(self, figures: list[torch.Tensor], tensor: torch.Tensor, index: int) -> None:
         """``hold`` for a module of ``fast`` and a plain floating-point output of at most ``HELD_BYTES``."""
-        self._held.append((len(figures), index, weakref.ref(tensor), tensor._version))
+        self.outputs.append((len(figures), index, weakref.ref(tensor), tensor._version))
         figures.append(device_constant(0.0, torch.float32, tensor.device))
 
     def hold(self, figures: list[torch.Tensor], tensor: torch.Tensor, index: int) -> bool:
@@ -204,7 +215,7 @@ class HeldOutputs:
 
     def reduce(self, figures: list[torch.Tensor]) -> None:
         """Put each held output's figure (its max-abs: NaN or Inf exactly when an element is) into ``figures``."""
-        held, watched = self._held, self._watched
+        held, watched = self.outputs, self._watched
         self.drop()
         for index, ref, version in watched:
             tensor = ref()
@@ -213,14 +224,12 @@ class HeldOutputs:
                 if index not in self.in_hook and index not in self._never_fast:
                     self.fast.add(index)
             else:
-                self.in_hook.add(index)
-                self.fast.discard(index)
+                self._in_hook(index)
         groups: dict[tuple[torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
         for position, index, ref, version in held:
             tensor = ref()
             if tensor is None or tensor._version != version:
-                self.in_hook.add(index)  # freed, or changed in place since its module returned: its figure stays 0
-                self.fast.discard(index)
+                self._in_hook(index)  # freed, or changed in place since its module returned: its figure stays 0
                 continue
             local = tensor if type(tensor) is torch.Tensor else local_tensor(tensor)
             positions, group = groups.setdefault((local.device, local.dtype), ([], []))
@@ -230,7 +239,7 @@ class HeldOutputs:
             _reduce_held(groups, figures)
 
     def drop(self) -> None:
-        self._held, self._watched = [], []
+        self.outputs, self._watched = [], []
 
 
 @without_grad  # one switch, not a detach of every output (a dispatch each)

@@ -21,6 +21,7 @@ from torch import nn
 
 from gradguard.enforce.provenance.figures import (
     HELD_BYTES,
+    MARK,
     STRIDED,
     HeldOutputs,
     linear_figure,
@@ -30,6 +31,7 @@ from gradguard.enforce.provenance.figures import (
     total,
 )
 from gradguard.enforce.provenance.origins import DATA, OUTPUT, BackwardMeta, ForwardMeta
+from gradguard.enforce.work.tensors import device_constant
 
 __all__ = ["LIGHT", "LINEAR_FORWARD", "MAX_ENTRIES", "LightTrace", "Tracing", "recording"]
 
@@ -38,9 +40,15 @@ MAX_ENTRIES = 4096
 cannot grow them without bound)."""
 _STRIDED = STRIDED
 _TENSOR = torch.Tensor
+_HALF = (torch.float16, torch.bfloat16)
 LINEAR_FORWARD = nn.Linear.forward
-_grad_enabled, _compiling = torch.is_grad_enabled, torch.compiler.is_compiling
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 _graph_task = torch._C._current_graph_task_id
+_dynamo_compiling, _compiler = torch.compiler.is_dynamo_compiling, torch.compiler
+"""``_dynamo_compiling() or _compiler._is_compiling_flag`` is ``torch.compiler.is_compiling()`` in one Python call,
+not two (it asks TorchScript first): dynamo folds ``is_dynamo_compiling`` to True where it traces, and elsewhere the
+flag is ``is_compiling``'s own answer (an export, a compile session). The hooks ask it for every hooked module at every
+forward."""
 
 
 @dataclass(frozen=True)
@@ -80,32 +88,68 @@ class LightTrace:
     _last: tuple[weakref.ReferenceType[torch.Tensor] | None, int, object]
     _tracing: Any
     """``Tracing``: how it records (the benchmark's arms vary it)."""
+    _quick: bool
+    """The hook may reduce a ``HeldOutputs.reduced`` module's output itself: ``_tracing`` sums outputs, holds the small
+    ones and puts no tensor hooks (``LIGHT``)."""
 
     def _light_data(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if not kwargs:
+            for arg in args:
+                if type(arg) is not _TENSOR or arg.is_floating_point():
+                    break
+            else:
+                return  # token ids, or nothing: no floating-point batch to record (without a call)
         if recording(self._fwd) is not None:
             for tensor in tensors((args, kwargs)):  # a batch given by keyword too (``model(input_ids=...)``)
                 self._fwd.append(self._tracing.reduce(tensor))
                 self._fwd_meta.append((0, DATA))
 
     def _light_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
-        if (compiling := recording(self._fwd)) is None:
+        # ``recording``, inlined (this runs for every hooked module at every forward, where a small model's step is
+        # host-bound): not under no_grad, nor in a checkpoint's recomputation in backward, nor past the cap.
+        if not _grad_enabled() or len(self._fwd) >= MAX_ENTRIES:
             return
-        if (
-            not compiling
-            and index in self._held.fast
-            and type(output) is _TENSOR
-            and output.is_floating_point()
-            and output.numel() * output.element_size() <= HELD_BYTES
-        ):
-            # The common case, in as few calls as it takes (a small model's step is host-bound): a module whose
-            # outputs were held before, handing out a new small tensor (not its last child's, unchanged).
+        compiling = _dynamo_compiling() or _compiler._is_compiling_flag
+        if not compiling and _graph_task() != -1:
+            return
+        held = self._held
+        if index and not compiling and type(output) is _TENSOR and output.is_floating_point():
+            # The common cases, in as few calls as they take: a plain floating-point tensor that is not the last
+            # recorded one handed on unchanged (nor, below, a cast of it); not the model's (it ends the forward).
             last, version, _ = self._last
             if last is not None and last() is output and version == output._version:
                 return
-            self._last = (weakref.ref(output), output._version, None)  # no marker: a cast of it is read as its own
-            self._held.hold_known(self._fwd, output, index)
-            self._fwd_meta.append((index, OUTPUT))
-            return
+            if index in held.fast and output.numel() * output.element_size() <= HELD_BYTES:
+                # A module whose outputs were held before, handing out a new small tensor: held (no marker: a cast
+                # of it is read as its own).
+                self._last = (weakref.ref(output), output._version, None)
+                held.outputs.append((len(self._fwd), index, weakref.ref(output), output._version))
+                self._fwd.append(device_constant(0.0, torch.float32, output.device))
+                self._fwd_meta.append((index, OUTPUT))
+                return
+            node = output.grad_fn
+            if (
+                index in held.reduced
+                and self._quick
+                and output.layout is _STRIDED
+                and output.numel()
+                and (node is None or type(node).__name__ != "ToCopyBackward0")
+            ):
+                # A module whose output the forward frees (``HeldOutputs.in_hook``): reduced here, as
+                # ``_light_record`` would, with ``mark``'s marker put on its node.
+                marker = None
+                if node is not None:
+                    marker = object()
+                    node.metadata[MARK] = (marker, output.dtype.itemsize)  # type: ignore[index]
+                self._last = (weakref.ref(output), output._version, marker)
+                _set_grad_enabled(False)  # ``total``, without its wrapper's call
+                try:
+                    reduced = output.sum(dtype=torch.float32) if output.dtype in _HALF else output.sum()
+                finally:
+                    _set_grad_enabled(True)
+                self._fwd.append(reduced)
+                self._fwd_meta.append((index, OUTPUT))
+                return
         if isinstance(output, torch.Tensor):
             if (output.is_floating_point() or output.is_complex()) and output.layout is _STRIDED and output.numel():
                 # Only a Linear asks whether its input was passed on: ``linear_figure`` alone uses the answer.
@@ -116,13 +160,13 @@ class LightTrace:
             for tensor in tensors(output):
                 self._light_record(tensor, index, None, compiling)
         if index == 0:
-            self._held.reduce(self._fwd)  # the model's forward is done: the outputs held are reduced together
+            held.reduce(self._fwd)  # the model's forward is done: the outputs held are reduced together
 
     def _passed_on(self, args: Any) -> bool:
         """Whether a module's first argument is the last recorded tensor, or a widening cast of it."""
         last, version, marker = self._last
         tensor = args[0] if args else None
-        if last is None or not isinstance(tensor, torch.Tensor) or torch.compiler.is_compiling():
+        if last is None or not isinstance(tensor, torch.Tensor) or _dynamo_compiling() or _compiler._is_compiling_flag:
             return False  # dynamo cannot compare ids
         return passed_on(tensor, last(), version, marker)
 
@@ -154,5 +198,5 @@ def recording(entries: list[torch.Tensor]) -> bool | None:
     # would break the graph; a compiled region is not a checkpoint's recomputation.
     if not _grad_enabled() or len(entries) >= MAX_ENTRIES:
         return None
-    compiling = _compiling()
+    compiling = _dynamo_compiling() or _compiler._is_compiling_flag
     return compiling if compiling or _graph_task() == -1 else None

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from gradguard.enforce.provenance.figures import STRIDED, HeldOutputs, tensors
+from gradguard.enforce.provenance.figures import STRIDED, HeldOutputs, tensors, total
 from gradguard.enforce.provenance.figures import peak as _peak
 from gradguard.enforce.provenance.light_trace import LIGHT, LINEAR_FORWARD, MAX_ENTRIES, LightTrace, Tracing
 from gradguard.enforce.provenance.light_trace import recording as _recording
@@ -116,6 +116,7 @@ class Provenance(LightTrace, Participant):
         check_mode(mode)
         self.mode = mode
         self._tracing = tracing
+        self._quick = tracing.reduce is total and tracing.hold and not tracing.backward
         self._held = HeldOutputs()
         self.gradients = mode is not None and (mode == "always" or GRADIENT_FLAGS_BY_DEFAULT)
         """Whether the gradient flags are on from the start (else they are armed with the module hooks)."""

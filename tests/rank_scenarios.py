@@ -83,6 +83,7 @@ def train(
     provenance: str | None = "first_fault",
     fsdp2: bool = False,
     metrics: bool = False,
+    comm_hook: str | None = None,
 ) -> dict[str, Any]:
     """A DDP loop as nanoGPT's: accumulation under no_sync, the loop's own clip, then step (or the same under
     FSDP2: each Linear and the model sharded)."""
@@ -97,6 +98,10 @@ def train(
     else:
         ddp = Ddp(make_model())
         inner = ddp.module
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if comm_hook == "before":  # the user's own communication hook, registered before the guard attaches
+        ddp.register_comm_hook(None, allreduce_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     where = {"step": 0, "micro": 0}
 
@@ -124,6 +129,8 @@ def train(
     )
     with warnings.catch_warnings(record=True) as caught, guard_context as guard:
         warnings.simplefilter("always", GuardWarning)
+        if comm_hook == "after":  # registered after the guard: it runs inside the guard's tap
+            ddp.register_comm_hook(None, allreduce_hook)
         for step in range(STEPS):
             where["step"] = step
             if before_step is not None:
@@ -265,6 +272,10 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     nan_at_two = nan_on(2)
     if name == "nan_one_rank":  # the shipped default policy, nothing else asked for
         return train(rank, outdir, "default", nan_at_two, metrics=True)
+    if name == "nan_user_hook_before":
+        return train(rank, outdir, "default", nan_at_two, comm_hook="before")
+    if name == "nan_user_hook_after":
+        return train(rank, outdir, "default", nan_at_two, comm_hook="after")
     if name == "nan_one_rank_always":
         return train(rank, outdir, "default", nan_at_two, provenance="always")
     if name == "nan_one_rank_untraced":

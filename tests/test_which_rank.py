@@ -29,6 +29,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 DDP = [
     "nan_one_rank",
     "nan_one_rank_always",
+    "nan_user_hook_before",
+    "nan_user_hook_after",
     "nan_one_rank_untraced",
     "nan_two_ranks",
     "nan_after_reduction",
@@ -244,3 +246,21 @@ def test_under_fsdp2_the_monitors_mean_and_std_are_the_whole_gradients_not_a_sha
         for stat in ("mean", "std"):
             for name, value in result["expected"][stat].items():
                 assert result["figures"][stat][name] == pytest.approx(value, rel=1e-5, abs=1e-9), (stat, name)
+
+
+def test_a_users_communication_hook_before_the_guard_leaves_ranks_empty_and_attach_says_why(ddp: Path) -> None:
+    for result in results(ddp, "nan_user_hook_before", 3):
+        assert result["halt"]["step"] == scenarios.BAD_STEP
+        assert result["halt"]["ranks"] == {}  # empty rather than wrong
+        (attach,) = logged(result, "attach")
+        assert attach["ranks"]["seen"] is None
+        assert "communication hook of its own (allreduce_hook)" in attach["ranks"]["unseen"]
+
+
+def test_a_users_communication_hook_after_the_guard_runs_inside_its_tap_and_the_rank_is_named(ddp: Path) -> None:
+    runs = results(ddp, "nan_user_hook_after", 3)
+    for result in runs:
+        assert result["halt"]["ranks"] == {"2": HOST}
+    # The user's hook did the reduction: the run up to the fault is the unguarded run's (the python allreduce_hook
+    # divides where DDP's built-in multiplies: its own bits, the same on every rank).
+    assert len({result["digest"] for result in runs}) == 1

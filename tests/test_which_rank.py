@@ -261,6 +261,5 @@ def test_a_users_communication_hook_after_the_guard_runs_inside_its_tap_and_the_
     runs = results(ddp, "nan_user_hook_after", 3)
     for result in runs:
         assert result["halt"]["ranks"] == {"2": HOST}
-    # The user's hook did the reduction: the run up to the fault is the unguarded run's (the python allreduce_hook
-    # divides where DDP's built-in multiplies: its own bits, the same on every rank).
+    # The user's hook did the reduction, the same on every rank: the replicas stayed equal up to the fault.
     assert len({result["digest"] for result in runs}) == 1

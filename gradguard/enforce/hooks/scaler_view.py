@@ -31,6 +31,9 @@ class Scaled:
     """Those scalers' loss scales (``halt_on_nonfinite``'s ``min_loss_scale``), read with the step's one sync."""
 
 
+_NEVER_SCALED = Scaled(still_scaled=False)
+
+
 def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     """Whether the gradients of ``params`` are unscaled, scaled, or never were (no scaler in flight).
 
@@ -38,6 +41,8 @@ def scaler_view(params: Iterable[torch.Tensor]) -> Scaled:
     and has never unscaled any optimizer still alive (it may be this model's, not unscaled yet). A scaler
     another thread is using, or one that has only ever unscaled other optimizers, is another training's.
     """
+    if not _scaled:
+        return _NEVER_SCALED  # no GradScaler has scaled a loss (the common case): not even a lock taken
     here = threading.get_ident()
     with _scaler_lock:
         in_flight = []

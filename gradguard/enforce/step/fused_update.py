@@ -74,9 +74,13 @@ class FusedUpdate(Participant):
         self._taking = False
 
     def boundary(self, context: StepContext) -> None:
-        self.discard()
+        if self._waiting is not None:  # the common boundary has nothing to forget: no call
+            self.discard()
 
     def opens(self, step: int, plan: StepPlan, context: StepContext) -> bool:
+        if type(context.optimizer) not in _FUSED_CLASSES:
+            self._taking = False  # ``takes``' first test, without its calls: every step but a fused Adam's
+            return True
         policy = self._policy()
         self._taking = policy is not None and self.takes(plan, context, policy, alone=self._alone())
         return True

@@ -12,6 +12,7 @@ decay, so a parameter whose gradient were only zeroed would still move.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,17 +24,30 @@ import torch.distributed as dist
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from support.deepspeed_ranks import batch, loss_of, make_engine, make_model, torchrun_scenarios  # noqa: E402
+from support.deepspeed_ranks import (  # noqa: E402
+    batch,
+    loss_of,
+    make_engine,
+    make_model,
+    torchrun_scenarios,
+    train_step,
+)
 from support.gloo_ranks import main  # noqa: E402
 
-from gradguard import GradGuard, Policy  # noqa: E402
+from gradguard import GradGuard, GradientHalt, GuardStateError, Policy  # noqa: E402
 
 SCRIPT = Path(__file__)
 LR, MOMENTUM, DECAY = 0.05, 0.9, 0.01
 FROZEN = ("0.bias",)
 STEPS = 4
-CONFIGS = ["1_1", "2_2", "2_1_rr"]
-"""ZeRO 1 and 2, with and without accumulation, and round_robin_gradients (another order of the flat partition)."""
+CONFIGS = ["1_1", "2_2", "2_1_rr", "3_1", "3_2"]
+"""ZeRO 1 and 2, with and without accumulation, round_robin_gradients (another order of the flat partition), and
+ZeRO 3, where every parameter is cut in two (inside a row of ``0.weight`` and ``4.weight``)."""
+ZERO3 = ["3_1", "3_2", "3_2_released"]
+"""ZeRO 3 with and without accumulation; ``released``: ``stage3_param_persistence_threshold`` 0, so no parameter stays
+gathered between forwards (by default these small ones all do)."""
+CUT = "2.weight"
+HALT = {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}
 RULES: list[dict[str, Any]] = [
     {"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
     {
@@ -144,8 +158,166 @@ def split_rows(engine: Any, rank: int) -> list[str]:
     return found
 
 
+def zero3_engine(gas: int, released: bool, **options: Any) -> Any:
+    zero: dict[str, Any] = {"stage3_param_persistence_threshold": 0} if released else {}
+    return make_engine(3, gas, lr=LR, **options, **zero)
+
+
+def masters_and_state(engine: Any) -> list[torch.Tensor]:
+    """This rank's fp32 master partitions and momentum buffers at its parameters' real elements (read straight from
+    DeepSpeed's ZeRO 3 optimizer: a last partition's padding holds whatever its memory held, guarded or not)."""
+    opt, rank = engine.optimizer, dist.get_rank()
+    out = []
+    for g, params in enumerate(opt.fp16_groups):
+        flat = opt.fp32_partitioned_groups_flat[g]
+        momentum = opt.optimizer.state.get(flat, {}).get("momentum_buffer")
+        for param in params:
+            offset = int(opt.grad_position[opt.get_param_id(param)][1])
+            real = max(0, min(param.partition_numel(), param.ds_numel - rank * param.partition_numel()))
+            out += [held.narrow(0, offset, real).clone() for held in (flat, momentum) if held is not None]
+    return out
+
+
+def poison(engine: Any, rank: int, at: int, steps: list[int]) -> Any:
+    """NaN in ``CUT``'s local gradient on rank 1 at step ``at`` (the reduce-scatter carries it to both pieces)."""
+    param = dict(engine.module.named_parameters())[CUT]
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        if rank == 1 and steps[-1] == at:
+            grad = grad.clone()
+            grad.view(-1)[0] = float("nan")
+        return grad
+
+    return param.register_hook(hook)
+
+
+def zero3_halt(gas: int, rank: int, released: bool) -> dict[str, Any]:
+    engine = zero3_engine(gas, released, clip=None, momentum=0.9)  # DeepSpeed's default config: its clip at 1.0
+    steps = [0]
+    handle = poison(engine, rank, 5, steps)
+    result: dict[str, Any] = {"halted": None}
+    with GradGuard(engine, Policy.from_dict({"version": 1, "rules": [HALT]}), logger=None) as guard:
+        for step in range(8):
+            steps.append(step)
+            before, held = full_weights(engine), masters_and_state(engine)
+            try:
+                train_step(engine, step, gas, rank)
+            except GradientHalt as halt:
+                after, kept = full_weights(engine), masters_and_state(engine)
+                result["halted"] = {"step": halt.step, "params": halt.params, "kind": halt.kind}
+                result["untouched"] = all(torch.equal(before[n], after[n]) for n in before)
+                result["state_untouched"] = len(held) == 2 * len(before) and all(map(torch.equal, held, kept))
+                break
+        result["counters"] = guard.counters.snapshot()
+    handle.remove()
+    return result
+
+
+def zero3_clip(gas: int, rank: int) -> dict[str, Any]:
+    engine = zero3_engine(gas, False)
+    tight = {"name": "tight", "match": CUT, "actions": [{"action": "clip_norm", "max_norm": 1e-3}]}
+    moved: list[float] = []
+    others: list[float] = []
+    with GradGuard(engine, Policy.from_dict({"version": 1, "rules": [tight, HALT]}), logger=None) as guard:
+        for step in range(5):
+            before = full_weights(engine)
+            train_step(engine, step, gas, rank)
+            after = full_weights(engine)
+            moved.append(float((after[CUT] - before[CUT]).double().norm()))
+            others.append(min(float((after[n] - before[n]).double().norm()) for n in after if n != CUT))
+        counters = guard.counters.snapshot()
+    mine = torch.cat([t.reshape(-1) for t in full_weights(engine).values()]).double()
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    same = all(torch.equal(gathered[0], other) for other in gathered[1:])
+    return {"moved": moved, "others": others, "counters": counters, "same": same}
+
+
+def zero3_clean(gas: int, rank: int, released: bool) -> dict[str, Any]:
+    """Unguarded and guarded by a policy that never acts, in DeepSpeed's default config (its clip at 1.0)."""
+    quiet = {"name": "quiet", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1e6}]}
+    runs, counters = [], {}
+    for guarded in (False, True):
+        engine = zero3_engine(gas, released, clip=None, momentum=0.9)
+        if guarded:
+            with GradGuard(engine, Policy.from_dict({"version": 1, "rules": [quiet, HALT]}), logger=None) as guard:
+                for step in range(5):
+                    train_step(engine, step, gas, rank)
+                counters = guard.counters.snapshot()
+        else:
+            for step in range(5):
+                train_step(engine, step, gas, rank)
+        runs.append(full_weights(engine) | {f"state{k}": t for k, t in enumerate(masters_and_state(engine))})
+    return {"bitwise": all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0]), "counters": counters}
+
+
+def zero3_tap(gas: int, rank: int) -> dict[str, Any]:
+    """Each rank's own gradient as the tap noted it before the reduce-scatter, rank 1's NaN in the first
+    micro-batch only; read before the guard's step takes it."""
+    engine = zero3_engine(gas, False)
+    param = dict(engine.module.named_parameters())[CUT]
+    micro = [0]
+    handle = param.register_hook(lambda g: g * float("nan") if rank == 1 and micro[0] == 0 else g)
+    with GradGuard(engine, Policy.from_dict({"version": 1, "rules": [HALT]}), logger=None) as guard:
+        local = guard._enforcer.collective.local
+        for micro[0] in range(gas):
+            x, y = batch(0, micro[0], rank)
+            engine.backward(loss_of(engine(x), y))
+            if micro[0] < gas - 1:
+                engine.step()  # not a boundary: no update, no guard step
+        taken = local.take(torch.device("cpu"))
+        found = {"norm": None if taken is None else float(taken), "seen": local.seen, "unseen": local.unseen}
+    handle.remove()
+    return found
+
+
+def zero3_refusals() -> dict[str, str]:
+    found: dict[str, str] = {}
+    untested = {"zero_force_ds_cpu_optimizer": False}  # DeepSpeed insists on its CPU Adam under offload otherwise
+    attempts: dict[str, Callable[[], Any]] = {
+        "offload_param": lambda: GradGuard(
+            make_engine(3, 1, untested, offload_param={"device": "cpu"}), Policy.from_dict(HALT_POLICY), logger=None
+        ),
+        "offload_optimizer": lambda: GradGuard(
+            make_engine(3, 1, untested, offload_optimizer={"device": "cpu"}),
+            Policy.from_dict(HALT_POLICY),
+            logger=None,
+        ),
+        "recovery": lambda: GradGuard(
+            make_engine(3, 1), Policy.from_dict(HALT_POLICY | {"recovery": {"snapshot_every": 5}}), logger=None
+        ),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt().remove()
+            found[name] = ""
+        except GuardStateError as error:
+            found[name] = str(error)
+    log = Path(f"attach-zero3-{dist.get_rank()}.jsonl")
+    GradGuard(make_engine(3, 1), Policy.from_dict(HALT_POLICY), logger=None, audit_log=log).remove()
+    found["boundary"] = next(e for e in map(json.loads, log.read_text().splitlines()) if e["event"] == "attach")[
+        "boundary"
+    ]
+    log.unlink()
+    return found
+
+
+HALT_POLICY: dict[str, Any] = {"version": 1, "rules": [HALT]}
+
+
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
-    _, *numbers = name.split("_")
+    kind, *numbers = name.split("_")
+    released = numbers[-1:] == ["released"]
+    if kind == "halt3":
+        return zero3_halt(int(numbers[0]), rank, released)
+    if kind == "clip3":
+        return zero3_clip(int(numbers[0]), rank)
+    if kind == "clean3":
+        return zero3_clean(int(numbers[0]), rank, released)
+    if kind == "tap3":
+        return zero3_tap(int(numbers[0]), rank)
+    if kind == "refusals3":
+        return zero3_refusals()
     zero = {"round_robin_gradients": True} if numbers[-1:] == ["rr"] else {}
     return pieces_scenario(int(numbers[0]), int(numbers[1]), rank, outdir, **zero)
 
@@ -156,7 +328,9 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[str, Any]]]:
     names = [f"pieces_{config}" for config in CONFIGS]
-    return torchrun_scenarios(SCRIPT, names, tmp_path_factory.mktemp("deepspeed_partitions"), timeout=420)
+    names += [f"{kind}_{config}" for kind in ("halt3", "clean3") for config in ZERO3]
+    names += ["clip3_1", "clip3_2", "tap3_1", "tap3_2", "refusals3"]
+    return torchrun_scenarios(SCRIPT, names, tmp_path_factory.mktemp("deepspeed_partitions"), timeout=540)
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -205,6 +379,77 @@ def test_drop_keeps_a_parameter_bitwise_still_under_momentum_and_weight_decay_as
         assert result["still"]
         assert result["still_plain"]
         assert result["counters"][0]["still"] == {"drop": STEPS}
+
+
+@pytest.mark.parametrize("config", ZERO3)
+def test_at_zero_3_a_nan_on_one_rank_halts_every_rank_naming_the_parameter_with_weights_masters_and_state_untouched(
+    runs: Callable[[str], list[dict[str, Any]]], config: str
+) -> None:
+    """The guard acts on the reduce-scattered partitions before DeepSpeed's clip (its default 1.0) and update: the
+    gathered weights, this rank's fp32 master partitions and its momentum are as before the step, on every rank."""
+    for result in runs(f"halt3_{config}"):
+        assert result["halted"] == {"step": 5, "params": [CUT], "kind": "nan"}
+        assert result["untouched"]
+        assert result["state_untouched"]
+        assert result["counters"]["nonfinite"] == {"nan": 1, "halt_on_nonfinite": 1}
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_at_zero_3_a_per_tensor_clip_bounds_that_parameter_s_sgd_update_at_every_step_counted_once_per_step(
+    runs: Callable[[str], list[dict[str, Any]]], gas: int
+) -> None:
+    """``2.weight``'s norm is made of both ranks' partitions: its update is at most lr x 1e-3 (to the float32 weights'
+    rounding of a 5e-5 update), held there by the clip, while the others move freely; every rank ends the same."""
+    for result in runs(f"clip3_{gas}"):
+        bound = LR * 1e-3
+        assert all(moved <= bound * (1 + 5e-3) for moved in result["moved"]), result["moved"]
+        assert all(moved > bound * (1 - 5e-3) for moved in result["moved"])
+        assert all(other > 10 * bound for other in result["others"]), result["others"]
+        assert result["counters"]["tight"] == {"clip_norm": 5}
+        assert result["same"]
+
+
+@pytest.mark.parametrize("config", ZERO3)
+def test_at_zero_3_a_guard_that_never_intervenes_ends_bitwise_equal_to_the_unguarded_run(
+    runs: Callable[[str], list[dict[str, Any]]], config: str
+) -> None:
+    """Weights, fp32 master partitions and momentum, in DeepSpeed's default config (its clip at 1.0)."""
+    for result in runs(f"clean3_{config}"):
+        assert result["bitwise"]
+        assert result["counters"] == {}
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+def test_at_zero_3_each_rank_s_own_gradient_is_noted_before_the_reduce_scatter(
+    runs: Callable[[str], list[dict[str, Any]]], gas: int
+) -> None:
+    """Rank 1 made the NaN (in the first micro-batch); after the reduce-scatter both ranks' partitions hold it, but
+    rank 0's own gradient was finite."""
+    mine, theirs = runs(f"tap3_{gas}")
+    for found in (mine, theirs):
+        assert found["seen"] == "DeepSpeed ZeRO 3 reduction"
+        assert found["unseen"] is None
+    assert mine["norm"] is not None
+    assert math.isfinite(mine["norm"])
+    assert mine["norm"] > 0
+    assert theirs["norm"] is not None
+    assert math.isnan(theirs["norm"])
+
+
+def test_at_zero_3_offload_and_a_recovery_section_are_refused_with_why_and_what_works(
+    runs: Callable[[str], list[dict[str, Any]]],
+) -> None:
+    for found in runs("refusals3"):
+        assert "parameter offload" in found["offload_param"]
+        assert "optimizer offload" in found["offload_optimizer"]
+        for name in ("offload_param", "offload_optimizer"):
+            assert "What works: ZeRO stage 0 (fp32), 1, 2 or 3" in found[name]
+        assert "ZeRO 3" in found["recovery"]
+        assert "Recovery works at ZeRO 0, 1 and 2" in found["recovery"]
+        assert found["boundary"] == (
+            "DeepSpeed ZeRO 3: inside engine.step(), after the reduction, before DeepSpeed's overflow check, clip and "
+            "update"
+        )
 
 
 if __name__ == "__main__":

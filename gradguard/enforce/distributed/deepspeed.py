@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO 0/1/2: where the reduced gradient of each parameter lives, and the one place to act on it.
+"""DeepSpeed ZeRO 0-3: where the reduced gradient of each parameter lives, and the one place to act on it.
 
 Under ZeRO 1 and 2 no rank ever holds a parameter's whole reduced gradient: after the boundary backward,
 each rank holds the averaged gradient of its own flat partition (``engine.optimizer.averaged_gradients``),
@@ -9,6 +9,13 @@ method, the only point between the reduction and DeepSpeed's own overflow check,
 and reads each parameter's piece through DeepSpeed's own offset bookkeeping (``grad_start_offset`` /
 ``grad_partition_insertion_offset``, which stay right where ``p._hp_mapping`` does not). Every rank gets
 an entry for every parameter (empty where it holds none), so per-tensor sums line up for one collective.
+
+ZeRO 3 partitions each parameter on its own: rank ``r`` holds its flat elements from ``r * partition_numel()``
+(``param.ds_tensor``; the last rank's partition is padded), each boundary backward reduce-scatters every gradient
+into the same places (``averaged_gradients[sub group]``, views of ``grad_partitions_flat_buffer``), and ``step()``
+flattens them into ``fp32_partitioned_groups_flat[sub group].grad`` at ``grad_position``'s offsets, clips and
+applies them, sub group by sub group: the same hook, the same kind of piece, a piece of every parameter on every
+rank that holds real elements of it.
 
 DeepSpeed is optional: nothing here imports it. The engine and its optimizers are recognised by class
 name, and whatever this module does not map is refused at attach (``refusal``) with what works instead.
@@ -36,7 +43,7 @@ _STAGE3 = "DeepSpeedZeroOptimizer_Stage3"
 """ZeRO 3 (stage3.py): each parameter's own partition of its reduce-scattered gradient in ``averaged_gradients``."""
 _BF16 = "BF16_Optimizer"
 """bf16 weights with fp32 gradient accumulation at ZeRO 1: the whole reduced fp32 gradient on every rank."""
-_WORKS = "What works: ZeRO stage 0 (fp32), 1 or 2 on a plain DeepSpeedEngine, without offload."
+_WORKS = "What works: ZeRO stage 0 (fp32), 1, 2 or 3 on a plain DeepSpeedEngine, without offload."
 
 
 def _class_names(obj: object) -> list[str]:
@@ -64,11 +71,12 @@ def _offloaded(config: Any) -> bool:
 def refusal(engine: Any) -> str | None:
     """None when the gradients of ``engine`` can be mapped and guarded; else why not, and what works.
 
-    Refused: anything that is not a plain DeepSpeedEngine (PipelineEngine), ZeRO 3, MoE, offload, model,
-    tensor or sequence parallelism, Muon, ZenFlow, a torch-autocast GradScaler, and at stage 0 DeepSpeed's
-    fp16/bf16 wrappers. ``round_robin_gradients`` is mapped: its reordering makes DeepSpeed's fragment map
-    (``p._hp_mapping``, ``safe_get_full_grad``) wrong, but not the offset tables and ``params_in_partition`` that
-    ``ZeroGradients`` reads, which ZeRO builds from the round-robin order itself. DeepSpeed's own clip at stage 0
+    Refused: anything that is not a plain DeepSpeedEngine (PipelineEngine), a ZeRO 3 optimizer other than
+    ``DeepSpeedZeroOptimizer_Stage3``, MoE, optimizer or parameter offload, model, tensor or sequence
+    parallelism, Muon, ZenFlow, a torch-autocast GradScaler, and at stage 0 DeepSpeed's fp16/bf16 wrappers.
+    ``round_robin_gradients`` is mapped: its reordering makes DeepSpeed's fragment map (``p._hp_mapping``,
+    ``safe_get_full_grad``) wrong, but not the offset tables and ``params_in_partition`` that ``ZeroGradients``
+    reads, which ZeRO builds from the round-robin order itself. DeepSpeed's own clip at stage 0
     (``gradient_clipping``, 1.0 in a config that does not say) is not refused: the guard's step runs before it
     (``hooks.deepspeed_boundary.ClipHook``).
     """
@@ -81,13 +89,8 @@ def refusal(engine: Any) -> str | None:
     if optimizer is None:
         return "the engine has no optimizer (inference?): there is no update to guard."
     stage = int(engine.zero_optimization_stage())
-    module = getattr(engine, "module", None)
-    params = list(module.parameters()) if module is not None else []
-    if stage >= 3 or "Stage3" in type(optimizer).__name__ or any(hasattr(p, "ds_id") for p in params):
-        return (
-            "ZeRO stage 3 partitions the parameters themselves and reduces gradients into buffers this adapter does "
-            f"not map. {_WORKS} Or use FSDP2, which the guard supports."
-        )
+    if stage >= 3 and layout(engine) != "stage3":  # a ZeRO 3 optimizer of another kind (older DeepSpeeds' MiCS)
+        return f"{type(optimizer).__name__} partitions ZeRO 3 in a way this adapter does not map. {_WORKS}"
     if getattr(engine, "has_moe_layers", False) or getattr(optimizer, "has_moe_layers", False):
         return f"MoE layers reduce expert gradients over their own expert-data-parallel groups. {_WORKS}"
     zero_config = getattr(getattr(engine, "_config", None), "zero_config", None)
@@ -97,11 +100,14 @@ def refusal(engine: Any) -> str | None:
         or _offloaded(getattr(zero_config, "offload_optimizer", None))
     ):
         return (
-            "optimizer offload (CPU/NVMe) writes gradients straight into the fp32 partition during backward, not "
-            f"into averaged_gradients. {_WORKS}"
+            "optimizer offload (CPU/NVMe) writes gradients straight into the fp32 partition in host memory during "
+            f"backward (or swaps it to NVMe), not into the averaged_gradients the guard reads. {_WORKS}"
         )
     if _offloaded(getattr(zero_config, "offload_param", None)):
-        return f"parameter offload is a ZeRO 3 feature. {_WORKS}"
+        return (
+            "parameter offload keeps ZeRO 3's partitions in host memory or on NVMe, swapped in and out around each "
+            f"use, where the guard's reads and a drop's hold would meet them swapped out. {_WORKS}"
+        )
     if int(getattr(engine, "mp_world_size", 1) or 1) > 1 or int(getattr(engine, "sequence_parallel_size", 1) or 1) > 1:
         return f"model/tensor or sequence parallelism shards parameters over another group. {_WORKS}"
     inner = getattr(optimizer, "optimizer", optimizer)
@@ -112,9 +118,9 @@ def refusal(engine: Any) -> str | None:
     if getattr(engine, "torch_autocast_z0_gradscaler", None) is not None:
         return f"torch autocast with a GradScaler steps the optimizer through the scaler. {_WORKS}"
     kind = layout(engine)
-    if kind == "zero":
-        groups = {id(group) for group in optimizer.real_dp_process_group}
-        if len(groups) > 1:
+    if kind in ("zero", "stage3"):
+        groups = optimizer.real_dp_process_group if kind == "zero" else optimizer.sub_group_process_groups
+        if len({id(group) for group in groups}) > 1:
             return f"the parameter groups reduce over different process groups. {_WORKS}"
         return None
     if kind == "bf16":

@@ -13,6 +13,9 @@ through, whatever the configuration, and the tap shadows it with an instance att
   every backward that reduces (with ``overlap_comm``, ``contiguous_gradients`` and ``reduce_scatter`` on or off, a
   bucket's ``grads`` are the tensors it reduces: views of the contiguous buffer or the gradients themselves). ZeRO 2
   reduces every micro-batch, so each micro-batch is noted; ZeRO 1 reduces the accumulated gradient at the boundary.
+- **ZeRO 3** (``DeepSpeedZeroOptimizer_Stage3``): its private ``__reduce_and_partition_ipg_grads(dtype)``, which
+  reduce-scatters a bucket of whole gradients (each ``param.grad``, the rank's own) into the partitions: from the
+  backward hooks when a bucket is full, and from every backward's epilogue (every micro-batch: ZeRO 3 reduces each).
 
 Noting takes one norm of tensors the reduction reads anyway and changes none of them: a run with a tap is bitwise
 the run without. Where the expected method is missing (another DeepSpeed version), ``local.unseen`` says so and
@@ -30,6 +33,9 @@ from gradguard.enforce.distributed.deepspeed import layout
 from gradguard.enforce.distributed.local import LocalGradients
 
 __all__ = ["ReductionTap", "tap_reduction"]
+
+_STAGE3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+"""ZeRO 3's private ``__reduce_and_partition_ipg_grads`` as Python mangles it: its own calls go through the instance."""
 
 
 class ReductionTap:
@@ -61,6 +67,8 @@ def tap_reduction(engine: Any, local: LocalGradients) -> ReductionTap | None:
     stage = int(engine.zero_optimization_stage())
     if layout(engine) == "zero":
         owner, name = engine.optimizer, "reduce_ipg_grads"
+    elif layout(engine) == "stage3":
+        owner, name = engine.optimizer, _STAGE3_REDUCE
     else:
         owner, name = engine, "_reduce_non_expert_gradients"
     original = getattr(owner, name, None)
@@ -86,6 +94,20 @@ def tap_reduction(engine: Any, local: LocalGradients) -> ReductionTap | None:
             return original(comm_dtype=comm_dtype)
 
         wrapper: Callable[..., Any] = reduce_ipg_grads
+    elif name == _STAGE3_REDUCE:
+        found = getattr(owner, "ipg_buckets", None)
+        if not isinstance(found, dict):
+            local.seen, local.unseen = None, "DeepSpeed's ZeRO 3 optimizer has no ipg_buckets: another version"
+            return None
+        stage3_buckets: dict[Any, Any] = found
+
+        def reduce_and_partition_ipg_grads(communication_data_type: Any) -> Any:
+            bucket = stage3_buckets.get(communication_data_type)
+            if bucket is not None:
+                _note_all(local, [param.grad for param in bucket.params])  # whole, before the reduce-scatter
+            return original(communication_data_type)
+
+        wrapper = reduce_and_partition_ipg_grads
     else:
 
         def reduce_non_expert_gradients(grads: Any, *args: Any, **kwargs: Any) -> Any:

@@ -106,7 +106,8 @@ class HeldStill:
     """The parameters held as they are through this update (``hold``), put back after DeepSpeed's step (``put_back``).
 
     What is kept of each: its weights (the whole parameter every rank holds at ZeRO 1/2; at ZeRO 3 this rank's
-    partition, and the gathered whole where DeepSpeed keeps it gathered: a persistent parameter), the fp32 master
+    partition, and a whole that the step gathered with the update, a persistent parameter's, is released, so that
+    the next forward gathers it from the partitions put back; no collective here), the fp32 master
     copy of this rank's piece, and that piece of every optimizer state tensor laid out as the master partition
     (momentum, Adam's moments). A state tensor the update itself made (the first step's) gets zeros there: the
     parameter has no history in it. A state scalar shared by the whole partition (Adam's step count) moves on.
@@ -121,7 +122,7 @@ class HeldStill:
     def hold(self, param: Any, weight: torch.Tensor, master: torch.Tensor | None) -> None:
         """Keep ``param`` as it is: ``weight`` is this rank's piece of its weights (``ZeroGradients.weights``),
         ``master`` its fp32 master piece (``ZeroGradients.master``)."""
-        whole = param.detach().clone() if not self.stage3 or param.numel() == int(param.ds_numel) else None
+        whole = None if self.stage3 else param.detach().clone()
         self._held.append((param, weight, weight.clone() if self.stage3 else None, whole))
         if master is None or not master.numel():
             return
@@ -158,7 +159,9 @@ class HeldStill:
             if partition is not None:  # ZeRO 3: this rank's partition, which later gathers read (found again: DeepSpeed
                 # points it at its flat buffer anew after each step)
                 param.ds_tensor.data.view(-1).narrow(0, 0, partition.numel()).copy_(partition)
-            if whole is not None and param.numel() == whole.numel():
+                if param.numel():  # gathered by the step (a persistent parameter): with the update, so released, to
+                    param.partition(has_been_updated=False)  # be gathered anew from the partitions (locally)
+            if whole is not None:
                 param.data.copy_(whole)
         inner = inner_optimizer(self.engine)
         for master, saved, offset, slices in masters:

@@ -72,6 +72,13 @@ def refuse_under_deepspeed(
             "loss scaler is not in the guard's snapshots, so a rewind would not be exact. Train in bf16 (recommended), "
             "or remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
         )
+    if policy.recovery is not None and layout(engine) == "stage3":
+        raise GuardStateError(
+            f"{where} has a recovery section, which gradguard does not support under DeepSpeed ZeRO 3: its optimizer "
+            "holds the fp32 master partitions only while its step runs (sub group by sub group), so the guard's "
+            "snapshots cannot hold them and a rewind would not be exact. Recovery works at ZeRO 0, 1 and 2; at ZeRO 3 "
+            "remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
+        )
     if per_micro_batch:
         raise GuardStateError(
             "per_micro_batch=True is not supported under DeepSpeed: the micro-batches' gradients are reduced into "
@@ -166,7 +173,7 @@ class LossScaleHook:
 
 
 def needs_update_hook(engine: Any) -> bool:
-    """Whether the guard's step must run inside DeepSpeed's update (ZeRO 1/2, bf16 with fp32 accumulation), not at
+    """Whether the guard's step must run inside DeepSpeed's update (ZeRO 1-3, bf16 with fp32 accumulation), not at
     the client optimizer's step (ZeRO 0)."""
     return ZeroGradients(engine).layout != "plain"
 

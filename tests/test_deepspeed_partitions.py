@@ -286,6 +286,9 @@ def zero3_refusals() -> dict[str, str]:
         "recovery": lambda: GradGuard(
             make_engine(3, 1), Policy.from_dict(HALT_POLICY | {"recovery": {"snapshot_every": 5}}), logger=None
         ),
+        "replicas": lambda: GradGuard(
+            make_engine(3, 1), Policy.from_dict(HALT_POLICY | {"ranks": {"check_replicas_every": 5}}), logger=None
+        ),
     }
     for name, attempt in attempts.items():
         try:
@@ -436,7 +439,7 @@ def test_at_zero_3_each_rank_s_own_gradient_is_noted_before_the_reduce_scatter(
     assert math.isnan(theirs["norm"])
 
 
-def test_at_zero_3_offload_and_a_recovery_section_are_refused_with_why_and_what_works(
+def test_at_zero_3_offload_a_recovery_section_and_a_replica_check_are_refused_with_why_and_what_works(
     runs: Callable[[str], list[dict[str, Any]]],
 ) -> None:
     for found in runs("refusals3"):
@@ -446,6 +449,8 @@ def test_at_zero_3_offload_and_a_recovery_section_are_refused_with_why_and_what_
             assert "What works: ZeRO stage 0 (fp32), 1, 2 or 3" in found[name]
         assert "ZeRO 3" in found["recovery"]
         assert "Recovery works at ZeRO 0, 1 and 2" in found["recovery"]
+        assert "check_replicas_every" in found["replicas"]
+        assert "works at ZeRO 0, 1 and 2" in found["replicas"]
         assert found["boundary"] == (
             "DeepSpeed ZeRO 3: inside engine.step(), after the reduction, before DeepSpeed's overflow check, clip and "
             "update"

@@ -1,7 +1,7 @@
-"""A DeepSpeed engine's update as the guard's boundary: ZeRO 1 and 2 (and bf16 with fp32 accumulation).
+"""A DeepSpeed engine's update as the guard's boundary: ZeRO 1, 2 and 3 (and bf16 with fp32 accumulation).
 
-``GradGuard(engine, policy)`` guards ``engine.module`` (the model's own names, no ``module.`` prefix). At ZeRO 1 and
-2 no ``p.grad`` holds the gradient the update applies: each rank holds its partition of the reduced gradients, and
+``GradGuard(engine, policy)`` guards ``engine.module`` (the model's own names, no ``module.`` prefix). At ZeRO 1, 2
+and 3 no ``p.grad`` holds the gradient the update applies: each rank holds its partition of the reduced gradients, and
 DeepSpeed clips and applies them inside ``engine.optimizer.step()`` (``enforce.distributed.deepspeed``). So the
 guard's step runs there, once per update (after every micro-batch of an accumulation), on this rank's piece of each
 gradient (``StepContext.gradients``); its per-tensor figures are combined over the ranks in one collective, as under
@@ -78,6 +78,12 @@ def refuse_under_deepspeed(
             "holds the fp32 master partitions only while its step runs (sub group by sub group), so the guard's "
             "snapshots cannot hold them and a rewind would not be exact. Recovery works at ZeRO 0, 1 and 2; at ZeRO 3 "
             "remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
+        )
+    if policy.ranks is not None and policy.ranks.check_replicas_every is not None and layout(engine) == "stage3":
+        raise GuardStateError(
+            f"{where}: ranks.check_replicas_every compares data-parallel replicas' weights, but ZeRO 3 partitions the "
+            "parameters: no two ranks hold the same weights to compare. Remove check_replicas_every at ZeRO 3; it "
+            "works at ZeRO 0, 1 and 2."
         )
     if per_micro_batch:
         raise GuardStateError(

@@ -182,7 +182,7 @@ class GradGuard(ServesMetrics):
             self._last_step_skipped = False
             # Every optimizer's steps and clips reach it: with optimizer=, another stepping the model is warned of.
             self._attachment.handles.append(enlist(self))
-            self._attachment.handles.extend(deepspeed_boundary(self, engine, model))  # ZeRO 1/2: at its update
+            self._attachment.handles.extend(deepspeed_boundary(self, engine, model))  # ZeRO 1-3: at its update
             self._finalizer = weakref.finalize(self, self._attachment.collected)
             self._finalizer.atexit = False
             ranks = watch_ranks(self._enforcer, model, engine is not None)  # under torch.distributed
@@ -460,7 +460,7 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
     """[`GradGuard.step`][gradguard.GradGuard.step], under the guard's lock."""
     guard._require_attached()
     if guard._attachment.inside_deepspeed:  # p.grad holds only this rank's unreduced micro-batches
-        raise GuardStateError("remove guard.step() under DeepSpeed ZeRO 1/2: the guard acts inside engine.step()")
+        raise GuardStateError("remove guard.step() under DeepSpeed ZeRO 1-3: the guard acts inside engine.step()")
     guard._at_boundary()
     if optimizer is None:
         plan = guard._plans.current()

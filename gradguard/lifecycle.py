@@ -92,7 +92,7 @@ class Attachment:
         self.handles: list[Removable] = []
         self.open = True
         self.inside_deepspeed = False
-        """The guard's step runs inside a DeepSpeed engine's update (ZeRO 1/2): no other boundary is the guard's."""
+        """The guard's step runs inside a DeepSpeed engine's update (ZeRO 1-3): no other boundary is the guard's."""
 
     def close(self, reason: str) -> None:
         if not self.open:
@@ -383,7 +383,7 @@ def deepspeed_parts(model: nn.Module) -> tuple[Any | None, nn.Module]:
 
 def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[Removable]:
     """The guard's step at each update of a DeepSpeed engine (``hooks.deepspeed_boundary``): inside its update at ZeRO
-    1/2; at ZeRO 0 the client optimizer's step, where the optimizer hooks treat the model's reduced gradients, or
+    1-3; at ZeRO 0 the client optimizer's step, where the optimizer hooks treat the model's reduced gradients, or
     before DeepSpeed's own clip where it clips (``ClipHook``). With the tap of each rank's own gradient before the
     reduction (``distributed.deepspeed_taps``) and, under recovery, the engine's master partitions, optimizer state
     and LR scheduler in the snapshots."""

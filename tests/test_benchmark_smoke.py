@@ -181,7 +181,9 @@ def test_the_quick_host_time_run_prints_every_treatment_with_its_counts(
 ) -> None:
     assert benchmarks["host_time"].main(["--quick"]) == 0
     printed = capsys.readouterr().out
-    for row in ("| none | 1 |", "| default |", "| default, provenance=None |", "target: the shipped default"):
+    rows = ("| none | 1 |", "| default |", "| default, provenance=None |", "| MLP: none | 1 |", "| MLP: default |")
+    said = ("| default, nanoGPT at 8 layers (4x) |", "target: the shipped default", "budget at 8 layers")
+    for row in (*rows, *said):
         assert row in printed, printed
 
 

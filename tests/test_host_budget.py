@@ -10,11 +10,20 @@ with the time ratios.
 from __future__ import annotations
 
 import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from gradguard.enforce.work.tensors import clip_coefficients, host_clip_coefficient
+
+CALLS_REACHED = {2: 350, 8: 285}
+"""Python calls per step above the unguarded loop that the guard is held to, by layers: what this round reached on
+2026-11-28 (344 and 281, from 462 and 369 counted the same way at its start). The issue's budget is 200
+(``host_time.BUDGET_CALLS``), not reached yet: docs/performance.md says what is left."""
 
 MAX_NORMS = (1.0, 0.5, 3.0, 7.3, 0.1, 1.0000001, 1e-6, 1e-7, 1e30, 1e-30)
 
@@ -73,3 +82,38 @@ def test_the_host_clip_coefficient_follows_a_float32_accumulator_where_the_devic
         assert all(total == math.inf for total in overflowed)
     assert host_clip_coefficient(2.0**512, 1.0, False, False) == (math.inf, 1.0)
     assert host_clip_coefficient(2.0**511, 1.0, False, False)[0] == 2.0**511
+
+
+@pytest.fixture
+def host_time() -> Iterator[ModuleType]:
+    """``benchmarks/host_time.py`` as a module (its loops and its counting); torch's thread count put back after."""
+    folder, threads = str(Path(__file__).resolve().parent.parent / "benchmarks"), torch.get_num_threads()
+    sys.path.insert(0, folder)
+    torch.set_num_threads(1)
+    try:
+        import host_time
+
+        yield host_time
+    finally:
+        sys.path.remove(folder)
+        torch.set_num_threads(threads)
+
+
+def test_the_shipped_default_adds_at_most_its_budget_of_torch_ops_and_the_calls_reached_to_a_nanogpt_step(
+    host_time: ModuleType,
+) -> None:
+    counted = {layers: host_time.budget_counts(layers) for layers in (2, 8)}
+    for layers, (calls, ops) in counted.items():
+        assert ops <= host_time.BUDGET_OPS, (layers, ops)
+        assert calls <= CALLS_REACHED[layers], (layers, calls)
+    # No more at 4x the layers: the guard's work per step does not grow with the model's depth.
+    assert counted[8][0] <= counted[2][0]
+    assert counted[8][1] <= counted[2][1]
+
+
+def test_the_counts_are_deterministic_and_see_the_guard(host_time: ModuleType) -> None:
+    """The same count twice is the same number; a guard's step counts more than none (the counting sees it)."""
+    first, second = host_time.budget_counts(2), host_time.budget_counts(2)
+    assert first == second
+    assert first[0] > 0
+    assert first[1] > 0

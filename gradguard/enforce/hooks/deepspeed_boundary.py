@@ -123,41 +123,46 @@ def boundary_name(engine: Any) -> str:
     return f"{where}: the {client}'s step inside engine.step()"
 
 
-class ClipHook:
+class _Wrapped:
+    """A method of one object shadowed by an instance attribute (DeepSpeed's engine and optimizer look their methods
+    up on the instance), and put back at removal unless another wrapper has been put on top of ours since."""
+
+    def __init__(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
+        self.owner, self.name, self._wrapper = owner, name, wrapper
+        self._previous = vars(owner).get(name)
+        setattr(owner, name, wrapper)
+
+    def remove(self) -> None:
+        owner, name = self.owner, self.name
+        if vars(owner).get(name) is not self._wrapper:
+            return  # wrapped again on top of ours since: that wrapper stays
+        if self._previous is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, self._previous)
+
+
+class ClipHook(_Wrapped):
     """At ZeRO 0, runs ``before()`` (the guard's step) where DeepSpeed is about to clip (``clip_fp32_gradients``),
     then DeepSpeed's clip. ``before`` returning False (a skip: the gradients are gone) leaves the clip out, which would
     fail on no gradients; the client optimizer's step then has nothing to apply. The guard's step counts its
     gradients as treated until that step, so the clip's change does not make them new to it."""
 
     def __init__(self, engine: Any, before: Callable[[], bool]) -> None:
-        self.engine = engine
-        self._previous = vars(engine).get("clip_fp32_gradients")
         original = engine.clip_fp32_gradients
 
         def clip() -> Any:
             return original() if before() else None
 
-        self._wrapper = clip
-        engine.clip_fp32_gradients = clip
-
-    def remove(self) -> None:
-        engine = self.engine
-        if vars(engine).get("clip_fp32_gradients") is not self._wrapper:
-            return  # wrapped again on top of ours since: that wrapper stays
-        if self._previous is None:
-            del engine.clip_fp32_gradients
-        else:
-            engine.clip_fp32_gradients = self._previous
+        super().__init__(engine, "clip_fp32_gradients", clip)
 
 
-class LossScaleHook:
+class LossScaleHook(_Wrapped):
     """Under DeepSpeed's fp16 the loss reaches backward times its loss scale (``optimizer.scale_if_loss``): each scaled
     loss is handed to the guards' loss section as the loss it scaled, as after ``GradScaler.scale``."""
 
     def __init__(self, engine: Any) -> None:
-        self.optimizer = opt = engine.optimizer
-        self._previous = vars(opt).get("scale_if_loss")
-        original = opt.scale_if_loss
+        original = engine.optimizer.scale_if_loss
 
         def scale_if_loss(loss: Any) -> Any:
             scaled = original(loss)
@@ -165,17 +170,7 @@ class LossScaleHook:
                 note_scaled_root(scaled, loss)
             return scaled
 
-        self._wrapper = scale_if_loss
-        opt.scale_if_loss = scale_if_loss
-
-    def remove(self) -> None:
-        opt = self.optimizer
-        if vars(opt).get("scale_if_loss") is not self._wrapper:
-            return  # wrapped again on top of ours since: that wrapper stays
-        if self._previous is None:
-            del opt.scale_if_loss
-        else:
-            opt.scale_if_loss = self._previous
+        super().__init__(engine.optimizer, "scale_if_loss", scale_if_loss)
 
 
 def needs_update_hook(engine: Any) -> bool:

@@ -38,10 +38,26 @@ PROBES = 16
 backward that reaches none of 16 of them is another model's)."""
 
 
-@lru_cache(maxsize=32)
 def watches_loss(policy: PolicyFields) -> bool:
     """Whether a guard under ``policy`` learns the loss: to judge it (a ``loss`` section), to compare a step's two
     computations (``rerun``), or to record it beside the norms a ``monitor`` writes (``stats`` events)."""
+    # Asked at every backward: the policy last asked about is answered without hashing it (pydantic hashes every
+    # section, 7 calls); a policy is immutable, so the same object has the same answer. One tuple, swapped whole,
+    # so that a thread reads a policy with its own answer.
+    global _last_asked
+    last_policy, last_answer = _last_asked
+    if policy is last_policy:
+        return last_answer
+    answer = _watches_loss(policy)
+    _last_asked = (policy, answer)
+    return answer
+
+
+_last_asked: tuple[PolicyFields | None, bool] = (None, False)
+
+
+@lru_cache(maxsize=32)
+def _watches_loss(policy: PolicyFields) -> bool:
     monitors = any(isinstance(action, Monitor) for rule in policy.rules for action in rule.actions)
     return policy.loss is not None or policy.rerun is not None or monitors
 

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradguard.enforce.distributed.deepspeed import deepspeed_engine, inner_optimizer
+from gradguard.enforce.distributed.deepspeed import deepspeed_engine, inner_optimizer, layout
+from gradguard.enforce.distributed.deepspeed_state import stage3_partitions
 from gradguard.enforce.distributed.deepspeed_taps import tap_reduction
 from gradguard.enforce.hooks.boundaries import explicit_context
 from gradguard.enforce.hooks.deepspeed_boundary import (
@@ -432,11 +433,15 @@ def deepspeed_boundary(guard: LiveGuard, engine: Any, model: nn.Module) -> list[
 
 def _recover_deepspeed(recovery: Recovery, engine: Any) -> None:
     """Under a ``recovery`` section, the snapshots hold what DeepSpeed updates: the torch optimizer it steps (at ZeRO
-    1/2 its parameters are this rank's fp32 master partitions, outside the model: copied and put back with its state)
-    and the engine's LR scheduler (rewound to the snapshot's step; DeepSpeed does not step it on a skipped update)."""
+    1/2 its parameters are this rank's fp32 master partitions, outside the model: copied and put back with its state;
+    at ZeRO 3 it holds them only inside its step, so the masters and each parameter's own partition of the weights join
+    as ``Stage3Partitions``) and the engine's LR scheduler (rewound to the snapshot's step; DeepSpeed does not step it
+    on a skipped update)."""
     if not recovery.active:
         return
-    recovery.saw_optimizer(inner_optimizer(engine))
+    recovery.saw_optimizer(inner_optimizer(engine))  # at ZeRO 3 its groups' LRs only: their params are empty here
+    if layout(engine) == "stage3":
+        recovery.saw_optimizer(stage3_partitions(engine))
     scheduler = getattr(engine, "lr_scheduler", None)
     if scheduler is not None and holdable(scheduler):
         recovery.add_scheduler(scheduler)

@@ -4,19 +4,56 @@ state and groups, and the loss scaler's fields (``capture``/``restore``).
 The guard's recovery snapshots a DeepSpeed engine through its usual snapshots instead (the inner optimizer, whose
 parameters are the master partitions, joins them as an optimizer stepping tensors outside the model); these two are
 the adapter's own record of what an exact rewind needs, shown bitwise by ``tests/test_deepspeed_adapter.py``.
+
+At ZeRO 3 the inner optimizer holds its masters in its groups only while its step runs, so the snapshots would see
+none: ``stage3_partitions`` shows them this rank's partitions as one more optimizer's (``Stage3Partitions``).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 
 from gradguard.enforce.distributed.deepspeed import inner_optimizer, layout
 from gradguard.errors import GuardStateError
 
-__all__ = ["DeepSpeedState", "capture", "restore"]
+__all__ = ["DeepSpeedState", "Stage3Partitions", "capture", "restore", "stage3_partitions"]
+
+
+class Stage3Partitions(Optimizer):
+    """This rank's ZeRO 3 partitions as recovery's snapshots read an optimizer: its ``params`` are the fp32 master
+    partitions (``fp32_partitioned_groups_flat``, one per sub group) and each trained parameter's own partition of the
+    weights (``ds_tensor``, in the model's dtype), its ``state`` is the inner optimizer's (keyed by those masters).
+
+    The snapshots copy an optimizer's parameters outside the model and their state, and put them back in place: so a
+    rewind restores exactly what DeepSpeed's step moves on this rank, with no collective (every rank snapshots and
+    rewinds at the same steps). The inner optimizer is seen besides (its groups' LRs). It steps nothing: the optimizer
+    base's ``__init__`` is not run, as it would copy the groups.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        zero = engine.optimizer
+        partitions = [param.ds_tensor for group in zero.fp16_groups for param in group]
+        self.defaults: dict[str, Any] = {}
+        self.param_groups: list[dict[str, Any]] = [{"params": [*zero.fp32_partitioned_groups_flat, *partitions]}]
+        self.state = inner_optimizer(engine).state
+
+
+_PARTITIONS: weakref.WeakKeyDictionary[Any, Stage3Partitions] = weakref.WeakKeyDictionary()
+"""One view per ZeRO 3 optimizer, alive as long as it is (recovery holds optimizers by weak reference only)."""
+
+
+def stage3_partitions(engine: Any) -> Stage3Partitions:
+    """The view of ``engine``'s ZeRO 3 partitions for the snapshots (the same one at every call)."""
+    zero = engine.optimizer
+    view = _PARTITIONS.get(zero)
+    if view is None:
+        view = _PARTITIONS[zero] = Stage3Partitions(engine)
+    return view
 
 
 @dataclass(frozen=True)

@@ -72,13 +72,6 @@ def refuse_under_deepspeed(
             "loss scaler is not in the guard's snapshots, so a rewind would not be exact. Train in bf16 (recommended), "
             "or remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
         )
-    if policy.recovery is not None and layout(engine) == "stage3":
-        raise GuardStateError(
-            f"{where} has a recovery section, which gradguard does not support under DeepSpeed ZeRO 3: its optimizer "
-            "holds the fp32 master partitions only while its step runs (sub group by sub group), so the guard's "
-            "snapshots cannot hold them and a rewind would not be exact. Recovery works at ZeRO 0, 1 and 2; at ZeRO 3 "
-            "remove the section and resume from DeepSpeed's checkpoints (engine.save_checkpoint)."
-        )
     if policy.ranks is not None and policy.ranks.check_replicas_every is not None and layout(engine) == "stage3":
         raise GuardStateError(
             f"{where}: ranks.check_replicas_every compares data-parallel replicas' weights, but ZeRO 3 partitions the "

@@ -18,8 +18,8 @@ inside DeepSpeed's engine, which ``accelerator.backward`` steps, and
 ``GradGuard(engine, policy)`` does: the policy acts on the reduced gradients inside DeepSpeed's update, before its
 ``gradient_clipping`` (Trainer's ``max_grad_norm``), a NaN halts every rank at the same step naming the parameter,
 and a skip takes DeepSpeed's overflow path, so the Trainer does not step its scheduler either. What the guard refuses
-under DeepSpeed (ZeRO 3, offload, a ``recovery`` section, ``agc``, ``drop``, the size-reading actions under fp16) is
-refused at ``on_train_begin``.
+under DeepSpeed (optimizer and parameter offload, a ``recovery`` section under fp16; docs/distributed.md) is refused at
+``on_train_begin``. The Trainer has been run with ZeRO 1 and 2 only.
 
 A policy's ``rerun`` section cannot compute a step again here: ``Trainer`` steps without a closure the guard could
 run a second time. The first suspect step says so (``rerun_unavailable``, with why), its verdict stands, and a halt

@@ -14,7 +14,7 @@ from gradguard.enforce.work.step_work import StepContext, StepPlan, StepWork
 if TYPE_CHECKING:
     from gradguard.policy.document import Policy
 
-__all__ = ["RecoveryTakingPart"]
+__all__ = ["AppliedCount", "RecoveryTakingPart"]
 
 
 class RecoveryTakingPart(Participant):
@@ -28,6 +28,23 @@ class RecoveryTakingPart(Participant):
 
     def after_read(self, work: StepWork, context: StepContext) -> None:
         self.recovery.after_read()  # a snapshot's copy to the host goes on in a chunk that ends before the next read
+
+    def applied(self, work: StepWork) -> None:
+        self.recovery.applied_step(work.step)
+
+    def release(self) -> None:
+        self.recovery.release()
+
+
+class AppliedCount(Participant):
+    """Recovery's part where the policy has no ``recovery`` section: every applied update counted
+    (``guard.applied_steps``), and nothing else. Without the section no snapshot is due, no rewind's window is open
+    and no host copy is in flight (a reload that takes the section out gives them back, ``Recovery.reconfigure``,
+    then builds this in ``RecoveryTakingPart``'s place), so ``opens`` and ``after_read`` would do nothing: they are
+    not taken part in, and cost no call a step."""
+
+    def __init__(self, recovery: Recovery) -> None:
+        self.recovery = recovery
 
     def applied(self, work: StepWork) -> None:
         self.recovery.applied_step(work.step)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from gradguard.enforce.actions.adaptive import StatisticsTakingPart
 from gradguard.enforce.actions.nonfinite import SkipLimits
 from gradguard.enforce.hooks.scaler import ScalerFlags
-from gradguard.enforce.recovery.participant import RecoveryTakingPart
+from gradguard.enforce.recovery.participant import AppliedCount, RecoveryTakingPart
 from gradguard.enforce.recovery.recovery import Recovery
 from gradguard.enforce.step.fused_update import FusedUpdate
 from gradguard.enforce.step.known_norms import KnownNorms
@@ -127,7 +127,14 @@ register("micro_batch", lambda parts: None)  # given by the guard in per-micro-b
 register("skip_limits", lambda parts: parts.skip_limits)
 register("statistics", lambda parts: StatisticsTakingPart(parts.statistics))
 register("known_norms", lambda parts: parts.known_norms)
-register("recovery", lambda parts: RecoveryTakingPart(parts.recovery, parts.policy))
+register(
+    "recovery",
+    lambda parts: (
+        AppliedCount(parts.recovery)
+        if parts.policy().recovery is None
+        else RecoveryTakingPart(parts.recovery, parts.policy)
+    ),
+)
 register("loss", lambda parts: LossTakingPart(parts.loss_watch, parts.policy, parts.events, parts.judge_loss))
 register("provenance", lambda parts: None)  # given by the guard: GradGuard(provenance=...)
 register("ranks", lambda parts: None)  # given by the guard under torch.distributed (``step.ranks``)

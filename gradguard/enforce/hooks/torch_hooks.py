@@ -35,7 +35,7 @@ import functools
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -156,11 +156,15 @@ def enlist(guard: GuardHooks) -> Enlisted:
     return Enlisted(ref)
 
 
-def _live() -> Iterator[GuardHooks]:
+def _live() -> list[GuardHooks]:
+    # A list made in one call, not a generator (each of whose resumptions is a Python call: 2 a hook with one guard),
+    # nor a comprehension (another call): the hooks run at every step.
+    live = []
     for ref in _guards:  # the tuple as it is now: a guard enlisted or removed meanwhile does not disturb it
         guard = ref()
         if guard is not None:
-            yield guard
+            live.append(guard)
+    return live
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -237,11 +241,11 @@ def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first
                 tensors = kwargs[first] = _as_list(kwargs[first])
             else:
                 return original(*args, **kwargs)  # let torch say what is missing
-            acted = _before_clip(ClipCall(name, tensors, of_grads))
-            result = _clip_instead(acted, name, original, args, kwargs)
+            acted, result = _clip_instead(ClipCall(name, tensors, of_grads), original, args, kwargs)
             if result is None:
                 result = original(*args, **kwargs)
-            _after_clip(acted)
+                if acted:
+                    _after_clip(acted)
             return result
         return original(*args, **kwargs)
 
@@ -252,20 +256,21 @@ def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first
 # The guards run eagerly, also inside a torch.compile'd function (their step reads the host once and keeps
 # Python state that dynamo must not trace): dynamo breaks the graph around these calls.
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def _before_clip(call: ClipCall) -> list[GuardHooks]:
-    return [guard for guard in _live() if guard._before_clip(call)]
-
-
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _clip_instead(
-    acted: list[GuardHooks], name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """What the clip returns, from the norms a guard's step has just taken; None: torch's own clip runs."""
+    call: ClipCall, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[GuardHooks], Any]:
+    """The guards that act at this clip, and what the clip returns from the norms a guard's step has just taken
+    (None: torch's own clip runs, and ``_after_clip`` follows it). One crossing of ``torch.compiler.disable`` where
+    a guard answers the clip (each costs 3 Python calls a step): the guards' ``_after_clip`` is called here then, as
+    it was right after the answer."""
+    acted = [guard for guard in _live() if guard._before_clip(call)]
     for guard in acted:
-        result = guard._clip_instead(name, original, args, kwargs)
+        result = guard._clip_instead(call.name, original, args, kwargs)
         if result is not None:
-            return result
-    return None
+            for each in acted:
+                each._after_clip()
+            return acted, result
+    return acted, None
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]

@@ -40,26 +40,27 @@ class LossTakingPart(Participant):
         events: EventLog,
         judge: Callable[[LossVerdict, int], bool],
     ) -> None:
-        self.watch, self._policy, self._events, self._judge = watch, policy, events, judge
+        self.watch, self._events, self._judge = watch, events, judge
+        # The sections as the policy has them now: a reload builds the participants again (``Participants.rebuild``),
+        # so they cannot change under this one, and each stage saves asking for the policy (a call, 3 a step).
+        now = policy()
+        self._loss, self._always = now.loss, now.loss is not None or now.rerun is not None
 
     def passed(self, context: StepContext) -> None:
         self.watch.discard()
 
     def beside_actions(self, work: StepWork) -> None:
-        policy = self._policy()
-        judged = policy.loss
-        watched = judged is not None or work.sampled or policy.rerun is not None
-        self.watch.begin(work, watched, self._events, judged)
+        self.watch.begin(work, self._always or work.sampled, self._events, self._loss)
 
     def ruling(self, work: StepWork, context: StepContext) -> Ruling | None:
-        verdict = self.watch.verdict(self._policy().loss, work.outcome, work.step)
+        verdict = self.watch.verdict(self._loss, work.outcome, work.step)
         if verdict is None:
             return None
         step, judge = work.step, self._judge
         return Ruling(lambda: judge(verdict, step))
 
     def applied(self, work: StepWork) -> None:
-        self.watch.accept(self._policy().loss, work.outcome.loss)
+        self.watch.accept(self._loss, work.outcome.loss)
 
 
 class HealthTakingPart(Participant):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,20 @@ def test_accelerate_s_deepspeed_plugin_on_the_cpu_is_guarded_by_the_accelerate_i
         assert found["counters"]["nonfinite"] == {"nan": 1, "halt_on_nonfinite": 1}
 
 
+@pytest.fixture
+def environment_kept() -> Iterator[None]:
+    """Lightning's strategy writes MASTER_ADDR, MASTER_PORT, NODE_RANK and LOCAL_RANK into this process's environment;
+    left there, a later test's ``accelerate.Accelerator()`` believes it was launched distributed and wraps its model
+    in DDP."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.usefixtures("environment_kept")
 def test_lightning_s_deepspeed_strategy_refuses_the_cpu_with_its_own_clear_error_before_the_guard_attaches() -> None:
     """Lightning 2.6 refuses ``strategy="deepspeed_stage_2"`` on a CPU at fit's start, in words docs/distributed.md
     quotes; the guard's callback has attached nothing by then."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from gradguard.enforce.actions import kernel_for
+from gradguard.enforce.actions import ActionKernel, kernel_for
 from gradguard.policy.matching import Binding, BoundRule, GuardedParam
 from gradguard.policy.schema import Action, ClipNorm
 
@@ -45,6 +45,10 @@ class Plan:
     refs: tuple[tuple[int, weakref.ReferenceType[nn.Parameter]], ...] = ()
     """``(index, weak reference)`` per tensor of ``params``: what the engine looks at for every tensor at every step,
     without an attribute lookup on each entry."""
+    changing: tuple[tuple[int, tuple[tuple[int, Action, ActionKernel], ...]], ...] = ()
+    """``(position in rules, its changing actions as (action index, action, kernel))`` of every rule with an action
+    that runs in policy order (not one that only watches or observes), in policy order: what the step's actions
+    walk, found once here rather than asked of every rule's every action at every step."""
     later_writers: dict[tuple[int, int], tuple[tuple[int, int, Action, frozenset[int]], ...]] = field(
         default_factory=dict
     )
@@ -138,7 +142,19 @@ class Plan:
             )
             for k, (position, action_index, _, members) in enumerate(writers)
         }
+        changing = tuple(
+            (position, acting)
+            for position, (bound, _) in enumerate(rules)
+            if (
+                acting := tuple(
+                    (action_index, action, kernel)
+                    for action_index, action in enumerate(bound.actions)
+                    if not ((kernel := kernel_for(action)).watches or kernel.observes)
+                )
+            )
+        )
         return cls(
+            changing=changing,
             later_writers=later_writers,
             names={entry.index: entry.name for entry in ordered},
             params=ordered,

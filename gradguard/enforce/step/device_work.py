@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gradguard.enforce.actions import ActionKernel, kernel_for
+from gradguard.enforce.actions import kernel_for
 from gradguard.enforce.actions.nonfinite import watch_raw_norms
 from gradguard.enforce.hooks.micro_batch import handled_in_hooks
 from gradguard.enforce.plans.plan import Plan
@@ -48,15 +48,17 @@ def apply_actions(plan: Plan, work: StepWork, everyone: int, per_micro_batch: bo
     """Each active rule's actions, in policy order, through their kernels."""
     grads, step = work.grads, work.step
     in_hooks = handled_in_hooks if per_micro_batch else None
-    for position, ((bound, members), member_ids) in enumerate(zip(plan.rules, plan.member_ids, strict=True)):
-        if not bound.rule.active_at(step) or all(_passive(kernel_for(a)) for a in bound.actions):
-            continue  # inactive, or it only watches (halt/skip: its verdict came with the raw norms) or observes
-        ids = _present(member_ids, members, grads, everyone)
+    # Only the rules with a changing action, and only those actions (``Plan.changing``): an action that watches
+    # (halt/skip: its verdict came with the raw norms) or observes (monitor) never runs here.
+    for position, acting in plan.changing:
+        bound, members = plan.rules[position]
+        if not bound.rule.active_at(step):
+            continue
+        ids = _present(plan.member_ids[position], members, grads, everyone)
         if not ids:
             continue
-        for action_index, action in enumerate(bound.actions):
-            kernel = kernel_for(action)
-            if _passive(kernel) or not plan.acts(position, action, step, in_hooks):
+        for action_index, action, kernel in acting:
+            if not plan.acts(position, action, step, in_hooks):
                 continue
             work.final = plan.final_ids(position, action_index, ids, step, in_hooks)
             holds = len(work.final) < len(ids) and not work.sharded and kernel.may_hold(action)
@@ -88,8 +90,3 @@ def _present(
 ) -> list[int]:
     """A rule's tensors that have a gradient in this pass: all of them while every tensor of the plan has one."""
     return list(member_ids) if len(grads) == everyone else [entry.index for entry in members if entry.index in grads]
-
-
-def _passive(kernel: ActionKernel) -> bool:
-    """The kernel never acts in policy order: it watches (halt, skip) or observes (monitor)."""
-    return kernel.watches or kernel.observes

@@ -203,6 +203,7 @@ def test_a_clean_run_with_every_check_on_raises_nothing_and_is_bitwise_the_ungua
             assert not logged(result, "rank_outlier")
             assert not logged(result, "replica_divergence")
             assert result["digest"] == reference["digest"]
+            assert result["notes_after_removal"] == 0
 
 
 def test_under_fsdp2_a_nan_made_on_one_rank_names_it_on_every_rank(fsdp2: Path) -> None:

@@ -43,17 +43,29 @@ class LocalGradients:
     """Where this rank's own gradient is read (e.g. ``"DDP communication hook"``), or None."""
     unseen: str | None = None
     """Why it cannot be read (a communication hook of the user's own, ...): then no fault is named by rank."""
+    closed: bool = False
+    """The guard was removed: the taps the engine keeps (DDP's hook cannot be taken back) note nothing more."""
     _notes: list[torch.Tensor] = field(default_factory=list)
 
     def note(self, gradient: torch.Tensor) -> None:
         """Note the 2-norm of ``gradient``, part of this rank's own gradient as it is handed to the reduction (called
         from the engine's tap, during backward: queued on the device, no host sync)."""
-        if gradient.numel():
+        if gradient.numel() and not self.closed:
             self._notes.append(torch.linalg.vector_norm(gradient, 2, dtype=torch.float32))
 
     def note_norms(self, norms: Sequence[torch.Tensor]) -> None:
         """Note 2-norms already taken of parts of this rank's own gradient."""
-        self._notes.extend(norms)
+        if not self.closed:
+            self._notes.extend(norms)
+
+    def close(self) -> None:
+        """The guard is removed: note nothing more, hold nothing."""
+        self.closed, self._notes = True, []
+
+    @property
+    def held(self) -> int:
+        """How many notes wait for the next step."""
+        return len(self._notes)
 
     def take(self, device: torch.device) -> torch.Tensor | None:
         """The 2-norm of everything noted since the last step (non-finite exactly when some noted part held a NaN or

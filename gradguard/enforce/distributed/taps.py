@@ -165,8 +165,3 @@ def tap_local_gradients(model: nn.Module, local: LocalGradients) -> None:
             "the model is neither DDP- nor FSDP2-wrapped, so the guard cannot see each rank's own gradient before "
             "the reduction (a loop that all-reduces by hand); pass the DDP or FSDP2 model to GradGuard"
         )
-
-
-def untap(local: LocalGradients) -> None:
-    """The guard is removed: its taps note nothing more (they drop their weak reference's target with it)."""
-    local.forget()

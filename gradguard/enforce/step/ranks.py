@@ -112,6 +112,9 @@ class RanksTakingPart(Participant):
         self._diverged: tuple[dict[int, str], list[str]] | None = None
         self._outliers: dict[int, str] = {}
 
+    def release(self) -> None:
+        self.collective.local.close()  # the engine keeps its tap (DDP's hook stays): it must not grow a list for ever
+
     def passed(self, context: StepContext) -> None:
         self.collective.local.forget()  # a step skipped unread (a rewind's window): its gradients are not this step's
 

@@ -263,7 +263,10 @@ def _clip_instead(
     (None: torch's own clip runs, and ``_after_clip`` follows it). One crossing of ``torch.compiler.disable`` where
     a guard answers the clip (each costs 3 Python calls a step): the guards' ``_after_clip`` is called here then, as
     it was right after the answer."""
-    acted = [guard for guard in _live() if guard._before_clip(call)]
+    acted = []
+    for guard in _live():  # a loop, not a comprehension (a call of its own)
+        if guard._before_clip(call):
+            acted.append(guard)
     for guard in acted:
         result = guard._clip_instead(call.name, original, args, kwargs)
         if result is not None:
@@ -338,7 +341,11 @@ _Seen = list[tuple["LossWatch", Any, torch.Tensor | None, str | None]]
 def _before_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
     """A backward's root (the loss, unscaled where a GradScaler scaled it), and each watching guard's probe of its
     model's gradients as they are before it."""
-    watches = [watch for guard in _live() if (watch := guard._loss_watch()) is not None]
+    watches = []
+    for guard in _live():  # a loop, not a comprehension (a call of its own): this runs at every backward
+        watch = guard._loss_watch()
+        if watch is not None:
+            watches.append(watch)
     if not watches:
         return []
     root, why = root_of(args, kwargs)

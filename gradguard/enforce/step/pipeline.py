@@ -61,11 +61,12 @@ class StepPipeline:
         if not grads:
             return True
         step = book.begin_step(grads)  # 2. open
-        if not all(participant.opens(step, plan, context) for participant in participants.at["opens"]):
-            clear_gradients(context)  # its update is skipped, its gradients unread
-            for participant in participants.at["passed"]:
-                participant.passed(context)
-            return False
+        for participant in participants.at["opens"]:  # a loop, not all() over a generator: no call a participant
+            if not participant.opens(step, plan, context):  # declined: the later ones are not asked
+                clear_gradients(context)  # its update is skipped, its gradients unread
+                for passed in participants.at["passed"]:
+                    passed.passed(context)
+                return False
         work = StepWork.begin(binding, plan.names, plan.fragile, grads, wrapped, step, self.collective, context)
         queue_device_work(plan, work, context, participants)  # 3. device work
 

@@ -16,7 +16,16 @@ from torch import nn
 
 from support.gloo_ranks import free_port
 
-__all__ = ["batch", "loss_of", "make_engine", "make_model", "torchrun_scenarios", "train_step"]
+__all__ = [
+    "assert_update_held_by_the_clip",
+    "batch",
+    "loss_of",
+    "make_engine",
+    "make_model",
+    "own_gradient_as_tapped",
+    "torchrun_scenarios",
+    "train_step",
+]
 
 
 def make_model() -> nn.Module:
@@ -83,6 +92,42 @@ def train_step(engine: Any, step: int, gas: int, rank: int) -> None:
         x, y = batch(step, micro, rank)
         engine.backward(loss_of(engine(x.to(dtype)), y))
         engine.step()
+
+
+def own_gradient_as_tapped(engine: Any, rank: int, gas: int, param_name: str) -> dict[str, Any]:
+    """One update's backwards with a NaN made on rank 1 only, in the first micro-batch (a hook on ``param_name``):
+    this rank's own gradient as the guard's tap noted it before DeepSpeed's reduction (``collective.local``), read
+    before the guard's step takes it; with where the tap reads (``seen``) or why it cannot (``unseen``)."""
+    from gradguard import GradGuard, Policy
+
+    param = dict(engine.module.named_parameters())[param_name]
+    micro = [0]
+    handle = param.register_hook(lambda g: g * float("nan") if rank == 1 and micro[0] == 0 else g)
+    halt = {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
+    with GradGuard(engine, Policy.from_dict(halt), logger=None) as guard:
+        local = guard._enforcer.collective.local
+        for micro[0] in range(gas):
+            x, y = batch(0, micro[0], rank)
+            engine.backward(loss_of(engine(x), y))
+            if micro[0] < gas - 1:
+                engine.step()  # not a boundary: no update, no guard step
+        taken = local.take(torch.device("cpu"))
+        found = {"norm": None if taken is None else float(taken), "seen": local.seen, "unseen": local.unseen}
+    handle.remove()
+    return found
+
+
+def assert_update_held_by_the_clip(result: dict[str, Any], bound: float) -> None:
+    """A per-tensor clip's parameter moved by ``bound`` (lr x max_norm) at every step, no more and, the clip being
+    what held it, hardly less; the others moved freely; the clip counted at each of 5 steps; every rank the same.
+
+    The update is measured as the float32 weights' difference: each element of the new weights is rounded to half an
+    ulp (~1.5e-8 at |w| ~ 0.3), so the measured norm of a 5e-5 update is exact to ~2e-3 relative."""
+    assert all(moved <= bound * (1 + 5e-3) for moved in result["moved"]), result["moved"]
+    assert all(moved > bound * (1 - 5e-3) for moved in result["moved"])
+    assert all(other > 10 * bound for other in result["others"]), result["others"]
+    assert result["counters"]["tight"] == {"clip_norm": 5}
+    assert result["same"]
 
 
 def torchrun_scenarios(

@@ -53,11 +53,6 @@ class LocalGradients:
         if gradient.numel() and not self.closed:
             self._notes.append(torch.linalg.vector_norm(gradient, 2, dtype=torch.float32))
 
-    def note_norms(self, norms: Sequence[torch.Tensor]) -> None:
-        """Note 2-norms already taken of parts of this rank's own gradient."""
-        if not self.closed:
-            self._notes.extend(norms)
-
     def close(self) -> None:
         """The guard is removed: note nothing more, hold nothing."""
         self.closed, self._notes = True, []

@@ -9,7 +9,12 @@ from typing import Any
 
 from gradguard.enforce.recovery.snapshots import Snapshot
 
-__all__ = ["Decision", "HaltReport", "RewindRequested"]
+__all__ = ["Decision", "HaltReport", "RewindRequested", "ranks_field"]
+
+
+def ranks_field(ranks: Mapping[int, Any]) -> dict[str, Any]:
+    """A {rank: value} mapping as an event writes it: JSON keys are strings, ranks in order."""
+    return {str(rank): value for rank, value in sorted(ranks.items())}
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,7 @@ class HaltReport:
             "kind": self.kind,
             "reason": self.reason,
             "origin": self.origin,
-            "ranks": {str(rank): host for rank, host in sorted(self.ranks.items())},
+            "ranks": ranks_field(self.ranks),
         }
 
 

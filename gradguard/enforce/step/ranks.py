@@ -28,7 +28,7 @@ from torch import nn
 
 from gradguard.enforce.distributed.collective import Collective, is_sharded
 from gradguard.enforce.distributed.taps import tap_local_gradients
-from gradguard.enforce.recovery.decisions import HaltReport
+from gradguard.enforce.recovery.decisions import HaltReport, ranks_field
 from gradguard.enforce.step.engine import Enforcer
 from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.work.participant import Participant, Ruling
@@ -178,7 +178,7 @@ class RanksTakingPart(Participant):
         median = min(references[rank] for rank in far)
         named = {rank: self.collective.hosts.get(rank, "?") for rank in far}
         self.counters.add(RANKS_RULE, "outlier")
-        fields = {"ranks": {str(r): h for r, h in named.items()}, "norms": {str(r): v for r, v in norms.items()}}
+        fields: dict[str, Any] = {"ranks": ranks_field(named), "norms": ranks_field(norms)}
         fields |= {"median": median, "outlier_factor": ranks.outlier_factor, "action": ranks.on_outlier}
         self.events.emit("warning", "rank_outlier", step=work.step, **fields)
         if ranks.on_outlier == "warn":
@@ -217,7 +217,7 @@ class RanksTakingPart(Participant):
             "error",
             "replica_divergence",
             step=step,
-            ranks={str(r): h for r, h in named.items()},
+            ranks=ranks_field(named),
             params=params,
             checked=len(names),
             action=action,

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
-from gradguard.enforce.recovery.decisions import HaltReport, RewindRequested
+from gradguard.enforce.recovery.decisions import HaltReport, RewindRequested, ranks_field
 from gradguard.enforce.recovery.recovery import Recovery
 from gradguard.enforce.triggers.loss import LossVerdict
 from gradguard.enforce.work.participant import clear_gradients
@@ -203,7 +203,7 @@ class Verdicts:
                 kinds=kinds,
                 kind=kind,
                 origin=outcome.origin,
-                ranks={str(rank): host for rank, host in sorted(outcome.ranks.items())},
+                ranks=ranks_field(outcome.ranks),
             )
         for rule_index in sorted({spike.rule_index for spike in outcome.spikes}):
             mine = [spike for spike in outcome.spikes if spike.rule_index == rule_index]

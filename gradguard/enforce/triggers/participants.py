@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gradguard.enforce.recovery.decisions import HaltReport
+from gradguard.enforce.recovery.decisions import HaltReport, ranks_field
 from gradguard.enforce.triggers.health import Health
 from gradguard.enforce.triggers.loss import LossVerdict, LossWatch
 from gradguard.enforce.triggers.rerun import Figures, Reruns
@@ -132,8 +132,8 @@ class RerunTakingPart(Participant):
         origin = reruns.origin_ranks
         recurred = {rank: host for rank, host in origin.items() if rank in outcome.ranks}
         fields |= {
-            "origin_ranks": {str(r): h for r, h in origin.items()},
-            "recurred": {str(r): h for r, h in recurred.items()},
+            "origin_ranks": ranks_field(origin),
+            "recurred": ranks_field(recurred),
         }
         self._events.emit("warning", "rerun", step=step, verdict=result.verdict, asked=asked, **fields)
         if result.verdict == "reproducible":

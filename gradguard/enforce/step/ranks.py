@@ -135,7 +135,7 @@ class RanksTakingPart(Participant):
             return  # refused at attach; a reload cannot shard
         device = named[0][1].device
         mine = fingerprints([param for _, param in named]).to(device)
-        both = work.collective.max_(torch.cat([mine, ~mine]))  # type: ignore[union-attr]
+        both = self.collective.max_(torch.cat([mine, ~mine]))  # the participant's group is the step's
         count = len(named)
         agree = torch.eq(both[:count], ~both[count:]).all().float().reshape(1)
         self._checked, self._agreed = ([name for name, _ in named], mine), True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +112,8 @@ def halt_scenario(stage: int, gas: int, rank: int, **zero: Any) -> dict[str, Any
                 result["halted"] = {"step": halt.step, "params": halt.params, "kind": halt.kind}
                 result["untouched"] = all(torch.equal(before[n], after[n]) for n in before)
                 result["guard_step"] = guard.step_count
+                result["ranks"] = {str(r): h for r, h in halt.ranks.items()}
+                result["made_on"] = f"made on rank 1 (host {socket.gethostname()})" in str(halt)
                 break
         result["counters"] = guard.counters.snapshot()
     handle.remove()
@@ -363,6 +366,9 @@ def test_a_nan_in_one_parameter_on_one_rank_halts_every_rank_at_that_step_naming
         assert result["halted"] == {"step": 5, "params": [CUT], "kind": "nan"}
         assert result["untouched"]
         assert result["counters"]["nonfinite"] == {"nan": 1, "halt_on_nonfinite": 1}
+        # Rank 1 made it in its own backward (#48): every rank names rank 1 and its host, in the halt and its words.
+        assert result["ranks"] == {"1": socket.gethostname()}
+        assert result["made_on"]
 
 
 @pytest.mark.parametrize("config", NAMED)

@@ -875,11 +875,13 @@ TREATMENTS = (
 
 def segment(
     bench: Bench, policy: Policy | None, clip: bool, warmup: int, steps: int
-) -> tuple[list[float], Any, int | None]:
-    """Attach (if a policy), ``warmup`` untimed steps, ``steps`` timed ones, detach; the times, the guard, and the
-    peak of allocated bytes over the timed steps (CUDA; None elsewhere)."""
+) -> tuple[list[float], Any, int | None, dict[str, float]]:
+    """Attach (if a policy), ``warmup`` untimed steps, ``steps`` timed ones, detach; the times, the guard, the peak
+    of allocated bytes over the timed steps (CUDA; None elsewhere), and the guard's metrics before it was detached
+    (``remove()`` gives its snapshots back: read after it, recovery's held bytes are 0)."""
     guard = GradGuard(bench.model, policy, logger=None) if policy is not None else None
     cuda = bench.device.type == "cuda"
+    metrics: dict[str, float] = {}
     try:
         for _ in range(warmup):
             bench.step(clip)
@@ -888,10 +890,11 @@ def segment(
             torch.cuda.reset_peak_memory_stats(bench.device)
         times = [bench.step(clip) for _ in range(steps)]
         peak = torch.cuda.max_memory_allocated(bench.device) if cuda else None
+        metrics = guard.metrics() if guard is not None else {}
     finally:
         if guard is not None:
             guard.remove()
-    return times, guard, peak
+    return times, guard, peak, metrics
 
 
 @dataclass
@@ -952,7 +955,7 @@ def overhead_size(ctx: Context, size: Size, left: float) -> None:
                 treatment = TREATMENTS[k]
                 policy = treatment.policy() if treatment.policy is not None else None
                 with reading_first(treatment.read_first):
-                    times, guard, peak_bytes = segment(bench, policy, treatment.clip, 1, steps)
+                    times, guard, peak_bytes, _ = segment(bench, policy, treatment.clip, 1, steps)
                 medians[k].append(statistics.median(times))
                 if peak_bytes is not None:
                     peaks[k].append(peak_bytes)
@@ -1121,12 +1124,11 @@ def snapshot_size(ctx: Context, size: Size, left: float) -> None:
                     # Untimed: the first snapshot of each of the keep slots, which allocates its buffers (pinned
                     # host memory takes seconds at 1.4B), and the steps between.
                     warm = SNAPSHOT_EVERY * 2 + 2
-                    times, guard, _ = segment(bench, policy(), False, warm, steps)
+                    times, guard, _, metrics = segment(bench, policy(), False, warm, steps)
                     medians[label].append(statistics.mean(times))
                     takes = [(i + warm) % SNAPSHOT_EVERY == 0 for i in range(len(times))]  # the guard's step i + warm
                     snapshot_steps[label].extend(t for t, take in zip(times, takes, strict=True) if take)
                     other_steps[label].extend(t for t, take in zip(times, takes, strict=True) if not take)
-                    metrics = guard.metrics() if guard is not None else {}
                     held[label] = metrics.get("gradguard/recovery/snapshot_bytes", 0.0)
                     on_device = metrics.get("gradguard/recovery/device_bytes", 0.0) / 2**30
                     on_host = metrics.get("gradguard/recovery/host_bytes", 0.0) / 2**30

@@ -71,3 +71,17 @@ def test_the_correctness_sections_pass_on_the_cpu(
     assert sum("still in flight" in case for case in cases["recovery"]) == in_flight
     assert len(cases["provenance"]) == 4
     assert len(cases["compile"]) == 1
+
+
+def test_the_snapshot_section_reports_the_bytes_each_memory_mode_held_before_the_guard_let_them_go(
+    gpu_check: ModuleType, tmp_path: Path
+) -> None:
+    """Keep 2: twice the parameters and optimizer state that one copy moves, in every mode (the 2026-11-28 H200 run
+    read the guard's metrics after ``remove()`` and printed 0.00 GiB held)."""
+    out = tmp_path / "result.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--only", "snapshot", "--json", str(out)]) == 0
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    one_copy = next(row["data"]["bytes"] for case, row in rows.items() if "into device buffers" in case)
+    held = {case: row["data"]["snapshot_bytes"] for case, row in rows.items() if "recovery every" in case}
+    assert len(held) == len(gpu_check.recovery_memory_modes())
+    assert set(held.values()) == {2 * one_copy}

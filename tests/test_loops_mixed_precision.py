@@ -281,6 +281,32 @@ def test_a_finite_gradient_whose_float32_norm_overflows_is_clipped_by_its_float6
     assert event["overflowed"] is True
 
 
+@pytest.mark.parametrize("scale", [1e39, 1e100, 1e150])
+def test_a_float64_gradient_whose_norm_is_beyond_float32s_range_is_clipped_once_bitwise_as_torch(
+    scale: float, tmp_path: Path
+) -> None:
+    """A finite float64 norm above float32's largest value is not an overflow: one clip, bitwise
+    ``clip_grad_norm_([p])``'s, no ``norm_overflow`` (the step once cast the norms to float32, read Inf there, and
+    clipped the gradient a second time by the float64 norm of the clipped one, a factor 1 - 2e-6 too small)."""
+    model = nn.Linear(4, 2, bias=False).double()
+    grad = torch.tensor([[scale, -scale / 3, 0.0, 1.0], [2.0, scale / 7, 0.5, -scale]], dtype=torch.float64)
+    reference = nn.Parameter(torch.zeros_like(grad))
+    reference.grad = grad.clone()
+    torch.nn.utils.clip_grad_norm_([reference], 0.5)
+    log = tmp_path / "audit.jsonl"
+    policy = make_policy(
+        {"name": "watch", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
+        {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 0.5}]},
+    )
+    with GradGuard(model, policy, logger=None, audit_log=log) as guard:
+        model.weight.grad = grad.clone()
+        guard.step()
+        counters = guard.counters.snapshot()
+    assert torch.equal(model.weight.grad, reference.grad)
+    assert counters == {"clip": {"clip_norm": 1}}
+    assert events_of(log, "norm_overflow") == []
+
+
 ADAPTIVE = make_policy(
     {"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]},
     {"name": "auto", "match": "*", "actions": [{"action": "autoclip", "history": 32}]},

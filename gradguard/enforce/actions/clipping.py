@@ -179,15 +179,15 @@ def _clip_on_host(
     non-finite watch reads already: read again in the same transfer, not launched again) are read and each
     coefficient is taken on the host (``host_clip_coefficient``: bitwise the device's)."""
     outcome, names, step, writes, max_norm = work.outcome, work.names, work.step, work.writes, action.max_norm
-    single, wide = norms.dtype == torch.float32, norms.device.type == "cpu"
+    single = norms.dtype == torch.float32
     # Below this, every coefficient is above 1 whatever the rounding (each of torch's roundings moves it 2**-24 at
-    # most; a norm from 2**64 on may square to Inf on a GPU): the common step decides in two C calls.
-    below = min((max_norm - 2 * EPS) * (1 - 2**-20), 2.0**64)
+    # most): the common step decides in two C calls.
+    below = (max_norm - 2 * EPS) * (1 - 2**-20)
 
     def read(values: list[float]) -> None:
         if max(values) < below and math.isfinite(sum(values)):
             return  # nothing clipped, every norm finite
-        found = [host_clip_coefficient(value, max_norm, single, wide) for value in values]
+        found = [host_clip_coefficient(value, max_norm, single) for value in values]
         totals, coefs = [total for total, _ in found], [coef for _, coef in found]
         for row, (index, coef) in enumerate(zip(ids, coefs, strict=True)):
             if coef < 1.0:  # the 0-dim coefficient is only taken for half precision

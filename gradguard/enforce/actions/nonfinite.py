@@ -59,8 +59,10 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     gs = [grads[i] for i in raw_ids]
     local = norms(gs, 2.0)
     device = local[0].device
-    pending.raw_stack = (local, stack_on(local, device))
-    stacked = pending.raw_stack[1].float()
+    # Kept in the norms' own type: a float64 norm above float32's range is finite, not Inf (a cast would call it an
+    # overflow and clip it twice). Half precision's norms are float32 already.
+    stacked = stack_on(local, device)
+    pending.raw_stack = (local, stacked)
     evidence = stacked
     fragile = [position for position, index in enumerate(raw_ids) if index in plan.fragile] if plan.fragile else []
     if fragile:
@@ -72,7 +74,7 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
         chosen = list(local)
         for k, peak in zip(fragile, peaks, strict=True):
             chosen[k] = peak
-        evidence = stack_on(chosen, device).float()
+        evidence = stack_on(chosen, device)
     # A NaN or Inf element makes the 2-norm so; a finite tensor whose norm overflowed is the host's to check too.
     pending.quiet_if(lambda: stacked < math.inf)
     count = len(raw_ids)

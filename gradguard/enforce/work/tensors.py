@@ -145,25 +145,19 @@ def clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 
 _F32_EPS = c_float(EPS).value
-_SQUARE_OVERFLOWS_F32, _SQUARE_OVERFLOWS_F64 = 2.0**64, 2.0**512
-"""The smallest norms whose square overflows float32, float64: the least float32 above sqrt(float32 max) is 2**64."""
 
 
-def host_clip_coefficient(norm: float, max_norm: float, single: bool, wide: bool) -> tuple[float, float]:
+def host_clip_coefficient(norm: float, max_norm: float, single: bool) -> tuple[float, float]:
     """``clip_coefficients`` of one read 2-norm, on the host: (the total ``clip_grad_norm_([p])`` takes, its
     coefficient), the coefficient bitwise the device's, so the step launches nothing to find it.
 
-    ``single``: the norm is float32, and so is every step of torch's arithmetic (``total + 1e-6``, ``reciprocal``,
-    ``* max_norm``, each rounded to float32; a scalar is cast to float32 first): each is taken in float64 here and
-    rounded to float32, which for these operations is the float32 result itself (float64 has more than twice float32's
-    precision). ``wide``: the device takes the 2-norm of the one-element stack with a wider accumulator than the norm
-    (the CPU's), so the total is the norm itself. Elsewhere (CUDA accumulates float32 in float32) it is
-    ``sqrt(norm * norm)`` in the norm's type: the norm itself (``sqrt`` of a correctly rounded square is exact) but
-    where the square overflows (Inf) or underflows (a total below 2**-63, whose ``+ 1e-6`` rounds to ``1e-6`` all the
-    same: the same coefficient).
+    The total is the norm itself: torch's 2-norm of a one-element stack is that element's absolute value, on the CPU
+    and on CUDA alike, also where its square would overflow (seen on an H200, torch 2.11, from 2**64 on in float32
+    and 2**512 in float64: ``benchmarks/cuda_clip_check.py``). ``single``: the norm is float32, and so is every step
+    of torch's arithmetic (``total + 1e-6``, ``reciprocal``, ``* max_norm``, each rounded to float32; a scalar is
+    cast to float32 first): each is taken in float64 here and rounded to float32, which for these operations is the
+    float32 result itself (float64 has more than twice float32's precision).
     """
-    if not wide and norm >= (_SQUARE_OVERFLOWS_F32 if single else _SQUARE_OVERFLOWS_F64):
-        return math.inf, 1.0
     if not norm < math.inf:  # NaN or Inf: left at 1, and reported (``clip_coefficients``' ``where``)
         return norm, 1.0
     if single:

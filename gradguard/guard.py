@@ -305,12 +305,12 @@ class GradGuard(ServesMetrics):
         steps, params = 0 if attaching else self.step_count, len(self._plans.binding.params)
         return f"<GradGuard {state} policy={self.policy.source!r} params={params} steps={steps}>"
 
-    # --- the process-wide hooks (gradguard.enforce.hooks.torch_hooks) dispatch here: for every step and clip of the
-    # process, on its thread; another training's returns at once, without the lock (an optimizer known to step none
-    # of the model, a clip of none of its tensors).
+    # --- the process-wide hooks (gradguard.enforce.hooks.torch_hooks) dispatch here, on the step's thread; another
+    # training's returns at once, without the lock. Only an enlisted guard is reached, and it has its attachment: its
+    # ``open`` is read, not the ``attached`` property (a Python call each, six a step).
 
     def _on_optimizer_step(self, opt: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> StepArgs | None:
-        if not self.attached:
+        if not self._attachment.open:
             return None
         if self._plans.steps_none(opt):
             if (recovery := self._enforcer.recovery).active and recovery.unchecked(opt):
@@ -321,26 +321,26 @@ class GradGuard(ServesMetrics):
 
     def _after_optimizer_step(self, optimizer: Optimizer) -> None:
         # Only this model's: another thread's optimizer stepping meanwhile must not make its treated gradients new.
-        if not self.attached or self._plans.steps_none(optimizer):
+        if not self._attachment.open or self._plans.steps_none(optimizer):
             return
         with self._lock:
-            if self.attached and self._plans.for_optimizer(optimizer) is not None:
+            if self._attachment.open and self._plans.for_optimizer(optimizer) is not None:
                 self._record(self._enforcer.after_update(optimizer, not self._last_step_skipped))  # a read waited?
                 self._enforcer.seal_explicit()
                 self._enforcer.recovery.at_step_start(self._enforcer.step)
 
     def _before_clip(self, call: ClipCall) -> bool:
-        if not self.attached or not self._plans.guarded_among(call.tensors, of_grads=call.of_grads):
+        if not self._attachment.open or not self._plans.guarded_among(call.tensors, of_grads=call.of_grads):
             return False
         with self._lock:
-            return _clip_begins(self, call) if self.attached else False
+            return _clip_begins(self, call) if self._attachment.open else False
 
     def _clip_instead(self, *call: Any) -> Any:  # the loop's clip from this step's norms; None: torch's own runs
         core = self._enforcer  # only where this very clip ran the guard's step: nothing came between
-        return clip_with_known_norms(core.known_norms, *call) if core.last_run_treated else None
+        return clip_with_known_norms(core.known_norms, *call) if core.book.last_run_treated else None
 
     def _loss_watch(self) -> LossWatch | None:  # where backward's roots go, if the policy watches the loss
-        return self._enforcer.loss_watch if self.attached and watches_loss(self.policy) else None
+        return self._enforcer.loss_watch if self._attachment.open and watches_loss(self.policy) else None
 
     def _after_clip(self) -> None:  # the clip's own change to the gradients is not a new gradient
         with self._lock:
@@ -428,7 +428,10 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer, rerunnable: bool
     if not guard._attachment.open:
         return
     plan = guard._plans.for_optimizer(optimizer)
-    if plan is not None and guard._at_boundary():  # not for an optimizer of another model: it may be on one rank
+    reloader = guard._reloader  # ``pending()`` read here: two flags, no call at every step
+    if (
+        plan is not None and (reloader.agrees or reloader.slot.ready) and guard._at_boundary()
+    ):  # not for another model's
         plan = guard._plans.for_optimizer(optimizer)
     if plan is None:
         return
@@ -441,7 +444,7 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer, rerunnable: bool
         rerunnable=rerunnable,
     )
     proceed = guard._enforcer.run(plan, context)
-    if guard._enforcer.last_run_treated:
+    if guard._enforcer.book.last_run_treated:
         # A pass that found every gradient already treated (after guard.step(), or a second
         # optimizer's step) says nothing about the step: it must not undo a skip's verdict.
         guard._record(proceed)
@@ -451,7 +454,7 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer, rerunnable: bool
         for param in stepped_by(optimizer, guard._model_ref)():
             param.grad = None
     unexpected = guard._expected is not None and all(optimizer is not opt for opt in guard._expected)
-    if unexpected and guard._enforcer.last_run_treated and not guard._warned_unexpected:
+    if unexpected and guard._enforcer.book.last_run_treated and not guard._warned_unexpected:
         guard._warned_unexpected = True
         warn_unexpected_optimizer(guard._events, optimizer, guard._enforcer.step - 1)
 
@@ -483,7 +486,8 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
     boundary = guard._clips.boundary(call, guard._plans)
     if boundary is None:
         return False
-    guard._at_boundary()
+    if guard._reloader.agrees or guard._reloader.slot.ready:  # ``pending()``: two flags, no call at every step
+        guard._at_boundary()
     plan = guard._plans.for_params(boundary.params)
     if plan is None:
         return False
@@ -499,7 +503,7 @@ def _clip_begins(guard: GradGuard, call: ClipCall) -> bool:
         scaled_optimizers=boundary.optimizers,
     )
     proceed = guard._enforcer.run(plan, context)
-    if guard._enforcer.last_run_treated:
+    if guard._enforcer.book.last_run_treated:
         guard._record(proceed and not guard._enforcer.book.scaler_skip_at_boundary)
     return True
 

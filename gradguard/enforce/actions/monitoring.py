@@ -10,6 +10,8 @@ nothing: it is never called.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from gradguard.enforce.actions.base import ActionKernel
@@ -29,6 +31,15 @@ def module_of(name: str, depth: int) -> str:
     """The module a parameter belongs to at ``depth``: the first ``depth`` segments of its module path."""
     path = name.split(".")[:-1][:depth]
     return ".".join(path) if path else ROOT_MODULE
+
+
+@functools.lru_cache(maxsize=64)
+def _modules(params: tuple[str, ...], depth: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The modules of ``params`` at ``depth`` in first-seen order, and each parameter's position among them: the
+    same at every sampled step (a cache hit is no Python call; working them out, one per parameter)."""
+    slots: dict[str, int] = {}
+    segments = tuple([slots.setdefault(module_of(name, depth), len(slots)) for name in params])
+    return tuple(slots), segments
 
 
 class MonitorKernel(ActionKernel):
@@ -57,7 +68,7 @@ class MonitorKernel(ActionKernel):
         base: dict[str, torch.Tensor] = {}
         if wanted & {"norm", "std", "grad_to_weight"} or (joint and "mean" in wanted):
             raw = work.raw
-            if all(i in raw for i in ids):  # the step took them already (untouched: no action ran yet)
+            if all(map(raw.__contains__, ids)):  # the step took them already (untouched: no action ran yet)
                 base["norm"] = work.pending.stack([raw[i] for i in ids], device).float()
             else:
                 base["norm"] = stack_on(work.norms(gs, 2.0), device).float()
@@ -145,17 +156,16 @@ def _joint(
     device = gs[0].device
     if action.scope == "group":
         names = [rule]
-        segments = [0] * len(ids)
+        segments = (0,) * len(ids)
     else:
-        slots: dict[str, int] = {}
-        segments = [slots.setdefault(module_of(work.names[i], action.depth), len(slots)) for i in ids]
-        names = list(slots)
+        modules, segments = _modules(tuple(map(work.names.__getitem__, ids)), action.depth)
+        names = list(modules)
     n = len(names)
     seg = device_constant(tuple(segments), torch.int64, device)
     # The whole tensors' sizes where each rank holds parts of them (``_moments``), else the tensors'.
     sizes = base.get("count")
     if sizes is None:
-        sizes = device_constant(tuple(float(g.numel()) for g in gs), torch.float64, device)
+        sizes = device_constant(tuple(map(float, map(torch.Tensor.numel, gs))), torch.float64, device)
     numel = torch.zeros(n, dtype=torch.float64, device=device).index_add_(0, seg, sizes)
 
     def total(values: torch.Tensor) -> torch.Tensor:

@@ -157,8 +157,7 @@ def enlist(guard: GuardHooks) -> Enlisted:
 
 
 def _live() -> list[GuardHooks]:
-    # A list made in one call, not a generator (each of whose resumptions is a Python call: 2 a hook with one guard),
-    # nor a comprehension (another call): the hooks run at every step.
+    """The guards enlisted now, alive (the hooks on the step's path loop over ``_guards`` themselves: no call)."""
     live = []
     for ref in _guards:  # the tuple as it is now: a guard enlisted or removed meanwhile does not disturb it
         guard = ref()
@@ -174,7 +173,9 @@ def _before_step(
     with _steps_lock:
         _steps[optimizer] = _steps.get(optimizer, 0) + 1
     changed = None
-    for guard in _live():
+    for ref in _guards:  # the tuple as it is now; a loop without a call (it runs at every step)
+        if (guard := ref()) is None:
+            continue
         result = guard._on_optimizer_step(optimizer, args, kwargs)
         if result is not None:
             args, kwargs = changed = result
@@ -183,7 +184,9 @@ def _before_step(
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
 def _after_step(optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    for guard in _live():
+    for ref in _guards:  # the tuple as it is now; a loop without a call (it runs at every step)
+        if (guard := ref()) is None:
+            continue
         guard._after_optimizer_step(optimizer)
 
 
@@ -264,7 +267,9 @@ def _clip_instead(
     a guard answers the clip (each costs 3 Python calls a step): the guards' ``_after_clip`` is called here then, as
     it was right after the answer."""
     acted = []
-    for guard in _live():  # a loop, not a comprehension (a call of its own)
+    for ref in _guards:  # the tuple as it is now; a loop without a call (it runs at every step)
+        if (guard := ref()) is None:
+            continue
         if guard._before_clip(call):
             acted.append(guard)
     for guard in acted:
@@ -325,24 +330,32 @@ def _backward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     def backward(*args: Any, **kwargs: Any) -> Any:
         if not _guards:
             return original(*args, **kwargs)
-        seen = _before_backward(args, kwargs)
-        result = original(*args, **kwargs)
-        if seen:
-            _after_backward(seen)  # only a backward that ran, and only to the guards whose model it reached
-        return result
+        return _guarded_backward(original, args, kwargs)
 
     return backward
+
+
+# One crossing of torch.compiler.disable for a backward (each costs 3 Python calls): dynamo breaks the graph at a
+# backward inside a compiled function anyway, and the guards' probes before it and roots after it run eagerly.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _guarded_backward(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    seen = _before_backward(args, kwargs)
+    result = original(*args, **kwargs)
+    if seen:
+        _after_backward(seen)  # only a backward that ran, and only to the guards whose model it reached
+    return result
 
 
 _Seen = list[tuple["LossWatch", Any, torch.Tensor | None, str | None]]
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _before_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
     """A backward's root (the loss, unscaled where a GradScaler scaled it), and each watching guard's probe of its
     model's gradients as they are before it."""
     watches = []
-    for guard in _live():  # a loop, not a comprehension (a call of its own): this runs at every backward
+    for ref in _guards:  # the tuple as it is now; a loop without a call (it runs at every step)
+        if (guard := ref()) is None:
+            continue
         watch = guard._loss_watch()
         if watch is not None:
             watches.append(watch)
@@ -354,15 +367,14 @@ def _before_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
     if root is not None:
         with _scaler_lock:
             scaled = _unscaled_roots.pop(id(root), None)
-            for key, (ref, _) in list(_unscaled_roots.items()):
-                if ref() is None:
+            for key, (held, _) in list(_unscaled_roots.items()):
+                if held() is None:
                     del _unscaled_roots[key]
         if scaled is not None and scaled[0]() is root:
             root = scaled[1]
     return [(watch, watch.probe(), root, why) for watch in watches]
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _after_backward(seen: _Seen) -> None:
     """Each root goes to the guards whose model's gradients the backward changed (another model's loss is not
     theirs: two guarded models in one loop, or an unguarded one beside)."""

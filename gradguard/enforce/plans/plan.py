@@ -59,8 +59,12 @@ class Plan:
 
     def acts(self, position: int, action: Action, step: int, in_hooks: Callable[[Action], bool] | None) -> bool:
         """Whether a changing action runs at the step boundary of ``step`` (not in the micro-batch hooks)."""
-        runs = self.rules[position][0].rule.active_at(step) and action.active_at(step)
-        return runs and not (in_hooks is not None and in_hooks(action))
+        rule = self.rules[position][0].rule  # without step windows (the common case) no call asks them
+        if (rule.from_step is not None or rule.until_step is not None) and not rule.active_at(step):
+            return False
+        if (action.from_step is not None or action.until_step is not None) and not action.active_at(step):
+            return False
+        return not (in_hooks is not None and in_hooks(action))
 
     def final_ids(
         self, position: int, action_index: int, ids: list[int], step: int, in_hooks: Callable[[Action], bool] | None

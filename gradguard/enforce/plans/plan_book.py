@@ -42,6 +42,8 @@ class PlanBook:
         self._by_optimizer: weakref.WeakKeyDictionary[Optimizer, tuple[tuple[int, ...], Plan | None]] = (
             weakref.WeakKeyDictionary()
         )
+        self._last: tuple[weakref.ReferenceType[Optimizer], tuple[tuple[int, ...], Plan | None]] | None = None
+        """The optimizer ``for_optimizer`` or ``steps_none`` was asked about last, and its entry."""
         self._warned_split: set[int] = set()
         self._by_clip: tuple[tuple[int, ...], Plan | None] | None = None
         self._among: tuple[tuple[int, ...], bool, list[torch.Tensor]] | None = None
@@ -61,8 +63,13 @@ class PlanBook:
 
     def for_optimizer(self, optimizer: Optimizer) -> Plan | None:
         """The guarded tensors this optimizer steps (None: none); re-binds if the model's tensors changed."""
-        fingerprint = _fingerprint(optimizer)
-        cached = self._by_optimizer.get(optimizer)
+        # ``_fingerprint`` and the weak dictionary's ``get``, without their Python calls (this runs at every step).
+        fingerprint = tuple(map(id, chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
+        last = self._last  # the optimizer asked last (every step asks for the same one): no weak dictionary's get
+        if last is not None and last[0]() is optimizer:
+            cached: tuple[tuple[int, ...], Plan | None] | None = last[1]
+        elif (cached := self._by_optimizer.get(optimizer)) is not None:
+            self._last = (weakref.ref(optimizer), cached)
         if cached is not None and cached[0] == fingerprint:
             return cached[1]
         self._check_model()
@@ -73,16 +80,21 @@ class PlanBook:
         if plan is not None:
             self._warn_split_groups(plan)
         self._by_optimizer[optimizer] = (fingerprint, plan)
+        self._last = (weakref.ref(optimizer), (fingerprint, plan))
         return plan
 
     def steps_none(self, optimizer: Optimizer) -> bool:
         """The answer ``for_optimizer`` gave last: this optimizer steps none of the guarded tensors (and holds
         the same tensors since). A read only, safe on any thread without the guard's lock: every guard is asked
         this about every optimizer step of the process, and the other trainings' must not wait for this one."""
-        cached = self._by_optimizer.get(optimizer)
+        last = self._last  # the optimizer asked last (every step asks for the same one): no weak dictionary's get
+        if last is not None and last[0]() is optimizer:
+            cached: tuple[tuple[int, ...], Plan | None] | None = last[1]
+        elif (cached := self._by_optimizer.get(optimizer)) is not None:
+            self._last = (weakref.ref(optimizer), cached)
         if cached is None or cached[1] is not None:
             return False
-        return cached[0] == _fingerprint(optimizer)
+        return cached[0] == tuple(map(id, chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
 
     def guarded_among(self, tensors: list[torch.Tensor], *, of_grads: bool) -> list[torch.Tensor]:
         """The guarded parameters among ``tensors``, or among the owners of ``tensors`` if they are gradients.
@@ -140,6 +152,7 @@ class PlanBook:
         self.binding = new
         self.whole = Plan.build(new, new.params)
         self._by_optimizer = weakref.WeakKeyDictionary()
+        self._last = None
         self._by_clip = None
         self._among = None
         self._on_rebind(new, replaced)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,17 +32,25 @@ _HALF = (torch.float16, torch.bfloat16)
 STRIDED = torch.strided  # sparse tensors (Embedding(sparse=True) gradients) are left out: no norm kernel
 
 
-def tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The floating-point tensors with elements in a module's arguments or outputs (tuples, lists, dicts)."""
-    if isinstance(value, torch.Tensor):
-        if (value.is_floating_point() or value.is_complex()) and value.layout is STRIDED and value.numel():
-            yield value
-    elif isinstance(value, tuple | list):
-        for item in value:
-            yield from tensors(item)
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from tensors(item)
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors with elements in a module's arguments or outputs (tuples, lists, dicts), in order.
+
+    A list, not a generator: the light trace asks at every forward for the model's output (nanoGPT's ``(logits,
+    loss)``), and each step of a generator is a Python call; nested containers alone take another call."""
+    found: list[torch.Tensor] = []
+    _collect(value, found)
+    return found
+
+
+def _collect(value: Any, found: list[torch.Tensor]) -> None:
+    # Tuples and lists before Mapping: an isinstance against an ABC is a Python call when it fails.
+    items = value if isinstance(value, tuple | list) else value.values() if isinstance(value, Mapping) else (value,)
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            if (item.is_floating_point() or item.is_complex()) and item.layout is STRIDED and item.numel():
+                found.append(item)
+        elif item is not None and isinstance(item, tuple | list | Mapping):
+            _collect(item, found)
 
 
 def peak(tensor: torch.Tensor) -> torch.Tensor:

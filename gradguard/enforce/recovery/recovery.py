@@ -140,6 +140,9 @@ class Recovery:
         live = self.live
         while isinstance(inner := getattr(optimizer, "optimizer", None), Optimizer):
             optimizer = inner  # accelerate's AcceleratedOptimizer wraps the one that holds the state
+        for ref in live.known_optimizers:  # seen before (at every step after the first): a loop without a call
+            if ref() is optimizer:
+                return
         known = [opt for ref in live.known_optimizers if (opt := ref()) is not None]
         if any(opt is optimizer or opt.param_groups is optimizer.param_groups for opt in known):
             return  # a wrapper sharing its groups and state would be copied, and its LRs scaled, twice

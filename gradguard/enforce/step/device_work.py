@@ -52,7 +52,8 @@ def apply_actions(plan: Plan, work: StepWork, everyone: int, per_micro_batch: bo
     # (halt/skip: its verdict came with the raw norms) or observes (monitor) never runs here.
     for position, acting in plan.changing:
         bound, members = plan.rules[position]
-        if not bound.rule.active_at(step):
+        rule = bound.rule  # a rule without a step window is active at every step: no call to ask it
+        if (rule.from_step is not None or rule.until_step is not None) and not rule.active_at(step):
             continue
         ids = _present(plan.member_ids[position], members, grads, everyone)
         if not ids:

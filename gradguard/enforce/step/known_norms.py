@@ -21,11 +21,7 @@ from operator import attrgetter, is_, itemgetter, mul
 from typing import Any, cast
 
 import torch
-from torch.utils._foreach_utils import (
-    _device_has_foreach_support,
-    _group_tensors_by_device_and_dtype,
-    _has_foreach_support,
-)
+from torch.utils._foreach_utils import _device_has_foreach_support, _group_tensors_by_device_and_dtype
 
 from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.step_work import StepContext, StepPlan, StepWork
@@ -40,6 +36,11 @@ _LAYOUT = attrgetter("layout")
 _NORM, _VALUE = itemgetter(0), itemgetter(1)
 _Hit = tuple[torch.Tensor | None, float | None, torch.Tensor]
 _IS_NONE = partial(is_, None)
+_GROUP = getattr(torch._C, "_group_tensors_by_device_and_dtype", None) or _group_tensors_by_device_and_dtype
+"""torch's grouping itself: its Python wrapper only adds ``no_grad`` (eight Python calls a clip), and the clip runs
+without grad already."""
+_FOREACH_DEVICES: dict[str, bool] = {}
+"""``_device_has_foreach_support`` by device type, asked once."""
 
 
 MARGIN = 1e-3
@@ -118,10 +119,16 @@ def _entries(
     return out
 
 
-def _torch_takes_foreach(grads: list[torch.Tensor], device: torch.device, foreach: bool | None) -> bool:
-    return bool(
-        (foreach is None and _has_foreach_support(grads, device)) or (foreach and _device_has_foreach_support(device))
-    )
+def _torch_takes_foreach(device: torch.device, foreach: bool | None) -> bool:
+    """Whether torch's clip takes ``_foreach_norm`` for plain strided gradients on ``device`` (``_known_total``
+    checked they are): ``_has_foreach_support`` is then its device's answer alone (its per-tensor type check passes
+    for every one: a generator step per gradient, at every clip)."""
+    if foreach is not None and not foreach:
+        return False
+    supported = _FOREACH_DEVICES.get(device.type)
+    if supported is None:
+        supported = _FOREACH_DEVICES[device.type] = _device_has_foreach_support(device)
+    return supported
 
 
 def _known_total(
@@ -134,7 +141,7 @@ def _known_total(
     # Checked with map and sets (loops in C): this runs after the step's read, while the device waits for the host.
     if set(map(type, grads)) != _PLAIN or set(map(_LAYOUT, grads)) != _STRIDED:
         return None
-    groups = _group_tensors_by_device_and_dtype([list(grads)])
+    groups = _GROUP([list(grads)], False)
     if len({device for device, _ in groups}) != 1 or not {dtype for _, dtype in groups} <= _EXACT_SET:
         return None
     norms: list[torch.Tensor] = []
@@ -142,7 +149,7 @@ def _known_total(
     complete = True
     for (group_device, _), ([listed], _) in groups.items():
         group = [g for g in listed if g is not None]
-        if not _torch_takes_foreach(group, group_device, foreach):
+        if not _torch_takes_foreach(group_device, foreach):
             return None
         found = known.lookup(group)
         if None not in found:  # a tuple against None: no tensor is compared

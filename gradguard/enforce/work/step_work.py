@@ -151,7 +151,7 @@ class Pending:
         device = parts[0].device
         if len(parts) == 1:
             host = parts[0].to("cpu").tolist()  # one copy without a cat (a kernel of its own on a GPU)
-        elif all(part.device == device for part in parts):
+        elif set(map(operator.attrgetter("device"), parts)) == {device}:  # map and a set: no generator step per part
             # Joined on the device first: one device-to-host copy, so one sync (a copy per part would
             # be a sync each on a GPU). cat promotes to the widest part's type exactly, and tolist gives every
             # float as a Python float exactly: no conversion to float64 on the device (a pass of its own).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import urllib.parse
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 
 from gradguard import GradGuard, Policy, PolicyError
 from gradguard.cli import main
+from gradguard.policy.matching import bind
 from gradguard.policy.shipped import SHIPPED_PURPOSES
 
 POLICIES = Path(__file__).resolve().parent.parent / "policies"
@@ -91,10 +93,30 @@ def test_llm_policy_covers_embeddings_attention_router_and_everything_on_a_moe_d
             "nonfinite",
             "warmup-global",
             "health",
-        )  # '*.bias' excluded
+        )  # the attention rule matches weights only
         assert guarded[f"blocks.{block}.router.weight"] == ("nonfinite", "router", "warmup-global", "health")
         assert guarded[f"blocks.{block}.mlp.0.up.weight"] == ("nonfinite", "warmup-global", "health")
     assert counters["router"]["scale"] == 4 * 5  # two blocks x (weight, bias) x five steps
+
+
+def test_llm_policy_attaches_to_a_bias_less_nanogpt_without_a_warning_and_clips_its_attention_weights() -> None:
+    """nanoGPT with ``bias=False`` (as Llama): no GuardWarning at attach (pytest turns one into an error), and the
+    attention rule takes ``c_attn`` and ``c_proj``'s weights of every block."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import host_time
+    finally:
+        sys.path.pop(0)
+    model = host_time.GPT(vocab=65, context=16, layers=2, heads=2, width=32)
+    for module in model.modules():  # nanoGPT's bias=False: no bias anywhere
+        if isinstance(module, torch.nn.Linear | torch.nn.LayerNorm) and module.bias is not None:
+            module.bias = None
+    assert not any(name.endswith("bias") for name, _ in model.named_parameters())
+    policy = Policy.shipped("llm-pretraining")
+    GradGuard(model, policy, logger=None).remove()
+    rule = next(index for index, each in enumerate(policy.rules) if each.name == "attention")
+    attention = {param.name for param in bind(policy, model).params if rule in param.rules}
+    assert attention == {f"transformer.h.{i}.attn.{part}.weight" for i in (0, 1) for part in ("c_attn", "c_proj")}
 
 
 def test_finetune_policy_holds_early_layers_still_and_slows_the_backbone(make_workload, tmp_path):

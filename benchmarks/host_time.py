@@ -3,6 +3,7 @@
     python benchmarks/host_time.py            # about 2 minutes: ratios, and the counts per step
     python benchmarks/host_time.py --quick    # a few rounds (the smoke test)
     python benchmarks/host_time.py --check    # exit 1 if the shipped default costs more than 1.03x
+    python benchmarks/host_time.py --phases   # where the time goes: forward, backward, the loop's clip, the update
 
 The model is nanoGPT's ``GPT`` (Karpathy's ``model.py``: token and position embeddings, pre-norm blocks of
 causal self-attention and a GELU MLP, dropout modules, a head tied to the token embedding) at the smallest shape
@@ -314,6 +315,82 @@ def measure(rounds: int, steps: int, seed: int = 0) -> Result:
     return Result(ratios)
 
 
+PHASES = ("forward", "backward", "clip", "update")
+"""The nanoGPT loop's parts, timed apart by ``phase_times``: the forward with the loss, ``zero_grad`` and backward,
+the loop's ``clip_grad_norm_`` (where the guard's step runs), ``AdamW.step()``."""
+
+
+def _noop_hooks(model: nn.Module) -> GradGuard | None:
+    """A forward hook that does nothing on each module the default's light trace hooks: what torch's slower module
+    call costs by itself (the trace hooks the model's shallowest levels, as many whole levels as 32 modules hold)."""
+    modules = dict(model.named_modules())
+    depth = 0
+    while depth < 8 and len([name for name in modules if name.count(".") < depth + 1]) <= 32:
+        depth += 1
+    for name, module in modules.items():
+        if (name.count(".") < depth or not name) and type(module) not in (nn.ModuleList, nn.ModuleDict):
+            module.register_forward_hook(lambda module, args, output: None)
+    return None
+
+
+PHASE_TREATMENTS: dict[str, Callable[[nn.Module], GradGuard | None]] = {
+    "none": _unguarded,
+    "default": _default,
+    "default, provenance=None": TREATMENTS["default, provenance=None"][1],
+    "no-op forward hooks": _noop_hooks,
+}
+
+
+def phase_times(rounds: int, steps: int, seed: int = 0) -> dict[str, dict[str, float]]:
+    """Each ``PHASE_TREATMENTS`` entry's median time (us) of each of ``PHASES`` on nanoGPT's loop, interleaved in
+    shuffled rounds (after 5 rounds of warm-up, not counted)."""
+    runs = {name: Run(name, attach) for name, attach in PHASE_TREATMENTS.items()}
+    times: dict[str, dict[str, list[float]]] = {name: {phase: [] for phase in PHASES} for name in runs}
+    shuffle = random.Random(seed)
+    for run in runs.values():
+        run.start()
+    try:
+        for round_index in range(rounds + 5):
+            order = list(runs)
+            shuffle.shuffle(order)
+            for name in order:
+                run = runs[name]
+                for _ in range(steps):
+                    tokens = torch.randint(0, 65, (8, 65), generator=run.data)
+                    marks = [time.perf_counter()]
+                    _, loss = run.model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+                    marks.append(time.perf_counter())
+                    run.opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    marks.append(time.perf_counter())
+                    torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
+                    marks.append(time.perf_counter())
+                    run.opt.step()
+                    marks.append(time.perf_counter())
+                    if round_index >= 5:
+                        for phase, start, end in zip(PHASES, marks, marks[1:], strict=False):
+                            times[name][phase].append((end - start) * 1e6)
+    finally:
+        for run in runs.values():
+            run.stop()
+    return {
+        name: {phase: statistics.median(values) for phase, values in parts.items()} for name, parts in times.items()
+    }
+
+
+def phase_report(medians: dict[str, dict[str, float]]) -> str:
+    lines = [
+        "| treatment | " + " | ".join(f"{phase} (us)" for phase in PHASES) + " | step (us) | / none |",
+        "|---" * 7 + "|",
+    ]
+    base = sum(medians["none"].values())
+    for name, parts in medians.items():
+        total = sum(parts.values())
+        cells = " | ".join(f"{parts[phase]:,.0f}" for phase in PHASES)
+        lines.append(f"| {name} | {cells} | {total:,.0f} | {total / base:.3f} |")
+    return "\n".join(lines)
+
+
 def report(result: Result, counted: dict[str, tuple[float, float]]) -> str:
     """The table; ``counted``: each row's (Python calls, torch ops) per step above its loop's unguarded one
     (``budget_counts``: counted with no other guard attached, whose hooks on torch's global entry points would also
@@ -341,10 +418,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
     parser.add_argument("--check", action="store_true", help=f"exit 1 if the default guard is over {TARGET}x")
+    parser.add_argument("--phases", action="store_true", help="the nanoGPT loop's phases timed apart, per treatment")
     args = parser.parse_args(argv)
     rounds, steps = (3, 5) if args.quick else (args.rounds, args.steps)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    if args.phases:
+        try:
+            medians = phase_times(rounds, steps)
+        finally:
+            torch.set_num_threads(threads)
+        print(f"nanoGPT, 2 layers, width 64, CPU, one thread, {rounds} rounds x {steps} steps; medians per phase")
+        print(phase_report(medians))
+        return 0
     try:
         counted = {name: budget_counts(2, loop, attach) for name, (loop, attach) in TREATMENTS.items()}
         counted["default, nanoGPT at 8 layers"] = budget_counts(8)

@@ -187,6 +187,17 @@ def test_the_quick_host_time_run_prints_every_treatment_with_its_counts(
         assert row in printed, printed
 
 
+def test_the_host_time_phases_time_each_part_of_the_step_for_every_treatment(
+    benchmarks: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert benchmarks["host_time"].main(["--phases", "--quick"]) == 0
+    printed = capsys.readouterr().out
+    assert "| treatment | forward (us) | backward (us) | clip (us) | update (us) | step (us) | / none |" in printed
+    for row in ("| none |", "| default |", "| default, provenance=None |", "| no-op forward hooks |"):
+        assert row in printed, printed
+    assert "| none |" in printed and "| 1.000 |" in printed
+
+
 def test_the_step_walk_names_the_files_one_step_enters(
     benchmarks: dict[str, ModuleType], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -4,6 +4,7 @@
     python benchmarks/gpu_check.py --json out.json  # also every figure, written after each section
     python benchmarks/gpu_check.py --quick          # the timings on the 7M model only
     python benchmarks/gpu_check.py --only recovery,sync --budget 120
+    python benchmarks/gpu_check.py --only overhead --sizes 7M,163M   # the overhead table at two sizes
     python benchmarks/gpu_check.py --require        # exit 1 when there is no CUDA device
 
 Without a CUDA device it checks nothing, says why, and exits 0 (1 with ``--require``). CI never runs it:
@@ -200,6 +201,8 @@ class Context:
     scratch: Path
     selected: tuple[str, ...]
     seed: int
+    sizes: tuple[str, ...] | None = None
+    """``--sizes``: the model sizes the timing sections run (None: each section's own)."""
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -928,7 +931,9 @@ def fit_rounds(size: Size, step_s: float, segments: int, left: float) -> tuple[i
 def sizes_for(ctx: Context, names: Sequence[str]) -> list[Size]:
     if ctx.device.type != "cuda":
         return [TINY]
-    return [SIZES["7M"]] if ctx.quick else [SIZES[name] for name in names]
+    if ctx.quick:
+        return [SIZES["7M"]]
+    return [SIZES[name] for name in names if ctx.sizes is None or name in ctx.sizes]
 
 
 def overhead_size(ctx: Context, size: Size, left: float) -> None:
@@ -1272,6 +1277,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", default=None, help=f"comma-separated sections to run, of {','.join(SECTIONS)}")
     parser.add_argument("--skip", default=None, help="comma-separated sections to leave out")
     parser.add_argument("--seed", type=int, default=0, help="the shuffles of the timing rounds")
+    parser.add_argument("--sizes", default=None, help=f"comma-separated model sizes to time, of {','.join(SIZES)}")
     parser.add_argument("--device", default=None, help=argparse.SUPPRESS)  # "cpu": test the script itself
     args = parser.parse_args(argv)
     chosen = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else list(SECTIONS)
@@ -1280,6 +1286,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown section(s) {unknown}; the sections are {', '.join(SECTIONS)}")
     args.sections = tuple(s for s in SECTIONS if s in chosen and s not in dropped)
+    args.sizes = tuple(s.strip() for s in args.sizes.split(",") if s.strip()) if args.sizes else None
+    if args.sizes is not None and set(args.sizes) - set(SIZES):
+        parser.error(f"unknown size(s) {sorted(set(args.sizes) - set(SIZES))}; the sizes are {', '.join(SIZES)}")
     return args
 
 
@@ -1340,7 +1349,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(meta, budget, args.json)
     hard_limit = args.hard_limit if args.hard_limit is not None else (args.budget + 25 if device.type == "cuda" else 0)
     with watchdog(hard_limit, report), tempfile.TemporaryDirectory(prefix="gpu_check-") as scratch:
-        ctx = Context(device, args.quick, budget, report, Path(scratch), args.sections, args.seed)
+        ctx = Context(device, args.quick, budget, report, Path(scratch), args.sections, args.seed, args.sizes)
         for name in args.sections:
             run_section(ctx, name)
     failures = report.failures()

@@ -85,3 +85,11 @@ def test_the_snapshot_section_reports_the_bytes_each_memory_mode_held_before_the
     held = {case: row["data"]["snapshot_bytes"] for case, row in rows.items() if "recovery every" in case}
     assert len(held) == len(gpu_check.recovery_memory_modes())
     assert set(held.values()) == {2 * one_copy}
+
+
+def test_an_unknown_model_size_is_refused_naming_the_sizes_there_are(
+    gpu_check: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--device", "cpu", "--sizes", "7M,9M"])
+    assert "unknown size(s) ['9M']; the sizes are 7M, 163M, 1.4B" in capsys.readouterr().err

@@ -163,6 +163,28 @@ def test_a_nan_loss_with_finite_gradients_halts_before_the_update() -> None:
         assert guard.counters.snapshot()["loss"] == {"nonfinite": 1, "halt": 1}
 
 
+def test_a_step_the_loss_halts_counts_and_logs_none_of_its_clips(tmp_path: Path) -> None:
+    """The clips of a step that a ruling halts (the loss's here; the ranks' and a re-run's alike) did not happen: not
+    counted, not logged, as for a gradient's own halt. Every tensor is clipped at every step before it."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = tmp_path / "audit.jsonl"
+    clip = {"name": "clip", "match": "*", "actions": [{"action": "clip_norm", "max_norm": 1e-6}]}
+    clipping = Policy.from_dict({"version": 1, "rules": [HALT, clip], "loss": {"nonfinite": "halt"}})
+    with GradGuard(model, clipping, logger=None, audit_log=log) as guard:
+        for step in range(5):
+            plain(model, opt, step, 1.0)
+        x, y = batch(5)
+        opt.zero_grad()
+        (nn.functional.mse_loss(model(x), y) + torch.tensor(float("nan"))).backward()
+        with pytest.raises(GradientHalt, match="the loss is nan"):
+            opt.step()
+        counters = guard.counters.snapshot()
+    tensors = len(list(model.parameters()))
+    assert counters["clip"] == {"clip_norm": 5 * tensors}
+    assert sorted({event["step"] for event in events(log, "intervention")}) == [0, 1, 2, 3, 4]
+
+
 RECOVERY = {"snapshot_every": 5, "keep": 2, "min_age": 3, "skip_steps": 4}
 
 

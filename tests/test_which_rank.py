@@ -222,6 +222,9 @@ def test_under_fsdp2_an_outlier_rank_is_named_and_its_step_skipped(fsdp2: Path) 
         (event,) = logged(result, "rank_outlier")
         assert (event["step"], event["ranks"], event["action"]) == (scenarios.BAD_STEP, {"1": HOST}, "skip")
         assert result["counters"]["ranks"] == {"outlier": 1, "skip": 1}
+        # The skipped step's clips (only its gradients reach max_norm) did not happen: not counted, not logged.
+        assert not logged(result, "intervention")
+        assert "clip_norm" not in result["counters"].get("guard", {})
 
 
 @pytest.mark.parametrize("name", ["failure_lives_on", "failure_exits"])

@@ -113,6 +113,9 @@ class StepPipeline:
             if outcome.skipped_by or outcome.spikes:
                 verdicts.skip(rules, outcome, work.names, work.step, context)
                 return False, False
+            # Only a step that goes ahead: a skipped or halted one's interventions (a ruling's too: the ranks', the
+            # loss's, a re-run's) did not happen.
+            verdicts.interventions(outcome)
         except RewindRequested as request:
             verdicts.rewound(request, context)
             return False, False

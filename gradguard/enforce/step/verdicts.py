@@ -38,8 +38,8 @@ class Verdicts:
         self._warned_scheduler = False
 
     def report(self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int) -> None:
-        """Count and log what the step did; raise [`GradientHalt`][gradguard.GradientHalt] where a halt rule saw
-        NaN/Inf."""
+        """Count and log the step's non-finite gradients; raise [`GradientHalt`][gradguard.GradientHalt] where a halt
+        rule saw NaN/Inf. Its interventions are counted apart (``interventions``), once nothing skips or halts it."""
         for index in sorted(outcome.nonfinite):
             kind, rule_index = outcome.nonfinite[index]
             self.counters.add(rules[rule_index].name, kind)
@@ -72,9 +72,6 @@ class Verdicts:
             kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
             report = HaltReport(step, rule, params, kinds, kind, outcome.note, outcome.origin, outcome.ranks)
             self.halt(report, counts, "halt_on_nonfinite")
-        if outcome.skipped_by or outcome.spikes or outcome.loss_skip:
-            return  # the step will not happen: its interventions did not either
-        self.interventions(outcome)
 
     def interventions(self, *outcomes: StepOutcome) -> None:
         """Count and log what applied steps did."""

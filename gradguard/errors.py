@@ -113,9 +113,12 @@ class GradientHalt(GradGuardError, RuntimeError):
         self.restored_to = restored_to
         """The step of the recovery snapshot restored before this halt (``max_rewinds`` reached), or ``None``."""
         self.ranks: dict[int, str] = dict(sorted((ranks or {}).items()))
-        """Under ``torch.distributed``: the ranks where the fault was made, before the reduction, and their hosts
-        (``{2: "node-17"}``): drain those. Empty in one process, for a fault made after the reduction, or where the
-        ranks' own gradients are unseen (the ``attach`` event's ``ranks`` says why). For ``kind`` ``"divergence"``,
+        """Under ``torch.distributed``: the ranks where the fault was made and their hosts (``{2: "node-17"}``): drain
+        those. Made before the reduction, in a rank's own gradient; or, where no rank's own gradient was non-finite,
+        after it, on the replicas whose reduced gradients turned non-finite while the others' did not (the origin then
+        says ``after_reduction``). Empty in one process, where every replica's turned non-finite after the reduction
+        (the reduction itself, or code every rank runs), under sharding for a fault made after the reduction, or where
+        the ranks' own gradients are unseen (the ``attach`` event's ``ranks`` says why). For ``kind`` ``"divergence"``,
         the replicas outside the majority; ``"outlier"``, the ranks far off the others."""
         shown = ", ".join(self.params[:8]) + (f" and {len(self.params) - 8} more" if len(params) > 8 else "")
         what = {
@@ -158,7 +161,10 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     phase, module, seen_in = origin.get("phase"), origin.get("module"), origin.get("seen_in")
     kind = origin.get("kind") or "non-finite"
     first = list(origin.get("first_params") or ())
-    if phase == "received":
+    if phase == "received" and origin.get("after_reduction"):
+        text = f"It was not made on this rank (rank {origin.get('rank')}): its gradients are finite, before and after "
+        text += "the reduction; another rank's turned non-finite after it, and every rank stops together."
+    elif phase == "received":
         text = f"It was not made on this rank (rank {origin.get('rank')}): its own gradient was finite before the "
         text += "reduction, which carried in what another rank made."
     elif phase == "forward" and origin.get("input_nonfinite"):
@@ -222,6 +228,8 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
             "parameters named may not be where it started. Call scaler.unscale_(optimizer) before the clip, so the "
             "guard acts first."
         )
+    if origin.get("after_reduction") and phase != "received":
+        text += " On this rank, after the reduction: the other ranks' reduced gradients stayed finite."
     return text
 
 

@@ -428,10 +428,8 @@ def _optimizer_boundary(guard: GradGuard, optimizer: Optimizer, rerunnable: bool
     if not guard._attachment.open:
         return
     plan = guard._plans.for_optimizer(optimizer)
-    reloader = guard._reloader  # ``pending()`` read here: two flags, no call at every step
-    if (
-        plan is not None and (reloader.agrees or reloader.slot.ready) and guard._at_boundary()
-    ):  # not for another model's
+    pending = guard._reloader.agrees or guard._reloader.slot.ready  # ``pending()``, without its call at every step
+    if plan is not None and pending and guard._at_boundary():  # not for another model's optimizer: maybe on one rank
         plan = guard._plans.for_optimizer(optimizer)
     if plan is None:
         return
@@ -465,13 +463,9 @@ def _explicit_boundary(guard: GradGuard, optimizer: Optimizer | None) -> bool:
     if guard._attachment.inside_deepspeed:  # p.grad holds only this rank's unreduced micro-batches
         raise GuardStateError("remove guard.step() under DeepSpeed ZeRO 1-3: the guard acts inside engine.step()")
     guard._at_boundary()
-    if optimizer is None:
-        plan = guard._plans.current()
-    else:
-        found = guard._plans.for_optimizer(optimizer)
-        if found is None:
-            return True
-        plan = found
+    plan = guard._plans.current() if optimizer is None else guard._plans.for_optimizer(optimizer)
+    if plan is None:
+        return True  # the optimizer steps none of the model
     context = explicit_context(optimizer, guard._model_ref, guard._scaler)
     proceed = guard._enforcer.run(plan, context)
     return guard._record(proceed and not guard._enforcer.book.scaler_skip_at_boundary)

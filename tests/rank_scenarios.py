@@ -191,6 +191,14 @@ def nan_after_reduction(model: nn.Module, step: int) -> None:
         grad.view(-1)[0] = float("nan")
 
 
+def nan_after_reduction_everywhere(model: nn.Module, step: int) -> None:
+    """Every rank's reduced gradient made NaN after the reduction (code every rank runs): no rank to name."""
+    if step == BAD_STEP:
+        grad = model[2].weight.grad
+        assert grad is not None
+        grad.view(-1)[0] = float("nan")
+
+
 def one_ulp_on_rank_two(model: nn.Module, step: int) -> None:
     """Before step 3's forward, rank 2's ``4.bias`` moves by one ulp: the replicas differ from then on."""
     if step == BAD_STEP and dist.get_rank() == 2:
@@ -289,6 +297,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return train(rank, outdir, "default", nan_on(1, 2))
     if name == "nan_after_reduction":
         return train(rank, outdir, "default", after_backward=nan_after_reduction)
+    if name == "nan_after_reduction_everywhere":
+        return train(rank, outdir, "default", after_backward=nan_after_reduction_everywhere)
     if name == "nan_first_micro_batch":
         return train(rank, outdir, "default", nan_on(1, micro=0), micro_batches=2)
     if name == "fsdp2_nan_one_rank":

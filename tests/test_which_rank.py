@@ -34,6 +34,7 @@ DDP = [
     "nan_one_rank_untraced",
     "nan_two_ranks",
     "nan_after_reduction",
+    "nan_after_reduction_everywhere",
     "nan_first_micro_batch",
     "outlier",
     "drift",
@@ -153,11 +154,33 @@ def test_two_ranks_that_made_a_nan_at_once_are_both_named(ddp: Path) -> None:
         assert f"made on ranks 1 (host {HOST}) and 2 (host {HOST})" in halt["message"]
 
 
-def test_a_nan_made_after_the_reduction_names_no_rank(ddp: Path) -> None:
+def test_a_nan_made_after_the_reduction_on_one_rank_names_that_rank_and_the_others_say_theirs_stayed_finite(
+    ddp: Path,
+) -> None:
+    """Rank 1's reduced gradient made NaN between backward() and step(): no rank's own gradient was non-finite, the
+    other replicas' reduced gradients stayed finite, so it was made after the reduction, on rank 1 (one bit per rank
+    in the step's existing all-reduce)."""
     for result in results(ddp, "nan_after_reduction", 3):
-        assert result["halt"]["step"] == scenarios.BAD_STEP
-        assert result["halt"]["ranks"] == {}
+        halt = result["halt"]
+        assert (halt["step"], halt["params"], halt["ranks"]) == (scenarios.BAD_STEP, ["2.weight"], {"1": HOST})
+        assert f"made on rank 1 (host {HOST})" in halt["message"]
+        assert logged(result, "halt")[0]["ranks"] == {"1": HOST}
+        assert halt["origin"]["after_reduction"] is True
+        if result["rank"] == 1:
+            assert halt["origin"]["phase"] != "received"
+            assert "On this rank, after the reduction" in halt["message"]
+        else:
+            assert (halt["origin"]["phase"], halt["origin"]["rank"]) == ("received", result["rank"])
+            assert "its gradients are finite, before and after the reduction" in halt["message"]
+
+
+def test_a_nan_made_after_the_reduction_on_every_rank_names_no_rank(ddp: Path) -> None:
+    """Every replica's reduced gradient turned NaN (the reduction itself, or code every rank runs): no rank to drain."""
+    for result in results(ddp, "nan_after_reduction_everywhere", 3):
+        assert (result["halt"]["step"], result["halt"]["ranks"]) == (scenarios.BAD_STEP, {})
         assert logged(result, "halt")[0]["ranks"] == {}
+        origin = result["halt"]["origin"]
+        assert origin is None or "after_reduction" not in origin
 
 
 def test_a_nan_in_the_first_micro_batch_under_no_sync_names_its_rank(ddp: Path) -> None:

@@ -123,17 +123,24 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     flags = torch.stack([torch.isnan(evidence), torch.isinf(evidence)]).float().reshape(-1)
     # Each rank's own-gradient flag (and norm) rides the same collective: which rank made a fault, at no extra cost.
     slots, read_slots = work.take_rank_payload()
+    bits = collective.slots(norms=False)
     if work.sharded:
         # One collective: the shards' squared norms (summed into full norms) and every rank's flags.
         payload = collective.sum_(torch.cat([stacked.square(), flags, *slots]))
         result = list(payload[:count].sqrt().unbind())
         flags = payload[count:]
     else:
-        # Replicas hold the same averaged gradient; a NaN injected on one rank must stop them all.
-        flags = collective.sum_(torch.cat([flags, *slots]) if slots else flags)
+        # Replicas hold the same averaged gradient; a NaN injected on one rank must stop them all. This rank's bit says
+        # whether its own reduced gradients are non-finite: where some ranks' are and others' not, the fault was made
+        # after the reduction, on those (``after_reduction``).
+        flags = collective.sum_(torch.cat([flags, *slots, bits.bit(flags.sum() > 0, device)]))
         result = local
+    after_slots = 0 if work.sharded else bits.bit_slots
 
     def read(values: list[float]) -> None:
+        if after_slots:
+            after_reduction(values[-after_slots:])
+            values = values[:-after_slots]
         if read_slots is not None:
             read_slots(values[2 * count :])
             values = values[: 2 * count]
@@ -143,6 +150,11 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
             has_nan, has_inf = values[position] > 0, values[count + position] > 0
             if has_nan or has_inf:
                 judge(index, "nan" if has_nan else "inf")
+
+    def after_reduction(values: list[float]) -> None:
+        made = bits.ranks_of(values)
+        if 0 < len(made) < bits.world:  # on every rank: the reduction, or code every rank runs, made it
+            outcome.ranks_after = collective.named(made)
 
     pending.add(flags, read)
     if not work.sharded:

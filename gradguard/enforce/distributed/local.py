@@ -110,12 +110,28 @@ class RankSlots:
     def read(self, values: Sequence[float]) -> tuple[list[int], list[float] | None]:
         """The summed slots, read: the ranks whose own gradient was non-finite, and every rank's norm (or None)."""
         flags = math.ceil(self.world / BITS_PER_SLOT)
+        norms = list(values[flags : flags + self.world]) if self.norms else None
+        return self.ranks_of(values[:flags]), norms
+
+    @property
+    def bit_slots(self) -> int:
+        """How many float32 slots one bit per rank takes."""
+        return math.ceil(self.world / BITS_PER_SLOT)
+
+    def bit(self, set_: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``bit_slots`` floats with this rank's bit where ``set_`` (a 0-dim bool on the device), 0 elsewhere: summed
+        over the ranks, ``ranks_of`` reads which set theirs. Built on the device (no host read)."""
+        out = torch.zeros(self.bit_slots, dtype=torch.float32, device=device)
+        out[self.rank // BITS_PER_SLOT] = set_.float() * float(1 << (self.rank % BITS_PER_SLOT))
+        return out
+
+    def ranks_of(self, values: Sequence[float]) -> list[int]:
+        """The ranks whose bit is set in summed ``bit_slots`` values."""
         ranks = []
-        for slot in range(flags):
-            bits = int(values[slot])
+        for slot, value in enumerate(values):
+            bits = int(value)
             while bits:
                 low = bits & -bits
                 ranks.append(slot * BITS_PER_SLOT + low.bit_length() - 1)
                 bits ^= low
-        norms = list(values[flags : flags + self.world]) if self.norms else None
-        return sorted(r for r in ranks if r < self.world), norms
+        return sorted(r for r in ranks if r < self.world)

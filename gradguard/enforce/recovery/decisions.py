@@ -29,7 +29,8 @@ class HaltReport:
     reason: str | None
     origin: Mapping[str, Any] | None
     ranks: Mapping[int, str] = field(default_factory=dict)
-    """The ranks where it was made, before the reduction: {global rank: host} (``StepOutcome.ranks``)."""
+    """The ranks where it was made (before the reduction, or after it on some replicas): {global rank: host}
+    (``StepOutcome.ranks``)."""
 
     def fields(self) -> dict[str, Any]:
         """The fields the ``halt`` and ``rewind`` events share, in the log's order."""

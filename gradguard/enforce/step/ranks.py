@@ -70,16 +70,19 @@ def fingerprints(params: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def received_origin(rank: int, ranks: dict[int, str], kind: str | None) -> dict[str, Any]:
-    """The origin on a rank whose own gradient was finite: the fault came in through the reduction."""
-    return {
+def received_origin(rank: int, ranks: dict[int, str], kind: str | None, after: bool = False) -> dict[str, Any]:
+    """The origin on a rank whose own gradient was finite: the fault came in through the reduction (``after``: it was
+    made after the reduction on ``ranks``, and only the step's verdict came in; this rank's gradients are finite)."""
+    how = "after the reduction; every rank stops together" if after else "and the reduction carried it in"
+    origin = {
         "phase": "received",
         "module": None,
         "kind": kind,
         "input_nonfinite": False,
         "rank": rank,
-        "note": f"not made on this rank: {ranks_words(ranks)} made it, and the reduction carried it in",
+        "note": f"not made on this rank: {ranks_words(ranks)} made it {how}",
     }
+    return origin | {"after_reduction": True} if after else origin
 
 
 def ranks_at_attach(collective: Collective, policy: Policy) -> dict[str, Any]:
@@ -147,9 +150,15 @@ class RanksTakingPart(Participant):
 
     def after_read(self, work: StepWork, context: StepContext) -> None:
         outcome, collective = work.outcome, self.collective
+        after = bool(outcome.nonfinite) and not outcome.ranks and bool(outcome.ranks_after)
+        if after:  # no rank's own gradient was non-finite; some ranks' reduced gradients were, not all: made there
+            outcome.ranks = outcome.ranks_after
         if outcome.nonfinite and outcome.ranks and collective.rank not in outcome.ranks:
             kinds = {kind for kind, _ in outcome.nonfinite.values()}
-            outcome.origin = received_origin(collective.rank, outcome.ranks, kinds.pop() if len(kinds) == 1 else None)
+            kind = kinds.pop() if len(kinds) == 1 else None
+            outcome.origin = received_origin(collective.rank, outcome.ranks, kind, after)
+        elif after and outcome.origin is not None:  # this rank made it: its own account, said to be after the reduction
+            outcome.origin = outcome.origin | {"after_reduction": True}
         self._outliers = self._find_outliers(work) if outcome.rank_norms is not None else {}
         self._diverged = None
         if self._checked is not None:

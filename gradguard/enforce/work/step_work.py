@@ -227,7 +227,11 @@ class StepOutcome:
     note: str | None = None
     """Said with a halt of this step (a re-run found the fault reproducible)."""
     ranks: dict[int, str] = field(default_factory=dict)
-    """The ranks whose own gradients, before the reduction, were non-finite: {global rank: host} (``RankSlots``)."""
+    """The ranks whose own gradients, before the reduction, were non-finite: {global rank: host} (``RankSlots``); where
+    none were, ``ranks_after`` (the ranks participant puts them here)."""
+    ranks_after: dict[int, str] = field(default_factory=dict)
+    """Replicas only: the ranks whose reduced gradients were non-finite where the others' were not, so made after the
+    reduction on those ranks (``watch_raw_norms``); empty where every rank's or none was."""
     rank_norms: dict[int, float] | None = None
     """Every rank's own gradient 2-norm before the reduction, where the policy's ``ranks.outlier_factor`` asks."""
 

@@ -132,3 +132,30 @@ def test_a_step_the_scaler_skipped_counts_once_however_many_optimizers_it_skippe
         assert skipped >= 20
         assert guard.counters.snapshot()["grad_scaler"] == {"skip": skipped}
         assert guard.step_count == 30
+
+
+def test_a_param_group_added_to_the_optimizer_is_treated_from_its_next_step() -> None:
+    """The optimizer's plan is kept between steps (the last one asked, in a slot) and taken again when its tensors
+    change: after ``add_param_group``, the new group's gradients are clipped as torch's ``clip_grad_norm_([p])``
+    clips them, from the next step on; before it, they are left alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.0)  # lr 0: the gradients alone are compared
+    policy = make_policy({"match": "*", "actions": [{"action": "clip_norm", "max_norm": 1e-3}]})
+    with GradGuard(model, policy, logger=None) as guard:
+        for step in range(4):
+            if step == 2:
+                opt.add_param_group({"params": list(model[2].parameters())})
+            opt.zero_grad()
+            model.zero_grad()
+            model(torch.randn(16, 4, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+            raw = {name: p.grad.clone() for name, p in model.named_parameters()}
+            opt.step()
+            for name, p in model.named_parameters():
+                stepped = name.startswith("0.") or step >= 2
+                expected = nn.Parameter(torch.zeros_like(raw[name]))
+                expected.grad = raw[name].clone()
+                if stepped:
+                    torch.nn.utils.clip_grad_norm_([expected], 1e-3)
+                assert torch.equal(p.grad, expected.grad), (step, name)
+        assert guard.counters.snapshot()["r0"]["clip_norm"] == 2 * 2 + 4 * 2

@@ -229,7 +229,8 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
             "guard acts first."
         )
     if origin.get("after_reduction") and phase != "received":
-        text += " On this rank, after the reduction: the other ranks' reduced gradients stayed finite."
+        text += f" Made after the reduction, on rank {origin.get('rank')}: the other ranks' reduced gradients stayed "
+        text += "finite."
     return text
 
 

@@ -168,7 +168,9 @@ def test_a_nan_made_after_the_reduction_on_one_rank_names_that_rank_and_the_othe
         assert halt["origin"]["after_reduction"] is True
         if result["rank"] == 1:
             assert halt["origin"]["phase"] != "received"
-            assert "On this rank, after the reduction" in halt["message"]
+            assert halt["origin"]["rank"] == 1
+            said = "Made after the reduction, on rank 1: the other ranks' reduced gradients stayed finite."
+            assert said in halt["message"]
         else:
             assert (halt["origin"]["phase"], halt["origin"]["rank"]) == ("received", result["rank"])
             assert "its gradients are finite, before and after the reduction" in halt["message"]

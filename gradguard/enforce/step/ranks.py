@@ -158,7 +158,7 @@ class RanksTakingPart(Participant):
             kind = kinds.pop() if len(kinds) == 1 else None
             outcome.origin = received_origin(collective.rank, outcome.ranks, kind, after)
         elif after and outcome.origin is not None:  # this rank made it: its own account, said to be after the reduction
-            outcome.origin = outcome.origin | {"after_reduction": True}
+            outcome.origin = outcome.origin | {"after_reduction": True, "rank": collective.rank}
         self._outliers = self._find_outliers(work) if outcome.rank_norms is not None else {}
         self._diverged = None
         if self._checked is not None:

@@ -334,3 +334,30 @@ def test_a_buffer_that_grew_since_the_snapshot_halts_with_the_state_of_the_last_
     assert got_state["param_groups"] == want_state["param_groups"]
     for index, entry in got_state["state"].items():
         assert_equal_tensors(entry, want_state["state"][index], "optimizer state")
+
+
+def test_an_optimizer_view_sharing_another_ones_state_is_counted_once_in_snapshot_bytes() -> None:
+    """DeepSpeed ZeRO 3's ``Stage3Partitions`` shares the inner optimizer's state, whose own groups are empty outside
+    its step: the snapshot copies that state once (the view's parameters'), and the estimate counts it once."""
+    import weakref
+
+    from gradguard.enforce.recovery.snapshot_places import snapshot_bytes
+    from gradguard.enforce.recovery.snapshots import LiveState
+    from gradguard.enforce.work.skips import SkipBook
+    from gradguard.enforce.work.statistics import Statistics
+
+    model = nn.Linear(4, 4)
+    masters = [nn.Parameter(torch.zeros(64)), nn.Parameter(torch.zeros(32))]
+    inner = torch.optim.Adam(masters, lr=0.1)
+    for master in masters:
+        master.grad = torch.ones_like(master)
+    inner.step()  # exp_avg, exp_avg_sq (and step) for each master
+    view = torch.optim.SGD(masters, lr=0.1)
+    view.state = inner.state  # the view's state is the inner optimizer's own dict
+    inner.param_groups[0]["params"] = []  # outside its step, ZeRO 3's inner groups hold nothing
+    live = LiveState(weakref.ref(model), Statistics(), SkipBook())  # type: ignore[arg-type]
+    live.known_optimizers = [weakref.ref(inner), weakref.ref(view)]
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    state = sum(v.numel() * v.element_size() for entry in inner.state.values() for v in entry.values())
+    masters_bytes = sum(m.numel() * 4 for m in masters)  # the view's parameters, outside the model
+    assert snapshot_bytes(live) == weights + state + masters_bytes

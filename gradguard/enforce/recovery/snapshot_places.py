@@ -152,6 +152,17 @@ def _choose(config: RecoveryConfig, live: LiveState, optimizers_given: bool, hel
 
 
 def snapshot_bytes(live: LiveState) -> int:
-    """Bytes one snapshot of ``live`` holds now: its tensors and the optimizers' state made so far (local shards)."""
-    state = [v for opt in live.optimizers() for entry in opt.state.values() for v in entry.values()]
+    """Bytes one snapshot of ``live`` holds now: its tensors and the optimizers' state made so far (local shards).
+
+    The state of the parameters each optimizer holds in its groups now, as a snapshot copies it: DeepSpeed's
+    ZeRO 3 view (``Stage3Partitions``) shares the inner optimizer's state, whose own groups are empty outside its step,
+    and is counted once, not twice."""
+    state = [
+        value
+        for opt in live.optimizers()
+        for group in opt.param_groups
+        for param in group["params"]
+        if (entry := opt.state.get(param)) is not None
+        for value in entry.values()
+    ]
     return sum(tensor_nbytes(t) for t in [*state, *live.tensors()] if isinstance(t, torch.Tensor))

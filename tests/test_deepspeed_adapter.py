@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from support.gloo_ranks import main  # noqa: E402
 from gradguard.enforce.distributed import deepspeed as adapter  # noqa: E402
 from gradguard.enforce.distributed import deepspeed_state  # noqa: E402
 from gradguard.enforce.distributed.deepspeed_update import UpdateHook  # noqa: E402
+from gradguard.errors import GuardStateError  # noqa: E402
 
 SCRIPT = Path(__file__)
 CUT = "2.weight"
@@ -404,3 +406,15 @@ def test_zero_3_round_robin_and_a_stage_0_clip_are_all_mapped(
 
 if __name__ == "__main__":
     main(scenario, sys.argv[1:])
+
+
+def test_capture_and_restore_refuse_a_zero_3_engine_naming_recovery_instead() -> None:
+    """At ZeRO 3 the inner optimizer's groups hold the masters only inside its step: a record would hold nothing
+    and a restore put nothing back, silently. Both refuse, naming the recovery section (whose snapshots hold the
+    partitions); the class name is what ``layout`` reads."""
+    stage3 = type("DeepSpeedZeroOptimizer_Stage3", (), {})
+    engine = types.SimpleNamespace(optimizer=stage3())
+    with pytest.raises(GuardStateError, match=r"cannot record a ZeRO 3 engine.*recovery section"):
+        deepspeed_state.capture(engine)
+    with pytest.raises(GuardStateError, match="cannot record a ZeRO 3 engine"):
+        deepspeed_state.restore(engine, deepspeed_state.DeepSpeedState([], [], [], {}))

@@ -67,7 +67,16 @@ class DeepSpeedState:
 
 
 def _masters(engine: Any) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:
-    """The tensors the inner optimizer updates (its state is keyed by them), and that optimizer."""
+    """The tensors the inner optimizer updates (its state is keyed by them), and that optimizer.
+
+    Refused at ZeRO 3, whose inner optimizer holds its masters in its groups only while its step runs: the record
+    would hold nothing, and a restore would put nothing back."""
+    if layout(engine) == "stage3":
+        raise GuardStateError(
+            "deepspeed_state.capture/restore cannot record a ZeRO 3 engine: its inner optimizer holds the fp32 "
+            "masters in its groups only inside its step. Use the policy's recovery section instead: its snapshots "
+            "hold this rank's ZeRO 3 partitions and their optimizer state (stage3_partitions)."
+        )
     inner = inner_optimizer(engine)
     return [param for group in inner.param_groups for param in group["params"]], inner
 

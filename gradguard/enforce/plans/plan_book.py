@@ -63,7 +63,7 @@ class PlanBook:
 
     def for_optimizer(self, optimizer: Optimizer) -> Plan | None:
         """The guarded tensors this optimizer steps (None: none); re-binds if the model's tensors changed."""
-        # ``_fingerprint`` and the weak dictionary's ``get``, without their Python calls (this runs at every step).
+        # The ids of the tensors it steps, in order (its fingerprint), in C: map and chain, no Python call or loop.
         fingerprint = tuple(map(id, chain.from_iterable(map(_PARAMS, optimizer.param_groups))))
         last = self._last  # the optimizer asked last (every step asks for the same one): no weak dictionary's get
         if last is not None and last[0]() is optimizer:
@@ -181,9 +181,3 @@ def _warn_binding(found: Sequence[str]) -> None:
     attaches and does the rest, but the user meant something it does not do."""
     for warning in found:
         warnings.warn(warning, GuardWarning, stacklevel=4)
-
-
-def _fingerprint(optimizer: Optimizer) -> tuple[int, ...]:
-    """The ids of the tensors ``optimizer`` steps, in order: taken at every step, so in C (map, chain), not in a Python
-    loop over the tensors."""
-    return tuple(map(id, chain.from_iterable(map(_PARAMS, optimizer.param_groups))))

@@ -24,7 +24,7 @@ from gradguard.enforce.recovery.snapshot_memory import (
     state_to_come,
     tensor_nbytes,
 )
-from gradguard.enforce.recovery.snapshots import LiveState, Snapshot, TensorCopies
+from gradguard.enforce.recovery.snapshots import LiveState, Snapshot, TensorCopies, _params_of
 from gradguard.policy.schema import Recovery as RecoveryConfig
 
 if TYPE_CHECKING:
@@ -160,8 +160,7 @@ def snapshot_bytes(live: LiveState) -> int:
     state = [
         value
         for opt in live.optimizers()
-        for group in opt.param_groups
-        for param in group["params"]
+        for param in _params_of(opt)  # the walk a snapshot copies the state by
         if (entry := opt.state.get(param)) is not None
         for value in entry.values()
     ]

@@ -10,6 +10,10 @@ fitting ends or fails:
     trainer = Trainer(callbacks=[GradGuardCallback("my-policy.yaml")], gradient_clip_val=1.0)  # or a Policy
     trainer.fit(model)
 
+Under ``strategy="ddp"`` the guard attaches to the strategy's ``DistributedDataParallel`` around the module
+(``trainer.strategy.model``), where it reads each rank's own gradient before the all-reduce: a NaN made on one rank
+is named with that rank and its host (``GradientHalt.ranks``) on every rank.
+
 Where it acts: in ``on_before_optimizer_step``, after the step's backward passes (all micro-batches
 of ``accumulate_grad_batches``) and after GradScaler's ``unscale_`` (``precision="16-mixed"``), and
 before the module's own ``on_before_optimizer_step`` and Lightning's ``gradient_clip_val``: the policy
@@ -33,6 +37,8 @@ import os
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 try:
@@ -63,6 +69,21 @@ def _with_trainers(given: Any, trainer: pl.Trainer) -> list[Any]:
     lowers what they recompute the LR from, so it holds through their later steps.
     """
     return schedulers_with(given, (config.scheduler for config in trainer.lr_scheduler_configs))
+
+
+def _guarded_model(trainer: pl.Trainer, pl_module: pl.LightningModule) -> nn.Module:
+    """The model the guard attaches to: the strategy's ``DistributedDataParallel`` around ``pl_module`` under
+    ``strategy="ddp"`` (and its kin), else ``pl_module`` itself.
+
+    The DDP wrapper is where each rank's own gradient can be read before the all-reduce averages one rank's NaN into
+    every rank's: a guard on the bare ``LightningModule`` sees only the reduced gradients and can name no rank. The
+    names are the same (the policy's patterns never see DDP's ``module.``). An FSDP2 strategy shards ``pl_module`` in
+    place, where the guard finds its reduce-scatter by itself.
+    """
+    wrapped = getattr(trainer.strategy, "model", None)
+    if isinstance(wrapped, DistributedDataParallel) and wrapped.module is pl_module:
+        return wrapped
+    return pl_module
 
 
 class GradGuardCallback(Callback):
@@ -127,7 +148,7 @@ class GradGuardCallback(Callback):
             options["start_step"] = checkpoint_step if checkpoint_step is not None else trainer.global_step
         self._checkpoint_step = None
         options["lr_scheduler"] = _with_trainers(options.get("lr_scheduler"), trainer)
-        guard = GradGuard(pl_module, self.policy, **options)
+        guard = GradGuard(_guarded_model(trainer, pl_module), self.policy, **options)
         self.guard = guard
         if state is not None:
             guard.load_state_dict(state)  # skip histories; logged as a state_loaded event

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -93,6 +94,10 @@ class GradGuardCallback(transformers.TrainerCallback, ExportableState):
     into ``<checkpoint>/gradguard_state.json``; a run resumed from that checkpoint, wherever it was copied to
     (``resume_from_checkpoint="elsewhere/checkpoint-65"`` or ``True``), reads it back. A resume whose checkpoint holds
     none (a run saved without the guard) warns and logs a ``state_missing`` event: the guard starts afresh.
+
+    Under DDP (torchrun) the guard is attached to the Trainer's ``DistributedDataParallel`` (``trainer.model_wrapped``),
+    where it reads each rank's own gradient before the all-reduce: a NaN made on one rank is named with that rank and
+    its host (``GradientHalt.ranks``) on every rank, with the callback alone too.
 
     Under DeepSpeed the guard is attached to the Trainer's DeepSpeed engine (``trainer.model_wrapped``) and acts inside
     its update; the callback's own arguments name only the plain model, so this needs the callback from
@@ -163,7 +168,10 @@ class GradGuardCallback(transformers.TrainerCallback, ExportableState):
         options["lr_scheduler"] = _with_trainers(options.get("lr_scheduler"), kwargs.get("lr_scheduler"))
         # Under DeepSpeed the engine's update is the boundary (it reduces the gradients into its partitions and
         # clips and applies them inside engine.step, which accelerator.backward calls): the guard hooks it there.
-        guard = GradGuard(model if engine is None else engine, self.policy, start_step=state.global_step, **options)
+        # Under DDP the wrapper is what the guard attaches to: there it reads each rank's own gradient before the
+        # all-reduce, and names the rank a NaN came from.
+        guarded = engine if engine is not None else _data_parallel_of(model, trainer or _trainer_running(model))
+        guard = GradGuard(guarded, self.policy, start_step=state.global_step, **options)
         self.guard = guard
         scaler = getattr(kwargs.get("optimizer"), "scaler", None)  # the prepared AcceleratedOptimizer's (fp16)
         if engine is None and guard._enforcer.recovery.live.scaler is None and isinstance(scaler, torch.amp.GradScaler):
@@ -321,6 +329,29 @@ def _deepspeed_engine_of(
         f"this Trainer runs DeepSpeed, but its model_wrapped is a {type(trainer.model_wrapped).__name__}, not a "
         "DeepSpeedEngine, at on_train_begin: gradguard cannot find the engine whose update it must guard"
     )
+
+
+def _trainer_running(model: nn.Module) -> transformers.Trainer | None:
+    """The Trainer whose event is being handled, for a callback given to it on its own: the events are handed the
+    plain ``model``, never the Trainer, whose ``model_wrapped`` is the DDP wrapper; it is the ``self`` of a method
+    below on the stack (``_inner_training_loop`` calls ``on_train_begin``)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, transformers.Trainer) and candidate.model is model:
+            return candidate
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _data_parallel_of(model: nn.Module, trainer: transformers.Trainer | None) -> nn.Module:
+    """The Trainer's ``DistributedDataParallel`` around ``model`` (``trainer.model_wrapped`` under torchrun), where
+    the guard reads each rank's own gradient before the all-reduce; else ``model`` (one process, or FSDP2, which
+    shards ``model`` in place and whose reduce-scatter the guard finds by itself). The names are the same."""
+    wrapped = getattr(trainer, "model_wrapped", None)
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel) and wrapped.module is model:
+        return wrapped
+    return model
 
 
 def _with_trainers(given: Any, scheduler: Any) -> list[Any]:

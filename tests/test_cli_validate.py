@@ -78,7 +78,7 @@ def test_a_mix_of_good_and_bad_files_reports_each_and_exits_1(bad_policy: Path) 
     good = str(REPO / "policies" / "default.yaml")
     result = CliRunner().invoke(main, ["validate", str(bad_policy), good])
     assert result.exit_code == 1
-    assert f"{good}: ok (3 rules: nonfinite, per-tensor-clip, health)" in result.output
+    assert f"{good}: ok (3 rules: nonfinite, explosions, health)" in result.output
     assert "1 of 2 policy files valid" in result.output
 
 

@@ -542,4 +542,4 @@ def test_the_documented_example_runs_as_written(name, tmp_path, monkeypatch, rea
     if name == "hf-trainer":
         assert re.search(r"\{'attention': \{'clip_norm': \d+\}\}", printed), printed
     else:
-        assert printed.splitlines()[-1].startswith("10 {'per-tensor-clip': {'clip_norm': "), printed
+        assert printed.splitlines()[-1] == "10 {}", printed  # the default changes nothing in a healthy run

@@ -295,6 +295,7 @@ def test_the_schema_accepts_every_shipped_policy_and_rejects_broken_ones():
         "default.yaml",
         "llm-adaptive.yaml",
         "llm-pretraining.yaml",
+        "per-tensor-clip.yaml",
         "finetune-frozen-backbone.toml",
         "vision.json",
     }

@@ -63,7 +63,7 @@ def test_validate_and_explain_take_a_shipped_name_and_refuse_an_unknown_one_with
     runner = CliRunner()
     ok = runner.invoke(main, ["validate", "default", "llm-pretraining"])
     assert ok.exit_code == 0, ok.output
-    assert "default: ok (3 rules: nonfinite, per-tensor-clip, health)" in ok.output
+    assert "default: ok (3 rules: nonfinite, explosions, health)" in ok.output
     unknown = runner.invoke(main, ["validate", "defualt"])
     assert unknown.exit_code == 2
     assert "no shipped policy is called that (did you mean 'default'?)" in unknown.output

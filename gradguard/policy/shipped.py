@@ -30,9 +30,10 @@ if TYPE_CHECKING:
 __all__ = ["SHIPPED_PURPOSES", "ShippedPolicy", "policies_folder", "shipped_policies", "shipped_policy"]
 
 SHIPPED_PURPOSES: dict[str, str] = {
-    "default": "any model: halt on NaN/Inf, clip each gradient's norm to 1.0, watch each module's gradient health",
+    "default": "any model, transparent on a healthy run: halt on NaN/Inf, clip a tensor's explosion, watch health",
     "finetune-frozen-backbone": "fine-tuning: early layers held still, the backbone slowed and clipped, head clipped",
     "llm-adaptive": "decoder LLM pretraining with adaptive thresholds: spike skips, AutoClip, ZClip per tensor",
+    "per-tensor-clip": "0.2.0's default: halt on NaN/Inf, clip each gradient's norm to 1.0, watch gradient health",
     "llm-pretraining": "decoder LLM pretraining: embeddings, attention and router clipped apart, a warm-up clip",
     "vision": "convolutional nets: conv weights clipped by value, norm layers and the classifier by norm",
 }

@@ -168,3 +168,22 @@ def test_the_version_is_written_once_and_the_changelog_names_it():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     assert "version" not in pyproject["project"], "the version belongs in gradguard/__init__.py only"
     assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "gradguard.__version__"}
+
+
+def test_python_dash_m_gradguard_runs_the_gradguard_command_in_a_fresh_interpreter(tmp_path: Path):
+    """``python -m gradguard`` (issue 58: "No module named gradguard.__main__") is the ``gradguard`` command: its help
+    names it by how it was run, and a subcommand works, from an empty directory."""
+    helped = subprocess.run(
+        [sys.executable, "-m", "gradguard", "--help"], cwd=tmp_path, capture_output=True, text=True, check=False
+    )
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("Usage: python -m gradguard [OPTIONS] COMMAND [ARGS]..."), helped.stdout
+    validated = subprocess.run(
+        [sys.executable, "-m", "gradguard", "validate", "default"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert validated.returncode == 0, validated.stderr
+    assert validated.stdout == "default: ok (3 rules: nonfinite, explosions, health)\n"

@@ -58,7 +58,7 @@ def norms_for_statistics(work: StepWork, ids: list[int], gs: list[torch.Tensor],
     """
     raw, touched = work.raw, work.touched
     fresh = all(i in raw and i not in touched for i in ids)
-    per_tensor = [raw[i] for i in ids] if fresh else work.norms(gs, 2.0)
+    per_tensor = [raw[i] for i in ids] if fresh else work.norms(gs, 2.0, ids)
     device = gs[0].device
     if group:
         joint: torch.Tensor = torch.linalg.vector_norm(stack_on(in_torch_order(gs, per_tensor), device), 2.0)

@@ -59,7 +59,11 @@ class AgcKernel(ActionKernel):
             return True
         for device_ids, positions in by_device(ids, gs):
             if work.places and all(i in work.places for i in device_ids):
-                _clip_unit_pieces(work, bound, action, device_ids, [gs[k] for k in positions])
+                layout = [_piece_layout(work.places[i].shape, work.places[i].start) for i in device_ids]
+                _clip_unit_pieces(work, bound, action, device_ids, [gs[k] for k in positions], layout)
+            elif work.shares is not None and work.wrapped:  # tensor parallel: a row may be split over ranks
+                layout = [_placed_layout(work, i) for i in device_ids]
+                _clip_unit_pieces(work, bound, action, device_ids, [gs[k] for k in positions], layout)
             else:
                 _clip_units(work, bound, action, device_ids, [gs[k] for k in positions])
         return True
@@ -117,7 +121,8 @@ def _clip_units(
         g_flat = [raw[ids[k]] for k in flat] if reuse else norms(flat_gs, 2.0)
         w_flat = norms([ws[k] for k in flat], 2.0)
         if work.sharded and work.collective is not None:
-            joined = combine_shard_norms(work.collective, [*g_flat, *w_flat], 2.0)
+            shares = work.share_weights([ids[k] for k in flat], device, repeat=2)
+            joined = combine_shard_norms(work.collective, [*g_flat, *w_flat], 2.0, shares)
             g_flat, w_flat = joined[: len(flat)], joined[len(flat) :]
         grad_parts.append(torch.stack(g_flat).to(device))
         weight_parts.append(torch.stack(w_flat).to(device))
@@ -148,37 +153,70 @@ def _clip_units(
         # A row lies on one rank: the figures of the row tensors add up (max) across ranks; the others
         # were taken from full norms, the same on every rank.
         count = len(rows)
-        sums = torch.cat([work.collective.sum_(sums[:count].contiguous()), sums[count:]])
+        row_sums = sums[:count].contiguous()
+        shares = work.share_weights([ids[k] for k in rows], device)
+        if shares is not None:  # a replicated row tensor's figures counted once (``StepWork.shares``)
+            row_sums = row_sums * shares.double().unsqueeze(1)
+        sums = torch.cat([work.collective.sum_(row_sums), sums[count:]])
         peaks = torch.cat([work.collective.max_(peaks[:count].contiguous()), peaks[count:]])
 
     _report_units(work, bound, action, [ids[k] for k in order], sums, peaks)
 
 
+def _piece_layout(shape: tuple[int, ...], start: int) -> tuple[int, int, int]:
+    """``(units, start, width)`` of a flat piece of a parameter of ``shape`` that starts at element ``start``."""
+    return _units_of(shape), start, _width(shape)
+
+
+def _placed_layout(work: StepWork, index: int) -> tuple[int, int, int]:
+    """``(units, start, width)`` of this rank's local piece of a DTensor or replicated gradient, as a flat piece of the
+    whole parameter's units: the piece's rows are units ``offset .. offset + rows`` (a piece split along another
+    dimension holds part of each of its rows), numbered by the whole parameter's first dimension."""
+    grad, dtensor = work.grads[index], work.wrapped.get(index)
+    if grad.ndim < 2:
+        return 1, 0, max(grad.numel(), 1)
+    width = max(math.prod(grad.shape[1:]), 1)
+    if dtensor is None:
+        return int(grad.shape[0]), 0, width
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)  # type: ignore[attr-defined]
+    return int(dtensor.shape[0]), int(offset[0]) * width, width
+
+
 def _clip_unit_pieces(
-    work: StepWork, bound: BoundRule, action: AdaptiveGradClip, ids: list[int], gs: list[torch.Tensor]
+    work: StepWork,
+    bound: BoundRule,
+    action: AdaptiveGradClip,
+    ids: list[int],
+    gs: list[torch.Tensor],
+    layout: list[tuple[int, int, int]],
 ) -> None:
     """Tensor scope where each rank holds a flat piece of each gradient (DeepSpeed ZeRO, ``work.places``): a piece may
     begin or end inside a unit, so each unit's squared gradient and weight norms are this rank's elements' sums,
     summed over the ranks in one collective (in float64); every rank then holds every unit's whole norms, decides the
     same factors, and scales its own elements by their unit's."""
-    places = [work.places[i] for i in ids]
     weights = work.weights(ids)
     device = gs[0].device
-    units = [_units_of(place.shape) for place in places]
-    which = [_unit_index(p.start, g.numel(), _width(p.shape), device) for p, g in zip(places, gs, strict=True)]
+    units = [count for count, _, _ in layout]
+    which = [_unit_index(start, g.numel(), width, device) for (_, start, width), g in zip(layout, gs, strict=True)]
     local = [
         torch.zeros(2, count, dtype=torch.float64, device=device).index_add_(
-            1, index, torch.stack([g.double().square(), w.double().square()])
+            1, index, torch.stack([g.double().reshape(-1).square(), w.double().reshape(-1).square()])
         )
         for g, w, count, index in zip(gs, weights, units, which, strict=True)
     ]
+    if work.shares is not None:  # a replica's squares counted once (``StepWork.shares``)
+        local = [part * work.shares[i] for part, i in zip(local, ids, strict=True)]
     joined = torch.cat(local, dim=1)
     if work.sharded and work.collective is not None:  # not where every rank holds the whole (BF16_Optimizer)
         joined = work.collective.sum_(joined)
     grad_norms, weight_norms = joined.sqrt().unbind(0)
     factor, clipped, limits = _coefficients(grad_norms, weight_norms, action)
     spans = list(torch.split(factor, units))
-    torch._foreach_mul_(gs, [span[index].to(g.dtype) for span, index, g in zip(spans, which, gs, strict=True)])
+    torch._foreach_mul_(
+        gs, [span[index].to(g.dtype).view(g.shape) for span, index, g in zip(spans, which, gs, strict=True)]
+    )
     lengths = _lengths(tuple(units), device)
     sums = torch.segment_reduce(
         torch.stack([grad_norms.square(), (grad_norms * factor).square(), clipped.double()], dim=1),
@@ -278,11 +316,12 @@ def _clip_group(
     device = gs[0].device
     if all(i in raw and i not in touched for i in ids):
         grad_norms = [raw[i] for i in ids]  # full norms already under FSDP2 (the watch combined them)
-        weight_norms = work.norms(ws, 2.0)
+        weight_norms = work.norms(ws, 2.0, ids)
     else:
         grad_norms, weight_norms = norms(gs, 2.0), norms(ws, 2.0)
         if work.sharded and work.collective is not None:
-            joined = combine_shard_norms(work.collective, [*grad_norms, *weight_norms], 2.0)
+            shares = work.share_weights(ids, device, repeat=2)
+            joined = combine_shard_norms(work.collective, [*grad_norms, *weight_norms], 2.0, shares)
             grad_norms, weight_norms = joined[: len(ids)], joined[len(ids) :]
     total = torch.linalg.vector_norm(torch.stack([n.to(device) for n in grad_norms]), 2.0)
     weight = torch.linalg.vector_norm(torch.stack([n.to(device) for n in weight_norms]), 2.0)

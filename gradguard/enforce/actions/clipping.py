@@ -56,7 +56,7 @@ class ClipNormKernel(ActionKernel):
         gs = list(map(work.grads.__getitem__, ids))  # map: a loop in C, over every tensor at every step
         raw, touched = work.raw, work.touched
         reuse = action.norm_type == 2.0 and all(map(raw.__contains__, ids)) and touched.isdisjoint(ids)
-        norms = list(map(raw.__getitem__, ids)) if reuse else work.norms(gs, action.norm_type)
+        norms = list(map(raw.__getitem__, ids)) if reuse else work.norms(gs, action.norm_type, ids)
         if action.scope == "tensor":
             _clip_tensors(work, bound, action, ids, gs, norms, fresh=not reuse)
         else:
@@ -275,7 +275,9 @@ def clip_group_after_read(
     written = work.writes.written
     stale = [k for k, index in enumerate(ids) if index in written]
     norms = list(norms)
-    for k, norm in zip(stale, work.norms([gs[k] for k in stale], action.norm_type), strict=True):
+    for k, norm in zip(
+        stale, work.norms([gs[k] for k in stale], action.norm_type, [ids[k] for k in stale]), strict=True
+    ):
         norms[k] = norm
     total, coef = _group_coefficient(action, ids, gs, norms, multiply=True)
     # Not the StepWork: the reader lives until the next read, and must not keep this step's gradients alive.
@@ -355,7 +357,8 @@ def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:
             grad = grads[index]
             norm = torch.linalg.vector_norm(grad.double(), action.norm_type)
             if work.sharded and work.collective is not None:  # the whole tensor's norm: every piece the same factor
-                norm = _combined_float64(work.collective, norm, action.norm_type)
+                share = work.shares[index] if work.shares is not None else 1.0
+                norm = _combined_float64(work.collective, norm, action.norm_type, share)
             coef = torch.where(finite, torch.clamp(action.max_norm / (norm + EPS), max=1.0), 1.0)
             grad.mul_(coef.to(grad.dtype))
             clips.append((index, bound, action, norm, coef))
@@ -377,12 +380,12 @@ def clear_overflows(work: StepWork, fragile: frozenset[int]) -> None:
         outcome.norm_clipped(step, bound.name, names[index], action, norm, coef, overflowed=True)
 
 
-def _combined_float64(collective: Collective, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+def _combined_float64(collective: Collective, norm: torch.Tensor, norm_type: float, share: float) -> torch.Tensor:
     """A shard's float64 norm made the whole tensor's (``combine_shard_norms`` in float64: the norm overflowed in
     float32)."""
     if math.isinf(norm_type):
         return collective.max_(norm.reshape(1))[0]
-    return collective.sum_(norm.pow(norm_type).reshape(1))[0].pow(1.0 / norm_type)
+    return collective.sum_((norm.pow(norm_type) * share).reshape(1))[0].pow(1.0 / norm_type)
 
 
 def _tensor_clips(binding: Binding, index: int, step: int) -> list[tuple[BoundRule, ClipNorm]]:

@@ -71,18 +71,20 @@ class MonitorKernel(ActionKernel):
             if all(map(raw.__contains__, ids)):  # the step took them already (untouched: no action ran yet)
                 base["norm"] = work.pending.stack([raw[i] for i in ids], device).float()
             else:
-                base["norm"] = stack_on(work.norms(gs, 2.0), device).float()
+                base["norm"] = stack_on(work.norms(gs, 2.0, ids), device).float()
         if "max_abs" in wanted:
             base["max_abs"] = stack_on(work.norms(gs, float("inf")), device).float()
         if wanted & {"mean", "std"} and work.sharded and work.collective is not None:
-            base |= _moments(work.collective, gs, device, std="std" in wanted and not joint)
+            base |= _moments(
+                work.collective, gs, device, "std" in wanted and not joint, work.share_weights(ids, device)
+            )
         elif wanted & {"mean", "std"}:
             base["mean"] = torch.stack([_mean(g).to(device) for g in gs])
             if "std" in wanted and not joint:
                 base["std"] = torch.stack([_std(g).to(device) for g in gs])
         if "grad_to_weight" in wanted:  # the weights where the gradients are (shards, pieces): combined as they are
             params = [weight.detach() for weight in work.weights(ids)]
-            base["weight"] = stack_on(work.norms(params, 2.0), device).float()
+            base["weight"] = stack_on(work.norms(params, 2.0, ids), device).float()
         if joint:
             names, figures = _joint(work, action, bound.name, ids, gs, base)
         else:
@@ -114,7 +116,7 @@ def _std(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _moments(
-    collective: Collective, gs: list[torch.Tensor], device: torch.device, std: bool
+    collective: Collective, gs: list[torch.Tensor], device: torch.device, std: bool, shares: torch.Tensor | None
 ) -> dict[str, torch.Tensor]:
     """The whole tensors' means (and standard deviations) where each rank holds a part of each (FSDP2's shards,
     DeepSpeed's pieces): every part's count, sum and sum of squares, in float64, summed over the ranks in one
@@ -125,7 +127,10 @@ def _moments(
         else torch.zeros(3, dtype=torch.float64, device=g.device)
         for g in gs
     ]
-    count, total, squares = collective.sum_(stack_on(rows, device)).unbind(1)
+    local = stack_on(rows, device)
+    if shares is not None:  # replicas' parts counted once (``StepWork.shares``)
+        local = local * shares.double().unsqueeze(1)
+    count, total, squares = collective.sum_(local).unbind(1)
     mean = total / count
     out = {"mean": mean, "count": count}
     if std:  # torch's (Bessel-corrected) std of the whole tensor; NaN below two elements, as torch.std's

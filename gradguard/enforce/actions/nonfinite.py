@@ -126,7 +126,9 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     bits = collective.slots(norms=False)
     if work.sharded:
         # One collective: the shards' squared norms (summed into full norms) and every rank's flags.
-        payload = collective.sum_(torch.cat([stacked.square(), flags, *slots]))
+        squares = stacked.square()
+        shares = work.share_weights(raw_ids, device)
+        payload = collective.sum_(torch.cat([squares if shares is None else squares * shares, flags, *slots]))
         result = list(payload[:count].sqrt().unbind())
         flags = payload[count:]
     else:

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from gradguard.enforce.distributed.local import LocalGradients, RankSlots, host_name
+from gradguard.enforce.distributed.placements import ShareBook
 from gradguard.errors import GradGuardError, GuardStateError
 
 __all__ = ["Collective", "RankFailed", "is_sharded", "local_tensor"]
@@ -96,6 +97,8 @@ class Collective:
     def __init__(self, group: Any = None) -> None:
         self.group = group
         self.local = LocalGradients()
+        self.shares = ShareBook()
+        """Each tensor's share of a sum over the ranks, where some pieces are replicas (``placements``)."""
         """This rank's own gradient before the reduction, as the engine's tap notes it (``distributed.taps``)."""
         self.members: list[int] = []
         """The group's ranks (global ranks), in group order; set at attach (``agreement.agree_at_attach``)."""
@@ -149,6 +152,10 @@ class Collective:
         many = bool(dist.get_world_size(self.group) > 1)
         self._sized = (world, many)
         return many
+
+    def size(self) -> int:
+        """How many ranks the group has (1 without a process group)."""
+        return int(dist.get_world_size(self.group)) if _DISTRIBUTED and dist.is_initialized() else 1
 
     def sum_(self, values: torch.Tensor) -> torch.Tensor:
         """All-reduce ``values`` in place by sum; one collective."""
@@ -252,12 +259,16 @@ class Collective:
         )
 
 
-def combine_shard_norms(collective: Collective, norms: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-    """Turn per-shard norms into norms of the full tensors, with one collective."""
+def combine_shard_norms(
+    collective: Collective, norms: Sequence[torch.Tensor], norm_type: float, shares: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Turn per-shard norms into norms of the full tensors, with one collective (``shares``: each piece's weight in
+    the sum, where some are replicas: ``distributed.placements``)."""
     if not norms:
         return []
     stacked = torch.stack([norm.float() for norm in norms])
     if math.isinf(norm_type):
         return list(collective.max_(stacked).unbind())
-    powered = collective.sum_(stacked.abs().pow(norm_type))
+    powered = stacked.abs().pow(norm_type)
+    powered = collective.sum_(powered if shares is None else powered * shares)
     return list(powered.pow(1.0 / norm_type).unbind())

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from gradguard.enforce.actions import ActionKernel, kernel_for
+from gradguard.enforce.distributed.collective import is_sharded
 from gradguard.policy.matching import Binding, BoundRule, GuardedParam
 from gradguard.policy.schema import Action, ClipNorm
 
@@ -56,6 +57,8 @@ class Plan:
     that share tensors with it: ``(position, action index, action, shared tensor indices)``. A tensor none of them
     acts on in a step has its last change of that step from this action, which may then wait for the step's one
     read (``StepWork.final``)."""
+    placed: bool = False
+    """Some tensor is a DTensor (FSDP2, tensor parallel): its gradient is given its placements at gather."""
 
     def acts(self, position: int, action: Action, step: int, in_hooks: Callable[[Action], bool] | None) -> bool:
         """Whether a changing action runs at the step boundary of ``step`` (not in the micro-batch hooks)."""
@@ -163,6 +166,7 @@ class Plan:
             names={entry.index: entry.name for entry in ordered},
             params=ordered,
             refs=tuple((entry.index, entry.ref) for entry in ordered),
+            placed=any(is_sharded(param) for entry in ordered if (param := entry.ref()) is not None),
             rules=rules,
             raw_norm_params=frozenset(raw),
             fragile=frozenset(fragile),

@@ -14,6 +14,7 @@ import weakref
 import torch
 
 from gradguard.enforce.distributed.collective import local_tensor
+from gradguard.enforce.distributed.placements import settle
 from gradguard.enforce.plans.plan import Plan
 from gradguard.enforce.work.step_work import StepContext
 from gradguard.errors import GuardStateError
@@ -35,7 +36,10 @@ def gather(
     wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
     seen_at, plain, strided = applied.get, torch.Tensor, torch.strided  # locals: a loop per tensor
     honour_explicit = not context.explicit
-    for index, ref in plan.refs:
+    refs = plan.refs
+    if plan.placed:  # Partial gradients reduced, each in its parameter's placements (distributed.placements)
+        settle((param, param.grad) for _, ref in refs if (param := ref()) is not None and param.grad is not None)
+    for index, ref in refs:
         param = ref()
         grad = param.grad if param is not None else None
         if grad is None:

@@ -7,6 +7,7 @@ what they did into ``StepOutcome``; the engine reads everything back in one tran
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from gradguard.enforce.distributed.collective import Collective, combine_shard_n
 from gradguard.enforce.distributed.local import RankSlots
 from gradguard.enforce.work.places import Place, weights_at
 from gradguard.enforce.work.statistics import Statistics, StepStatistics
-from gradguard.enforce.work.tensors import norms, stack_on, without_grad
+from gradguard.enforce.work.tensors import device_constant, norms, stack_on, without_grad
 from gradguard.enforce.work.writes import DeferredWrites
 from gradguard.policy.matching import Binding, BoundRule, GuardedParam
 from gradguard.policy.schema import ClipNorm, Monitor
@@ -344,6 +345,10 @@ class StepWork:
     """This rank's slots, to ride the step's first SUM all-reduce; None once sent (``take_rank_payload``)."""
     places: dict[int, Place] = field(default_factory=dict)
     """``StepContext.places``: where each piece lies in its parameter (DeepSpeed ZeRO); empty elsewhere."""
+    shares: dict[int, float] | None = None
+    """Tensor index -> its local piece's weight in a sum over the ranks, where some pieces are replicas (tensor
+    parallel's Replicate placements, plain tensors beside DTensors: ``distributed.placements``); None: every piece
+    counts once (one rank, DDP's replicas are not summed, FSDP2 alone)."""
 
     @classmethod
     def begin(
@@ -361,6 +366,8 @@ class StepWork:
         active = collective if collective.active() else None
         sharded = active is not None and (bool(wrapped) or context.pieces)  # per-tensor figures combined over ranks
         work = cls(binding, names, grads, step, Pending(), StepOutcome(), active, sharded, wrapped, fragile)
+        if sharded and wrapped and active is not None:
+            work.shares = active.shares.shares(grads, wrapped, len(active.members) or active.size())
         work.outcome.clipped_before = context.clipped_before
         work.places = context.places
         if active is not None:
@@ -386,10 +393,26 @@ class StepWork:
         """The tensors of the running action whose change may wait for the step's read: ``final`` and ``held``."""
         return self.final | self.held if self.held else self.final
 
-    def norms(self, grads: Sequence[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
-        """Per-tensor norms; under FSDP2, of the full tensors (one collective), not of this rank's shards."""
+    def norms(
+        self, grads: Sequence[torch.Tensor], norm_type: float, ids: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Per-tensor norms; under FSDP2 and tensor parallel, of the full tensors (one collective), not of this rank's
+        pieces (``ids``: the tensors' indices, for their shares where some pieces are replicas)."""
         local = norms(grads, norm_type)
-        return combine_shard_norms(self.collective, local, norm_type) if self.sharded and self.collective else local
+        if not self.sharded or self.collective is None:
+            return local
+        shares = self.share_weights(ids, local[0].device) if ids is not None and local else None
+        if shares is None and self.shares is not None and ids is None and not math.isinf(norm_type):
+            raise AssertionError("a sum over the ranks of replicated pieces needs the tensors' ids (their shares)")
+        return combine_shard_norms(self.collective, local, norm_type, shares)
+
+    def share_weights(self, ids: Sequence[int], device: torch.device, repeat: int = 1) -> torch.Tensor | None:
+        """The shares of ``ids`` (``repeat`` times over) as a float32 device vector made once and reused
+        (``device_constant``), or None where every piece counts once."""
+        shares = self.shares
+        if shares is None:
+            return None
+        return device_constant(tuple(shares[i] for i in ids) * repeat, torch.float32, device)
 
     def weights(self, ids: Sequence[int]) -> list[torch.Tensor]:
         """The parameters of ``ids`` where their gradients are (FSDP2's shards, DeepSpeed's pieces at ``places``), for

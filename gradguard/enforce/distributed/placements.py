@@ -1,0 +1,119 @@
+"""The whole tensor's figures from DTensor pieces: FSDP2, tensor and sequence parallel, and both on a 2-D mesh.
+
+A DTensor gradient lies on its device mesh in one of three ways per mesh dimension, and each asks something else of
+a figure taken from this rank's local piece:
+
+- ``Shard(d)``: the ranks along that dimension hold different pieces; their sums of squares add up.
+- ``Replicate()``: they hold the same piece; summed over the ranks, it would be counted once per rank. Each rank's
+  contribution to a sum is therefore weighted by its ``share``: the number of distinct pieces (the product of the
+  sharded dimensions' sizes) over the number of ranks the sum runs over, so that every distinct piece counts once.
+  A plain tensor beside DTensors (a parameter a TP plan left alone) is a replica on every rank: share ``1 / world``.
+- ``Partial(op)``: each rank holds an addend of the gradient, not a piece of it (a SequenceParallel norm's weight);
+  no figure of an addend is a figure of the gradient. ``settle`` reduces every Partial gradient before anything is
+  read, in one all-reduce per mesh dimension for all of them together (the optimizer would otherwise reduce each one
+  inside its own update: the same values), and gives each gradient its parameter's placements (a row-wise
+  embedding's gradient comes back ``Replicate`` while its weight is ``Shard(0)``; the update applies the rank's rows
+  of it, and the per-unit actions must read those).
+
+Maxima (the inf-norm, ``clip_value``'s peaks) and non-finite counts need no share: a replica changes neither.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShareBook", "settle"]
+
+
+def settle(pairs: Iterable[tuple[Any, Any]]) -> None:
+    """Give each ``(parameter, DTensor gradient)``'s gradient its parameter's placements, reducing the Partial ones
+    first (one all-reduce per mesh dimension, for every Partial gradient at once). Every rank of the mesh calls this
+    with the same parameters in the same order (the plan's), so the all-reduces match."""
+    unsettled = [
+        (param, grad)
+        for param, grad in pairs
+        if (placements := getattr(grad, "placements", None)) is not None  # a DTensor's
+        and placements != getattr(param, "placements", None)
+    ]
+    if not unsettled:
+        return
+    buckets: dict[tuple[int, int, str], tuple[Any, list[torch.Tensor]]] = {}
+    for _, grad in unsettled:
+        mesh = grad.device_mesh
+        for dim, placement in enumerate(grad.placements):
+            if placement.is_partial():
+                key = (id(mesh), dim, str(placement.reduce_op))
+                buckets.setdefault(key, (mesh, []))[1].append(grad.to_local())
+    for (_, dim, op), (mesh, locals_) in buckets.items():
+        _reduce_together(locals_, mesh.get_group(dim), op, mesh.size(dim))
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for param, grad in unsettled:
+        placements = tuple(Replicate() if p.is_partial() else p for p in grad.placements)
+        reduced = DTensor.from_local(
+            grad.to_local(), grad.device_mesh, placements, run_check=False, shape=grad.shape, stride=grad.stride()
+        )
+        if placements != param.placements:  # Replicate -> Shard: the rank's own rows, taken locally
+            reduced = reduced.redistribute(param.device_mesh, param.placements)
+        param.grad = reduced
+
+
+def _reduce_together(locals_: list[torch.Tensor], group: Any, op: str, size: int) -> None:
+    """All-reduce ``locals_`` in place as one flat buffer (one collective for all of them)."""
+    flat = torch.cat([local.reshape(-1) for local in locals_])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if op == "avg":
+        flat /= size
+    offset = 0
+    for local in locals_:
+        local.copy_(flat[offset : offset + local.numel()].view_as(local))
+        offset += local.numel()
+
+
+class ShareBook:
+    """Each guarded tensor's share of a sum over the ranks, kept per tensor index while its placements stay the
+    same (asked at every step of a DTensor run: a comparison per tensor, not the mesh's arithmetic)."""
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[Any, float]] = {}
+
+    def shares(
+        self, grads: dict[int, torch.Tensor], wrapped: dict[int, torch.Tensor], world: int
+    ) -> dict[int, float] | None:
+        """Tensor index -> its share, for ``grads`` of which ``wrapped`` are DTensors; None where every share is 1
+        (FSDP2 alone: every rank holds a different piece of every tensor)."""
+        known, plain = self._known, 1.0 / world
+        out: dict[int, float] = {}
+        whole = True
+        for index in grads:
+            dtensor = wrapped.get(index)
+            if dtensor is None:
+                share = plain
+            else:
+                spec = dtensor._spec  # type: ignore[attr-defined]
+                seen = known.get(index)
+                if seen is not None and seen[0] == spec.placements:
+                    share = seen[1]
+                else:
+                    share = share_of(spec.mesh, spec.placements, world)
+                    known[index] = (spec.placements, share)
+            out[index] = share
+            whole = whole and share == 1.0
+        return None if whole else out
+
+
+def share_of(mesh: Any, placements: Iterable[Any], world: int) -> float:
+    """The distinct pieces of a tensor placed so on ``mesh``, over the ``world`` ranks a sum runs over."""
+    # Any placement that is neither a replica nor an addend splits the tensor (FSDP2 over TP's ``_StridedShard`` is
+    # no ``Shard`` to ``is_shard()``).
+    distinct = math.prod(
+        mesh.size(dim)
+        for dim, placement in enumerate(placements)
+        if not placement.is_replicate() and not placement.is_partial()
+    )
+    return min(float(distinct) / world, 1.0)

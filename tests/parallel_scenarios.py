@@ -1,0 +1,142 @@
+"""Tensor, sequence and 2-D parallel scenarios for tests/test_tensor_parallel.py, on real gloo process groups.
+
+Every scenario trains ``support.parallel_models``' decoder for ``STEPS`` SGD steps on the full batch under each policy
+of ``POLICIES`` and writes, per policy, the whole model's weights after the steps (``full_tensor()``) and the
+``stats`` events of its monitor; the test compares them with the same decoder trained in one process.
+Run as ``python tests/parallel_scenarios.py NAMES WORLD OUTDIR PORT`` (support.gloo_ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from support.gloo_ranks import main
+from support.parallel_models import apply_plain_tp, apply_torchtitan_tp, batch, loss_of, make_decoder
+from torch import nn
+
+from gradguard import GradGuard, GradientHalt, Policy
+
+STEPS = 3
+LR = 0.5
+
+
+def rule(name: str, actions: list[dict[str, Any]], match: str = "*") -> dict[str, Any]:
+    return {"name": name, "match": match, "actions": actions}
+
+
+MONITOR = {"action": "monitor", "every": 1, "stats": ["norm", "mean", "std", "max_abs", "grad_to_weight"]}
+POLICIES: dict[str, dict[str, Any]] = {
+    "per_tensor_clip": {"version": 1, "rules": [rule("clip", [{"action": "clip_norm", "max_norm": 0.05}])]},
+    "group_clip": {
+        "version": 1,
+        "rules": [rule("clip", [{"action": "clip_norm", "max_norm": 0.2, "scope": "group"}])],
+    },
+    "monitor": {"version": 1, "rules": [rule("health", [MONITOR])]},
+    "agc": {"version": 1, "rules": [rule("agc", [{"action": "agc", "clipping": 0.01}])]},
+    "clip_value": {"version": 1, "rules": [rule("value", [{"action": "clip_value", "limit": 0.002}])]},
+    "default": {"shipped": "default"},
+}
+"""Each policy a layout is checked under (``{"shipped": NAME}``: a shipped one)."""
+
+
+def policy_of(name: str) -> Policy:
+    spec = POLICIES[name]
+    return Policy.shipped(spec["shipped"]) if "shipped" in spec else Policy.from_dict(spec)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def train(model: nn.Module, policy: Policy, log: Path | None, rows: slice = slice(None)) -> dict[str, Any]:
+    """``STEPS`` SGD steps on ``rows`` of each full batch under ``policy``; the whole weights after them."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    with GradGuard(model, policy, audit_log=log, logger=None):
+        for step in range(STEPS):
+            opt.zero_grad()
+            tokens, targets = batch(step)
+            loss_of(model(tokens[rows]), targets[rows]).backward()
+            opt.step()
+    return {name: full(param).detach().reshape(-1).tolist() for name, param in model.named_parameters()}
+
+
+def stats_of(log: Path) -> list[dict[str, Any]]:
+    return [event for line in log.read_text().splitlines() if (event := json.loads(line))["event"] == "stats"]
+
+
+def tensor_parallel(layout: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
+    """Every policy under one layout: ``plain`` (the blocks' Linears parallel, the rest plain tensors), ``titan``
+    (torchtitan's plan with SequenceParallel norms) or ``fsdp2_titan`` (FSDP2 over torchtitan's plan, dp x tp)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    two_d = layout.startswith("fsdp2")
+    shape, names = ((2, world // 2), ("dp", "tp")) if two_d else ((world,), ("tp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    result: dict[str, Any] = {}
+    for name in POLICIES:
+        model = make_decoder()
+        (apply_plain_tp if layout == "plain" else apply_torchtitan_tp)(model, mesh["tp"] if two_d else mesh)
+        rows = slice(None)
+        if two_d:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.layers.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            half = 4 // 2
+            dp_rank = mesh["dp"].get_local_rank()
+            rows = slice(dp_rank * half, (dp_rank + 1) * half)
+        log = outdir / f"{name}-rank{rank}.jsonl"
+        final = train(model, policy_of(name), log, rows)
+        result[name] = {"final": final, "stats": stats_of(log)}
+        dist.barrier()
+    result["halt"] = nan_in_one_shard(layout, rank, world, mesh, two_d)
+    return result
+
+
+def nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool) -> dict[str, Any]:
+    """A NaN written into the last rank's shard of ``layers.0.attention.q.weight``'s gradient at step 1."""
+    model = make_decoder()
+    (apply_plain_tp if layout == "plain" else apply_torchtitan_tp)(model, mesh["tp"] if two_d else mesh)
+    if two_d:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, Any] = {"halted": None}
+    with GradGuard(model, Policy.shipped("default"), logger=None):
+        for step in range(3):
+            opt.zero_grad()
+            tokens, targets = batch(step)
+            loss_of(model(tokens), targets).backward()
+            if step == 1 and rank == world - 1:
+                grad = model.layers["0"].attention.q.weight.grad
+                grad.to_local().view(-1)[0] = float("nan")  # type: ignore[union-attr]
+            before = [full(p).detach().clone() for p in model.parameters()]
+            try:
+                opt.step()
+            except GradientHalt as halt:
+                after = [full(p).detach() for p in model.parameters()]
+                out["halted"] = {
+                    "step": halt.step,
+                    "params": list(halt.params),
+                    "ranks": {str(k): v for k, v in halt.ranks.items()},
+                    "unchanged": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+                    "message": str(halt),
+                }
+                break
+    return out
+
+
+def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
+    layout = name.removeprefix("tp_")
+    return tensor_parallel(layout, rank, world, outdir)
+
+
+if __name__ == "__main__":
+    main(scenario, sys.argv[1:])

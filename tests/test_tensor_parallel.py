@@ -1,0 +1,129 @@
+"""Tensor, sequence and 2-D parallel: the guard's figures are the whole model's, as in one process.
+
+Each layout (tests/parallel_scenarios.py) trains the decoder on real gloo ranks under every policy of
+``parallel_scenarios.POLICIES``; the reference is the same decoder, guarded by the same policy, in this process on the
+full batch, and for the clips also torch's own ``clip_grad_norm_``. Weights agree within 1e-5 after 3 steps, the
+monitor's figures within 1e-4 of the largest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.gloo_ranks import free_port
+from support.parallel_models import batch, loss_of, make_decoder
+
+sys.path.insert(0, str(Path(__file__).parent))
+import parallel_scenarios as scenarios
+
+SCRIPT = Path(__file__).parent / "parallel_scenarios.py"
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+def launch(name: str, world: int, outdir: Path, timeout: float = 400) -> list[dict[str, Any]]:
+    path = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    command = [sys.executable, str(SCRIPT), name, str(world), str(outdir), str(free_port())]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return [json.loads((outdir / name / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def reference(policy: str) -> dict[str, Any]:
+    """The decoder in one process on the full batch, guarded by the same policy."""
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"gradguard-tp-reference-{os.getpid()}-{policy}.jsonl"
+    log.unlink(missing_ok=True)
+    final = scenarios.train(make_decoder(), scenarios.policy_of(policy), log)
+    stats = scenarios.stats_of(log)
+    log.unlink()
+    return {"final": final, "stats": stats}
+
+
+def torch_clipped(group: bool) -> dict[str, list[float]]:
+    """The decoder trained with torch's own clip: per tensor at 0.05, or over all of it at 0.2."""
+    model = make_decoder()
+    opt = torch.optim.SGD(model.parameters(), lr=scenarios.LR)
+    for step in range(scenarios.STEPS):
+        opt.zero_grad()
+        tokens, targets = batch(step)
+        loss_of(model(tokens), targets).backward()
+        if group:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.2)
+        else:
+            for param in model.parameters():
+                torch.nn.utils.clip_grad_norm_([param], 0.05)
+        opt.step()
+    return {name: param.detach().reshape(-1).tolist() for name, param in model.named_parameters()}
+
+
+def assert_weights_close(found: dict[str, list[float]], expected: dict[str, list[float]]) -> None:
+    assert found.keys() == expected.keys()
+    for name, values in expected.items():
+        torch.testing.assert_close(torch.tensor(found[name]), torch.tensor(values), atol=1e-5, rtol=0, msg=name)
+
+
+def assert_stats_close(found: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    assert len(found) == len(expected) == scenarios.STEPS
+    for mine, theirs in zip(found, expected, strict=True):
+        assert mine["figures"].keys() == theirs["figures"].keys()
+        for stat, by_name in theirs["figures"].items():
+            assert mine["figures"][stat].keys() == by_name.keys()
+            largest = max(abs(value) for value in by_name.values() if not isinstance(value, str))
+            for name, value in by_name.items():
+                if isinstance(value, str):  # a figure JSON cannot hold (a std of one element: "NaN")
+                    assert mine["figures"][stat][name] == value, (stat, name)
+                else:
+                    assert abs(mine["figures"][stat][name] - value) <= 1e-4 * largest, (stat, name)
+
+
+LAYOUTS = [("tp_plain", 2), ("tp_titan", 2), ("tp_fsdp2_titan", 4)]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[name for name, _ in LAYOUTS])
+def layout_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    name, world = request.param
+    return launch(name, world, tmp_path_factory.mktemp(name))
+
+
+@pytest.mark.parametrize("policy", [name for name in scenarios.POLICIES if name != "monitor"])
+def test_every_rank_ends_with_the_weights_one_process_would_have(
+    layout_runs: list[dict[str, Any]], policy: str
+) -> None:
+    """Per-tensor and group clips, agc, clip_value and the shipped default: the whole weights after 3 steps are the
+    single-process run's, on every rank."""
+    expected = reference(policy)["final"]
+    for result in layout_runs:
+        assert_weights_close(result[policy]["final"], expected)
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["per_tensor", "group"])
+def test_the_clips_match_torch_s_own_clip_grad_norm(layout_runs: list[dict[str, Any]], group: bool) -> None:
+    """The weights after a per-tensor or a group clip are those torch's own clip_grad_norm_ gives in one process."""
+    expected = torch_clipped(group)
+    for result in layout_runs:
+        assert_weights_close(result["group_clip" if group else "per_tensor_clip"]["final"], expected)
+
+
+def test_the_monitor_s_figures_are_the_whole_tensors(layout_runs: list[dict[str, Any]]) -> None:
+    """norm, mean, std, max_abs and grad_to_weight of every tensor, on every rank, as one process sees them."""
+    expected = reference("monitor")["stats"]
+    for result in layout_runs:
+        assert_stats_close(result["monitor"]["stats"], expected)
+
+
+def test_a_nan_in_one_rank_s_shard_halts_every_rank_before_the_update(layout_runs: list[dict[str, Any]]) -> None:
+    """A NaN written into the last rank's shard of a column-wise weight's gradient halts every rank at that step,
+    naming the parameter, with every weight as it was."""
+    for result in layout_runs:
+        halted = result["halt"]["halted"]
+        assert halted is not None
+        assert halted["step"] == 1
+        assert halted["params"] == ["layers.0.attention.q.weight"]
+        assert halted["unchanged"]

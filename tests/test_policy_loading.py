@@ -595,6 +595,66 @@ def test_syntax_errors_and_duplicate_yaml_keys_name_the_line(tmp_path, name, tex
     assert f"{tmp_path / name}:{issue.line}:" in str(exc)
 
 
+UNCLOSED_BRACKET = """\
+version: 1
+rules:
+  - name: clip
+    actions: [{action: clip_norm, max_norm: 1.0}]
+    match: ["*", "b*"
+  - name: halt
+    match: ["*"]
+    actions: [{action: halt_on_nonfinite}]
+"""
+
+
+def test_a_missing_closing_bracket_is_pointed_at_the_bracket_that_opened_it_with_the_fix(tmp_path):
+    """PyYAML gives up on line 6 (the next item); the slip is on line 5, column 12, where the '[' opened."""
+    path = _write(tmp_path, "p.yaml", UNCLOSED_BRACKET)
+    (issue,) = _load_error(path).issues
+    assert issue.line == 5
+    assert issue.message == (
+        "YAML syntax error: the '[' opened at line 5, column 12 is not closed (line 6, column 3 goes on with a list "
+        "item ('- ')); close it with ']' after its last item, before line 6, column 3"
+    )
+
+
+def test_a_missing_comma_inside_brackets_says_to_put_one_between_the_items(tmp_path):
+    path = _write(
+        tmp_path, "p.yaml", 'version: 1\nrules:\n  - {name: a, match: ["x" "y"], actions: [{action: zero}]}\n'
+    )
+    (issue,) = _load_error(path).issues
+    assert issue.line == 3
+    assert issue.message == (
+        "YAML syntax error: the '[' opened at line 3, column 22 is not closed (line 3, column 27 goes on with a "
+        "value); put a ',' between its items, or close it with ']' where it ends"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "version: 1\nrules:\n  - name: a\n    match: ['*']\n      actions: [{action: zero}]\n",
+            "bad indentation at line 5, column 7: a key indented 6 spaces, where the block it follows (from line 3)"
+            " is indented 4; indent it by 4 spaces",
+        ),
+        (
+            "version: 1\nrules:\n  - name: a\n    match: ['*']\n    actions: [{action: zero}]\n   - name: b\n",
+            "bad indentation at line 6, column 4: a list item ('- ') indented 3 spaces, where the block it follows "
+            "(from line 3) is indented 2; indent it by 2 spaces",
+        ),
+    ],
+    ids=["a key too deep", "a list item off by one"],
+)
+def test_a_bad_indent_is_named_in_words_at_its_line_with_the_indentation_to_use(tmp_path, text, expected):
+    """Not PyYAML's "expected <block end>, but found '<block mapping start>'": what is indented how, and the fix."""
+    (issue,) = _load_error(_write(tmp_path, "p.yaml", text)).issues
+    assert issue.line == int(expected.split("line ")[1].split(",")[0])
+    assert expected in issue.message
+    assert "<block" not in issue.message
+    assert issue.message.endswith("or under the key it belongs to (YAML nests by indentation alone)")
+
+
 def test_duplicate_yaml_key_says_where_the_first_one_is(tmp_path):
     """A YAML key given twice is not silently overwritten: the error names both lines."""
     text = "version: 1\nrules:\n  - name: a\n    match: '*'\n    actions: [{action: zero}]\n    match: 'x'\n"

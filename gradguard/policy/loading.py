@@ -69,6 +69,7 @@ from gradguard.policy.yaml_reader import (
     PolicyYamlLoader,
     TooDeep,
     shown,
+    syntax_error_in_words,
     type_name,
     yaml_locator,
 )
@@ -223,10 +224,8 @@ def _parse(text: str, fmt: str, source: str) -> tuple[Any, Locator | None]:
             line = exc.problem_mark.line + 1 if exc.problem_mark is not None else None
             raise PolicyError([PolicyIssue(source, line, "", str(exc.problem))]) from None
         except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            line = mark.line + 1 if mark is not None else None
-            what = " ".join(part for part in (exc.context, exc.problem) if part)
-            raise PolicyError([PolicyIssue(source, line, "", f"YAML syntax error: {what}")]) from None
+            line, message = syntax_error_in_words(exc)
+            raise PolicyError([PolicyIssue(source, line, "", message)]) from None
         except yaml.YAMLError as exc:
             raise PolicyError([PolicyIssue(source, None, "", f"YAML syntax error: {exc}")]) from None
         except (RecursionError, MemoryError) as exc:

@@ -18,7 +18,16 @@ import yaml
 
 from gradguard.policy.limits import MAX_DEPTH, TOO_DEEP
 
-__all__ = ["CannotBuild", "Locator", "PolicyYamlLoader", "TooDeep", "shown", "type_name", "yaml_locator"]
+__all__ = [
+    "CannotBuild",
+    "Locator",
+    "PolicyYamlLoader",
+    "TooDeep",
+    "shown",
+    "syntax_error_in_words",
+    "type_name",
+    "yaml_locator",
+]
 
 Locator = Callable[[Sequence[int | str]], int | None]
 """Maps a field path (``("rules", 0, "match")``) to the 1-based line it came from, where known."""
@@ -207,3 +216,50 @@ def shown(value: Any, limit: int = 200) -> str:
 
 def type_name(value: Any) -> str:
     return {dict: "mapping", list: "list", str: "string", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+_CLOSERS = {"flow sequence": ("[", "]"), "flow mapping": ("{", "}")}
+_FOUND = {
+    "<block mapping start>": "a key",
+    "<block sequence start>": "a list item ('- ')",
+    "<block end>": "the end of the block",
+    "<scalar>": "a value",
+    "-": "a list item ('- ')",
+    "<stream end>": "the end of the file",
+}
+
+
+def syntax_error_in_words(exc: yaml.MarkedYAMLError) -> tuple[int | None, str]:
+    """``(the 1-based line to point at, what is wrong and how to fix it)`` for a YAML syntax error.
+
+    PyYAML names the place where it gave up (a missing ``]`` is found only on the next line) and says it in
+    parser terms (``expected <block end>, but found '<block mapping start>'``). The two common slips are
+    pointed at where they were made: an unclosed bracket at the bracket, a bad indent at the line, with the
+    indentation the enclosing block has.
+    """
+    problem, context = exc.problem or "", exc.context or ""
+    at, opened = exc.problem_mark, exc.context_mark
+    where = f"line {at.line + 1}, column {at.column + 1}" if at is not None else "the end of the file"
+    kind = context.removeprefix("while parsing a ")
+    if kind in _CLOSERS and opened is not None and problem.startswith("expected ','"):
+        opener, closer = _CLOSERS[kind]
+        got = problem.partition("but got ")[2].strip("'")
+        found = _FOUND.get(got, repr(got) if got else "more text")
+        if at is not None and at.line == opened.line:
+            fix = f"put a ',' between its items, or close it with '{closer}' where it ends"
+        else:
+            fix = f"close it with '{closer}' after its last item, before {where}"
+        return opened.line + 1, (
+            f"YAML syntax error: the '{opener}' opened at line {opened.line + 1}, column {opened.column + 1} is not "
+            f"closed ({where} goes on with {found}); {fix}"
+        )
+    if problem.startswith("expected <block end>") and opened is not None and at is not None:
+        found = problem.partition("but found ")[2].strip("'")
+        return at.line + 1, (
+            f"YAML syntax error: bad indentation at {where}: {_FOUND.get(found, found)} indented "
+            f"{at.column} spaces, where the block it follows (from line {opened.line + 1}) is indented "
+            f"{opened.column}; indent it by {opened.column} spaces to go on with that block, or under the key it "
+            "belongs to (YAML nests by indentation alone)"
+        )
+    line = at.line + 1 if at is not None else (opened.line + 1 if opened is not None else None)
+    return line, "YAML syntax error: " + " ".join(part for part in (context, problem) if part)

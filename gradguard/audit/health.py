@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
+from gradguard.audit.collector import Collector, Context, Handler
 from gradguard.audit.fields import Malformed
-from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import FlagRow, HealthRow
@@ -192,14 +192,20 @@ class _Block:
             series.add_column(matrix[:, index], self.last_step)
 
 
-class HealthCollector:
+class HealthCollector(Collector):
     """``stats``, ``vanishing``, ``exploding`` and ``recovered`` events, filtered by step, rule and name."""
 
-    def __init__(self, event_filter: EventFilter) -> None:
-        self._filter = event_filter
+    def __init__(self, context: Context) -> None:
+        self._filter = context.event_filter
         self.series: dict[tuple[str, str, str, str], _Series] = {}
         self.flags: dict[tuple[str, str, str], FlagRow] = {}
         self._blocks: dict[tuple[str, str, str], _Block] = {}
+
+    def reads(self) -> Mapping[type[Any], Handler]:
+        return {Stats: self.stats, Vanishing: self.flag, Exploding: self.flag, Recovered: self.flag}
+
+    def contribute(self, fields: dict[str, Any]) -> None:
+        fields["health"], fields["health_flags"] = self.rows()
 
     def stats(self, event: Stats, run: RunState, record: Record) -> None:
         rule, scope, figures, step = event.rule, event.scope, event.figures, event.step
@@ -256,8 +262,6 @@ class HealthCollector:
         kind, rule, name, step = event_name(type(event)), event.rule, event.name, event.step
         norm = as_float(event.norm)
         threshold = None if isinstance(event, Recovered) else as_float(event.threshold)
-        if kind != "recovered":
-            run.count(rule, kind)
         if (
             run.replica
             or not self._filter.shown(step, rule)

@@ -1,4 +1,4 @@
-"""Interventions (clips): counted by (rule, action) and by parameter, with the largest values seen.
+"""The interventions sections: clips counted by (rule, action) and by parameter, with the largest values seen.
 
 A group clip counts once for each of its parameters; its events are pooled by (rule, parameter list)
 first and attributed to the parameters one by one when the summary is made.
@@ -6,11 +6,11 @@ first and attributed to the parameters one by one when the summary is made.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
+from gradguard.audit.collector import Collector, Context, Handler
 from gradguard.audit.fields import Malformed, number_or_none
-from gradguard.audit.filters import EventFilter
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import ParamRow, ParamTally, RuleActionRow
@@ -60,17 +60,18 @@ Entries = dict[tuple[str, str], dict[str, Entry]]
 them) looks the pair up once."""
 
 
-class InterventionCollector:
+class InterventionCollector(Collector):
     """Takes ``intervention`` and ``adaptive_clip`` events; ``rows`` gives the by-(rule, action) and by-parameter
     tables.
 
     A clip of one tensor (by far the most common line) only updates its (rule, action, parameter)
     ``Entry`` in ``entries``
-    (the summarizer does it inline); the tables are settled from the entries when they are read. ``seq``
+    (a streak of them at once: ``clips``); the tables are settled from the entries when they are read. ``seq``
     numbers the clips in reading order, so that the first and last of a row are the ones read first and last.
     """
 
-    def __init__(self, event_filter: EventFilter) -> None:
+    def __init__(self, context: Context) -> None:
+        event_filter = context.event_filter
         self._shown = event_filter.shown
         self._narrow = event_filter.narrow
         self._param_filter = event_filter.params
@@ -85,6 +86,49 @@ class InterventionCollector:
         self.entries: Entries = {}
         self.seq = 0
 
+    def reads(self) -> Mapping[type[Any], Handler]:
+        return {Intervention: self.intervention, AdaptiveClip: self.adaptive_clip}
+
+    def clips(self, run: RunState, records: Sequence[Record]) -> None:
+        """A streak of one-tensor clips (no filter on, no replica possible): each updates its ``Entry``, the
+        (rule, action) of the line before compared, not looked up (the guard writes a step's clips rule by rule)."""
+        entries = self.entries
+        seq = self.seq
+        rule_now: str | None = None
+        action_now: str | None = None
+        by_param: dict[str, Entry] = {}
+        for record in records:
+            event: Intervention = record.event  # type: ignore[assignment]  # a streak holds clips only
+            rule, action, raw, step = event.rule, event.action, event.before, event.step
+            if rule != rule_now or action != action_now:
+                rule_now, action_now = rule, action
+                found = entries.get((rule, action))
+                if found is None:
+                    found = entries[(rule, action)] = {}
+                by_param = found
+            before = raw if type(raw) is float else number_or_none(raw)
+            seq += 1
+            param: str = event.param  # type: ignore[assignment]  # a streak's clips are of one tensor each
+            entry = by_param.get(param)
+            if entry is None:
+                by_param[param] = [1, step, seq, step, seq, before, step]
+                continue
+            entry[0] += 1
+            entry[3] = step
+            entry[4] = seq
+            if before is not None and (entry[5] is None or before > entry[5]):
+                entry[5] = before
+                entry[6] = step
+        self.seq = seq
+
+    def contribute(self, fields: dict[str, Any]) -> None:
+        by_rule_action, by_param = self.rows()
+        fields["by_rule_action"] = by_rule_action
+        fields["by_param"] = by_param
+        fields["intervention_count"] = sum(row.count for row in by_rule_action)
+        fields["intervention_events"] = sum(row.events for row in by_rule_action)
+        fields["series_counts"] = dict(self.series)
+
     def intervention(self, event: Intervention, run: RunState, record: Record) -> None:
         param = event.param
         if param is None:
@@ -93,7 +137,6 @@ class InterventionCollector:
                 raise Malformed("gradguard 'intervention' event of a group clip ('param': null) without its 'params'")
             self.add(run, event.step, event.rule, event.action, None, names, event.n_params, event.before)
             return
-        run.last_intervention = event
         self.tensor_clip(run, event.step, event.rule, event.action, param, event.before)
 
     def adaptive_clip(self, event: AdaptiveClip, run: RunState, record: Record) -> None:
@@ -111,16 +154,13 @@ class InterventionCollector:
         step, rule, action = event.step, event.rule, event.action
         if self.filtered:
             for name, one in zip(params, before, strict=True):
-                run.last_intervention = (step, rule, action, name, number_or_none(one))
                 self.tensor_clip(run, step, rule, action, name, one)
             return
         if not params:
             return
         # tensor_clip inlined: a line of a hundred tensors' clips is a hundred clips (a tenth of a log's clips).
         key = (rule, action)
-        run.count(rule, action, len(params))
         if run.replica:  # another rank of the job wrote these clips at this step: counted in the tables once
-            run.last_intervention = (step, rule, action, params[-1], number_or_none(before[-1]))
             return
         entries = self.entries.get(key)
         if entries is None:
@@ -141,13 +181,11 @@ class InterventionCollector:
                 entry[5] = value
                 entry[6] = step
         self.seq = seq
-        run.last_intervention = (step, rule, action, params[-1], value)
 
     def tensor_clip(self, run: RunState, step: int, rule: str, action: str, param: str, raw: float | str) -> None:
         """One clip of one tensor (the summarizer inlines this for ``intervention`` lines when no filter is on)."""
         before = raw if type(raw) is float else number_or_none(raw)
         key = (rule, action)
-        run.count(rule, action)
         if run.replica:
             return
         if self.filtered and (
@@ -182,14 +220,11 @@ class InterventionCollector:
     ) -> None:
         """One clip of the group ``names`` (``param`` None), or of ``param`` (an adaptive clip at group scope)."""
         if param is not None:
-            run.last_intervention = (step, rule, action, param, number_or_none(raw_before))
             self.tensor_clip(run, step, rule, action, param, raw_before)
             return
         before = raw_before if type(raw_before) is float else number_or_none(raw_before)
         n = n_params if n_params is not None else len(names)
-        run.last_intervention = (step, rule, action, n, before)
         key = (rule, action)
-        run.count(rule, action, n)
         if run.replica or not self._shown(step, rule):
             return
         if self._param_filter is not None:

@@ -15,6 +15,11 @@ every rank's first run before any step.
 
 Memory stays bounded by the model, not the log: the events of a step are remembered only until every rank of
 the job has gone past it (``WINDOW_STEPS`` at most, for a rank whose lines stopped).
+
+A job of one rank so far (every single-process log, and most lines of a job's first rank before the others' appear)
+cannot hold a replica yet: its events are only held as they are (``Job.hold``, a list append), and what they are about
+is worked out only if another rank joins while they are still in the window (``Job.join``). The bookkeeping a
+replica needs is then paid by the jobs of several ranks alone.
 """
 
 from __future__ import annotations
@@ -77,7 +82,7 @@ def identity(event: Any) -> tuple[Hashable, ...] | None:
 class Job:
     """The runs of one job, by rank, and the events of its recent steps, to tell a replica from a new event."""
 
-    __slots__ = ("_last", "_window", "counted", "number", "runs")
+    __slots__ = ("_held", "_last", "_window", "counted", "number", "runs")
 
     def __init__(self, number: int) -> None:
         self.number = number
@@ -90,11 +95,40 @@ class Job:
         """Step -> what an event was about -> how many such events each rank wrote at that step."""
         self._last: dict[int, int] = {}
         """Rank -> the highest step of its events so far."""
+        self._held: dict[int, list[tuple[Any, int]]] = {}
+        """Step -> (event, rank) of the recent events while the job has one rank: the window, not worked out yet."""
 
     @property
     def multi(self) -> bool:
         """Whether the job has runs of several ranks (only then can an event be a replica)."""
         return len(self.runs) > 1
+
+    def join(self, rank: int, run: str) -> None:
+        """The run ``run`` of ``rank`` is one of the job's: with a second rank, the events held are worked out."""
+        self.runs[rank] = run
+        if len(self.runs) == 2 and self._held:
+            held, self._held = self._held, {}
+            for step in sorted(held):
+                for event, by in held[step]:
+                    self.replica(event, by)
+
+    def hold(self, event: Any, rank: int) -> bool:
+        """An event of a job of one rank so far: never a replica; held as it is, in case another rank joins.
+
+        What is held is what the window of a job of one rank keeps: the events of its newest step and the one before
+        (an event may come a step late)."""
+        step = getattr(event, "step", None)
+        if step is None:
+            return False
+        held = self._held
+        at = held.get(step)
+        if at is None:
+            at = held[step] = []
+            if len(held) > 2:
+                for old in [old for old in held if old < step - 1]:
+                    del held[old]
+        at.append((event, rank))
+        return False
 
     def replica(self, event: Any, rank: int) -> bool:
         """Whether another rank of the job already wrote ``event`` (as often) at its step; remembers it."""

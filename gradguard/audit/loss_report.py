@@ -3,25 +3,25 @@
 ``LossCollector`` takes the ``loss_spike``, ``loss_nonfinite`` and ``loss_unseen`` events. Each verdict is
 counted for the counters' cross-check (``{"loss": {"spike": n, "nonfinite": n}}``), and gathered into one
 ``LossRow`` per kind and action: how many, at which steps, and for spikes the largest ``loss / reference``
-and its step. A skip also joins the skipped steps (rule ``loss``), where the skips section names its cause
-(``loss_skip_causes``); a halt is a ``halt`` event the halts section lists; a non-finite loss the section
-let through (``ignore``) is a finding. Loss events have no parameter: ``--param`` does not narrow them.
+and its step. A skip is also one of the skipped steps (rule ``loss``: the skips section counts it), where that
+section names its cause (``loss_skip_causes``); a halt is a ``halt`` event the halts section lists; a non-finite
+loss the section let through (``ignore``) is a finding. Loss events have no parameter: ``--param`` does not narrow them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
+from gradguard.audit.collector import Collector, Context, Finding, Handler
 from gradguard.audit.fields import number_or_none
-from gradguard.audit.filters import EventFilter
-from gradguard.audit.halts_and_skips import HaltSkipCollector
 from gradguard.audit.layout import Section, Table, num, plural, step_list
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
-from gradguard.audit.summary import AuditSummary, LossRow, StepTally
+from gradguard.audit.summary import FINDING_LOSS, AuditSummary, LossRow, StepTally
 from gradguard.events.counters import LOSS_RULE
-from gradguard.events.definitions import LossNonfinite, LossSpike, LossUnseen
+from gradguard.events.definitions import Attach, LossNonfinite, LossSpike, LossUnseen
 
 __all__ = ["LossCollector", "loss_findings", "loss_section", "loss_skip_causes"]
 
@@ -36,31 +36,42 @@ class _Verdicts:
         self.steps = StepTally()
 
 
-class LossCollector:
-    """Takes the ``loss`` section's events; a skip is also told to the skipped steps (``HaltSkipCollector``)."""
+class LossCollector(Collector):
+    """Takes the ``loss`` section's events, and the attach events (whether a run's policy had the section)."""
 
-    def __init__(self, event_filter: EventFilter, stops: HaltSkipCollector) -> None:
-        self._shown = event_filter.shown
-        self._stops = stops
+    def __init__(self, context: Context) -> None:
+        self._shown = context.event_filter.shown
         self._verdicts: dict[tuple[str, str], _Verdicts] = {}
         self.unseen_lines: list[str] = []
         """The first ``KEPT_UNSEEN`` ``loss_unseen`` events, in words."""
+        self.watched = False
+        """Some run's policy had a ``loss`` section (its attach event says so), whether or not it fired."""
+
+    def reads(self) -> Mapping[type[Any], Handler]:
+        return {Attach: self.attach, LossSpike: self.spike, LossNonfinite: self.nonfinite, LossUnseen: self.unseen}
+
+    def attach(self, event: Attach, run: RunState, record: Record) -> None:
+        self.watched = self.watched or event.loss is not None
+
+    def contribute(self, fields: dict[str, Any]) -> None:
+        fields["loss"] = self.rows()
+        fields["loss_unseen"] = list(self.unseen_lines)
+        fields["loss_watched"] = self.watched
+
+    def findings(self, summary: AuditSummary) -> list[Finding]:
+        return [(FINDING_LOSS, words) for words in loss_findings(summary)]
 
     def _verdict(self, kind: str, action: str, step: int | None) -> LossRow | None:
-        """The row the verdict counts in, or ``None`` where the filters hide it; a skip joins the skipped steps."""
+        """The row the verdict counts in, or ``None`` where the filters hide it."""
         if not self._shown(step, LOSS_RULE):
             return None
         verdicts = self._verdicts.get((kind, action))
         if verdicts is None:
             verdicts = self._verdicts[(kind, action)] = _Verdicts(kind, action)
         verdicts.steps.add(step)
-        if action == "skip":
-            self._stops.skips.add(step)
-            self._stops.skips_by_rule[LOSS_RULE] = self._stops.skips_by_rule.get(LOSS_RULE, 0) + 1
         return verdicts.row
 
     def spike(self, event: LossSpike, run: RunState, record: Record) -> None:
-        run.count(LOSS_RULE, "spike")
         if run.replica:
             return
         row = self._verdict("spike", event.action, event.step)
@@ -74,7 +85,6 @@ class LossCollector:
             row.factor = number_or_none(event.factor)
 
     def nonfinite(self, event: LossNonfinite, run: RunState, record: Record) -> None:
-        run.count(LOSS_RULE, "nonfinite")
         if run.replica:
             return
         row = self._verdict("nonfinite", event.action, event.step)

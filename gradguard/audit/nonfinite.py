@@ -1,13 +1,25 @@
-"""Non-finite gradients: detections (by kind, rule and parameter), steps that applied them unhalted, and
+"""The non-finite gradients section: detections (by kind, rule and parameter), steps that applied them unhalted, and
 group clips skipped on a non-finite norm.
 """
 
 from __future__ import annotations
 
-from gradguard.audit.filters import EventFilter
+from collections.abc import Mapping
+from typing import Any
+
+from gradguard.audit.collector import Collector, Context, Finding, Handler
+from gradguard.audit.layout import plural
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
-from gradguard.audit.summary import NonfiniteRow, ParamTally, StepTally
+from gradguard.audit.summary import (
+    FINDING_GROUP_NORMS,
+    FINDING_NONFINITE,
+    FINDING_UNHALTED,
+    AuditSummary,
+    NonfiniteRow,
+    ParamTally,
+    StepTally,
+)
 from gradguard.events.definitions import Nonfinite, NonfiniteGroupNorm, NonfiniteUnhalted
 
 __all__ = ["NonfiniteCollector"]
@@ -21,10 +33,11 @@ class _Nonfinite(ParamTally):
         self.kinds: dict[str, None] = {}
 
 
-class NonfiniteCollector:
+class NonfiniteCollector(Collector):
     """Takes ``nonfinite``, ``nonfinite_unhalted`` and ``nonfinite_group_norm`` events."""
 
-    def __init__(self, event_filter: EventFilter) -> None:
+    def __init__(self, context: Context) -> None:
+        event_filter = context.event_filter
         self._shown = event_filter.shown
         self._narrow = event_filter.narrow
         self._rules = event_filter.rules
@@ -37,14 +50,15 @@ class NonfiniteCollector:
         self.unhalted_params: dict[str, None] = {}
         self.group_norm = StepTally()
 
+    def reads(self) -> Mapping[type[Any], Handler]:
+        return {
+            Nonfinite: self.nonfinite,
+            NonfiniteUnhalted: self.unhalted_event,
+            NonfiniteGroupNorm: self.group_norm_event,
+        }
+
     def nonfinite(self, event: Nonfinite, run: RunState, record: Record) -> None:
         rule, kind, param, step = event.rule, event.kind, event.param, event.step
-        run.count(rule, kind)
-        run.watch(step)
-        if event.halts:
-            run.halting_rules[rule] = None
-        if event.skips:
-            run.skipping_rules[rule] = None
         if run.replica or not self._shown(step, rule) or not self._narrow([param]):
             return
         self.steps.add(step)
@@ -80,3 +94,27 @@ class NonfiniteCollector:
         ]
         rows.sort(key=lambda row: (row.first_step if row.first_step is not None else -1, -row.count))
         return rows
+
+    def contribute(self, fields: dict[str, Any]) -> None:
+        fields["nonfinite"] = self.steps.done()
+        fields["nonfinite_by_kind"] = dict(sorted(self.by_kind.items()))
+        fields["nonfinite_by_rule"] = dict(sorted(self.by_rule.items(), key=lambda item: -item[1]))
+        fields["nonfinite_by_param"] = self.by_param_rows()
+        fields["unhalted"] = self.unhalted.done()
+        fields["unhalted_params"] = list(self.unhalted_params)
+        fields["group_norm_nonfinite"] = self.group_norm.done()
+
+    def findings(self, summary: AuditSummary) -> list[Finding]:
+        found = []
+        if summary.unhalted.events:
+            words = (
+                f"{plural(summary.unhalted.distinct_steps, 'step')} applied non-finite gradients "
+                "(no halt or skip rule covered them)"
+            )
+            found.append((FINDING_UNHALTED, words))
+        if summary.nonfinite.events:
+            found.append((FINDING_NONFINITE, plural(summary.nonfinite.events, "non-finite gradient")))
+        if summary.group_norm_nonfinite.events:
+            words = plural(summary.group_norm_nonfinite.events, "group clip") + " skipped on a non-finite norm"
+            found.append((FINDING_GROUP_NORMS, words))
+        return found

@@ -10,10 +10,11 @@ step) and ``rerun`` (the ranks whose computations of a re-run step differed: ``t
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
+from gradguard.audit.collector import Collector, Context, Handler
 from gradguard.audit.fields import Malformed
-from gradguard.audit.filters import EventFilter
 from gradguard.audit.layout import Section, Table, step_list
 from gradguard.audit.layout import plural as _plural
 from gradguard.audit.reader import Record
@@ -22,7 +23,7 @@ from gradguard.audit.summary import AuditSummary, RankRow, StepTally
 from gradguard.events.counters import RERUN_RULE
 from gradguard.events.definitions import Halt, RankFailure, RankOutlier, ReplicaDivergence, Rerun, Rewind, Skip
 
-__all__ = ["RankCollector", "ranks_section"]
+__all__ = ["RankCollector", "most_faults", "ranks_section"]
 
 KEPT_ERRORS: Final = 3
 """The exceptions of each rank's ``rank_failure`` events kept (the first)."""
@@ -39,12 +40,26 @@ class _Rank:
         self.errors: list[str] = []
 
 
-class RankCollector:
+class RankCollector(Collector):
     """Takes every event that names a rank; ``rows`` gives one ``RankRow`` per rank named, in rank order."""
 
-    def __init__(self, event_filter: EventFilter) -> None:
-        self._shown = event_filter.shown
+    def __init__(self, context: Context) -> None:
+        self._shown = context.event_filter.shown
         self._ranks: dict[int, _Rank] = {}
+
+    def reads(self) -> Mapping[type[Any], Handler]:
+        return {
+            Halt: self.verdict,
+            Rewind: self.verdict,
+            Skip: self.verdict,
+            RankOutlier: self.outlier,
+            ReplicaDivergence: self.divergence,
+            RankFailure: self.failure,
+            Rerun: self.rerun,
+        }
+
+    def contribute(self, fields: dict[str, Any]) -> None:
+        fields["by_rank"] = self.rows()
 
     def _add(self, rank: int, host: str | None, column: str, step: int) -> _Rank:
         entry = self._ranks.get(rank)
@@ -156,9 +171,21 @@ def ranks_section(summary: AuditSummary) -> Section:
         "gradient was at fault on that rank before the reduction"
     ]
     after = [f"rank {row.rank} failed at {error}" for row in summary.by_rank for error in row.errors]
-    worst = max(summary.by_rank, key=lambda row: row.halts + row.rewinds + row.skips)
-    faults = worst.halts + worst.rewinds + worst.skips
-    if len(summary.by_rank) > 1 and faults:
-        host = ", ".join(worst.hosts) or "host unknown"
-        after.append(f"most faults: rank {worst.rank} ({host}), {_plural(faults, 'fault')} (a suspect device or host)")
+    most = most_faults(summary.by_rank)
+    if most is not None:
+        after.append(most)
     return Section(title, lines, Table(headers, rows, frozenset(range(2, 11))), after)
+
+
+def most_faults(rows: list[RankRow]) -> str | None:
+    """``most faults: rank 1 (host-b), 3 faults (a suspect device or host)``; a tie names every rank of it, and
+    ranks all at fault equally (or none at fault) name none: no rank stands out."""
+    faults = {row.rank: row.halts + row.rewinds + row.skips for row in rows}
+    most = max(faults.values(), default=0)
+    worst = [row for row in rows if faults[row.rank] == most]
+    if not most or len(worst) == len(rows):
+        return None
+    named = ", ".join(f"{row.rank} ({', '.join(row.hosts) or 'host unknown'})" for row in worst)
+    each = "" if len(worst) == 1 else " each"
+    ranks = "ranks" if len(worst) > 1 else "rank"
+    return f"most faults: {ranks} {named}, {_plural(most, 'fault')}{each} (a suspect device or host)"

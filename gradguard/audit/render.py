@@ -193,6 +193,7 @@ def audit_sections(summary: AuditSummary, top: int = 10) -> list[Section]:
         sections.append(health_section(summary, top))
     if summary.other_events:
         sections.append(_other(summary))
+    sections.extend(Section(added.title, added.lines or ["none"]) for added in summary.added)
     sections.append(_counters(summary))
     sections.append(_problems(summary))
     verdict = "; ".join(summary.findings) if summary.findings else "none"

@@ -9,9 +9,10 @@ many is a suspect device.
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
-from gradguard.audit.filters import EventFilter
+from gradguard.audit.collector import Collector, Context, Handler
 from gradguard.audit.layout import Section, Table, step_list
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
@@ -24,11 +25,11 @@ __all__ = ["RerunCollector", "rerun_section"]
 KEPT_NOTES: Final = 10
 
 
-class RerunCollector:
+class RerunCollector(Collector):
     """Takes the ``rerun`` section's events."""
 
-    def __init__(self, event_filter: EventFilter) -> None:
-        self._shown = event_filter.shown
+    def __init__(self, context: Context) -> None:
+        self._shown = context.event_filter.shown
         self._steps: dict[str, StepTally] = {}
         self._asked: dict[str, dict[str, int]] = {}
         self._seen: set[tuple[str, int | None]] = set()
@@ -36,8 +37,15 @@ class RerunCollector:
         """Rank -> the steps at which its computation differed (transient faults)."""
         self.notes: list[str] = []
 
+    def reads(self) -> Mapping[type[Any], Handler]:
+        return {Rerun: self.rerun, RerunUnavailable: self.unavailable}
+
+    def contribute(self, fields: dict[str, Any]) -> None:
+        fields["reruns"] = self.rows()
+        fields["rerun_ranks"] = {rank: steps.done() for rank, steps in sorted(self.by_rank.items())}
+        fields["rerun_notes"] = list(self.notes)
+
     def rerun(self, event: Rerun, run: RunState, record: Record) -> None:
-        run.count(RERUN_RULE, event.verdict)
         if run.replica or not self._shown(event.step, RERUN_RULE):  # every rank of the group wrote it: once
             return
         self._steps.setdefault(event.verdict, StepTally()).add(event.step)
@@ -75,7 +83,6 @@ def rerun_section(summary: AuditSummary) -> Section:
     lines = [] if rows else ["none"]
     after = []
     if summary.rerun_ranks:
-        worst = max(summary.rerun_ranks.items(), key=lambda item: item[1].events)
         after.append(
             "transient faults by rank (a rank with many is a suspect device): "
             + ", ".join(
@@ -83,8 +90,10 @@ def rerun_section(summary: AuditSummary) -> Section:
                 for rank, steps in summary.rerun_ranks.items()
             )
         )
-        if len(summary.rerun_ranks) > 1:
-            after.append(f"most: rank {worst[0]}")
+        most = max(steps.events for steps in summary.rerun_ranks.values())
+        worst = [rank for rank, steps in summary.rerun_ranks.items() if steps.events == most]
+        if len(worst) < len(summary.rerun_ranks):  # a tie names every rank of it; all alike, none stands out
+            after.append(f"most: rank{'s' if len(worst) > 1 else ''} {', '.join(map(str, worst))}")
     after += [f"not re-run: {note}" for note in summary.rerun_notes]
     table = Table(["verdict", "count", "steps", "asked by"], rows, frozenset({1})) if rows else None
     return Section("Re-runs (the rerun section)", lines, table, after)

@@ -1,8 +1,9 @@
 """What the audit keeps of one guard's life in the log (a ``run`` id): ``RunState``.
 
 Whole-log bookkeeping, never filtered: the run table (``gradguard.audit.runs``) and the
-reproduced counters (``gradguard.audit.counters``) are made from it; the collectors of
-interventions, non-finite gradients, halts and skips add to its counts as they go.
+reproduced counters (``gradguard.audit.counters``) are made from it; the dispatcher notes each event's time and
+step in it (``gradguard.audit.run_book``), and the counters section counts into it what the guard counted
+(``gradguard.audit.counting``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from gradguard.events.definitions import Intervention
 
 __all__ = [
     "LOSS_KEYS",
+    "RANKS_KEYS",
+    "RANKS_RULE",
     "RECOMPUTABLE_ACTIONS",
     "RERUN_KEYS",
     "SCALER_KEY",
@@ -44,9 +47,25 @@ LastIntervention = tuple[int | None, str, str, str | int, float | None] | Interv
 of one tensor's clip itself (kept as it is: most lines are one, and few are ever described)."""
 
 
+RANKS_RULE: Final = "ranks"
+"""The rule name the policy's ``ranks`` section counts and logs under (``gradguard.enforce.step.ranks``; the audit
+never imports the enforcement)."""
+RANKS_KEYS: Final = frozenset(
+    {(RANKS_RULE, "outlier"), (RANKS_RULE, "divergence"), (RANKS_RULE, "halt"), (RANKS_RULE, "skip")}
+)
+"""The ``ranks`` section's counters: one ``rank_outlier`` (a ``skip`` too where it skipped), ``replica_divergence``
+or ``halt`` event each."""
+
+
 def recomputable(key: tuple[str, str]) -> bool:
     """Whether the events reproduce the counter ``key`` = (rule, action)."""
-    return key[1] in RECOMPUTABLE_ACTIONS or key == SCALER_KEY or key in LOSS_KEYS or key in RERUN_KEYS
+    return (
+        key[1] in RECOMPUTABLE_ACTIONS
+        or key == SCALER_KEY
+        or key in LOSS_KEYS
+        or key in RERUN_KEYS
+        or key in RANKS_KEYS
+    )
 
 
 class RunState:
@@ -96,8 +115,6 @@ class RunState:
         self.watch_step: int | None = None
         self.halting_rules: dict[str, None] = {}
         self.skipping_rules: dict[str, None] = {}
-        self.last_intervention: LastIntervention | None = None
-        """The run's last intervention, for the halt that may follow it."""
 
     def count(self, rule: str, action: str, n: int = 1) -> None:
         """Count ``n`` under (rule, action) for this run, and for its job unless the event is a replica."""

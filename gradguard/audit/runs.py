@@ -1,67 +1,39 @@
-"""The run table: one ``RunState`` per run id (attach info, steps, times, how it ended), made into
-``RunInfo`` rows, and the runs grouped by job (``gradguard.audit.jobs``) into ``JobInfo`` rows. Whole log, never
-filtered.
+"""The runs section: one row per run id (attach info, steps, times, how it ended), and the runs grouped by job
+(``gradguard.audit.jobs``) into ``JobInfo`` rows, whose counters make the totals. Whole log, never filtered.
+
+The runs themselves are the dispatcher's bookkeeping (``gradguard.audit.run_book``): ``RunTable`` reads what only
+some events say of their run (its attach, detach, halts and rewinds) and makes the rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from gradguard.audit.counters import CounterCheck, reproduced_counters
+from gradguard.audit.collector import Collector, Context, Handler
+from gradguard.audit.counters import reproduced_counters
 from gradguard.audit.jobs import Job
-from gradguard.audit.reader import AnyEvent, Record
+from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState, recomputable
-from gradguard.audit.summary import Counts, JobInfo, RunInfo, joined_stretches
-from gradguard.events.definitions import Attach, Detach
+from gradguard.audit.summary import Counts, JobInfo, RunInfo, joined_stretches, unlearned_stretch
+from gradguard.events.definitions import Attach, Detach, Halt, Rewind
 
 __all__ = ["RunTable", "job_counters", "ran_steps", "seconds_between", "snapshot_memory"]
 
 
-class RunTable:
-    """Finds (or starts) the run of every event; takes ``attach`` and ``detach``; gives ``infos``."""
+class RunTable(Collector):
+    """Takes ``attach``, ``detach``, ``halt`` and ``rewind`` into their runs; gives the runs, jobs and totals."""
 
-    def __init__(self, paths: list[str], counters: CounterCheck) -> None:
-        self.paths = paths
-        self.counters = counters
-        self.by_id: dict[str, RunState] = {}
-        self.jobs: list[Job] = []
-        self._last: RunState | None = None
-        self._last_file = -1
+    def __init__(self, context: Context) -> None:
+        self.paths = context.paths
+        self.filters = context.filters
+        self.book = context.runs
+        self.by_id = context.runs.by_id
+        self.jobs = context.runs.jobs
 
-    def run_of(self, event: AnyEvent, record: Record) -> RunState:
-        """The event's run, with the event's file, time and step noted."""
-        run = self._last
-        if run is None or run.run != event.run or record.file != self._last_file:
-            run_id = event.run
-            run = self.by_id.get(run_id)
-            if run is None:
-                run = self.by_id[run_id] = RunState(run_id, event.rank, self._job_for(run_id, event.rank))
-            if record.file not in run.files:
-                run.files[record.file] = None
-            self._last, self._last_file = run, record.file
-        run.events += 1
-        ts = event.ts
-        if ts is not None:
-            if run.first_ts is None:
-                run.first_ts = ts
-            run.last_ts = ts
-        step = getattr(event, "step", None)
-        if step is not None:
-            if run.first_step is None or step < run.first_step:
-                run.first_step = step
-            if run.last_step is None or step > run.last_step:
-                run.last_step = step
-        return run
-
-    def _job_for(self, run: str, rank: int) -> Job:
-        """The newest job if it has no run of ``rank`` yet (another rank of it), else a new one."""
-        job = self.jobs[-1] if self.jobs else None
-        if job is None or rank in job.runs:
-            job = Job(len(self.jobs) + 1)
-            self.jobs.append(job)
-        job.runs[rank] = run
-        return job
+    def reads(self) -> Mapping[type[Any], Handler]:
+        return {Attach: self.attach, Detach: self.detach, Halt: self.halt, Rewind: self.rewind}
 
     def attach(self, event: Attach, run: RunState, record: Record) -> None:
         run.model, run.policy, run.params = event.model, event.policy, event.params
@@ -74,7 +46,64 @@ class RunTable:
 
     def detach(self, event: Detach, run: RunState, record: Record) -> None:
         run.detach_reason = event.reason
-        self.counters.snapshot(event, run, record)
+
+    def halt(self, event: Halt, run: RunState, record: Record) -> None:
+        run.halted_at.append(event.step)
+
+    def rewind(self, event: Rewind, run: RunState, record: Record) -> None:
+        run.rewinds += 1
+        stretch = unlearned_stretch(event.step, event.to_step, event.skip_until)
+        if stretch is not None:
+            run.rewound.append(stretch)
+
+    def contribute(self, fields: dict[str, Any]) -> None:
+        runs = self.infos()
+        jobs = self.job_infos(runs)
+        totals: Counts = {}
+        for job in jobs:  # a job's ranks count the same events: its counters once, not each rank's
+            for rule, by_action in job.counters.items():
+                into = totals.setdefault(rule, {})
+                for action, n in by_action.items():
+                    into[action] = into.get(action, 0) + n
+        starts = [info.start for info in runs if info.start]
+        ends = [info.end for info in runs if info.end]
+        start, end = (min(starts) if starts else None), (max(ends) if ends else None)
+        firsts = [info.first_step for info in runs if info.first_step is not None]
+        lasts = [info.last_step for info in runs if info.last_step is not None]
+        fields.update(
+            runs=runs,
+            jobs=jobs,
+            ranks=sorted({info.rank for info in runs}),
+            first_step=min(firsts) if firsts else None,
+            last_step=max(lasts) if lasts else None,
+            start=start,
+            end=end,
+            seconds=seconds_between(start, end),
+            totals=totals,
+            totals_complete=all(info.counters_complete for info in runs),
+            notes=self._notes(runs),
+        )
+
+    def _notes(self, runs: list[RunInfo]) -> list[str]:
+        notes = []
+        if self.filters.rules:
+            seen: set[str] = set()
+            for run in self.by_id.values():
+                seen.update(run.rules_matched)
+                seen.update(rule for rule, _ in run.recomputed)
+                if run.snapshot:
+                    seen.update(run.snapshot)
+            missing = [rule for rule in self.filters.rules if rule not in seen]
+            if missing:
+                known = ", ".join(sorted(seen)) or "none"
+                notes.append(f"--rule {', '.join(missing)}: no such rule in the log (rules seen: {known})")
+        for info in runs:
+            if not info.counters_complete and info.counters:
+                notes.append(
+                    f"run {info.run}: scale/zero/drop counts after {info.counters_source.split(' + ')[0]} are "
+                    "not in the log (the guard writes them every summary_every steps and at detach)"
+                )
+        return notes
 
     def infos(self) -> list[RunInfo]:
         """Every run, in order of its first event's time (then rank, run id)."""

@@ -7,6 +7,7 @@ from gradguard.audit.layout import Section, origin_text, short_path, step_list, 
 from gradguard.audit.layout import name_list as _names
 from gradguard.audit.layout import plural as _plural
 from gradguard.audit.loss_report import loss_skip_causes
+from gradguard.audit.run_state import RANKS_RULE
 from gradguard.audit.summary import AuditSummary
 from gradguard.events.counters import RERUN_RULE
 
@@ -111,9 +112,12 @@ def skips_section(summary: AuditSummary) -> Section:
             at = f" (largest z {largest[0]:.3g} at step {largest[1]})" if largest is not None else ""
             why.append(f"gradient norm spikes{at}: {params}")
         why.extend(loss_skip_causes(summary))
+        outliers = summary.skips_by_rule.get(RANKS_RULE, 0)
+        if outliers:
+            why.append(f"a rank's own gradient norm far above the others' (ranks.on_outlier: skip): {outliers:,}")
         lines.append(
             f"{_plural(summary.skips.events, 'step')} skipped by the guard (rule {rules}) at steps "
-            f"{step_list(summary.skips)}; {'; '.join(why)}"
+            f"{step_list(summary.skips)}" + "".join(f"; {cause}" for cause in why)
         )
     for skip in summary.skip_origins:
         lines.append(f"    step {skip.step} (run {skip.run}, rank {skip.rank}) origin: {origin_text(skip.origin)}")

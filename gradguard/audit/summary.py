@@ -15,6 +15,17 @@ from gradguard.audit.filters import Filters
 from gradguard.audit.reader import BadLine
 
 __all__ = [
+    "FINDING_ADDED",
+    "FINDING_GROUP_NORMS",
+    "FINDING_HALTS",
+    "FINDING_LOSS",
+    "FINDING_MISMATCHES",
+    "FINDING_NONFINITE",
+    "FINDING_REWINDS",
+    "FINDING_SKIPS",
+    "FINDING_UNHALTED",
+    "FINDING_UNREADABLE",
+    "AddedSection",
     "AuditSummary",
     "Counts",
     "FileInfo",
@@ -34,7 +45,6 @@ __all__ = [
     "RunInfo",
     "StepList",
     "StepTally",
-    "findings_of",
     "joined_stretches",
     "unlearned_stretch",
 ]
@@ -362,6 +372,21 @@ class RerunRow:
     """What made the steps suspect (``nonfinite``, ``spike``, ``loss``), and how often."""
 
 
+FINDING_HALTS, FINDING_REWINDS, FINDING_UNHALTED, FINDING_NONFINITE, FINDING_GROUP_NORMS = 0, 1, 2, 3, 4
+FINDING_SKIPS, FINDING_UNREADABLE, FINDING_MISMATCHES, FINDING_LOSS, FINDING_ADDED = 5, 6, 7, 8, 9
+"""The places of the findings in the report's Findings line, whichever collector found them."""
+
+
+@dataclass
+class AddedSection:
+    """The section of a collector the summary has no field for: its JSON (under ``name``), its title and lines."""
+
+    name: str
+    data: Any
+    title: str
+    lines: list[str]
+
+
 @dataclass
 class AuditSummary:
     """Everything ``gradguard audit`` reports; ``as_json`` is its ``--format json``."""
@@ -442,6 +467,8 @@ class AuditSummary:
     """The runs grouped by job (one run per rank); ``totals`` sums the jobs' counters, not the runs'."""
     by_rank: list[RankRow] = field(default_factory=list)
     """Faults by the rank where they were made, outliers, divergences, failures and re-runs, by rank."""
+    added: list[AddedSection] = field(default_factory=list)
+    """The sections of collectors this summary has no field for (``Collector.section``), in registration order."""
 
     @property
     def exit_code(self) -> int:
@@ -454,6 +481,8 @@ class AuditSummary:
         data["filters"] = self.filters.as_json()
         data["bad_lines"] = [asdict(bad) for bad in self.bad_lines]
         data["exit_code"] = self.exit_code
+        data.pop("added")
+        data.update((added.name, added.data) for added in self.added)
         return {"schema": 1, **data}
 
 
@@ -481,29 +510,3 @@ def joined_stretches(stretches: Iterable[tuple[int, int]]) -> list[list[int]]:
 
 def _plural(n: int, word: str) -> str:
     return f"{n:,} {word}" + ("" if n == 1 else "s")
-
-
-def findings_of(summary: AuditSummary) -> list[str]:
-    found = []
-    if summary.halts_total:
-        found.append(_plural(summary.halts_total, "halt"))
-    if summary.rewinds_total:
-        unlearned = sum(last - first + 1 for first, last in summary.unlearned_steps)
-        found.append(_plural(summary.rewinds_total, "rewind") + f" ({_plural(unlearned, 'step')} never learned from)")
-    if summary.unhalted.events:
-        found.append(
-            f"{_plural(summary.unhalted.distinct_steps, 'step')} applied non-finite gradients "
-            "(no halt or skip rule covered them)"
-        )
-    if summary.nonfinite.events:
-        found.append(_plural(summary.nonfinite.events, "non-finite gradient"))
-    if summary.group_norm_nonfinite.events:
-        found.append(_plural(summary.group_norm_nonfinite.events, "group clip") + " skipped on a non-finite norm")
-    if summary.skips.events:
-        found.append(_plural(summary.skips.events, "skipped step"))
-    if summary.bad_lines_total:
-        found.append(_plural(summary.bad_lines_total, "unreadable line"))
-    if summary.mismatches_total:
-        n = summary.mismatches_total
-        found.append(f"{n:,} counter mismatch{'' if n == 1 else 'es'} between the events and the counters events")
-    return found

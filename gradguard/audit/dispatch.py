@@ -1,0 +1,168 @@
+"""The one dispatcher of ``gradguard audit``: every line read goes through ``Dispatcher.add_all``, once.
+
+For each record it does the run's bookkeeping (``RunBook.run_of``: its file, time, step span), says whether the event
+is a replica (another rank of the job wrote it at its step: ``Job.replica``; a job of one rank cannot have one and
+only holds its events, ``Job.hold``), and hands it to every collector that registered for its type, in registration
+order (``gradguard.audit.collectors``). No collector sees an event before this is done, and none does it again.
+
+Most lines of a long log are clips of one tensor of the run just seen, in a job of one rank (no replica possible):
+they are gathered while they last and handed to each collector that reads clips at once (``Collector.clips``), a
+streak per collector instead of a call per line per collector. A filter on (``--since``, ``--rule``, ...) takes them
+one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Final
+
+from gradguard.audit.collector import UNCLAIMED, Collector, Handler
+from gradguard.audit.fields import Malformed
+from gradguard.audit.reader import AnyEvent, ReadStats, Record
+from gradguard.audit.run_book import RunBook
+from gradguard.audit.run_state import RunState
+from gradguard.events import definitions as ev
+
+__all__ = ["STREAK_RECORDS", "Dispatcher", "name_of"]
+
+STREAK_RECORDS: Final = 1024
+"""Clips held in a streak at most: memory stays a read chunk's, whatever the caller hands ``add_all`` at once."""
+_UNREADABLE = (ArithmeticError, LookupError, TypeError, ValueError)
+"""What a collector may raise on a value no definition foresaw (a fuzzed or hand-edited line): that line is lost,
+not the report."""
+
+
+def name_of(event: AnyEvent) -> str:
+    """The ``event`` name of a line read."""
+    return event.event if isinstance(event, ev.ForeignEvent) else ev.event_name(type(event))
+
+
+class Dispatcher:
+    """Takes records (``add_all``) and hands each event, with its run, to the collectors registered for its type."""
+
+    def __init__(
+        self,
+        runs: RunBook,
+        collectors: Sequence[Collector],
+        paths: Sequence[str],
+        stats: ReadStats,
+        *,
+        one_by_one: bool,
+    ) -> None:
+        self.runs = runs
+        self.paths = list(paths)
+        self.stats = stats
+        self.one_by_one = one_by_one
+        """Whether every clip goes through its handlers (a filter is on): no streak."""
+        by_type: dict[type[Any], list[Handler]] = {}
+        clip_readers: list[Collector] = []
+        for collector in collectors:
+            for kind, handler in collector.reads().items():
+                by_type.setdefault(kind, []).append(handler)
+            if ev.Intervention in collector.reads():
+                clip_readers.append(collector)
+        self._unclaimed = tuple(by_type.pop(UNCLAIMED, ()))
+        self._handlers = {kind: tuple(handlers) for kind, handlers in by_type.items()}
+        self._streak_readers = tuple(collector.clips for collector in clip_readers)
+
+    def add_all(self, records: Iterable[Record]) -> None:
+        """Take every event of ``records``; one a collector cannot use is reported as an unreadable line and skipped.
+
+        A one-tensor clip of the run of the line before, in a job of one rank, joins the streak; the run's step span,
+        time and event count are kept in locals while it lasts (attribute stores per line would cost a tenth of the
+        audit) and written with the streak, before the next other event.
+        """
+        if self.one_by_one:
+            for record in records:
+                self._dispatch(record)
+            return
+        clip = ev.Intervention
+        run: RunState | None = None
+        run_id, run_file = "", -1
+        streak: list[Record] = []
+        gather = streak.append
+        streaking = False
+        last_ts: str | None = None
+        low = high = 0
+        for record in records:
+            event = record.event
+            if (
+                streaking
+                and type(event) is clip
+                and event.run == run_id
+                and record.file == run_file
+                and event.param is not None
+            ):
+                gather(record)
+                if len(streak) >= STREAK_RECORDS:
+                    self._flush(run, streak, last_ts, low, high)  # type: ignore[arg-type]  # set with the streak
+                    streak = []
+                    gather = streak.append
+                ts = event.ts
+                if ts is not None:
+                    last_ts = ts
+                step = event.step
+                if step > high:
+                    high = step
+                elif step < low:
+                    low = step
+                continue
+            if streak:
+                assert run is not None
+                self._flush(run, streak, last_ts, low, high)
+                streak = []
+                gather = streak.append
+            run = self._dispatch(record)
+            if run is None:
+                streaking = False
+                continue
+            run_id, run_file = event.run, record.file
+            # A streak starts only where the run has a step span to widen, in a job of one rank (another rank's
+            # clips may be replicas, which only ``Job.replica`` can tell).
+            first, last = run.first_step, run.last_step
+            streaking = first is not None and last is not None and not run.job.multi
+            if streaking:
+                last_ts, low, high = run.last_ts, first, last  # type: ignore[assignment]
+        if streak:
+            assert run is not None
+            self._flush(run, streak, last_ts, low, high)
+
+    def _flush(self, run: RunState, streak: list[Record], last_ts: str | None, low: int, high: int) -> None:
+        """The streak's bookkeeping into its run, then the streak to every collector that reads clips."""
+        run.events += len(streak)
+        run.last_ts = last_ts
+        run.first_step = low
+        run.last_step = high
+        for take in self._streak_readers:
+            take(run, streak)
+
+    def _dispatch(self, record: Record) -> RunState | None:
+        """One event: its run's bookkeeping, its replica mark, then its handlers; None where the line was unreadable."""
+        event = record.event
+        try:
+            run = self.runs.run_of(event, record)
+            job = run.job
+            run.replica = job.replica(event, run.rank) if job.multi else job.hold(event, run.rank)
+            try:
+                handlers = self._handlers.get(type(event))
+                if handlers is None:
+                    if not run.replica:
+                        for handle in self._unclaimed:
+                            handle(event, run, record)
+                else:
+                    for handle in handlers:
+                        handle(event, run, record)
+            finally:
+                run.replica = False
+        except Malformed as exc:
+            self._bad(record, str(exc))
+            return None
+        except _UNREADABLE as exc:
+            self._bad(record, f"gradguard {name_of(event)!r} event the audit cannot read ({type(exc).__name__})")
+            return None
+        return run
+
+    def _bad(self, record: Record, reason: str) -> None:
+        path = self.paths[record.file]
+        self.stats.events[path] = self.stats.events.get(path, 1) - 1
+        self.stats.bad_line(path, record.line, reason)

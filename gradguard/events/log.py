@@ -143,18 +143,23 @@ def _finite_json(_: Any, __: str, event_dict: MutableMapping[str, Any]) -> Mappi
     return {key: _json_safe(value) for key, value in ordered.items()}
 
 
+_SAID_WHEN_NOT_EMPTY = frozenset({"params", "kinds", "ranks"})
+"""Fields the console line leaves out when empty (the audit log keeps them, as every field)."""
+
+
 def console_fields(event: str, fields: Mapping[str, Any]) -> dict[str, Any]:
     """The short form of an event's fields for the application's logger; the audit log keeps ``fields``.
 
     A list longer than ``CONSOLE_NAMES`` keeps its first items and says how many more there are
     (``params`` also gets its ``count``); ``kinds`` (a kind per parameter) becomes a tally per kind;
     ``origin`` becomes the sentence a halt says (``It started in the forward pass: ...``); a field
-    without a value (``reason=None``) and a halt's cumulative ``counters`` are left to the audit log (and
-    ``guard.counters``).
+    without a value (``reason=None``), an empty ``params``, ``kinds`` or ``ranks`` (a ranks halt names ranks, not
+    parameters: ``count=0 ... params=[]`` said nothing) and a halt's cumulative ``counters`` are left to the audit
+    log (and ``guard.counters``).
     """
     out: dict[str, Any] = {}
     for key, value in fields.items():
-        if value is None or (key == "counters" and event == "halt"):
+        if value is None or (key == "counters" and event == "halt") or (key in _SAID_WHEN_NOT_EMPTY and not value):
             continue
         if key == "kinds" and isinstance(value, Mapping):
             tally: dict[str, int] = {}

@@ -114,6 +114,10 @@ class RanksTakingPart(Participant):
         self._agreed = True
         self._diverged: tuple[dict[int, str], list[str]] | None = None
         self._outliers: dict[int, str] = {}
+        self._outlier_words = ""
+        """The last outliers' norms against the others' median, in words (a halt's reason)."""
+        self._divergence_words = ""
+        """The last divergence's extent, in words (a halt's reason)."""
 
     def release(self) -> None:
         self.collective.local.close()  # the engine keeps its tap (DDP's hook stays): it must not grow a list for ever
@@ -184,6 +188,14 @@ class RanksTakingPart(Participant):
                 far.append(rank)
         if not far:
             return {}
+        self._outlier_words = (
+            "; ".join(
+                f"rank {rank}'s own gradient norm {norms[rank]:.4g} is {norms[rank] / references[rank]:.3g} x the other "
+                f"ranks' median {references[rank]:.4g}"
+                for rank in far
+            )
+            + f" (outlier_factor {ranks.outlier_factor:g}; norms by rank: {_norms_words(norms)})"
+        )
         median = min(references[rank] for rank in far)
         named = {rank: self.collective.hosts.get(rank, "?") for rank in far}
         self.counters.add(RANKS_RULE, "outlier")
@@ -219,6 +231,11 @@ class RanksTakingPart(Participant):
             reference = max(by_value.values(), key=lambda indices: (len(indices), -min(indices)))
             deviants.update(index for index in range(len(rows)) if index not in reference)
         named = collective.named(sorted(deviants))
+        agreeing = len(members) - len(named)
+        self._divergence_words = (
+            f"{len(names)} parameters compared; {agreeing} of the {len(members)} ranks agree, the rank(s) named hold "
+            "another copy: drain them, or look for code or data only they ran"
+        )
         ranks = self._policy().ranks
         action = ranks.on_divergence if ranks is not None else "halt"
         self.counters.add(RANKS_RULE, "divergence")
@@ -248,14 +265,14 @@ class RanksTakingPart(Participant):
         step, diverged, outliers = work.step, self._diverged, self._outliers
         if diverged is not None and ranks.on_divergence == "halt":
             named, params = diverged
-            why = f"the weights of {len(params)} parameter(s) differ bitwise between the data-parallel replicas"
+            why = self._divergence_words
             report = HaltReport(step, RANKS_RULE, params, {}, "divergence", why, None, named)
             return Ruling(lambda: self._halt(report))
         if outliers and ranks.on_outlier in ("skip", "halt"):
             if ranks.on_outlier == "skip":
                 self.counters.add(RANKS_RULE, "skip")
                 return Ruling(lambda: True)
-            why = f"outlier_factor {ranks.outlier_factor:g}: a rank's own gradient norm far above the ranks' median"
+            why = self._outlier_words
             report = HaltReport(step, RANKS_RULE, [], {}, "outlier", why, None, outliers)
             return Ruling(lambda: self._halt(report))
         return None
@@ -313,3 +330,9 @@ def watch_ranks(enforcer: Enforcer, model: nn.Module, deepspeed: bool) -> dict[s
     )
     enforcer.participants.give("ranks", taking_part)
     return ranks_at_attach(collective, policy)
+
+
+def _norms_words(norms: dict[int, float]) -> str:
+    """``0: 1.2, 1: 250`` (every rank's norm, at most eight shown)."""
+    shown = [f"{rank}: {value:.4g}" for rank, value in sorted(norms.items())]
+    return ", ".join(shown[:8]) + (f" and {len(shown) - 8} more" if len(shown) > 8 else "")

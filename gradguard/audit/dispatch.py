@@ -14,6 +14,7 @@ one by one.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from itertools import islice
 from typing import Any, Final
 
 from gradguard.audit.collector import UNCLAIMED, Collector, Handler
@@ -25,8 +26,8 @@ from gradguard.events import definitions as ev
 
 __all__ = ["STREAK_RECORDS", "Dispatcher", "name_of"]
 
-STREAK_RECORDS: Final = 1024
-"""Clips held in a streak at most: memory stays a read chunk's, whatever the caller hands ``add_all`` at once."""
+STREAK_RECORDS: Final = 512
+"""Records of an iterator taken at a time (a list is taken whole: its records are held already)."""
 _UNREADABLE = (ArithmeticError, LookupError, TypeError, ValueError)
 """What a collector may raise on a value no definition foresaw (a fuzzed or hand-edited line): that line is lost,
 not the report."""
@@ -66,6 +67,16 @@ class Dispatcher:
         self._streak_readers = tuple(collector.clips for collector in clip_readers)
 
     def add_all(self, records: Iterable[Record]) -> None:
+        """Take every event of ``records``: a list (a read chunk's) as it is, an iterator ``STREAK_RECORDS`` at a time
+        (a streak holds no more: memory stays a chunk's, whatever the caller hands in)."""
+        if isinstance(records, list):
+            self._add_batch(records)
+            return
+        iterator = iter(records)
+        while batch := list(islice(iterator, STREAK_RECORDS)):
+            self._add_batch(batch)
+
+    def _add_batch(self, records: list[Record]) -> None:
         """Take every event of ``records``; one a collector cannot use is reported as an unreadable line and skipped.
 
         A one-tensor clip of the run of the line before, in a job of one rank, joins the streak; the run's step span,
@@ -94,10 +105,6 @@ class Dispatcher:
                 and event.param is not None
             ):
                 gather(record)
-                if len(streak) >= STREAK_RECORDS:
-                    self._flush(run, streak, last_ts, low, high)  # type: ignore[arg-type]  # set with the streak
-                    streak = []
-                    gather = streak.append
                 ts = event.ts
                 if ts is not None:
                     last_ts = ts

@@ -16,7 +16,7 @@ import torch
 
 from gradguard.enforce.distributed.deepspeed import inner_optimizer, layout
 
-__all__ = ["HeldStill", "UpdateHook", "skip_update"]
+__all__ = ["HaltAfterStep", "HeldStill", "UpdateHook", "skip_update"]
 
 
 def skip_update(engine: Any) -> None:
@@ -53,14 +53,63 @@ def _drop(engine: Any) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def _put_back(owner: Any, wrapper: Callable[..., Any], previous: Callable[..., Any] | None) -> None:
+    """Give ``owner`` its own ``step`` back (the class method, or what the instance had), unless another wrapper was
+    put on top of ``wrapper`` since."""
+    if vars(owner).get("step") is wrapper:
+        if previous is None:
+            del owner.step
+        else:
+            owner.step = previous
+
+
+class HaltAfterStep:
+    """``engine.step()`` wrapped so that a halt the guard raised inside it (``hold``) is raised once it has finished.
+
+    The guard's halt comes before DeepSpeed counts the micro-step: raised at once, the engine would count one
+    micro-step too few, and a loop that catches the halt and goes on would have every later update mix the
+    micro-batches of two of its steps. The hook that holds the halt has taken the skip's path (no update), so the
+    engine finishes as after a skipped step: the micro-step, the update and the samples counted, the LR scheduler held
+    where DeepSpeed holds it for a skip."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.inside = False
+        """Whether ``engine.step()`` is running: a halt outside it (a direct ``engine.optimizer.step()``) is raised at
+        once."""
+        self._held: list[BaseException] = []
+        self._previous = vars(engine).get("step")
+        inner = engine.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._held.clear()
+            self.inside = True
+            try:
+                result = inner(*args, **kwargs)
+            finally:
+                self.inside = False
+            if self._held:
+                raise self._held.pop()
+            return result
+
+        self._wrapper = step
+        engine.step = step
+
+    def hold(self, halt: BaseException) -> None:
+        self._held.append(halt)
+
+    def remove(self) -> None:
+        _put_back(self.engine, self._wrapper, self._previous)
+
+
 class UpdateHook:
     """Runs ``before()`` once per update, between the reduction and DeepSpeed's overflow check, clip and update.
 
     ``before`` returning False skips the update (``skip_update``): it must return the same on every rank,
     which is the caller's collective's job. When DeepSpeed's step ran, ``after(overflow)`` says whether it
-    skipped the update itself (non-finite gradients under fp16/bf16). An exception from ``before`` propagates
-    with the weights untouched and this boundary's gradients dropped (so a caller that goes on does not fold
-    them into its next update); that ``engine.step()`` did not finish, so its counters are not advanced.
+    skipped the update itself (non-finite gradients under fp16/bf16). An exception from ``before`` (a halt) takes the
+    skip's path too, the weights untouched and this boundary's gradients dropped, and inside ``engine.step()`` is
+    raised once that step has finished, counted as a skipped one (``HaltAfterStep``).
     """
 
     def __init__(self, engine: Any, before: Callable[[], bool], after: Callable[[bool], None] | None = None) -> None:
@@ -69,14 +118,19 @@ class UpdateHook:
         self._previous = vars(opt).get("step")
         # A client optimizer (ZeRO 0) has no ``overflow``: the engine reads it only when present.
         self._added_overflow = not hasattr(opt, "overflow")
+        self.halts = halts = HaltAfterStep(engine)
         inner = opt.step
 
         def step(*args: Any, **kwargs: Any) -> Any:
             try:
                 go = before()
-            except BaseException:
-                _drop(engine)
-                raise
+            except BaseException as halt:
+                if not halts.inside:
+                    _drop(engine)
+                    raise
+                skip_update(engine)
+                halts.hold(halt)
+                return None
             if not go:
                 skip_update(engine)
                 return None
@@ -91,13 +145,10 @@ class UpdateHook:
         opt.step = step
 
     def remove(self) -> None:
-        """Give the optimizer its own ``step`` back (the class method, or what was there before)."""
+        """Give the optimizer and the engine their own ``step`` back (the class method, or what was there before)."""
         opt = self.optimizer
-        if vars(opt).get("step") is self._wrapper:
-            if self._previous is None:
-                del opt.step
-            else:
-                opt.step = self._previous
+        _put_back(opt, self._wrapper, self._previous)
+        self.halts.remove()
         if self._added_overflow and "overflow" in vars(opt):
             del opt.overflow
 

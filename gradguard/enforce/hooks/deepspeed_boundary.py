@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from gradguard.enforce.distributed.deepspeed import ZeroGradients, inner_optimizer, layout, refusal
-from gradguard.enforce.distributed.deepspeed_update import HeldStill, UpdateHook
+from gradguard.enforce.distributed.deepspeed_update import HaltAfterStep, HeldStill, UpdateHook
 from gradguard.enforce.hooks.torch_hooks import note_scaled_root
 from gradguard.enforce.work.places import Place
 from gradguard.enforce.work.step_work import StepContext, StepPlan
@@ -139,15 +139,30 @@ class ClipHook(_Wrapped):
     """At ZeRO 0, runs ``before()`` (the guard's step) where DeepSpeed is about to clip (``clip_fp32_gradients``),
     then DeepSpeed's clip. ``before`` returning False (a skip: the gradients are gone) leaves the clip out, which would
     fail on no gradients; the client optimizer's step then has nothing to apply. The guard's step counts its
-    gradients as treated until that step, so the clip's change does not make them new to it."""
+    gradients as treated until that step, so the clip's change does not make them new to it. A halt drops the
+    gradients as a skip does and is raised once ``engine.step()`` has finished (``HaltAfterStep``), so the engine
+    counts the micro-step and a loop that goes on keeps its accumulation aligned."""
 
     def __init__(self, engine: Any, before: Callable[[], bool]) -> None:
         original = engine.clip_fp32_gradients
+        self.halts = halts = HaltAfterStep(engine)
 
         def clip() -> Any:
-            return original() if before() else None
+            try:
+                go = before()
+            except BaseException as halt:
+                if not halts.inside:
+                    raise
+                engine.optimizer.zero_grad(set_to_none=True)  # the client optimizer's step then applies nothing
+                halts.hold(halt)
+                return None
+            return original() if go else None
 
         super().__init__(engine, "clip_fp32_gradients", clip)
+
+    def remove(self) -> None:
+        super().remove()
+        self.halts.remove()
 
 
 class LossScaleHook(_Wrapped):

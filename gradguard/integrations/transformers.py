@@ -12,14 +12,14 @@ unscale), puts the guard's counters into Trainer's logs (``gradguard/<rule>/<act
 state beside each checkpoint, and removes the guard when ``trainer.train()`` ends, also by an
 exception such as [`GradientHalt`][gradguard.GradientHalt].
 
-DeepSpeed works too (``TrainingArguments(deepspeed=...)``, ZeRO stage 1 or 2): the Trainer's update then happens
+DeepSpeed works too (``TrainingArguments(deepspeed=...)``, ZeRO stage 1, 2 or 3): the Trainer's update then happens
 inside DeepSpeed's engine, which ``accelerator.backward`` steps, and
 [`guard_trainer`][gradguard.integrations.transformers.guard_trainer] guards that engine (``trainer.model_wrapped``), as
 ``GradGuard(engine, policy)`` does: the policy acts on the reduced gradients inside DeepSpeed's update, before its
 ``gradient_clipping`` (Trainer's ``max_grad_norm``), a NaN halts every rank at the same step naming the parameter,
 and a skip takes DeepSpeed's overflow path, so the Trainer does not step its scheduler either. What the guard refuses
 under DeepSpeed (optimizer and parameter offload, a ``recovery`` section under fp16; docs/distributed.md) is refused at
-``on_train_begin``. The Trainer has been run with ZeRO 1 and 2 only.
+``on_train_begin``. Tested through the Trainer at ZeRO 2; ZeRO 3 ran through it in issue 58's trial, not in the tests.
 
 A policy's ``rerun`` section cannot compute a step again here: ``Trainer`` steps without a closure the guard could
 run a second time. The first suspect step says so (``rerun_unavailable``, with why), its verdict stands, and a halt
@@ -399,7 +399,7 @@ def guard_trainer(
       state saved beside it;
     - removes the guard and every wrapper when ``train()`` returns or raises.
 
-    With a DeepSpeed config (ZeRO stage 1 or 2) it guards the Trainer's DeepSpeed engine instead: the policy acts
+    With a DeepSpeed config (ZeRO stage 1, 2 or 3) it guards the Trainer's DeepSpeed engine instead: the policy acts
     on the reduced gradients inside DeepSpeed's update (before its ``gradient_clipping``), every rank reaches the same
     verdict, and the counters reach the logs as above.
 

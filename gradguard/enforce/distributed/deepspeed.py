@@ -99,9 +99,14 @@ def refusal(engine: Any) -> str | None:
         or getattr(optimizer, "cpu_offload", False)
         or _offloaded(getattr(zero_config, "offload_optimizer", None))
     ):
+        read_point = (
+            "each parameter's gradient partition (grad_partitions_flat_buffer) the guard reads at ZeRO 3"
+            if stage >= 3
+            else "the averaged_gradients the guard reads at ZeRO 1 and 2"
+        )
         return (
             "optimizer offload (CPU/NVMe) writes gradients straight into the fp32 partition in host memory during "
-            f"backward (or swaps it to NVMe), not into the averaged_gradients the guard reads. {_WORKS}"
+            f"backward (or swaps it to NVMe), not into {read_point}. {_WORKS}"
         )
     if _offloaded(getattr(zero_config, "offload_param", None)):
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -734,7 +735,15 @@ class _Reductions(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_first_fault_watches_a_wide_linear_head_through_its_input_and_weight_and_still_names_it():
+@pytest.fixture
+def every_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default's light trace at every forward, as it runs on a model it cannot replay (FSDP2, ZeRO 3, ...)."""
+    from gradguard.enforce.provenance import provenance
+
+    monkeypatch.setattr(provenance, "LIGHT", dataclasses.replace(provenance.LIGHT, replay=False))
+
+
+def test_first_fault_watches_a_wide_linear_head_through_its_input_and_weight_and_still_names_it(every_forward):
     """The light trace reads neither the head's logits nor their upcast copy (their finiteness is that of the
     head's input, weight and bias, read instead), and a NaN in the head's weight is still named at the head."""
     torch.manual_seed(0)

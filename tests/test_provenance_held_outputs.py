@@ -3,6 +3,7 @@ fewer launches, and the same module named, also where a later operation changes 
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import Counter
 from typing import Any
@@ -13,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradguard import GradGuard, GradientHalt, Policy
+from gradguard.enforce.provenance import provenance
 from gradguard.enforce.provenance.figures import HeldOutputs
 
 HALT = {"version": 1, "rules": [{"name": "halt", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
@@ -128,7 +130,9 @@ def named(origin: dict[str, Any]) -> tuple[str, str, str]:
 
 @pytest.fixture(params=[True, False], ids=["held", "each-in-its-hook"])
 def hold(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    """Every test runs with the held outputs and with each output reduced in its hook: the same answers."""
+    """Every test runs with the held outputs and with each output reduced in its hook: the same answers. The light
+    trace runs at every forward, as on a model the default cannot replay (a replay reduces each in its hook)."""
+    monkeypatch.setattr(provenance, "LIGHT", dataclasses.replace(provenance.LIGHT, replay=False))
     if not request.param:
         monkeypatch.setattr(HeldOutputs, "hold", lambda self, figures, tensor, index: False)
     return bool(request.param)

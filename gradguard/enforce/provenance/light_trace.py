@@ -69,12 +69,15 @@ class Tracing:
     linear: bool = True
     """A plain Linear's output (a vocabulary head's logits) watched through its input and parameters when they are
     less than half its size (``_linear_figure``): on a 50k-vocabulary head the trace then never reads the logits."""
+    replay: bool = False
+    """Trace no forward of a clean step: hold each forward and replay a faulting step's with this trace
+    (``first_fault.FirstFault``); False: trace every forward (and where the model cannot be replayed)."""
 
 
-LIGHT: Final = Tracing(backward=False, budget=32)
+LIGHT: Final = Tracing(backward=False, budget=32, replay=True)
 """``first_fault``'s trace: sums of the outputs of the model's outermost 32 modules at most, forward only
 (benchmarks/provenance.py: within 1% of the step on the GPT and the deep model; tensor hooks or every
-module's outputs are not)."""
+module's outputs are not), run on a faulting step's replay only."""
 
 
 class LightTrace:

@@ -4,27 +4,19 @@ Two traces record, on the device and with no host sync, one figure per tensor (n
 is), in the order the hooks fire; the figures ride the step's one host read and the first non-finite one
 names the origin.
 
-The light trace (``"first_fault"``, the default, armed from the start):
+The light trace (``"first_fault"``, the default, run on a faulting step's replay: ``first_fault``, ``replay``;
+at every forward where the model cannot be replayed): a forward hook on each of the model's outer modules (the
+shallowest whole levels of at most ``Tracing.budget`` modules: every module of a small model, the blocks of a deep
+one) that sums its output (a sum is half the cost of a 2-norm, and NaN/Inf all the same), and a pre-hook on the model
+for the input batch; outputs only (a module's input is the previous one's output), with no per-tensor bookkeeping
+but the last output's identity (a container passing its last child's output on).
 
-- a forward hook on each of the model's outer modules (the shallowest whole levels of at most
-  ``Tracing.budget`` modules: every module of a small model, the blocks of a deep one) that sums its
-  output (a sum is half the cost of a 2-norm, and NaN/Inf all the same), and a pre-hook on the model for
-  the input batch; outputs only (a module's input is the previous one's output), with no per-tensor
-  bookkeeping but the last output's identity (a container passing its last child's output on);
-- a tensor hook on each of those outputs: the sum of its gradient in backward, so a fault made in
-  backward is named by phase and module too.
-
-The full trace (``"always"`` from the start; ``"first_fault"`` and ``"after_fault"`` arm it after a
-non-finite step or skip, for ``ARMED_STEPS`` steps, then go back to their light trace or to nothing):
-
-- module forward hooks (and a pre-hook on the model itself, for the input batch): every module's
-  floating-point inputs and outputs, each tensor once (a tensor already recorded as an earlier module's
-  output, unchanged since, is not read again: the module is noted as one of its consumers), as 2-norms;
-- tensor hooks on those tensors: their gradients in backward, in the order backward produces them (tensor
-  hooks, not ``register_full_backward_hook``: those wrap module outputs in a view that in-place ops after
-  the module, such as ``ReLU(inplace=True)``, refuse);
-- post-accumulate-grad hooks on the guarded parameters: their gradients as backward accumulates them,
-  before any code after backward (a ``clip_grad_norm_`` over every parameter) spreads one NaN to all.
+The full trace (``"always"`` from the start; ``"first_fault"`` and ``"after_fault"`` arm it after a non-finite step
+or skip, for ``ARMED_STEPS`` steps): module forward hooks (and a pre-hook on the model, for the batch) on every
+module's floating-point inputs and outputs, each tensor once (an earlier output unchanged since is not read again: the
+module is noted as one of its consumers), as 2-norms; tensor hooks on those tensors for their gradients in backward
+(not ``register_full_backward_hook``, whose view of an output in-place ops after the module refuse); and
+post-accumulate-grad hooks on the guarded parameters, before code after backward (a global clip) spreads one NaN.
 
 ``"after_fault"`` costs nothing until a fault and cannot name the first one.
 """
@@ -43,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.provenance.figures import STRIDED, HeldOutputs, tensors, total
 from gradguard.enforce.provenance.figures import peak as _peak
+from gradguard.enforce.provenance.first_fault import FirstFault
 from gradguard.enforce.provenance.light_trace import LIGHT, LINEAR_FORWARD, MAX_ENTRIES, LightTrace, Tracing
 from gradguard.enforce.provenance.light_trace import recording as _recording
 from gradguard.enforce.provenance.origins import (
@@ -61,6 +54,7 @@ from gradguard.enforce.provenance.origins import (
     owner_of,
     unrooted,
 )
+from gradguard.enforce.provenance.replay import Replay, unreplayable
 from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.step_work import StepOutcome, StepWork
 from gradguard.enforce.work.tensors import stack_on
@@ -87,7 +81,6 @@ too. No: on the deep benchmark model (293 tensors) they cost 5% of the whole ste
 per parameter during backward), so these modes arm them with the module hooks, after a fault."""
 FIRST_PARAMS_SHOWN: Final = 16
 UNTRACED_HINT: Final = "To trace a first fault: GradGuard(..., provenance='first_fault')."
-_STRIDED = STRIDED
 
 
 class _Seen:
@@ -101,7 +94,7 @@ class _Seen:
         self.consumers = consumers
 
 
-class Provenance(LightTrace, Participant):
+class Provenance(LightTrace, FirstFault, Participant):
     """Arms and disarms the hooks, queues their figures into the step's one read, and names the origin."""
 
     def __init__(
@@ -132,11 +125,15 @@ class Provenance(LightTrace, Participant):
         self._light_handles: list[RemovableHandle] = []
         self._light_levels: tuple[int, int] | None = None
         self._armed_until: int | None = None
+        self._replay: Replay | None = None
+        self.unreplayable = unreplayable(model) if mode == "first_fault" and tracing.replay else None
+        if mode == "first_fault" and tracing.replay and self.unreplayable is None:
+            self._replay = Replay(model)
         self._reset()
         if mode == "always":
             self._arm_modules()
         elif mode == "first_fault":
-            self._arm_light()
+            self._arm_first_fault()
         self.rebind(binding)
 
     # --- arming ------------------------------------------------------------------------------------
@@ -173,6 +170,9 @@ class Provenance(LightTrace, Participant):
             self._light_handles.append(root.register_forward_pre_hook(self._light_data, with_kwargs=True))
 
     def _disarm_light(self) -> None:
+        """The default's hooks off: the light trace's, and the replay's (the forwards it held dropped)."""
+        if self._replay is not None:
+            self._replay.disarm()
         for handle in self._light_handles:
             handle.remove()
         self._light_handles = []
@@ -199,7 +199,7 @@ class Provenance(LightTrace, Participant):
         if not self.gradients:
             self._remove_flags()
         if self.mode == "first_fault" and not self._light_handles:
-            self._arm_light()
+            self._arm_first_fault()
 
     def _remove_flags(self) -> None:
         for handle in self._grad_handles:
@@ -281,13 +281,13 @@ class Provenance(LightTrace, Participant):
             tensor.register_hook(functools.partial(self._backward, producer, consumers))  # type: ignore[no-untyped-call]
 
     def _backward(self, producer: int, consumers: list[int], grad: torch.Tensor) -> None:
-        if len(self._bwd) < MAX_ENTRIES and grad.layout is _STRIDED:
+        if len(self._bwd) < MAX_ENTRIES and grad.layout is STRIDED:
             self._bwd.append(_peak(grad))
             self._bwd_meta.append((producer, consumers, -1))
 
     def _accumulated(self, index: int, param: torch.Tensor) -> None:
         grad = param.grad
-        if grad is not None and len(self._acc) < MAX_ENTRIES and grad.layout is _STRIDED:
+        if grad is not None and len(self._acc) < MAX_ENTRIES and grad.layout is STRIDED:
             self._acc.append(_peak(grad))
             self._acc_meta.append(index)
 
@@ -298,6 +298,8 @@ class Provenance(LightTrace, Participant):
 
     def report(self, work: StepWork) -> None:
         """Queue this step's figures into the step's one read; the reader names the origin and arms."""
+        if not self._fwd and not self._bwd and not self._acc and self.replaying:
+            return  # a clean step held its forwards only: ``after_read`` replays them if it faulted
         self._held.reduce(self._fwd)  # a forward the model's own hook did not end (another entry point, an error)
         fwd, bwd, acc = self._fwd, self._bwd, self._acc
         metas = (self._fwd_meta, self._bwd_meta, self._acc_meta)
@@ -388,7 +390,7 @@ def attach_provenance(
     """A ``Provenance`` for ``mode`` (None: none), its removal handed to ``add_handle``."""
     if mode is None:
         return None
-    provenance = Provenance(model, binding, mode)
+    provenance = Provenance(model, binding, mode, tracing=LIGHT)  # the module's: a test may trace every forward
     add_handle(provenance)
     return provenance
 

@@ -161,7 +161,10 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     phase, module, seen_in = origin.get("phase"), origin.get("module"), origin.get("seen_in")
     kind = origin.get("kind") or "non-finite"
     first = list(origin.get("first_params") or ())
-    if phase == "received" and origin.get("after_reduction"):
+    if phase == "received" and origin.get("pipeline"):
+        text = f"It was not made on this pipeline stage (rank {origin.get('rank')}): its gradients are finite; "
+        text += f"{origin.get('note')}, and every stage stops before its update."
+    elif phase == "received" and origin.get("after_reduction"):
         text = f"It was not made on this rank (rank {origin.get('rank')}): its gradients are finite, before and after "
         text += "the reduction; another rank's turned non-finite after it, and every rank stops together."
     elif phase == "received":

@@ -7,7 +7,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradguard.enforce.distributed.agreement import agree_at_attach, fingerprint
-from gradguard.enforce.distributed.collective import Collective
+from gradguard.enforce.distributed.mesh import ModelParts
 from gradguard.enforce.hooks.boundaries import explicit_context, stepped_by
 from gradguard.enforce.hooks.clips import ClipWatch
 from gradguard.enforce.hooks.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
@@ -30,6 +29,7 @@ from gradguard.enforce.step.engine import Enforcer
 from gradguard.enforce.step.known_norms import clip_with_known_norms
 from gradguard.enforce.step.ranks import watch_ranks
 from gradguard.enforce.step.reload import Reloader
+from gradguard.enforce.step.stages import agree_on_the_mesh
 from gradguard.enforce.triggers.loss import LossWatch, watches_loss
 from gradguard.enforce.triggers.rerun import ClosureRerun
 from gradguard.enforce.work.step_work import StepContext
@@ -80,6 +80,7 @@ class GradGuard(ServesMetrics):
         logger: a structlog logger for the events; ``None`` for none (default: ``gradguard``'s).
         scaler: the ``GradScaler`` of the loop, so the steps it skips are logged and counted.
         process_group: the group ranks agree over (default: the default group, when initialised).
+        device_mesh: the job's ``DeviceMesh`` (torchtitan's dimension names): a pipeline's stages (docs/distributed.md).
         per_micro_batch: treat each backward's contribution with the tensor-scope actions.
         start_step: the step a run resumed from a checkpoint starts at: step windows and the log's steps go on.
         summary_every: write the cumulative counters every this many steps (0: only at the end).
@@ -109,7 +110,7 @@ class GradGuard(ServesMetrics):
 
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | Sequence[nn.Module],
         policy: Policy | str | os.PathLike[str],
         *,
         optimizer: Optimizer | Iterable[Optimizer] | None = None,
@@ -117,6 +118,7 @@ class GradGuard(ServesMetrics):
         logger: Any = DEFAULT_LOGGER,
         scaler: torch.amp.GradScaler | None = None,
         process_group: Any = None,
+        device_mesh: Any = None,
         per_micro_batch: bool = False,
         start_step: int = 0,
         summary_every: int = 100,
@@ -131,7 +133,8 @@ class GradGuard(ServesMetrics):
         lr_scheduler: Any = None,
         averages: Iterable[nn.Module] = (),
     ) -> None:
-        engine, model = deepspeed_parts(model)  # a DeepSpeed engine's own model: its names, no "module." prefix
+        # A DeepSpeed engine's own model (its names, no "module." prefix); torchtitan's model_parts as one model.
+        engine, model = deepspeed_parts(model if isinstance(model, nn.Module) else ModelParts(model))
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
         check_mode(provenance)
@@ -148,9 +151,8 @@ class GradGuard(ServesMetrics):
                 refuse_reevaluating(opt)
         claim_model(self, model, replace)
         try:
-            collective = Collective(process_group)
-            mine = fingerprint(self.policy, binding, per_micro_batch, start_step, reload)
-            agree_at_attach(collective, mine, attach_timeout)
+            options = (per_micro_batch, start_step, reload)
+            collective, stages = agree_on_the_mesh(binding, options, process_group, device_mesh, attach_timeout)
             self.counters = Counters()
             """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
             self.run_id = uuid.uuid4().hex[:12]
@@ -159,6 +161,7 @@ class GradGuard(ServesMetrics):
             events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
             enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
             self._enforcer = enforcer
+            enforcer.participants.give("stages", stages(enforcer.verdicts, self.counters))  # a pipeline's stages
             self._enforcer.step = start_step
             self._events = events
             self._expected: list[Optimizer] | None = optimizers

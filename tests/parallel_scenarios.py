@@ -53,6 +53,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+def local(tensor: torch.Tensor | None) -> torch.Tensor:
+    assert tensor is not None
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def train(model: nn.Module, policy: Policy, log: Path | None, rows: slice = slice(None)) -> dict[str, Any]:
     """``STEPS`` SGD steps on ``rows`` of each full batch under ``policy``; the whole weights after them."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)

@@ -28,7 +28,7 @@ from gradguard.enforce.work.tensors import (
 from gradguard.policy.matching import Binding, BoundRule
 from gradguard.policy.schema import Action, ClipNorm, ClipValue
 
-__all__ = ["ClipNormKernel", "ClipValueKernel", "clear_overflows"]
+__all__ = ["ClipNormKernel", "ClipValueKernel", "clear_overflows", "pipeline_total"]
 
 _OVERFLOW_NOTE = (
     "every element is finite but the float32 2-norm overflowed: not a non-finite gradient; its tensor-scope "
@@ -53,6 +53,9 @@ class ClipNormKernel(ActionKernel):
 
     def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
         assert isinstance(action, ClipNorm)
+        if not ids:  # a pipeline stage that holds none of the rule's tensors: its part of the group's norm is 0
+            pipeline_total(work, action.norm_type, None)
+            return True
         gs = list(map(work.grads.__getitem__, ids))  # map: a loop in C, over every tensor at every step
         raw, touched = work.raw, work.touched
         reuse = action.norm_type == 2.0 and all(map(raw.__contains__, ids)) and touched.isdisjoint(ids)
@@ -238,7 +241,7 @@ def _clip_group(
 ) -> None:
     outcome = work.outcome
     deferred = all(index in work.final for index in ids)
-    total, coef = _group_coefficient(action, ids, gs, norms, multiply=not deferred)
+    total, coef = _group_coefficient(action, ids, gs, norms, multiply=not deferred, pipeline=work)
     writes = work.writes
 
     def read(values: list[float]) -> None:
@@ -286,16 +289,40 @@ def clip_group_after_read(
 
 
 def _group_coefficient(
-    action: ClipNorm, ids: list[int], gs: list[torch.Tensor], norms: list[torch.Tensor], *, multiply: bool
+    action: ClipNorm,
+    ids: list[int],
+    gs: list[torch.Tensor],
+    norms: list[torch.Tensor],
+    *,
+    multiply: bool,
+    pipeline: StepWork | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group's total norm and clip coefficient, as ``clip_grad_norm_`` takes them; applied on the device too
-    where ``multiply``."""
+    where ``multiply``. ``pipeline``: the step, whose stages' totals are combined where it has a pipeline's."""
     total = torch.linalg.vector_norm(stack_on(in_torch_order(gs, norms), norms[0].device), action.norm_type)
+    if pipeline is not None and pipeline.pipeline is not None:
+        total = pipeline_total(pipeline, action.norm_type, total)
     coef = clip_coefficients(total, action.max_norm)
     if multiply:
         for _, positions in by_device(ids, gs):
             torch._foreach_mul_([gs[k] for k in positions], coef.to(gs[positions[0]].device))
     return total, coef
+
+
+def pipeline_total(work: StepWork, norm_type: float, total: torch.Tensor | None) -> torch.Tensor:
+    """A group's norm over every pipeline stage, as torchtitan's clip takes it: the stages' totals to the p-th power
+    summed over ``pp`` (their maximum for the inf-norm), one collective per group clip on every stage, in policy order
+    (``total`` None: this stage holds none of the group's tensors)."""
+    pipeline = work.pipeline
+    if pipeline is None:
+        assert total is not None
+        return total
+    if total is None:
+        device = next(iter(work.grads.values())).device if work.grads else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+    if math.isinf(norm_type):
+        return pipeline.max_(total.reshape(1))[0]
+    return pipeline.sum_(total.pow(norm_type).reshape(1))[0].pow(1.0 / norm_type)
 
 
 def _group_read(

@@ -39,11 +39,12 @@ def digest(value: Any) -> str:
 
 
 def fingerprint(
-    policy: Policy, binding: Binding, per_micro_batch: bool, start_step: int, reload: bool = False
+    policy: Policy, binding: Binding, per_micro_batch: bool, start_step: int, reload: bool = False, stage: str = ""
 ) -> dict[str, str]:
     """What every rank's guard must share, as short comparable strings (and the policy's file, shown only).
 
-    ``reload`` is compared too: with it, every enforcement pass makes one more collective.
+    ``reload`` is compared too: with it, every enforcement pass makes one more collective. ``stage``: this rank's
+    pipeline stage (``"1 of 2"``), where the parameters are compared among the stage's ranks only.
     """
     names = sorted(name for entry in binding.params for name in entry.names)
     options = f"per_micro_batch={per_micro_batch}, start_step={start_step}" + (", reload=True" if reload else "")
@@ -52,7 +53,7 @@ def fingerprint(
         "parameters": f"{len(binding.params)} guarded tensors, names {digest(names)}",
         "options": options,
         "source": policy.source,
-    }
+    } | ({"stage": stage} if stage else {})
 
 
 def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: float) -> None:
@@ -88,13 +89,25 @@ def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: fl
     collective.members, collective.index = ranks, ranks.index(dist.get_rank())
     collective.hosts = {rank: str(entry.get("host", "?")) for rank, entry in saved.items()}
     collective.store, collective.failure_key = store, prefix + "failure"
-    for field in sorted({name for found in saved.values() for name in found} - {"source", "host"}):
+    stages = {rank: str(found.get("stage", "")) for rank, found in saved.items()}
+    for field in sorted({name for found in saved.values() for name in found} - {"source", "host", "stage"}):
+        # A pipeline's stages hold different parameters by design: those are compared among a stage's ranks.
+        within = field == "parameters" and any(stages.values())
         by_value: dict[str, list[int]] = {}
         for rank, found in saved.items():
-            by_value.setdefault(str(found.get(field, "(missing)")), []).append(rank)
-        if len(by_value) > 1:
+            key = str(found.get(field, "(missing)"))
+            by_value.setdefault(f"stage {stages[rank]}: {key}" if within else key, []).append(rank)
+        if within and len(by_value) > len(set(stages.values())):
+            sides = "; ".join(f"ranks {on}: {value}" for value, on in by_value.items())
+            differences.append(f"{field} differs within a stage ({sides})")
+        elif not within and len(by_value) > 1:
             sides = "; ".join(f"ranks {on}: {value}" for value, on in by_value.items())
             differences.append(f"{field} differs ({sides})")
+            if field == "parameters":
+                differences[-1] += (
+                    " [if this is a pipeline (torch.distributed.pipelining: each rank holds a stage), pass the job's "
+                    "DeviceMesh with a 'pp' dimension: GradGuard(stage_or_model_parts, policy, device_mesh=mesh)]"
+                )
             if field == "policy":
                 files = ", ".join(f"rank {rank}: {entry['source']}" for rank, entry in saved.items())
                 differences[-1] += f" [policy files: {files}]"

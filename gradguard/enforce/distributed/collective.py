@@ -98,6 +98,8 @@ class Collective:
         self.group = group
         self.local = LocalGradients()
         self.shares = ShareBook()
+        self.pipeline: Collective | None = None
+        """Under pipeline parallel, the collective over the mesh's ``pp``: a group clip's norm is every stage's."""
         """Each tensor's share of a sum over the ranks, where some pieces are replicas (``placements``)."""
         """This rank's own gradient before the reduction, as the engine's tap notes it (``distributed.taps``)."""
         self.members: list[int] = []
@@ -120,6 +122,12 @@ class Collective:
     def rank(self) -> int:
         """This rank's global rank."""
         return self.members[self.index] if self.members else 0
+
+    def join(self, job: Collective, ranks: list[int]) -> None:
+        """Take the agreement ``job`` made at attach (the hosts, the store where a failed step is written) for this
+        collective, whose group is ``ranks`` (a pipeline stage's ranks, or a pipeline's stages)."""
+        self.members, self.index = ranks, ranks.index(job.rank)
+        self.hosts, self.store, self.failure_key = job.hosts, job.store, job.failure_key
 
     def slots(self, norms: bool) -> RankSlots:
         """Where this rank's flag (and norm) rides the step's SUM all-reduce."""

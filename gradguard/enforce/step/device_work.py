@@ -9,17 +9,18 @@ non-finite verdict). Nothing here reads a value back to the host.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from gradguard.enforce.actions import kernel_for
+from gradguard.enforce.actions import ActionKernel, kernel_for
 from gradguard.enforce.actions.nonfinite import watch_raw_norms
 from gradguard.enforce.hooks.micro_batch import handled_in_hooks
 from gradguard.enforce.plans.plan import Plan
 from gradguard.enforce.step.participants import Participants
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.policy.matching import GuardedParam
+from gradguard.policy.schema import Action, ClipNorm
 
 __all__ = ["apply_actions", "observe", "queue_device_work"]
 
@@ -57,17 +58,46 @@ def apply_actions(plan: Plan, work: StepWork, everyone: int, per_micro_batch: bo
             continue
         ids = _present(plan.member_ids[position], members, grads, everyone)
         if not ids:
+            if work.pipeline is not None:
+                _join_the_stages(plan, work, position, acting, in_hooks)
             continue
         for action_index, action, kernel in acting:
             if not plan.acts(position, action, step, in_hooks):
                 continue
             work.final = plan.final_ids(position, action_index, ids, step, in_hooks)
-            holds = len(work.final) < len(ids) and not work.sharded and kernel.may_hold(action)
+            # A held change re-clips its group after the read where the read shows it was made: across ranks or stages
+            # that would be a collective some take and others not.
+            holds = (
+                len(work.final) < len(ids) and not work.sharded and work.pipeline is None and kernel.may_hold(action)
+            )
             work.held = plan.held_ids(position, action_index, ids, step, in_hooks) if holds else frozenset()
             if not kernel.apply(work, bound, action, ids):
+                if work.pipeline is not None:  # nothing left to act on here; the stages' group clips still meet
+                    _join_the_stages(
+                        plan, work, position, acting[acting.index((action_index, action, kernel)) + 1 :], in_hooks
+                    )
                 break
             work.touched.update([i for i in ids if i not in work.held] if work.held else ids)
     work.final = work.held = frozenset()
+
+
+def _join_the_stages(
+    plan: Plan,
+    work: StepWork,
+    position: int,
+    acting: Sequence[tuple[int, Action, ActionKernel]],
+    in_hooks: Callable[[Action], bool] | None,
+) -> None:
+    """A pipeline stage with none of a rule's tensors still takes its part in the rule's group clips (a norm of 0), so
+    every stage makes the same collectives over ``pp`` in the same order."""
+    bound = plan.rules[position][0]
+    for _, action, kernel in acting:
+        if (
+            isinstance(action, ClipNorm)
+            and action.scope == "group"
+            and plan.acts(position, action, work.step, in_hooks)
+        ):
+            kernel.apply(work, bound, action, [])
 
 
 def observe(plan: Plan, work: StepWork, everyone: int) -> bool:

@@ -122,6 +122,7 @@ class Participants:
 # every other figure and its final ruling before the loss's, recovery's ``opens`` before any later one (a window
 # declines the step there, and the ``opens`` after it are not asked), the provenance trace last among the device work.
 register("fused_update", lambda parts: parts.fused)
+register("stages", lambda parts: None)  # given by the guard under a pipeline (``step.stages``): its ruling first
 register("scaler", lambda parts: ScalerFlags(parts.scaler_skip))
 register("micro_batch", lambda parts: None)  # given by the guard in per-micro-batch mode
 register("skip_limits", lambda parts: parts.skip_limits)

@@ -345,6 +345,8 @@ class StepWork:
     """This rank's slots, to ride the step's first SUM all-reduce; None once sent (``take_rank_payload``)."""
     places: dict[int, Place] = field(default_factory=dict)
     """``StepContext.places``: where each piece lies in its parameter (DeepSpeed ZeRO); empty elsewhere."""
+    pipeline: Collective | None = None
+    """Under pipeline parallel, the collective over the stages: a group clip's norm is the whole model's."""
     shares: dict[int, float] | None = None
     """Tensor index -> its local piece's weight in a sum over the ranks, where some pieces are replicas (tensor
     parallel's Replicate placements, plain tensors beside DTensors: ``distributed.placements``); None: every piece
@@ -369,6 +371,7 @@ class StepWork:
         if sharded and wrapped and active is not None:
             work.shares = active.shares.shares(grads, wrapped, len(active.members) or active.size())
         work.outcome.clipped_before = context.clipped_before
+        work.pipeline = collective.pipeline
         work.places = context.places
         if active is not None:
             active.step = step

@@ -1,0 +1,153 @@
+"""One verdict for a pipeline: a stage that halts or skips takes every other stage with it, before any update.
+
+A NaN made in one stage's weight gradient never reaches another stage (only activation gradients flow back), so each
+stage's own verdict sees its own gradients only: a stage that halted while another updated would leave a half-updated
+model (and the next schedule step would fail in its send or receive). After each stage's read, before any verdict is
+taken, the stages exchange theirs over the mesh's ``pp`` dimension: a bit per stage for a halt, one for a skip, and
+the kinds seen, in one SUM all-reduce (one more read per step under a pipeline: the stages' verdicts must be known
+on the host before any stage's update). A stage whose own gradients are finite then halts naming the stage, rank and
+host that found the fault (with recovery: rewinds with it), or skips with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gradguard.enforce.distributed.agreement import agree_at_attach, fingerprint
+from gradguard.enforce.distributed.collective import Collective
+from gradguard.enforce.distributed.local import RankSlots
+from gradguard.enforce.distributed.mesh import MeshLayout, layout_of
+from gradguard.enforce.recovery.decisions import HaltReport
+from gradguard.enforce.step.verdicts import Verdicts
+from gradguard.enforce.work.participant import Participant, Ruling
+from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.errors import GuardStateError
+from gradguard.events.counters import Counters
+from gradguard.policy.matching import Binding
+
+if TYPE_CHECKING:
+    from gradguard.policy.document import Policy
+
+__all__ = ["STAGES_RULE", "StagesTakingPart", "agree_on_the_mesh", "refuse_in_a_pipeline", "stage_words"]
+
+STAGES_RULE = "pipeline"
+"""The counters' and halts' rule name for a verdict another stage made."""
+
+
+def stage_words(layout: MeshLayout, rank: int, host: str) -> str:
+    """``rank 1 (stage 1 of 2, dp_shard 0, host node-3)``: a rank by its mesh coordinates."""
+    where = [f"stage {layout.coordinates.get(rank, {}).get('pp', 0)} of {layout.stages}"]
+    where += [f"{name} {index}" for name, index in layout.coordinates.get(rank, {}).items() if name != "pp"]
+    return f"rank {rank} ({', '.join(where)}, host {host})"
+
+
+class StagesTakingPart(Participant):
+    """The pipeline's stages agree on the step: the gradients' own verdicts, exchanged before any is taken."""
+
+    def __init__(
+        self, layout: MeshLayout, pipeline: Collective, stage: Collective, verdicts: Verdicts, counters: Counters
+    ):
+        self.layout = layout
+        self.pipeline = pipeline
+        """The collective over ``pp``: this rank and the same coordinates on every other stage."""
+        self.stage = stage
+        self.verdicts = verdicts
+        self.counters = counters
+        self._slots = RankSlots(layout.stage, layout.stages, norms=False)
+
+    def ruling(self, work: StepWork, context: StepContext) -> Ruling | None:
+        outcome, slots = work.outcome, self._slots
+        halts = bool(outcome.halted_by)
+        skips = not halts and bool(outcome.skipped_by or outcome.spikes)
+        kinds = {kind for kind, _ in outcome.nonfinite.values()}
+        device = next(iter(work.grads.values())).device
+        mine = torch.tensor([halts, skips, "nan" in kinds, "inf" in kinds], dtype=torch.bool, device=device)
+        bits = slots.bit_slots
+        payload = torch.cat([slots.bit(mine[0], device), slots.bit(mine[1], device), mine[2:].float()])
+        values = self.pipeline.sum_(payload).tolist()  # the stages' verdicts: the step's second read, under a pipeline
+        halting = [s for s in slots.ranks_of(values[:bits]) if s != self.layout.stage]
+        skipping = [s for s in slots.ranks_of(values[bits : 2 * bits]) if s != self.layout.stage]
+        if halts:
+            if not outcome.ranks and not self.stage.active():  # a stage of one rank: its own gradient, none reduced in
+                outcome.ranks = {self.stage.rank: self.stage.hosts.get(self.stage.rank, "?")}
+            return None  # its own verdict halts it
+        if halting:
+            kind = "nan" if values[2 * bits] else "inf"
+            return Ruling(lambda: self._halt(work.step, halting, kind))
+        if skipping and not skips:
+            self.counters.add(STAGES_RULE, "skip")
+            return Ruling(lambda: True)
+        return None
+
+    def _halt(self, step: int, stages: list[int], kind: str) -> bool:
+        ranks = {self.pipeline.members[s]: self.pipeline.hosts.get(self.pipeline.members[s], "?") for s in stages}
+        where = " and ".join(stage_words(self.layout, rank, host) for rank, host in ranks.items())
+        reason = f"the pipeline's stages stop together; {where} found it, and its halt names the parameter"
+        origin: dict[str, Any] = {
+            "phase": "received",
+            "module": None,
+            "kind": kind,
+            "input_nonfinite": False,
+            "rank": self.stage.rank,
+            "pipeline": True,
+            "note": f"{where} made it, and no gradient flows back from one stage's weights to another's",
+        }
+        report = HaltReport(step, STAGES_RULE, [], {}, kind, reason, origin, ranks)
+        self.verdicts.halt(report, [STAGES_RULE], "halt")
+        return False  # not reached: a halt raises (or asks for a rewind)
+
+
+def agree_on_the_mesh(
+    binding: Binding, options: tuple[bool, int, bool], process_group: Any, device_mesh: Any, timeout: float
+) -> tuple[Collective, Callable[[Verdicts, Counters], Participant | None]]:
+    """The attach agreement, over the job's mesh where one is given: the step's collective (a pipeline stage's ranks,
+    or the whole job's) and what makes the stages' participant once the guard's verdicts exist (None: no pipeline).
+    ``options``: ``per_micro_batch``, ``start_step`` and ``reload``, which every rank must share."""
+    policy = binding.policy
+
+    def mine(stage: str) -> dict[str, str]:
+        return fingerprint(policy, binding, *options, stage=stage)
+
+    if device_mesh is None:
+        collective = Collective(process_group)
+        agree_at_attach(collective, mine(""), timeout)
+        return collective, lambda verdicts, counters: None
+    if process_group is not None:
+        raise ValueError("pass device_mesh or process_group, not both: the mesh names the groups the guard agrees over")
+    layout = layout_of(device_mesh)
+    job = Collective(None)
+    agree_at_attach(job, mine(f"{layout.stage} of {layout.stages}" if layout.pipeline else ""), timeout)
+    if not layout.pipeline:
+        return job, lambda verdicts, counters: None
+    refuse_in_a_pipeline(policy)
+    stage = Collective(layout.stage_group)
+    stage.join(job, layout.stage_ranks[layout.stage])
+    pipeline = Collective(layout.pp_group)
+    pipeline.join(job, layout.pp_ranks)
+    stage.pipeline = pipeline
+    return stage, lambda verdicts, counters: StagesTakingPart(layout, pipeline, stage, verdicts, counters)
+
+
+def refuse_in_a_pipeline(policy: Policy) -> None:
+    """The sections a pipeline's stages cannot take part in alike: the loss (the last stage's alone) and the re-run
+    (a schedule's step is no closure)."""
+    for rule in policy.rules:
+        for action in rule.actions:
+            if getattr(action, "scope", "tensor") == "group" and action.action != "clip_norm":
+                raise GuardStateError(
+                    f"rule {rule.name!r}: {action.action} with scope 'group' across pipeline stages is not built yet "
+                    "(each stage would judge its own part of the group). Use scope 'tensor' for it, or a clip_norm "
+                    "with scope 'group', whose norm is taken over every stage."
+                )
+    for section, why in (
+        ("loss", "the loss is the last stage's alone, so the stages could not agree on its verdict"),
+        ("rerun", "a pipeline schedule's step() cannot be run again as a closure"),
+    ):
+        if getattr(policy, section) is not None:
+            raise GuardStateError(
+                f"the policy's {section!r} section cannot be used across pipeline stages: {why}. Remove it for a "
+                "pipeline run (every gradient action, halt, skip, recovery and monitor works across the stages)."
+            )

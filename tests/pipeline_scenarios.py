@@ -1,0 +1,146 @@
+"""Pipeline parallel scenarios for tests/test_pipeline_parallel.py: torch.distributed.pipelining on real gloo ranks.
+
+Each rank holds one stage of ``support.parallel_models``' decoder (the whole model's names, the other stages' layers
+removed, as torchtitan splits it), runs a GPipe or 1F1B schedule over 2 micro-batches of the full batch and then its
+optimizer's step, guarded with ``device_mesh``; ``pp_dp`` puts FSDP2 over 2 data-parallel replicas under each stage.
+Run as ``python tests/pipeline_scenarios.py NAMES WORLD OUTDIR PORT`` (support.gloo_ranks).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import parallel_scenarios
+import torch
+from support.gloo_ranks import main
+from support.parallel_models import batch, loss_of, make_decoder, stage_modules
+from torch import nn
+
+from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
+
+STEPS = 3
+LR = 0.5
+BAD_STEP = 1
+POLICIES = ["per_tensor_clip", "group_clip", "monitor", "agc", "clip_value", "default"]
+
+SKIP = {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]}]}
+REWIND = {
+    "version": 1,
+    "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}],
+    "recovery": {"snapshot_every": 2, "min_age": 1, "skip_steps": 1},
+}
+
+
+class Stage:
+    """One rank's stage: its module, its schedule and its optimizer."""
+
+    def __init__(self, layout: str, rank: int, world: int, schedule: str = "gpipe") -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        dp = world // 2
+        self.mesh = (
+            init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp_shard"))
+            if dp > 1
+            else init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        )
+        self.index = self.mesh["pp"].get_local_rank()
+        self.dp_rank = self.mesh["dp_shard"].get_local_rank() if dp > 1 else 0
+        self.dp = dp
+        self.module: nn.Module = stage_modules(make_decoder(), self.index, 2)
+        if dp > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.module, mesh=self.mesh["dp_shard"])
+        stage = PipelineStage(self.module, self.index, 2, torch.device("cpu"), group=self.mesh["pp"].get_group())
+        kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+        self.schedule = kind(stage, n_microbatches=2, loss_fn=loss_of)
+        self.opt = torch.optim.SGD(self.module.parameters(), lr=LR)
+
+    def run(self, step: int) -> None:
+        """Forward and backward of ``step``'s batch (this replica's rows) through the schedule."""
+        tokens, targets = batch(step)
+        rows = slice(self.dp_rank * 4 // self.dp, (self.dp_rank + 1) * 4 // self.dp)
+        self.opt.zero_grad()
+        if self.index == 0:
+            self.schedule.step(tokens[rows])
+        else:
+            self.schedule.step(target=targets[rows])
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: parallel_scenarios.full(p).detach().clone() for name, p in self.module.named_parameters()}
+
+
+def train(layout: str, rank: int, world: int, outdir: Path, policy: str, schedule: str) -> dict[str, Any]:
+    stage = Stage(layout, rank, world, schedule)
+    log = outdir / f"{policy}-rank{rank}.jsonl"
+    with GradGuard(
+        stage.module, parallel_scenarios.policy_of(policy), audit_log=log, logger=None, device_mesh=stage.mesh
+    ):
+        for step in range(STEPS):
+            stage.run(step)
+            stage.opt.step()
+    weights = {name: value.reshape(-1).tolist() for name, value in stage.weights().items()}
+    return {"final": weights, "stats": parallel_scenarios.stats_of(log)}
+
+
+def fault(rank: int, world: int, policy: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
+    """A NaN written into stage 1's ``layers.1.feed_forward.up.weight`` gradient at ``BAD_STEP``."""
+    stage = Stage("fault", rank, world)
+    out: dict[str, Any] = {"halted": None, "skipped": [], "rewinds": 0, "changed": []}
+    with GradGuard(stage.module, Policy.from_dict(policy), logger=None, device_mesh=stage.mesh) as guard:
+        for step in range(steps):
+            stage.run(step)
+            if step == BAD_STEP and stage.index == 1:
+                grad = stage.module.layers["1"].feed_forward.up.weight.grad
+                parallel_scenarios.local(grad).view(-1)[0] = float("nan")
+            before = stage.weights()
+            try:
+                stage.opt.step()
+            except GradientHalt as halt:
+                out["halted"] = {
+                    "step": halt.step,
+                    "params": list(halt.params),
+                    "rule": halt.rule,
+                    "ranks": {str(k): v for k, v in halt.ranks.items()},
+                    "unchanged": all(torch.equal(before[k], v) for k, v in stage.weights().items()),
+                    "message": str(halt),
+                }
+                break
+            if guard.last_step_skipped:
+                out["skipped"].append(step)
+            out["changed"].append(any(not torch.equal(before[k], v) for k, v in stage.weights().items()))
+        out["counters"] = guard.counters.snapshot()
+    out["final"] = {name: value.reshape(-1).tolist() for name, value in stage.weights().items()}
+    return out
+
+
+def refused_without_a_mesh(rank: int) -> dict[str, Any]:
+    module = stage_modules(make_decoder(), rank, 2)
+    try:
+        GradGuard(module, Policy.shipped("default"), logger=None, attach_timeout=20).remove()
+    except GuardStateError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
+    if name in ("pp_gpipe", "pp_1f1b", "pp_dp"):
+        schedule = "1f1b" if name == "pp_1f1b" else "gpipe"
+        return {policy: train(name, rank, world, outdir, policy, schedule) for policy in POLICIES}
+    if name == "pp_faults":
+        halt_policy = {"version": 1, "rules": REWIND["rules"]}
+        return {
+            "halt": fault(rank, world, halt_policy),
+            "skip": fault(rank, world, SKIP),
+            "rewind": fault(rank, world, REWIND, 5),
+        }
+    if name == "pp_without_mesh":
+        return refused_without_a_mesh(rank)
+    raise ValueError(name)
+
+
+if __name__ == "__main__":
+    main(scenario, sys.argv[1:])

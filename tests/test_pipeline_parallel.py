@@ -1,0 +1,134 @@
+"""Pipeline parallel as one model: every stage's figures are the whole model's, and the stages take one verdict.
+
+tests/pipeline_scenarios.py runs torch.distributed.pipelining's GPipe and 1F1B schedules on 2 gloo ranks (a stage
+each), and a pipeline of 2 stages over 2 FSDP2 replicas on 4; each stage is guarded with the job's ``device_mesh``.
+The stages' weights together are compared with the decoder trained in one process on the full batch under the same
+policy (and torch's own ``clip_grad_norm_`` for the clips).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.gloo_ranks import free_port
+from test_tensor_parallel import assert_stats_close, assert_weights_close, reference, torch_clipped
+
+sys.path.insert(0, str(Path(__file__).parent))
+import pipeline_scenarios as scenarios
+
+SCRIPT = Path(__file__).parent / "pipeline_scenarios.py"
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+
+
+def launch(names: list[str], world: int, outdir: Path, timeout: float = 400) -> None:
+    path = os.pathsep.join(filter(None, [str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    command = [sys.executable, str(SCRIPT), ",".join(names), str(world), str(outdir), str(free_port())]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+
+def results(outdir: Path, name: str, world: int) -> list[dict[str, Any]]:
+    return [json.loads((outdir / name / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+def whole_model(ranks: list[dict[str, Any]], policy: str) -> list[dict[str, list[float]]]:
+    """Per data-parallel replica, the stages' weights together (rank r is stage r // dp... as the mesh lays them)."""
+    world = len(ranks)
+    dp = world // 2
+    return [{**ranks[replica][policy]["final"], **ranks[dp + replica][policy]["final"]} for replica in range(dp)]
+
+
+def merged_stats(ranks: list[dict[str, Any]], policy: str) -> list[dict[str, Any]]:
+    """The monitor's events of stage 0 and stage 1 at each step, as one event of the whole model."""
+    merged = []
+    for first, second in zip(ranks[0][policy]["stats"], ranks[-1][policy]["stats"], strict=True):
+        figures = {stat: {**first["figures"][stat], **second["figures"][stat]} for stat in first["figures"]}
+        merged.append(first | {"figures": figures})
+    return merged
+
+
+LAYOUTS = [("pp_gpipe", 2), ("pp_1f1b", 2), ("pp_dp", 4)]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=[name for name, _ in LAYOUTS])
+def pipeline_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    name, world = request.param
+    outdir = tmp_path_factory.mktemp(name)
+    launch([name], world, outdir)
+    return results(outdir, name, world)
+
+
+@pytest.mark.parametrize("policy", [name for name in scenarios.POLICIES if name != "monitor"])
+def test_the_stages_together_end_with_the_weights_one_process_would_have(
+    pipeline_runs: list[dict[str, Any]], policy: str
+) -> None:
+    """Per-tensor and group clips (a group clip's norm over every stage), agc, clip_value and the shipped default."""
+    expected = reference(policy)["final"]
+    for model in whole_model(pipeline_runs, policy):
+        assert_weights_close(model, expected)
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["per_tensor", "group"])
+def test_the_clips_match_torch_s_own_clip_grad_norm_over_the_whole_model(
+    pipeline_runs: list[dict[str, Any]], group: bool
+) -> None:
+    expected = torch_clipped(group)
+    for model in whole_model(pipeline_runs, "group_clip" if group else "per_tensor_clip"):
+        assert_weights_close(model, expected)
+
+
+def test_each_stage_s_monitor_gives_the_whole_tensors_figures(pipeline_runs: list[dict[str, Any]]) -> None:
+    assert_stats_close(merged_stats(pipeline_runs, "monitor"), reference("monitor")["stats"])
+
+
+@pytest.fixture(scope="module")
+def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    outdir = tmp_path_factory.mktemp("pp_faults")
+    launch(["pp_faults", "pp_without_mesh"], 2, outdir)
+    return outdir
+
+
+def test_a_nan_on_one_stage_halts_every_stage_before_any_update(fault_runs: Path) -> None:
+    """Stage 1 halts naming its parameter; stage 0, whose gradients are finite, halts at the same step naming stage 1's
+    rank and host; neither stage's weights moved."""
+    first, second = (result["halt"]["halted"] for result in results(fault_runs, "pp_faults", 2))
+    for halted in (first, second):
+        assert halted["step"] == scenarios.BAD_STEP
+        assert halted["unchanged"]
+        assert halted["ranks"] == {"1": second["ranks"]["1"]}
+    assert second["params"] == ["layers.1.feed_forward.up.weight"]
+    assert first["rule"] == "pipeline"
+    assert "stage 1 of 2" in first["message"]
+    assert "It was not made on this pipeline stage (rank 0)" in first["message"]
+
+
+def test_a_skip_on_one_stage_skips_every_stage(fault_runs: Path) -> None:
+    """Under a skip policy no stage updates at the faulty step, and both go on training after it."""
+    for result in results(fault_runs, "pp_faults", 2):
+        skip = result["skip"]
+        assert skip["halted"] is None
+        assert skip["skipped"] == [scenarios.BAD_STEP]
+        assert skip["changed"] == [True, False, True]
+
+
+def test_a_rewind_under_a_pipeline_rewinds_every_stage_together(fault_runs: Path) -> None:
+    """With recovery, both stages rewind at the same step and skip the same batches."""
+    first, second = (result["rewind"] for result in results(fault_runs, "pp_faults", 2))
+    assert first["counters"]["pipeline"]["rewind"] == 1
+    assert second["counters"]["nonfinite"]["rewind"] == 1
+    assert first["skipped"] == second["skipped"]
+    assert first["changed"] == second["changed"]
+
+
+def test_a_stage_attached_without_a_mesh_is_refused_naming_the_pipeline_and_device_mesh(fault_runs: Path) -> None:
+    for result in results(fault_runs, "pp_without_mesh", 2):
+        assert "if this is a pipeline" in result["error"]
+        assert "device_mesh=mesh" in result["error"]

@@ -37,6 +37,8 @@ from gradguard.events.definitions import (
     EVENT_DECODER,
     EVENTS,
     FOREIGN_DECODER,
+    Attach,
+    Detach,
     ForeignEvent,
     GuardEvent,
     Intervention,
@@ -68,6 +70,8 @@ _EXCERPT_CHARS: Final = 80
 AnyEvent = Union[GuardEvent, ForeignEvent]  # noqa: UP007
 """What a line is read into: the typed event of ``gradguard.events.definitions``."""
 
+_STEP_BOUNDS: Final = (Attach, Detach)
+"""Events without a step whose fields bound their run's steps: where they go in the step order (``Record.order``)."""
 _DECODE_ERRORS: Final = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError, ValueError)
 """What decoding a line may raise: it does not fit a definition, is not JSON, not UTF-8, too deep."""
 
@@ -75,8 +79,9 @@ _DECODE_ERRORS: Final = (msgspec.MsgspecError, UnicodeDecodeError, RecursionErro
 class Record(msgspec.Struct, order=True, frozen=True, gc=False):
     """One gradguard event and where it was read.
 
-    ``order`` is the merge key: the event's ``step``, or for an event without one (``attach``,
-    ``detach``) the last step seen before it in its file, ``-1`` before any. Records compare by
+    ``order`` is the merge key: the event's ``step``, or for an event without one the last step seen before it in
+    its file (``-1`` before any), raised for an ``attach`` to the step before its ``start_step`` and for a
+    ``detach`` to its last step (``steps - 1``). Records compare by
     ``(order, file, line)``: never by ``event``, as no two records share a file and line.
     """
 
@@ -363,6 +368,13 @@ class _FileState:
                 continue
             if step is not None:
                 last_step = step
+            elif type(event) in _STEP_BOUNDS:
+                # An attach is just before its first step, a detach at its last (``steps`` is the next step), even
+                # where no line of its run has a step: a job resumed into the same per-rank files is then read after
+                # the job before it on every rank, not mixed with it (never below a step seen before: in order).
+                bound = event.start_step - 1 if type(event) is Attach else event.steps - 1  # type: ignore[union-attr]
+                if bound > last_step:
+                    last_step = bound
             append(record(last_step, index, number, event))
         self.last_step = last_step
         self.events += len(out)

@@ -221,3 +221,30 @@ def test_a_sustained_climb_is_held_under_the_ceiling_and_counted_at_every_step_i
     above = [step for step, made in explosion.made.items() if made > CEILING]
     assert len(above) > 30
     assert counters["explosions"]["zclip"] >= len(above)
+
+
+def _late_layer_loop(model: nn.Module) -> None:
+    """A layer left out of the forward for 30 steps (its gradient zeroed, not None: ``set_to_none=False``), then used:
+    its first norms after zeros are not an explosion."""
+    first, second = model[0], model[1]
+    generator = torch.Generator().manual_seed(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    for step in range(60):
+        inputs = torch.randn(8, 4, generator=generator)
+        out = second(first(inputs)) if step >= 30 else second(inputs)
+        (out - 3.0 - inputs.sum(1, keepdim=True)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+
+def test_a_tensor_whose_gradient_was_zero_through_the_warm_up_is_not_clipped_to_zero_when_it_is_used():
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+    guarded, unguarded, counters = _guarded_and_twin(build, _late_layer_loop, "default")
+    assert not torch.equal(guarded[0].weight, build()[0].weight)  # the late layer learned
+    assert _differing_tensors(guarded, unguarded) == []
+    assert "explosions" not in counters

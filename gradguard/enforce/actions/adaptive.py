@@ -164,7 +164,9 @@ def zclip_decide(action: ZClip, g: torch.Tensor, state: dict[str, torch.Tensor],
     mean, var = state["mean"], state["var"]
     std = var.sqrt()
     z = (g - mean) / (std + ZCLIP_EPS)
-    spike = ready & finite & (z > action.z_thresh)
+    # A column whose mean is 0 has no scale yet (its warm-up norms were all 0: a gradient zeroed, not None, while its
+    # parameter was unused): every norm would be a spike clipped to 0, for ever. It is judged once its mean is positive.
+    spike = ready & finite & (z > action.z_thresh) & (mean > 0)
     threshold = mean + (action.z_thresh * action.z_thresh) / z * std
     adaptive = torch.where(spike, threshold, g)
     # Before the statistics are ready only the fixed ceiling applies (if any).

@@ -127,3 +127,5 @@ def test_a_nan_in_one_rank_s_shard_halts_every_rank_before_the_update(layout_run
         assert halted["step"] == 1
         assert halted["params"] == ["layers.0.attention.q.weight"]
         assert halted["unchanged"]
+        assert list(halted["ranks"]) == [str(len(layout_runs) - 1)]  # the rank whose shard it was, on every rank
+    assert "It was not made on this rank (rank 0)" in layout_runs[0]["halt"]["halted"]["message"]

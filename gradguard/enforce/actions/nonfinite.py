@@ -125,10 +125,13 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     slots, read_slots = work.take_rank_payload()
     bits = collective.slots(norms=False)
     if work.sharded:
-        # One collective: the shards' squared norms (summed into full norms) and every rank's flags.
+        # One collective: the pieces' squared norms (summed into full norms), every rank's flags, and this rank's bit
+        # where its own pieces are non-finite: where no rank's gradient was before the reduction (or no engine's tap
+        # reads it: tensor parallel, whose weight-gradient shards no reduction reaches), those ranks made it.
         squares = stacked.square()
         shares = work.share_weights(raw_ids, device)
-        payload = collective.sum_(torch.cat([squares if shares is None else squares * shares, flags, *slots]))
+        own = bits.bit(flags.sum() > 0, device)
+        payload = collective.sum_(torch.cat([squares if shares is None else squares * shares, flags, *slots, own]))
         result = list(payload[:count].sqrt().unbind())
         flags = payload[count:]
     else:
@@ -137,7 +140,7 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
         # after the reduction, on those (``after_reduction``).
         flags = collective.sum_(torch.cat([flags, *slots, bits.bit(flags.sum() > 0, device)]))
         result = local
-    after_slots = 0 if work.sharded else bits.bit_slots
+    after_slots = bits.bit_slots
 
     def read(values: list[float]) -> None:
         if after_slots:

@@ -15,11 +15,14 @@ import threading
 import pytest
 import torch
 from support.training import SmallMLP, assert_same, assert_same_training_state, clip_each, make_policy, model_state
+from torch.nn.utils import clip_grad_norm_
 
 import gradguard.enforce.hooks.torch_hooks as torch_hooks
 from gradguard import GradGuard, GradientHalt
 
 HALT_ALL = {"match": ["*"], "actions": [{"action": "halt_on_nonfinite"}]}
+CLIP_GRAD_NORM_BOUND_EARLY = getattr(clip_grad_norm_, "__gradguard_original__", clip_grad_norm_)
+"""torch's own function, bound when this module is imported (as a script's ``from torch.nn.utils import ...``)."""
 SKIP_ALL = {"match": ["*"], "actions": [{"action": "skip_step_on_nonfinite"}]}
 
 
@@ -94,9 +97,12 @@ def test_an_enabled_gradscaler_skips_a_nan_step_itself_and_the_guard_does_not_ha
     assert guard.step_count == 6
 
 
+@pytest.mark.parametrize("bound_by_name", [False, True])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_a_per_tensor_rule_then_the_loops_global_clip_matches_torch_doing_both_bitwise(norm_type):
-    """The policy's clip acts on the raw gradients, the loop's clip on the result: torch's two clips in a row."""
+def test_a_per_tensor_rule_then_the_loops_global_clip_matches_torch_doing_both_bitwise(norm_type, bound_by_name):
+    """The policy's clip acts on the raw gradients, the loop's clip on the result: torch's two clips in a row. Also
+    for a clip imported by name before the guard attached (``from torch.nn.utils import clip_grad_norm_``)."""
+    clip = CLIP_GRAD_NORM_BOUND_EARLY if bound_by_name else torch.nn.utils.clip_grad_norm_
     torch.manual_seed(0)
     guarded = SmallMLP()
     reference = copy.deepcopy(guarded)
@@ -108,7 +114,7 @@ def test_a_per_tensor_rule_then_the_loops_global_clip_matches_torch_doing_both_b
             x = torch.randn(16, 8)
             guarded(x).pow(2).sum().backward()
             reference(x).pow(2).sum().backward()
-            norm_g = torch.nn.utils.clip_grad_norm_(guarded.parameters(), 1.0, norm_type=norm_type)
+            norm_g = clip(guarded.parameters(), 1.0, norm_type=norm_type)
             clip_each(reference, 0.3)
             norm_r = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0, norm_type=norm_type)
             assert torch.equal(norm_g, norm_r), f"step {step}: the clip returns the norm after the policy"

@@ -1,7 +1,8 @@
 """The hooks into torch: where a step's boundary is found in the user's loop.
 
 Owns ``torch_hooks`` (the global optimizer hooks and the interception of torch's clip utilities and GradScaler),
-``scaler_view`` (what the GradScalers say about some gradients), ``clips`` (the loop's own clip as a boundary),
+``clip_norms`` (a clip bound by name before the guard: its norm after the guard's step), ``scaler_view`` (what the
+GradScalers say about some gradients), ``clips`` (the loop's own clip as a boundary),
 ``closures`` (``optimizer.step(closure)``), ``boundaries`` (a boundary's ``StepContext``), ``scaler`` (GradScaler's
 flags and skips; the GradScaler watch's participant) and ``micro_batch`` (the opt-in per-micro-batch hooks, a
 participant). They find boundaries and hand them to the step; they do not

@@ -1,31 +1,27 @@
 """Process-wide hooks into torch, shared by every live guard of the process.
 
-torch keeps its optimizer step hooks in two global ``OrderedDict`` tables that every
-``Optimizer.step`` iterates: registering or removing a hook while another thread steps raises
-``RuntimeError: OrderedDict mutated during iteration`` in that thread. So gradguard registers one
-pre-hook and one post-hook into them, once, the first time a guard attaches, and never removes them;
-they dispatch to the guards that are attached at that moment (an immutable tuple, replaced under a
-lock when a guard comes or goes: a step in flight keeps iterating the tuple it read).
+torch keeps its optimizer step hooks in two global ``OrderedDict`` tables that every ``Optimizer.step`` iterates:
+registering or removing a hook while another thread steps raises ``RuntimeError: OrderedDict mutated during
+iteration`` there. So gradguard registers one pre-hook and one post-hook, once, when the first guard attaches, and
+never removes them; they dispatch to the guards attached at that moment (an immutable tuple, replaced under a lock
+when a guard comes or goes: a step in flight keeps iterating the tuple it read).
 
-The same registry wraps torch's gradient clips while any guard is attached, so a loop's own
-``clip_grad_norm_`` (nanoGPT, timm, Lightning, accelerate, HF Trainer) runs the guard's step first,
-on the raw gradients, before the clip spreads one NaN to every gradient:
+The same registry wraps torch's gradient clips while any guard is attached, so a loop's own ``clip_grad_norm_``
+(nanoGPT, timm, Lightning, accelerate, HF Trainer) runs the guard's step first, on the raw gradients, before the clip
+spreads one NaN to every gradient: ``torch.nn.utils``' ``clip_grad_norm_``, ``clip_grad_norm``, ``clip_grad_value_``,
+``clip_grads_with_norm_`` and ``get_total_norm`` (which takes gradients, not parameters), and
+``torch.nn.utils.clip_grad``'s ``clip_grad_norm_``, ``clip_grad_norm`` and ``clip_grad_value_``. A wrapper is a module
+attribute swapped in one assignment (atomic for every thread); the originals are put back when the last guard goes,
+unless someone else wrapped them on top of ours since. A name bound before the swap (``from torch.nn.utils import
+clip_grad_norm_`` before gradguard attached) keeps torch's function, which looks up ``torch.nn.utils.clip_grad``'s
+``_get_total_norm`` and ``_clip_grads_with_norm_`` at call time: those are wrapped too (as ``get_total_norm`` and
+``clip_grads_with_norm_``, ``clip_norms``), so the guard's step runs before such a clip takes its norm; inside a call
+already intercepted they pass straight through.
 
-- ``torch.nn.utils``: ``clip_grad_norm_``, ``clip_grad_norm``, ``clip_grad_value_``,
-  ``clip_grads_with_norm_`` and ``get_total_norm`` (which takes gradients, not parameters);
-- ``torch.nn.utils.clip_grad``: ``clip_grad_norm_``, ``clip_grad_norm`` and ``clip_grad_value_``.
-
-A wrapper is a module attribute swapped in one assignment (atomic for every thread); the originals are
-put back when the last guard goes, unless someone else wrapped them on top of ours since. A name bound
-before the swap (``from torch.nn.utils import clip_grad_norm_`` before gradguard attached) keeps the
-original function and is not intercepted.
-
-It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls) to hand each backward's root to the
-guards whose policy watches the loss (the ``loss`` section), unscaled where ``GradScaler.scale`` made it.
-
-And it wraps ``torch.amp.GradScaler.scale`` and ``unscale_`` (class attributes, the same way), so a
-guard acting at a clip knows whether the gradients are still scaled (a scaler has scaled a loss and not
-unscaled this optimizer yet: the guard then waits for the optimizer's step) or were unscaled, with which
+It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls) to hand each backward's root to the guards whose
+policy watches the loss (the ``loss`` section), unscaled where ``GradScaler.scale`` made it; and
+``torch.amp.GradScaler.scale`` and ``unscale_`` (class attributes, the same way), so a guard acting at a clip knows
+whether the gradients are still scaled (the guard then waits for the optimizer's step) or were unscaled, with which
 inf/NaN flags (the scaler's skip stays the scaler's).
 """
 
@@ -43,6 +39,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from gradguard.enforce.hooks import clip_norms
 from gradguard.enforce.triggers.loss import LossWatch, root_of
 
 __all__ = [
@@ -110,10 +107,8 @@ _wrapped: list[tuple[Any, str, Callable[..., Any], Callable[..., Any]]] = []
 _steps: weakref.WeakKeyDictionary[Optimizer, int] = weakref.WeakKeyDictionary()
 _steps_lock = threading.Lock()
 _scaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, tuple[Any, int]] = weakref.WeakKeyDictionary()
-"""Scalers that scaled a loss, with their per-optimizer state table at that moment (``update()`` replaces the
-table: another table means the scaler has finished that step; the table itself is held, not its ``id``, which a
-new table could take once the old one is freed) and the thread that scaled it (another thread's is another
-training's)."""
+"""Scalers that scaled a loss, with their per-optimizer state table then (``update()`` replaces it: another table
+means that step is finished; held, not its ``id``, which a new table could take) and the thread that scaled it."""
 _unscaled: weakref.WeakKeyDictionary[torch.amp.GradScaler, dict[int, weakref.ReferenceType[Optimizer]]] = (
     weakref.WeakKeyDictionary()
 )
@@ -204,7 +199,7 @@ def _wrap_all() -> None:
     import importlib
 
     made: dict[int, Callable[..., Any]] = {}
-    for module_name, attribute, of_grads, first in _CLIP_SITES:
+    for module_name, attribute, of_grads, first in (*_CLIP_SITES, *clip_norms.INNER_SITES):
         owner = importlib.import_module(module_name)
         original = getattr(owner, attribute, None)
         if original is None:
@@ -234,23 +229,33 @@ def _unwrap_all() -> None:
 
 
 def _clip_wrapper(original: Callable[..., Any], name: str, of_grads: bool, first: str) -> Callable[..., Any]:
+    with_norm = name.endswith("clip_grads_with_norm_")
+
     @functools.wraps(original)
     def intercepted(*args: Any, **kwargs: Any) -> Any:
-        if _guards:
-            if args:
-                tensors = _as_list(args[0])
-                args = (tensors, *args[1:])
-            elif first in kwargs:
-                tensors = kwargs[first] = _as_list(kwargs[first])
-            else:
-                return original(*args, **kwargs)  # let torch say what is missing
+        if not _guards or getattr(clip_norms.inside, "clip", False):
+            return original(*args, **kwargs)
+        if args:
+            tensors = _as_list(args[0])
+            args = (tensors, *args[1:])
+        elif first in kwargs:
+            tensors = kwargs[first] = _as_list(kwargs[first])
+        else:
+            return original(*args, **kwargs)  # let torch say what is missing
+        clip_norms.inside.clip = True
+        try:
+            if with_norm:
+                clip_norms.refresh(tensors, args, kwargs)  # a norm taken before the guard's step dropped gradients
             acted, result = _clip_instead(ClipCall(name, tensors, of_grads), original, args, kwargs)
             if result is None:
                 result = original(*args, **kwargs)
                 if acted:
                     _after_clip(acted)
-            return result
-        return original(*args, **kwargs)
+            if acted and of_grads:
+                clip_norms.noted(result, tensors, original, args, kwargs)
+        finally:
+            clip_norms.inside.clip = False
+        return result
 
     intercepted.__gradguard_original__ = original  # type: ignore[attr-defined]
     return intercepted

@@ -6,7 +6,7 @@ the log carries cross-checked against them.
 clip, non-finite detection, halt, skip, loss verdict, re-run and ranks check, but nothing per step for ``scale``,
 ``zero`` and ``drop``. ``CounterCheck`` counts every event as the guard counted it (``gradguard.audit.counting``)
 and, at every snapshot, checks the counts against it: a difference means lost or foreign lines, and is a finding.
-A run's counters are its last snapshot plus what the events after it add (``reproduced_counters``).
+A run's counters are its last snapshot plus what the events after it add (``run_state.reproduced_counters``).
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from gradguard.audit import counting
 from gradguard.audit.collector import Collector, Context, Finding, Handler
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState, recomputable
-from gradguard.audit.summary import FINDING_MISMATCHES, AuditSummary, Counts, Mismatch
+from gradguard.audit.summary import FINDING_MISMATCHES, AuditSummary, Mismatch
 from gradguard.events import definitions as ev
 
 Snapshot = Union[ev.Counters, ev.Detach, ev.Halt]  # noqa: UP007
 """An event that carries the run's whole ``counters``."""
 
-__all__ = ["CounterCheck", "reproduced_counters"]
+__all__ = ["CounterCheck"]
 
 KEPT_MISMATCHES: Final = 50
 
@@ -118,33 +118,3 @@ def _counting(count: counting.Count) -> Handler:
         count(event, run)
 
     return handle
-
-
-def reproduced_counters(run: RunState) -> tuple[Counts, str, bool]:
-    """The run's counters, where they come from, and whether they are complete (see the module's docstring)."""
-    counters: Counts = {}
-    if run.snapshot is not None:
-        counters = {rule: dict(by_action) for rule, by_action in run.snapshot.items()}
-        after = {
-            key: n - run.at_snapshot.get(key, 0)
-            for key, n in run.recomputed.items()
-            if recomputable(key) and n != run.at_snapshot.get(key, 0)
-        }
-        at = "after" if run.snapshot_event == "detach" else "at"
-        source = f"{run.snapshot_event} event {at} step {run.snapshot_step}"
-        if after:
-            source += f" + {sum(after.values())} counted from the events after it"
-        late = run.last_step is not None and (run.snapshot_step is None or run.last_step > run.snapshot_step)
-        complete = run.snapshot_event == "detach" or not late
-    else:
-        after = {key: n for key, n in run.recomputed.items() if recomputable(key) and n}
-        source = "events alone (no counters event in the log yet)"
-        complete = False
-    for (rule, action), n in after.items():
-        into = counters.setdefault(rule, {})
-        into[action] = into.get(action, 0) + n
-        if into[action] == 0:
-            del into[action]
-            if not into:
-                del counters[rule]
-    return counters, source, complete

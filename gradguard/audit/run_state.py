@@ -25,6 +25,7 @@ __all__ = [
     "LastIntervention",
     "RunState",
     "recomputable",
+    "reproduced_counters",
 ]
 
 RECOMPUTABLE_ACTIONS: Final = frozenset(
@@ -130,3 +131,35 @@ class RunState:
             self.watch_step = step
             self.halting_rules = {}
             self.skipping_rules = {}
+
+
+def reproduced_counters(run: RunState) -> tuple[Counts, str, bool]:
+    """The run's counters, where they come from, and whether they are complete: its last snapshot (a ``counters``,
+    ``halt`` or ``detach`` event carries ``guard.counters.snapshot()`` whole), plus what the events after it add;
+    complete where nothing it cannot reproduce (``scale``, ``zero``, ``drop``) may have been counted since."""
+    counters: Counts = {}
+    if run.snapshot is not None:
+        counters = {rule: dict(by_action) for rule, by_action in run.snapshot.items()}
+        after = {
+            key: n - run.at_snapshot.get(key, 0)
+            for key, n in run.recomputed.items()
+            if recomputable(key) and n != run.at_snapshot.get(key, 0)
+        }
+        at = "after" if run.snapshot_event == "detach" else "at"
+        source = f"{run.snapshot_event} event {at} step {run.snapshot_step}"
+        if after:
+            source += f" + {sum(after.values())} counted from the events after it"
+        late = run.last_step is not None and (run.snapshot_step is None or run.last_step > run.snapshot_step)
+        complete = run.snapshot_event == "detach" or not late
+    else:
+        after = {key: n for key, n in run.recomputed.items() if recomputable(key) and n}
+        source = "events alone (no counters event in the log yet)"
+        complete = False
+    for (rule, action), n in after.items():
+        into = counters.setdefault(rule, {})
+        into[action] = into.get(action, 0) + n
+        if into[action] == 0:
+            del into[action]
+            if not into:
+                del counters[rule]
+    return counters, source, complete

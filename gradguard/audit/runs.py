@@ -12,10 +12,9 @@ from datetime import datetime
 from typing import Any
 
 from gradguard.audit.collector import Collector, Context, Handler
-from gradguard.audit.counters import reproduced_counters
 from gradguard.audit.jobs import Job
 from gradguard.audit.reader import Record
-from gradguard.audit.run_state import RunState, recomputable
+from gradguard.audit.run_state import RunState, recomputable, reproduced_counters
 from gradguard.audit.summary import Counts, JobInfo, RunInfo, joined_stretches, unlearned_stretch
 from gradguard.events.definitions import Attach, Detach, Halt, Rewind
 

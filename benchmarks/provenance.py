@@ -5,6 +5,7 @@
     python benchmarks/provenance.py --only first_fault,always  # these rows (and off, off-2)
     python benchmarks/provenance.py --quick                  # tiny model, seconds (the figures mean nothing)
     python benchmarks/provenance.py --head --rounds 30       # a 50,304-token head: the trace's bytes and CPU time
+    python benchmarks/provenance.py --fault                  # a fault's way to the halt: replay against the trace
 
 Every row is a whole training step (zero_grad, forward, backward, AdamW step) under gradguard with
 ``policies/default.yaml``-like rules (halt + a per-tensor clip nothing reaches), on copies of one model
@@ -14,8 +15,11 @@ time (steadier on a machine shared with other jobs: time spent waiting for a cor
 
 - ``off`` / ``off-2``: ``provenance=None`` twice: the A/A control, the measurement's floor;
 - ``after_fault``: before any fault nothing is registered, so it must read as A/A;
-- ``first_fault`` (the default): a forward hook on the model's outermost levels of at most 32 modules
-  that sums each output, and the model's pre-hook for the batch;
+- ``first_fault`` (the default): two hooks on the model that hold each forward (issue 56); a faulting step's
+  forwards are replayed with the light trace;
+- ``ff-light``: the light trace at every forward (the default before issue 56, and still on a model it cannot
+  replay): a forward hook on the model's outermost levels of at most 32 modules that sums each output, and the
+  model's pre-hook for the batch;
 - ``ff-*``: the designs measured against it: with tensor hooks on the traced outputs (``-bwd``), on every
   module (``all``), 2-norms for sums (``-norm``), a depth limit, a larger budget;
 - ``always``: module forward hooks and tensor hooks on every module's inputs and outputs, plus the
@@ -25,6 +29,7 @@ time (steadier on a machine shared with other jobs: time spent waiting for a cor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import statistics
@@ -38,9 +43,10 @@ import step_overhead as bench
 import torch
 
 import gradguard.enforce.provenance.provenance as provenance_module
+from gradguard import GradientHalt
 from gradguard.enforce.provenance.provenance import _peak
 
-DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-bwd", "ff-all", "ff-all-bwd", "always")
+DEFAULT_ROWS = ("off", "off-2", "after_fault", "first_fault", "ff-light", "ff-bwd", "ff-all", "ff-all-bwd", "always")
 
 
 class Traced(bench.Guarded):
@@ -76,8 +82,9 @@ def treatments() -> list[bench.Treatment]:
             guard_options={"provenance": "first_fault"},
         ),
         *(
-            Traced(name, label, policy, "first_fault", dataclasses.replace(light, **knobs))
+            Traced(name, label, policy, "first_fault", dataclasses.replace(light, replay=False, **knobs))
             for name, label, knobs in (
+                ("ff-light", "the light trace at every forward (the default before issue 56)", {}),
                 (
                     "ff-bwd",
                     "first_fault + tensor hooks on the traced outputs (their gradients' sums)",
@@ -127,7 +134,10 @@ def head_cost(rounds: int, seed: int, quick: bool = False) -> dict[str, Any]:
     light = provenance_module.LIGHT
     traces = {
         name: provenance_module.Provenance(work.model, guard._plans.binding, "first_fault", tracing=tracing)
-        for name, tracing in (("sum", dataclasses.replace(light, linear=False)), ("linear", light))
+        for name, tracing in (
+            ("sum", dataclasses.replace(light, linear=False, replay=False)),
+            ("linear", dataclasses.replace(light, replay=False)),
+        )
     }
     for traced in traces.values():
         traced._disarm_light()
@@ -237,6 +247,90 @@ def toggled(model: str, rounds: int, seed: int) -> dict[str, bench.Ratio]:
     return out
 
 
+FAULT_SHAPES: dict[str, tuple[dict[str, int], int, int]] = {
+    "gpt": SHAPES["gpt"],
+    # A 1.4B model's layer shape (width 2048, 16 heads, vocabulary 50,304) with 2 of its 24 layers: 306M parameters.
+    "1.4B-shape": (dict(vocab=50304, width=2048, depth=2, heads=16), 1, 64),
+    "quick": SHAPES["quick"],
+}
+FAULT_ARMS = {"light trace at every forward (before issue 56)": False, "replay (the default)": True}
+
+
+def _faulting_step(shape: str, replay: bool, profiled: bool) -> dict[str, Any]:
+    """One model with a guard whose ``first_fault`` provenance traces every forward or replays (``replay``), two
+    clean steps, then a weight of the middle block's first MLP Linear made NaN: the faulting step's forward and
+    backward, then ``opt.step()`` until its halt. Its times (ms), the origin named, and with ``profiled`` the peak of
+    tensor bytes (the profiler's allocation events, as peak_memory.py counts them) during the forward and backward
+    and during ``opt.step()`` (the guard's step, and the replay), each above the level at the step's start."""
+    from peak_memory import _named, _peak_above_start
+    from torch.profiler import ProfilerActivity, profile
+
+    dims, batch, length = FAULT_SHAPES[shape]
+    work = bench.decoder_workload(shape, torch.device("cpu"), **dims, batch=batch, length=length)
+    work.opt = torch.optim.SGD(work.model.parameters(), lr=1e-5)  # no optimizer state: 306M parameters fit
+    guard = bench.GradGuard(work.model, bench.per_tensor_policy(bench.NEVER), logger=None, provenance=None)
+    tracing = dataclasses.replace(provenance_module.LIGHT, replay=replay)
+    traced = provenance_module.Provenance(work.model, guard._plans.binding, "first_fault", tracing=tracing)
+    guard._enforcer.provenance = traced
+    guard._attachment.handles.append(traced)
+    found: dict[str, Any] = {}
+    try:
+        for _ in range(2):
+            work.opt.zero_grad(set_to_none=True)
+            work.loss().backward()  # type: ignore[no-untyped-call]
+            work.opt.step()
+        block = work.model.blocks[len(work.model.blocks) // 2]
+        with torch.no_grad():
+            block.mlp[0].weight[0, 0] = float("nan")
+        work.opt.zero_grad(set_to_none=True)
+        with contextlib.ExitStack() as stack:
+            prof = (
+                stack.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+                if profiled
+                else None
+            )
+            start = time.perf_counter()
+            with _named("fault::backward"):
+                loss = work.loss()
+                loss.backward()  # type: ignore[no-untyped-call]
+            middle = time.perf_counter()
+            with _named("fault::step"):
+                try:
+                    work.opt.step()
+                except GradientHalt as halt:
+                    found["origin"] = halt.origin
+            end = time.perf_counter()
+        found |= {"to_halt_ms": (end - start) * 1e3, "step_ms": (end - middle) * 1e3}
+        if prof is not None:
+            events = prof.profiler.kineto_results.events()
+            host = torch._C._autograd.DeviceType.CPU
+            spans = {e.name(): e for e in events if e.name().startswith("fault::") and e.device_type() == host}
+            first, second = spans["fault::backward"], spans["fault::step"]
+            found["backward_peak"] = _peak_above_start(events, first.start_ns(), first.end_ns())
+            level = _peak_above_start(events, first.start_ns(), second.end_ns())
+            found["step_peak_above_backward"] = level - found["backward_peak"]
+    finally:
+        guard.remove()
+    return found
+
+
+def fault_to_halt(shape: str) -> list[dict[str, Any]]:
+    """Each arm's faulting step (``_faulting_step``), timed once and once profiled for its memory."""
+    rows = []
+    for label, replay in FAULT_ARMS.items():
+        timed, profiled = _faulting_step(shape, replay, False), _faulting_step(shape, replay, True)
+        origin = timed.get("origin") or {}
+        rows.append(
+            {"arm": label, "named": (origin.get("phase"), origin.get("module"))}
+            | timed
+            | {
+                "backward_peak": profiled["backward_peak"],
+                "step_peak_above_backward": profiled["step_peak_above_backward"],
+            }
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
@@ -247,8 +341,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--toggle", action="store_true", help="first_fault's hooks on/off on one model (see toggled)")
     parser.add_argument("--head", action="store_true", help="a 50,304-token head: the trace's bytes (see head_cost)")
+    parser.add_argument("--fault", action="store_true", help="a fault's way to the halt (see fault_to_halt)")
+    parser.add_argument("--shapes", default="gpt,1.4B-shape", help="--fault's shapes (gpt, 1.4B-shape, quick)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.fault:
+        print(
+            "| shape | arm | origin named | fault's step to the halt (ms) | of which opt.step() until the halt (ms) "
+            "| forward+backward peak (MiB) | opt.step()'s peak above it (MiB) |"
+        )
+        print("|---|---|---|---:|---:|---:|---:|")
+        for shape in ("quick",) if args.quick else args.shapes.split(","):
+            for row in fault_to_halt(shape):
+                print(
+                    f"| {shape} | {row['arm']} | {row['named'][0]} {row['named'][1]} | {row['to_halt_ms']:.1f} | "
+                    f"{row['step_ms']:.1f} | {row['backward_peak'] / 2**20:.1f} | "
+                    f"{row['step_peak_above_backward'] / 2**20:+.1f} |"
+                )
+        return 0
     if args.head:
         result = head_cost(args.rounds or (2 if args.quick else 30), args.seed, args.quick)
         print(f"light trace at a large vocabulary ({result['description']}), {result['rounds']} rounds, CPU")

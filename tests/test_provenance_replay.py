@@ -201,3 +201,28 @@ def test_a_fault_replayed_on_the_uncompiled_module_under_torch_compile_is_named(
             opt.step()
     assert info.value.origin is not None
     assert (info.value.origin["phase"], info.value.origin["module"]) == ("forward", "blocks.1.act")
+
+
+class NaNFromItsSecondCall(nn.Module):
+    """Identity at its first call, NaN from its second on: a forward with a side effect the replay cannot undo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * math.nan if self.calls > 1 else x * 1.0
+
+
+def test_a_replay_that_faults_where_the_step_did_not_names_no_module_and_says_why() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), NaNFromItsSecondCall(), nn.Linear(8, 2))
+
+    def step(model: nn.Module) -> None:
+        nn.functional.mse_loss(model(torch.randn(6, 4)), torch.randn(6, 2)).backward()
+        model[2].weight.grad[0, 0] = math.nan  # type: ignore[index]
+
+    origin = halt_of(model, step).origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["transient"]) == ("untraced", None, False)
+    assert "side effects" in origin["note"]

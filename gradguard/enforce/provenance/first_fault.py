@@ -17,7 +17,7 @@ import torch
 from gradguard.enforce.provenance.figures import HeldOutputs
 from gradguard.enforce.provenance.light_trace import Tracing
 from gradguard.enforce.provenance.origins import ForwardMeta
-from gradguard.enforce.provenance.replay import Replay, agreement
+from gradguard.enforce.provenance.replay import Replay
 from gradguard.enforce.work.step_work import StepContext, StepOutcome, StepWork
 from gradguard.enforce.work.tensors import stack_on
 
@@ -76,16 +76,15 @@ class FirstFault:
             return  # received through the reduction: the ranks participant says so; the ranks that made it replay
         step = (outcome, work.step, tuple(work.grads))
         why = replay.refusal(forwards, overflow)
-        replayed: list[list[torch.Tensor]] = []
+        found = "unknown"
         if why is None:
-            replayed, why, fwd, meta = self._traced_replay(replay, forwards)
+            found, why, fwd, meta = self._traced_replay(replay, forwards)
         if why is not None:
             self._fault(work.step)  # the full trace is armed: a recurrence is traced
             outcome.origin = _not_replayed(outcome, why)
             return
         values = stack_on(fwd, fwd[0].device).tolist() if fwd else []  # a faulting step only: a second read
         self._read(step, (len(fwd), 0), (meta, [], []), False, work.collective is not None, values)
-        found = agreement(forwards, replayed)
         if outcome.origin is not None and found in ("transient", "differs"):
             outcome.origin = _not_reproduced(outcome, outcome.origin, found)
         elif outcome.origin is not None:
@@ -93,7 +92,7 @@ class FirstFault:
 
     def _traced_replay(
         self, replay: Replay, forwards: list[list[Any]]
-    ) -> tuple[list[list[torch.Tensor]], str | None, list[torch.Tensor], ForwardMeta]:
+    ) -> tuple[str, str | None, list[torch.Tensor], ForwardMeta]:
         """Replay ``forwards`` with the light trace armed, each output reduced in its hook (a replay's outputs are not
         the step's, and a held one's figure would wait for a model hook the replay of a wrapped model does not run)."""
         saved = self._tracing, self._quick, self._held
@@ -103,14 +102,14 @@ class FirstFault:
         replay.disarm()
         self._arm_light()
         try:
-            replayed, why = replay.run(forwards)
+            found, why = replay.run(forwards)
         finally:
             self._disarm_light()
             self._tracing, self._quick, self._held = saved
             fwd, meta = self._fwd, self._fwd_meta
             self._reset()
             replay.arm()
-        return replayed, why, fwd, meta
+        return found, why, fwd, meta
 
 
 def _kind(outcome: StepOutcome) -> str | None:

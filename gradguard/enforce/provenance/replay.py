@@ -27,9 +27,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.distributed.collective import is_sharded
-from gradguard.enforce.provenance.figures import tensors
 
-__all__ = ["MAX_FORWARDS", "SMALL_OUTPUT", "Replay", "agreement", "unreplayable"]
+__all__ = ["MAX_FORWARDS", "SMALL_OUTPUT", "Replay", "agreement", "outputs", "unreplayable"]
 
 MAX_FORWARDS: Final = 64
 """Forwards held between two steps at most (micro-batches): past it the step is not replayed (memory stays bounded
@@ -132,11 +131,12 @@ class Replay:
             return
         self._open = False
         held: list[Any] = []
+        # ``outputs``' walk, inlined: this runs at every forward, and a function is a call.
         items = (
             output.values() if isinstance(output, dict) else output if isinstance(output, tuple | list) else (output,)
         )
         for item in items:
-            if isinstance(item, _TENSOR):
+            if isinstance(item, _TENSOR) and item.is_floating_point():
                 held.append(item if item.numel() * item.element_size() <= SMALL_OUTPUT else _weak(item))
         self.forwards[-1][5] = held
 
@@ -154,34 +154,42 @@ class Replay:
                 return "its inputs were changed in place after their forward"
         return None
 
-    def run(self, forwards: list[Forward]) -> tuple[list[list[torch.Tensor]], str | None]:
-        """Call the model again on each held forward's arguments (the caller arms the trace around it): the replayed
-        outputs' tensors, or why the replay failed."""
+    def run(self, forwards: list[Forward]) -> tuple[str, str | None]:
+        """Call the model again on each held forward's arguments (the caller arms the trace around it): whether the
+        replayed outputs agree with the step's (``agreement``: each compared and let go before the next forward, so a
+        replay holds one forward's graph at a time), or why the replay failed."""
         model = self._model()
         if model is None:
-            return [], "the model is gone"
+            return "unknown", "the model is gone"
         called = _called(model)
         cuda = torch.cuda._initialized
         cpu_now = _CPU.get_state()
         cuda_now = tuple(generator.get_state() for generator in torch.cuda.default_generators) if cuda else ()
         with torch.no_grad():
             buffers = [(buffer, buffer.clone()) for buffer in model.buffers()]
-        outputs: list[list[torch.Tensor]] = []
+        found: set[str] = set()
         self.active = True
         try:
             with torch.enable_grad():  # the trace records where gradients are on, as the step's own forward ran
-                for args, kwargs, _, cpu, cuda_states, _ in forwards:
+                for args, kwargs, _, cpu, cuda_states, held in forwards:
                     _set_states(cpu, cuda_states)
-                    outputs.append([tensor.detach() for tensor in tensors(called(*args, **kwargs))])
+                    found.add(agreement(held, outputs(called(*args, **kwargs))))
         except Exception as error:  # the replay's own failure is reported in the origin, never raised over the halt
-            return [], f"its replay raised {type(error).__name__}: {error}"
+            return "unknown", f"its replay raised {type(error).__name__}: {error}"
         finally:
             self.active = False
             _set_states(cpu_now, cuda_now)
             with torch.no_grad():
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
-        return outputs, None
+        return next((verdict for verdict in _VERDICTS if verdict in found), "unknown"), None
+
+
+def outputs(output: Any) -> list[torch.Tensor]:
+    """The floating-point tensors a model's output holds at its top level (a tensor, a tuple or list, a dict such as
+    transformers' ``ModelOutput``): what the hook holds of each forward, to compare a replay's with."""
+    items = output.values() if isinstance(output, dict) else output if isinstance(output, tuple | list) else (output,)
+    return [item for item in items if isinstance(item, _TENSOR) and item.is_floating_point()]
 
 
 def _set_states(cpu: torch.Tensor, cuda: tuple[torch.Tensor, ...]) -> None:
@@ -196,23 +204,22 @@ def _nonfinite(tensor: torch.Tensor) -> torch.Tensor:
     )
 
 
-def agreement(forwards: list[Forward], replayed: list[list[torch.Tensor]]) -> str:
-    """Whether the replay's outputs are non-finite where the step's were: ``"same"`` (element by element, where both
-    are still known), ``"transient"`` (the step's were non-finite, the replay's are not), ``"differs"`` (otherwise), or
+_VERDICTS: Final = ("differs", "transient", "same")
+"""A replay's verdict, from its forwards' (``agreement``): the first of these that any forward gave, else unknown."""
+
+
+def agreement(held: list[Any] | None, replayed: list[torch.Tensor]) -> str:
+    """Whether a replayed forward's outputs are non-finite where the step's were, element by element: ``"same"``,
+    ``"transient"`` (the step's were non-finite somewhere, the replay's nowhere), ``"differs"`` (otherwise), or
     ``"unknown"`` (the step's outputs are gone: larger than ``SMALL_OUTPUT`` and not kept by the loop)."""
-    known = False
-    step_bad = replay_bad = False
-    for held, outputs in zip(forwards, replayed, strict=True):
-        originals = [item() if isinstance(item, weakref.ref) else item for item in held[5] or ()]
-        if len(originals) != len(outputs) or any(item is None for item in originals):
-            continue
-        for original, output in zip(originals, outputs, strict=True):
-            assert isinstance(original, torch.Tensor)
-            before, after = _nonfinite(original), _nonfinite(output)
-            step_bad, replay_bad = step_bad or bool(before.any()), replay_bad or bool(after.any())
-            if before.shape != after.shape or not torch.equal(before, after):
-                return "transient" if bool(before.any()) and not bool(after.any()) else "differs"
-            known = True
-    if step_bad and not replay_bad:
+    originals = [item() if isinstance(item, weakref.ref) else item for item in held or ()]
+    alive = [item for item in originals if isinstance(item, torch.Tensor)]
+    if held is None or len(alive) != len(replayed) or len(alive) != len(originals):
+        return "unknown"
+    before = [_nonfinite(original) for original in alive]
+    after = [_nonfinite(output) for output in replayed]
+    if all(b.shape == a.shape and torch.equal(b, a) for b, a in zip(before, after, strict=True)):
+        return "same"
+    if any(bool(b.any()) for b in before) and not any(bool(a.any()) for a in after):
         return "transient"
-    return "same" if known else "unknown"
+    return "differs"

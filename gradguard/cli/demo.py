@@ -165,12 +165,12 @@ def run_demo(
         for step in range(steps):
             tokens = _batch(generator, vocab, 16, length)
             mlp = cast(_Block, model.blocks[0]).mlp
-            # prepend: the poison is the module's own output (a broken kernel inside it), before any other hook
+            # prepend: the poison is the module's own output (a broken kernel inside it), before any other hook; it
+            # stays broken through the step, whose forward the guard replays to name it (a fault gone by then is a
+            # transient, and names no module)
             hook = mlp.register_forward_hook(poison, prepend=True) if step == nan_step else None
             logits = model(tokens[:, :-1])
             loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-            if hook is not None:
-                hook.remove()
             if step == spike_step:
                 loss = loss * 1e4  # a bad batch: the gradient is ten thousand times too large
             optimizer.zero_grad(set_to_none=True)
@@ -184,6 +184,9 @@ def run_demo(
                 untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=False))
                 say(f"step {step:4d}  HALT: {exc}")
                 break
+            finally:
+                if hook is not None:
+                    hook.remove()
             clips = guard.counters.total("clip_norm") + guard.counters.total("clip_value") - clips_before
             value = loss.item() / (1e4 if step == spike_step else 1.0)
             losses.append(value)

@@ -1,10 +1,11 @@
-"""Lightning's and Hugging Face's Trainers under DDP name the rank a NaN came from (issue 58, item 2).
+"""Lightning's and Hugging Face's Trainers under DDP (and Lightning's FSDP2) name the rank a NaN came from (#58).
 
 The frameworks wrap the model into ``DistributedDataParallel`` themselves (Lightning's ``trainer.strategy.model``, the
 Trainer's ``model_wrapped``) and hand their callbacks the plain model; the integrations guard the wrapper, where each
-rank's own gradient is read before the all-reduce. The file is also the ranks' script: the tests launch it once under
-torchrun on 2 gloo ranks (``--torchrun NAMES OUTDIR``), each scenario trains a tiny model with a NaN made in rank 1's
-backward of one step, and writes each rank's halt as JSON.
+rank's own gradient is read before the all-reduce. Lightning's ``ModelParallelStrategy`` shards the module in place
+with FSDP2 (``configure_model``), where the guard on the module finds the reduce-scatter by itself. The file is also
+the ranks' script: the tests launch it once under torchrun on 2 gloo ranks (``--torchrun NAMES OUTDIR``), each
+scenario trains a tiny model with a NaN made in rank 1's backward of one step, and writes each rank's halt as JSON.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ SCRIPT = Path(__file__)
 HOST = socket.gethostname()
 POISONED = "first.weight"
 BAD_STEP = 2
-SCENARIOS = ["lightning", "trainer_guard_trainer", "trainer_callback"]
+SCENARIOS = ["lightning", "lightning_fsdp2", "trainer_guard_trainer", "trainer_callback"]
+EXPECTED = {"lightning_fsdp2": ("ShardedRegressor", [POISONED, "first.bias"])}
+"""What the guard attached to and the parameters a halt names, where not the DDP wrapper and ``POISONED`` alone:
+FSDP2 (Lightning's ``ModelParallelStrategy``) shards the module in place, and the NaN goes into the gradient handed
+back to ``first`` (a sharded parameter's own hooks never fire), so into both of its parameters."""
 HALT = Policy.from_dict(
     {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
 )
@@ -45,14 +50,15 @@ def poison(param: nn.Parameter, rank: int, step_now: Callable[[], int]) -> Any:
     """A NaN in one element of ``param``'s gradient, in rank 1's own backward of step ``BAD_STEP`` (before DDP's
     all-reduce carries it to rank 0)."""
 
-    def hook(grad: torch.Tensor) -> torch.Tensor:
-        if rank != 1 or step_now() != BAD_STEP:
-            return grad
-        grad = grad.clone()
-        grad.view(-1)[0] = float("nan")
-        return grad
+    return param.register_hook(lambda grad: poison_grad(grad, rank, step_now()))
 
-    return param.register_hook(hook)
+
+def poison_grad(grad: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+    if rank != 1 or step != BAD_STEP:
+        return grad
+    grad = grad.clone()
+    grad.view(-1)[0] = float("nan")
+    return grad
 
 
 def halt_found(train: Callable[[], Any], callback: Any) -> dict[str, Any]:
@@ -88,7 +94,19 @@ class TinyRegressor(pl.LightningModule):  # type: ignore[misc,name-defined]
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def lightning_scenario(rank: int) -> dict[str, Any]:
+class ShardedRegressor(TinyRegressor):
+    """The same model, sharded by FSDP2 over the data-parallel mesh in ``configure_model`` (ModelParallelStrategy)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.first, self.second):  # not the module itself: Lightning calls training_step, not forward
+            fully_shard(layer, mesh=mesh)
+
+
+def lightning_scenario(rank: int, *, sharded: bool) -> dict[str, Any]:
+    from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
 
     from gradguard.integrations.lightning import GradGuardCallback
@@ -96,12 +114,13 @@ def lightning_scenario(rank: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(32, 4, generator=gen)
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
-    module = TinyRegressor()
+    module = ShardedRegressor() if sharded else TinyRegressor()
     callback = GradGuardCallback(HALT, logger=None)
+    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "ddp"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp",
+        strategy=strategy,
         max_steps=4,
         callbacks=[callback],
         logger=False,
@@ -109,7 +128,11 @@ def lightning_scenario(rank: int) -> dict[str, Any]:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    poison(module.first.weight, rank, lambda: trainer.global_step)
+    if sharded:  # a sharded parameter's own hooks never fire: the gradient handed back to the layer, on this rank
+        step_now = lambda: trainer.global_step  # noqa: E731
+        module.first.register_full_backward_pre_hook(lambda _, grads: (poison_grad(grads[0], rank, step_now()),))
+    else:
+        poison(module.first.weight, rank, lambda: trainer.global_step)
     return halt_found(lambda: trainer.fit(module, data), callback)
 
 
@@ -156,8 +179,8 @@ def trainer_scenario(outdir: Path, rank: int, *, alone: bool) -> dict[str, Any]:
 
 
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
-    if name == "lightning":
-        return lightning_scenario(rank)
+    if name.startswith("lightning"):
+        return lightning_scenario(rank, sharded=name == "lightning_fsdp2")
     return trainer_scenario(outdir, rank, alone=name == "trainer_callback")
 
 
@@ -170,12 +193,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[dict[
 
 
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_a_nan_made_on_rank_1_under_the_framework_s_ddp_is_named_with_its_host_on_both_ranks(
+def test_a_nan_made_on_rank_1_under_the_framework_s_ddp_or_fsdp2_is_named_with_its_host_on_both_ranks(
     runs: Callable[[str], list[dict[str, Any]]], name: str
 ) -> None:
+    guarded, params = EXPECTED.get(name, ("DistributedDataParallel", [POISONED]))
     for rank, halt in enumerate(runs(name)):
-        assert halt["guarded"] == "DistributedDataParallel"
-        assert (halt["step"], halt["params"]) == (BAD_STEP, [POISONED]), halt
+        assert halt["guarded"] == guarded
+        assert (halt["step"], halt["params"]) == (BAD_STEP, params), halt
         assert halt["ranks"] == {"1": HOST}, halt
         assert f"made on rank 1 (host {HOST})" in halt["message"]
         if rank == 0:

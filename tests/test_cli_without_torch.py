@@ -77,16 +77,20 @@ def test_suggest_on_a_real_run_s_log_never_imports_torch(recorded: Path) -> None
     assert not torch_imported
 
 
-@pytest.mark.parametrize("policy", ["default", "llm-pretraining"])
+@pytest.mark.parametrize("policy", ["per-tensor-clip", "llm-pretraining"])
 def test_replay_of_a_shipped_policy_on_a_real_run_s_log_never_imports_torch(recorded: Path, policy: str) -> None:
     code, torch_imported, output = _run("replay", policy, str(recorded))
     assert code == 0, output
     assert not torch_imported
 
 
-def test_replay_of_a_policy_with_an_adaptive_action_imports_torch_for_the_guard_s_own_decisions(recorded: Path) -> None:
+@pytest.mark.parametrize("policy", ["llm-adaptive", "default"])
+def test_replay_of_a_policy_with_an_adaptive_action_imports_torch_for_the_guard_s_own_decisions(
+    recorded: Path, policy: str
+) -> None:
     """zclip, autoclip and skip_step_on_spike decide with the guard's own torch functions (their float64 means and
-    ring sums are torch's reductions): torch is imported for such a policy only (llm-adaptive has all three)."""
-    code, torch_imported, output = _run("replay", "llm-adaptive", str(recorded))
+    ring sums are torch's reductions): torch is imported for such a policy only (llm-adaptive has all three; the
+    shipped default a zclip)."""
+    code, torch_imported, output = _run("replay", policy, str(recorded))
     assert code in (0, 1), output
     assert torch_imported

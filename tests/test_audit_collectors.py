@@ -95,3 +95,10 @@ def test_no_collector_is_built_from_another_or_imports_another_collectors_module
 
 def _is_collector(node: ast.ClassDef) -> bool:
     return any(isinstance(base, ast.Name) and base.id == "Collector" for base in node.bases)
+
+
+def test_a_streaks_replica_check_builds_what_a_clip_is_about_as_identity_does() -> None:
+    from gradguard.audit import jobs
+    from gradguard.events.definitions import Intervention
+
+    assert jobs._identity_fields(Intervention) == jobs._CLIP_FIELDS

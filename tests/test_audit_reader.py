@@ -10,7 +10,7 @@ from pathlib import Path
 from click.testing import CliRunner
 from support.synthetic_log import LogBuilder, write_synthetic_run
 
-from gradguard.audit.reader import LineSplitter, ReadStats, read_file, read_line
+from gradguard.audit.reader import LineSplitter, ReadStats, read_batches, read_file, read_line, read_merged
 from gradguard.audit.summarizer import Summarizer
 from gradguard.cli import main
 from gradguard.events.definitions import Attach, ForeignEvent
@@ -357,3 +357,23 @@ def test_a_long_line_whose_integer_is_refused_is_unreadable_in_a_chunk_of_short_
     (bad,) = stats.bad_lines
     assert bad.line == 503
     assert bad.reason.startswith("JSON Python cannot read (Exceeds the limit (4300 digits)")
+
+
+def test_several_files_read_in_batches_come_in_the_merged_order_of_their_records(tmp_path: Path) -> None:
+    """Per-rank logs of uneven steps (and a file with no step at all): the batches, one file's run of records at a
+    time, hold the records of the record-by-record merge, in its order."""
+    rng = random.Random(7)
+    paths = []
+    for rank in range(3):
+        with LogBuilder(tmp_path / f"rank{rank}.jsonl", run=f"r{rank}", rank=rank) as log:
+            log.attach({"clip": 3})
+            step = 0
+            for _ in range(rng.randrange(40, 400) if rank < 2 else 0):
+                step += rng.choice((0, 0, 1, 2))
+                log.clip(step, "clip", f"p{rng.randrange(3)}", 2.0)
+            log.detach(step + 1)
+        paths.append(log.path)
+    merged = [(record.order, record.file, record.line) for record in read_merged(paths, ReadStats())]
+    batches = list(read_batches(paths, ReadStats()))
+    assert [(record.order, record.file, record.line) for batch in batches for record in batch] == merged
+    assert len(batches) < len(merged) / 2  # runs of records, not one at a time

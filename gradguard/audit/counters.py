@@ -48,6 +48,7 @@ class CounterCheck(Collector):
         """A streak of one-tensor clips: counted by (rule, action), the pair compared with the line before's (the guard
         writes a step's clips rule by rule)."""
         recomputed = run.recomputed
+        counted = None if run.replica else run.job.counted  # the job counts each distributed clip once
         rule_now: str | None = None
         action_now: str | None = None
         key = ("", "")
@@ -58,10 +59,14 @@ class CounterCheck(Collector):
             if rule != rule_now or action != action_now:
                 if pending:
                     recomputed[key] = recomputed.get(key, 0) + pending
+                    if counted is not None:
+                        counted[key] = counted.get(key, 0) + pending
                 rule_now, action_now, key, pending = rule, action, (rule, action), 0
             pending += 1
         if pending:
             recomputed[key] = recomputed.get(key, 0) + pending
+            if counted is not None:
+                counted[key] = counted.get(key, 0) + pending
 
     def halt(self, event: ev.Halt, run: RunState, record: Record) -> None:
         counting.halt(event, run)

@@ -5,10 +5,10 @@ is a replica (another rank of the job wrote it at its step: ``Job.replica``; a j
 only holds its events, ``Job.hold``), and hands it to every collector that registered for its type, in registration
 order (``gradguard.audit.collectors``). No collector sees an event before this is done, and none does it again.
 
-Most lines of a long log are clips of one tensor of the run just seen, in a job of one rank (no replica possible):
-they are gathered while they last and handed to each collector that reads clips at once (``Collector.clips``), a
-streak per collector instead of a call per line per collector. A filter on (``--since``, ``--rule``, ...) takes them
-one by one.
+Most lines of a long log are clips of one tensor of the run just seen: they are gathered while they last and handed
+to each collector that reads clips at once (``Collector.clips``), a streak per collector instead of a call per line
+per collector; in a job of several ranks, in parts that are all replicas or none (``Job.clip_replicas``, marked on
+the run as for any event). A filter on (``--since``, ``--rule``, ...) takes them one by one.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Dispatcher:
     def _add_batch(self, records: list[Record]) -> None:
         """Take every event of ``records``; one a collector cannot use is reported as an unreadable line and skipped.
 
-        A one-tensor clip of the run of the line before, in a job of one rank, joins the streak; the run's step span,
+        A one-tensor clip of the run of the line before joins the streak; the run's step span,
         time and event count are kept in locals while it lasts (attribute stores per line would cost a tenth of the
         audit) and written with the streak, before the next other event.
         """
@@ -124,10 +124,9 @@ class Dispatcher:
                 streaking = False
                 continue
             run_id, run_file = event.run, record.file
-            # A streak starts only where the run has a step span to widen, in a job of one rank (another rank's
-            # clips may be replicas, which only ``Job.replica`` can tell).
+            # A streak starts only where the run has a step span to widen (a clip's own ``run_of`` would start it).
             first, last = run.first_step, run.last_step
-            streaking = first is not None and last is not None and not run.job.multi
+            streaking = first is not None and last is not None
             if streaking:
                 last_ts, low, high = run.last_ts, first, last  # type: ignore[assignment]
         if streak:
@@ -140,8 +139,27 @@ class Dispatcher:
         run.last_ts = last_ts
         run.first_step = low
         run.last_step = high
-        for take in self._streak_readers:
-            take(run, streak)
+        job = run.job
+        if not job.multi:
+            for take in self._streak_readers:
+                take(run, streak)
+            return
+        # Another rank may have written these clips: the streak goes on in parts, each all replicas or none.
+        flags = job.clip_replicas(streak, run.rank)
+        start = 0
+        try:
+            while start < len(streak):
+                replica = flags[start]
+                end = start + 1
+                while end < len(streak) and flags[end] is replica:
+                    end += 1
+                part = streak if start == 0 and end == len(streak) else streak[start:end]
+                run.replica = replica
+                for take in self._streak_readers:
+                    take(run, part)
+                start = end
+        finally:
+            run.replica = False
 
     def _dispatch(self, record: Record) -> RunState | None:
         """One event: its run's bookkeeping, its replica mark, then its handlers; None where the line was unreadable."""

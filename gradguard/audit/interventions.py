@@ -90,8 +90,10 @@ class InterventionCollector(Collector):
         return {Intervention: self.intervention, AdaptiveClip: self.adaptive_clip}
 
     def clips(self, run: RunState, records: Sequence[Record]) -> None:
-        """A streak of one-tensor clips (no filter on, no replica possible): each updates its ``Entry``, the
-        (rule, action) of the line before compared, not looked up (the guard writes a step's clips rule by rule)."""
+        """A streak of one-tensor clips (no filter on): each updates its ``Entry``, the (rule, action) of the line
+        before compared, not looked up (the guard writes a step's clips rule by rule); replicas are counted once."""
+        if run.replica:
+            return
         entries = self.entries
         seq = self.seq
         rule_now: str | None = None

@@ -24,7 +24,7 @@ replica needs is then paid by the jobs of several ranks alone.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -43,6 +43,9 @@ _VERDICT_FIELDS: Final = ("rule", "kind")
 the parameters whose own norms differed, empty on the other ranks)."""
 _PER_RANK: Final = (ev.Counters, ev.SnapshotPlacement)
 """Events of one rank's own state, never replicas: its counters, where its own snapshots live."""
+
+_CLIP_FIELDS: Final = ("rule", "action", "param", "params", "micro_batch")
+"""What a clip is about, in ``identity``'s order (``Job.clip_replicas`` builds it directly; a test holds them equal)."""
 
 _fields_by_type: dict[type[Any], tuple[str, ...] | None] = {}
 
@@ -151,6 +154,45 @@ class Job:
             return False
         n = seen[rank] = seen.get(rank, 0) + 1
         return any(count >= n for other, count in seen.items() if other != rank)
+
+    def clip_replicas(self, records: Sequence[Any], rank: int) -> list[bool]:
+        """``replica`` of each one-tensor clip of ``records`` (a streak of one run of ``rank``), in one loop: what each
+        is about is built here as ``identity`` builds it (``_CLIP_FIELDS``), without looking its fields up."""
+        window, last = self._window, self._last
+        out: list[bool] = []
+        flag = out.append
+        clip = ev.Intervention
+        for record in records:
+            event = record.event
+            step = event.step
+            at = window.get(step)
+            if at is None:
+                at = window[step] = {}
+                self._forget(step, rank)
+            elif last.get(rank, -1) < step:
+                last[rank] = step
+            params = event.params
+            key = (
+                clip,
+                event.rule,
+                event.action,
+                event.param,
+                None if params is None else tuple(params),
+                event.micro_batch,
+            )
+            seen = at.get(key)
+            if seen is None:
+                at[key] = {rank: 1}
+                flag(False)
+                continue
+            n = seen[rank] = seen.get(rank, 0) + 1
+            replica = False
+            for other, count in seen.items():
+                if count >= n and other != rank:
+                    replica = True
+                    break
+            flag(replica)
+        return out
 
     def _forget(self, step: int, rank: int) -> None:
         """A new step entered the window: drop the steps every rank has gone past, and the oldest past the cap."""

@@ -9,17 +9,22 @@ the guard itself, then repeated with shifted steps, each repetition a run of its
 ``--kind synthetic`` writes the older synthetic log instead (``write_synthetic_run`` in
 ``tests/support/synthetic_log.py``: shorter lines, almost all tensor clips).
 
-Then, in one fresh process (``--repeats`` times, alternating, best of each kept):
+``--ranks N`` writes the same lines as the logs of N ranks of one data-parallel job instead (``--lines`` in all,
+each rank's file a share; each rank's runs ``run-K-rR``, its lines every other rank's replicas, as a job's ranks
+write them), read at once: ``gradguard audit rank0.jsonl ... rankN-1.jsonl``.
 
-- the standard library: ``json.loads`` of every line of the file, nothing else;
-- ``gradguard audit LOG --format json``, in the same process (the command's code, output to a file);
+Then, in one fresh process (``--repeats`` times, alternating; the median of each is the figure, the best beside it):
 
-and prints both times and their ratio (wall clock; CPU time beside it, steadier on a shared machine).
+- the standard library: ``json.loads`` of every line of the files, nothing else;
+- ``gradguard audit LOG... --format json``, in the same process (the command's code, output to a file);
+
+and prints both times, their ratio and the audit's time per line (wall clock; CPU time beside it, steadier on a
+shared machine).
 The audit's totals must equal the counters the guard reported (exact). It also runs the command in a
 process of its own, as a user would, for its peak resident memory, next to the same command's on a
 3-line log (the interpreter and imports alone): memory stays flat in the log's length.
 
-Run: ``python benchmarks/audit_throughput.py [--lines N] [--kind real|synthetic] [--log PATH] [--keep]``.
+Run: ``python benchmarks/audit_throughput.py [--lines N] [--ranks N] [--kind real|synthetic] [--log PATH] [--keep]``.
 """
 
 from __future__ import annotations
@@ -75,25 +80,25 @@ _SIDE_BY_SIDE = """
 import json, sys, time
 from click.testing import CliRunner
 from gradguard.cli import main
-log, out, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
-best = {"stdlib": [1e9, 1e9], "audit": [1e9, 1e9]}
+out, repeats, logs = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+times = {"stdlib": [], "audit": []}
 def stdlib():
-    with open(log, "rb") as handle:
-        for line in handle:
-            json.loads(line)
+    for log in logs:
+        with open(log, "rb") as handle:
+            for line in handle:
+                json.loads(line)
 def audit():
-    result = CliRunner().invoke(main, ["audit", log, "--format", "json", "--no-progress"])
+    result = CliRunner().invoke(main, ["audit", *logs, "--format", "json", "--no-progress"])
     with open(out, "w") as handle:
         handle.write(result.stdout)
 for _ in range(repeats):
     for name, work in (("stdlib", stdlib), ("audit", audit)):
         wall, cpu = time.perf_counter(), time.process_time()
         work()
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
-print(json.dumps(best))
+        times[name].append([time.perf_counter() - wall, time.process_time() - cpu])
+print(json.dumps(times))
 """
-"""Times the stdlib's parse of every line and the audit in one process, alternating, best of each."""
+"""Times the stdlib's parse of every line and the audit in one process, alternating: every (wall, CPU) of each."""
 
 
 def run_measured(
@@ -114,22 +119,28 @@ def run_measured(
     return float(elapsed), int(peak), int(code)
 
 
-def run_audit(log: Path, out: Path) -> tuple[float, int, int]:
-    """Wall seconds, peak RSS in bytes, and exit code of `python -m gradguard.cli audit LOG --format json`."""
-    command = [sys.executable, "-m", "gradguard.cli", "audit", str(log), "--format", "json", "--no-progress"]
+def run_audit(logs: list[Path], out: Path) -> tuple[float, int, int]:
+    """Wall seconds, peak RSS in bytes, and exit code of `python -m gradguard.cli audit LOG... --format json`."""
+    command = [sys.executable, "-m", "gradguard.cli", "audit", *map(str, logs), "--format", "json", "--no-progress"]
     return run_measured(command, out)
 
 
-def side_by_side(log: Path, out: Path, repeats: int) -> dict[str, list[float]]:
-    """``{"stdlib": [wall, cpu], "audit": [wall, cpu]}``: the best of ``repeats`` of each, in one fresh process."""
+def side_by_side(logs: list[Path], out: Path, repeats: int) -> dict[str, list[list[float]]]:
+    """``{"stdlib": [[wall, cpu], ...], "audit": [...]}``: each of ``repeats`` runs, in one fresh process."""
     done = subprocess.run(
-        [sys.executable, "-c", _SIDE_BY_SIDE, str(log), str(out), str(repeats)],
+        [sys.executable, "-c", _SIDE_BY_SIDE, str(out), str(repeats), *map(str, logs)],
         capture_output=True,
         text=True,
         check=True,
     )
-    best: dict[str, list[float]] = json.loads(done.stdout)
-    return best
+    times: dict[str, list[list[float]]] = json.loads(done.stdout)
+    return times
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def real_run(log: Path, steps: int) -> dict[str, dict[str, int]]:
@@ -158,9 +169,10 @@ def real_run(log: Path, steps: int) -> dict[str, dict[str, int]]:
     return counters
 
 
-def repeated(base: Path, log: Path, lines: int, steps: int) -> dict[str, dict[str, int]]:
+def repeated(base: Path, log: Path, lines: int, steps: int, rank: int | None = None) -> dict[str, dict[str, int]]:
     """``base``'s run repeated into ``log`` until it has ``lines`` lines (each repetition a run of its own, its
-    steps shifted by ``steps``); the summed counters of every repetition's detach event."""
+    steps shifted by ``steps``); the summed counters of every repetition's detach event. ``rank``: the lines are
+    that rank's of a job (its runs ``run-K-rR``)."""
     events = [json.loads(line) for line in base.read_text().splitlines()]
     totals: dict[str, dict[str, int]] = {}
     written = 0
@@ -170,6 +182,8 @@ def repeated(base: Path, log: Path, lines: int, steps: int) -> dict[str, dict[st
             batch = []
             for event in events[: lines - written]:
                 shifted = dict(event, run=f"run-{repetition}")
+                if rank is not None:
+                    shifted.update(run=f"run-{repetition}-r{rank}", rank=rank)
                 for key in STEP_FIELDS:
                     if key in shifted:
                         shifted[key] += repetition * steps
@@ -187,22 +201,32 @@ def repeated(base: Path, log: Path, lines: int, steps: int) -> dict[str, dict[st
     return totals
 
 
-def write_log(kind: str, log: Path, lines: int, steps: int, workdir: Path) -> dict[str, dict[str, int]]:
+def write_log(kind: str, logs: list[Path], lines: int, steps: int, workdir: Path) -> dict[str, dict[str, int]]:
+    """The log (or every rank's, of ``lines`` in all); the totals the audit must give."""
     if kind == "synthetic":
-        return write_synthetic_run(log, events=lines, params=TENSORS)
+        if len(logs) > 1:
+            raise SystemExit("--ranks is for --kind real")
+        return write_synthetic_run(logs[0], events=lines, params=TENSORS)
     base = workdir / "base.jsonl"
     base.unlink(missing_ok=True)
     real_run(base, steps)
     per_run = len(base.read_text().splitlines())
-    return repeated(base, log, max(per_run, lines - lines % per_run), steps)
+    share = lines // len(logs)
+    share = max(per_run, share - share % per_run)
+    if len(logs) == 1:
+        return repeated(base, logs[0], share, steps)
+    # Every rank counted the same events: the job's totals are one rank's (the audit counts each once).
+    totals = [repeated(base, log, share, steps, rank) for rank, log in enumerate(logs)]
+    return totals[0]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the log (about)")
+    parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the log, of all ranks' (about)")
+    parser.add_argument("--ranks", type=int, default=1, help="write the lines as this many ranks' logs of one job")
     parser.add_argument("--steps", type=int, default=300, help="steps of the real run that is repeated")
     parser.add_argument("--kind", choices=("real", "synthetic"), default="real")
-    parser.add_argument("--repeats", type=int, default=3, help="times each is measured (best kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="times each is measured (the median is the figure)")
     parser.add_argument("--log", type=Path, default=None, help="where to write the log (default: a temporary file)")
     parser.add_argument("--keep", action="store_true", help="keep the log afterwards")
     parser.add_argument("--reuse", action="store_true", help="read --log as it is (its totals are not checked)")
@@ -210,39 +234,59 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="gradguard-bench-"))
     log = args.log or workdir / "audit.jsonl"
+    logs = (
+        [log]
+        if args.ranks == 1
+        else [log.with_name(f"{log.stem}-rank{rank}{log.suffix}") for rank in range(args.ranks)]
+    )
     started = time.perf_counter()
     expected = None
-    if not (args.reuse and log.exists()):
-        log.unlink(missing_ok=True)
-        expected = write_log(args.kind, log, args.lines, args.steps, workdir)
+    if not (args.reuse and all(path.exists() for path in logs)):
+        for path in logs:
+            path.unlink(missing_ok=True)
+        expected = write_log(args.kind, logs, args.lines, args.steps, workdir)
     generated = time.perf_counter() - started
-    with open(log, "rb") as handle:
-        lines = sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 24), b""))
-    size = log.stat().st_size
+    lines = 0
+    for path in logs:
+        with open(path, "rb") as handle:
+            lines += sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 24), b""))
+    size = sum(path.stat().st_size for path in logs)
 
     tiny = workdir / "tiny.jsonl"
     with LogBuilder(tiny) as small:
         small.attach({"r": 1})
         small.clip(0, "r", "w", 2.0)
         small.detach(1)
-    _, baseline, _ = run_audit(tiny, workdir / "tiny.json")
+    _, baseline, _ = run_audit([tiny], workdir / "tiny.json")
 
-    best = side_by_side(log, workdir / "side.json", args.repeats)
-    elapsed, peak, code = run_audit(log, workdir / "result.json")
+    times = side_by_side(logs, workdir / "side.json", args.repeats)
+    elapsed, peak, code = run_audit(logs, workdir / "result.json")
     result: dict[str, Any] = json.loads((workdir / "result.json").read_text())
     same = json.loads((workdir / "side.json").read_text())["totals"] == result["totals"]
     ok = same and result["events"] == lines and result["mismatches_total"] == 0 and result["bad_lines_total"] == 0
     if expected is not None:
         ok = ok and result["totals"] == expected
-    (stdlib_wall, stdlib_cpu), (audit_wall, audit_cpu) = best["stdlib"], best["audit"]
+    figures = {
+        name: [median([wall for wall, _ in runs]), median([cpu for _, cpu in runs]), min(wall for wall, _ in runs)]
+        for name, runs in times.items()
+    }
+    (stdlib_wall, stdlib_cpu, stdlib_best), (audit_wall, audit_cpu, audit_best) = figures["stdlib"], figures["audit"]
+    of = f"median of {args.repeats}"
 
     print(f"machine: {os.cpu_count()} CPU cores, Python {sys.version.split()[0]}, {sys.platform}")
     shape = f"{lines:,} lines ({result['events']:,} events), {size / 1e6:,.0f} MB, {size / lines:.0f} B a line"
-    print(f"log ({'as given' if expected is None else args.kind}): {shape}")
-    print(f"stdlib json.loads of every line: {stdlib_wall:.2f} s wall, {stdlib_cpu:.2f} s CPU (best of {args.repeats})")
-    print(f"gradguard audit, same process:   {audit_wall:.2f} s wall, {audit_cpu:.2f} s CPU (best of {args.repeats})")
+    ranks = "" if len(logs) == 1 else f", the logs of {len(logs)} ranks of one job"
+    print(f"log ({'as given' if expected is None else args.kind}{ranks}): {shape}")
     print(
-        f"audit / stdlib parse: {audit_wall / stdlib_wall:.2f} wall, {audit_cpu / stdlib_cpu:.2f} CPU (target: <= 0.5)"
+        f"stdlib json.loads of every line: {stdlib_wall:.2f} s wall, {stdlib_cpu:.2f} s CPU "
+        f"({of}; best {stdlib_best:.2f})"
+    )
+    print(
+        f"gradguard audit, same process:   {audit_wall:.2f} s wall, {audit_cpu:.2f} s CPU ({of}; best {audit_best:.2f})"
+    )
+    print(
+        f"audit / stdlib parse: {audit_wall / stdlib_wall:.2f} wall, {audit_cpu / stdlib_cpu:.2f} CPU "
+        f"(target: <= 0.40); the audit {audit_wall / lines * 1e6:.2f} us a line"
     )
     print(f"gradguard audit in a fresh process: {elapsed:.2f} s wall ({lines / elapsed:,.0f} lines/s), exit {code}")
     print(f"peak memory (RSS): {peak / 2**20:,.1f} MiB; the same command on a 3-line log: {baseline / 2**20:,.1f} MiB")
@@ -250,9 +294,10 @@ def main() -> None:
         f"totals equal the guard's counters, no mismatch, no unreadable line: {ok} (log written in {generated:.0f} s)"
     )
     if not args.keep and args.log is None:
-        log.unlink(missing_ok=True)
+        for path in logs:
+            path.unlink(missing_ok=True)
     for leftover in workdir.iterdir():
-        if leftover != log:
+        if leftover not in logs:
             leftover.unlink()
     if not any(workdir.iterdir()):
         workdir.rmdir()

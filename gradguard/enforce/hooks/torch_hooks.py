@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from gradguard.enforce.hooks import clip_norms
 from gradguard.enforce.triggers.loss import LossWatch, root_of
+from gradguard.errors import GradientHalt
 
 __all__ = [
     "CLIPS",
@@ -171,10 +172,22 @@ def _before_step(
     for ref in _guards:  # the tuple as it is now; a loop without a call (it runs at every step)
         if (guard := ref()) is None:
             continue
-        result = guard._on_optimizer_step(optimizer, args, kwargs)
+        try:
+            result = guard._on_optimizer_step(optimizer, args, kwargs)
+        except GradientHalt as halt:
+            raise _raised_here(halt) from None
         if result is not None:
             args, kwargs = changed = result
     return changed
+
+
+def _raised_here(halt: GradientHalt) -> GradientHalt:
+    """``halt`` without the frames of the guard's step below the hook torch called (about a dozen: the guard, the
+    engine, the pipeline's stages, the verdicts), so its traceback ends at the loop's own ``step()`` or clip and the
+    hook that raised it. A halt is the guard's verdict, not a fault in its code: those frames tell a user nothing the
+    message and the halt's fields do not, and they would keep the halted step's gradients and work alive for as long
+    as the halt is held."""
+    return halt.with_traceback(None)
 
 
 @torch.compiler.disable  # type: ignore[untyped-decorator]
@@ -275,8 +288,11 @@ def _clip_instead(
     for ref in _guards:  # the tuple as it is now; a loop without a call (it runs at every step)
         if (guard := ref()) is None:
             continue
-        if guard._before_clip(call):
-            acted.append(guard)
+        try:
+            if guard._before_clip(call):
+                acted.append(guard)
+        except GradientHalt as halt:
+            raise _raised_here(halt) from None
     for guard in acted:
         result = guard._clip_instead(call.name, original, args, kwargs)
         if result is not None:

@@ -26,7 +26,8 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2", "deepspeed"])
 def test_the_documented_distributed_example_runs_as_written_on_two_ranks(name: str, tmp_path: Path) -> None:
-    """torchrun --nproc_per_node 2 on the page's code: both ranks finish with the same counters and a log each."""
+    """torchrun --nproc_per_node 2 on the page's code: both ranks finish with the same counters (none: a healthy run)
+    and a log each."""
     if name == "deepspeed":
         pytest.importorskip("deepspeed")
     script = tmp_path / f"{name}_example.py"
@@ -48,10 +49,10 @@ def test_the_documented_distributed_example_runs_as_written_on_two_ranks(name: s
         done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     # The two ranks print at the same moment: their lines may interleave, so find each rank's report.
-    reports = dict(re.findall(r"rank (\d): (\{[^{}]*\{[^{}]*\}[^{}]*\})", done.stdout))
+    reports = dict(re.findall(r"rank (\d): (\{(?:[^{}]|\{[^{}]*\})*\})", done.stdout))
     assert sorted(reports) == ["0", "1"], done.stdout
     assert reports["0"] == reports["1"]
-    assert "clip_norm" in reports["0"]
+    assert reports["0"] == "{}"  # the shipped default changes nothing in this healthy run (#58), on either rank
     assert (tmp_path / f"{name}-rank0.jsonl").stat().st_size > 0
     assert (tmp_path / f"{name}-rank1.jsonl").stat().st_size > 0
 

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradguard.enforce.distributed.mesh import ModelParts
 from gradguard.enforce.hooks.boundaries import explicit_context, stepped_by
 from gradguard.enforce.hooks.clips import ClipWatch
 from gradguard.enforce.hooks.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
@@ -133,8 +132,7 @@ class GradGuard(ServesMetrics):
         lr_scheduler: Any = None,
         averages: Iterable[nn.Module] = (),
     ) -> None:
-        # A DeepSpeed engine's own model (its names, no "module." prefix); torchtitan's model_parts as one model.
-        engine, model = deepspeed_parts(model if isinstance(model, nn.Module) else ModelParts(model))
+        engine, model = deepspeed_parts(model)  # a DeepSpeed engine's own model; torchtitan's model_parts as one
         check_arguments(model, start_step, summary_every, attach_timeout, reload_interval)
         check_metrics_port(metrics_port)
         check_mode(provenance)
@@ -152,7 +150,7 @@ class GradGuard(ServesMetrics):
         claim_model(self, model, replace)
         try:
             options = (per_micro_batch, start_step, reload)
-            collective, stages = agree_on_the_mesh(binding, options, process_group, device_mesh, attach_timeout)
+            collective = agree_on_the_mesh(binding, options, process_group, device_mesh, attach_timeout)
             self.counters = Counters()
             """Thread-safe intervention counts; ``guard.counters.snapshot()`` gives a plain dict."""
             self.run_id = uuid.uuid4().hex[:12]
@@ -161,7 +159,6 @@ class GradGuard(ServesMetrics):
             events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
             enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
             self._enforcer = enforcer
-            enforcer.participants.give("stages", stages(enforcer.verdicts, self.counters))  # a pipeline's stages
             self._enforcer.step = start_step
             self._events = events
             self._expected: list[Optimizer] | None = optimizers
@@ -174,7 +171,7 @@ class GradGuard(ServesMetrics):
             self._attachment.handles.append(self._reloader)
             self._serve_metrics(metrics_host, metrics_port, self._attachment.handles.append, events=events)
             if per_micro_batch:
-                self._attach_micro_batch_hooks()
+                _attach_micro_batch_hooks(self)
             self._enforcer.provenance = attach_provenance(model, binding, provenance, self._attachment.handles.append)
             self._clips = ClipWatch(before_clip)
             self._scaler = scaler
@@ -376,11 +373,13 @@ class GradGuard(ServesMetrics):
         """The policy was bound again (``replaced``: the model's parameters were replaced; None: a reload)."""
         _rebound(self, new, replaced)
 
-    def _attach_micro_batch_hooks(self) -> None:
-        enforcer = self._enforcer
-        hooks = MicroBatchHooks(self._plans.binding, lambda: enforcer.step)
-        enforcer.micro_batch = hooks
-        self._attachment.handles.append(hooks)
+
+def _attach_micro_batch_hooks(guard: GradGuard) -> None:
+    """The per-micro-batch hooks (``per_micro_batch=True``), at attach and again at a rebind."""
+    enforcer = guard._enforcer
+    hooks = MicroBatchHooks(guard._plans.binding, lambda: enforcer.step)
+    enforcer.micro_batch = hooks
+    guard._attachment.handles.append(hooks)
 
 
 def _rebound(guard: GradGuard, new: Binding, replaced: list[str] | None) -> None:
@@ -392,7 +391,7 @@ def _rebound(guard: GradGuard, new: Binding, replaced: list[str] | None) -> None
         guard._enforcer.provenance.rebind(new)
     if guard._enforcer.micro_batch is not None:
         guard._enforcer.micro_batch.remove()
-        guard._attach_micro_batch_hooks()
+        _attach_micro_batch_hooks(guard)
     if replaced is not None:
         guard._events.emit(
             "warning",

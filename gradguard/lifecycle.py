@@ -13,7 +13,7 @@ import os
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from gradguard.enforce.distributed.deepspeed import deepspeed_engine, inner_optimizer, layout
 from gradguard.enforce.distributed.deepspeed_state import stage3_partitions
 from gradguard.enforce.distributed.deepspeed_taps import tap_reduction
+from gradguard.enforce.distributed.mesh import ModelParts
 from gradguard.enforce.hooks.boundaries import explicit_context
 from gradguard.enforce.hooks.deepspeed_boundary import (
     ClipHook,
@@ -376,8 +377,11 @@ def weak_call(method: Callable[[Binding, list[str]], None]) -> Callable[[Binding
     return call
 
 
-def deepspeed_parts(model: nn.Module) -> tuple[Any | None, nn.Module]:
-    """``(the DeepSpeed engine, its own model)`` where ``model`` is an engine, else ``(None, model)``."""
+def deepspeed_parts(model: nn.Module | Sequence[nn.Module]) -> tuple[Any | None, nn.Module]:
+    """``(the DeepSpeed engine, its own model)`` where ``model`` is an engine, else ``(None, model)``; a list of
+    modules (torchtitan's ``model_parts``) is guarded as one model (``ModelParts``)."""
+    if not isinstance(model, nn.Module):
+        return None, ModelParts(model)
     engine = deepspeed_engine(model)
     return (engine, engine.module) if engine is not None else (None, model)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from support.gloo_ranks import main
-from support.parallel_models import apply_plain_tp, apply_torchtitan_tp, batch, loss_of, make_decoder
+from support.parallel_models import apply_plain_tp, apply_torchtitan_tp, batch, loss_of, make_decoder, titan_clip
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, Policy
@@ -40,8 +40,12 @@ POLICIES: dict[str, dict[str, Any]] = {
     "agc": {"version": 1, "rules": [rule("agc", [{"action": "agc", "clipping": 0.01}])]},
     "clip_value": {"version": 1, "rules": [rule("value", [{"action": "clip_value", "limit": 0.002}])]},
     "default": {"shipped": "default"},
+    "halt_then_titan_clip": {"version": 1, "rules": [rule("nonfinite", [{"action": "halt_on_nonfinite"}])]},
+    "clip_then_titan_clip": {"version": 1, "rules": [rule("clip", [{"action": "clip_norm", "max_norm": 0.05}])]},
 }
 """Each policy a layout is checked under (``{"shipped": NAME}``: a shipped one)."""
+LOOP_CLIPS = {"halt_then_titan_clip": 0.2, "clip_then_titan_clip": 0.1}
+"""The policies whose loop clips with torchtitan's ``clip_grad_norm_`` after the guard's step, and its max_norm."""
 
 
 def policy_of(name: str) -> Policy:
@@ -58,16 +62,21 @@ def local(tensor: torch.Tensor | None) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def train(model: nn.Module, policy: Policy, log: Path | None, rows: slice = slice(None)) -> dict[str, Any]:
-    """``STEPS`` SGD steps on ``rows`` of each full batch under ``policy``; the whole weights after them."""
+def train(model: nn.Module, name: str, log: Path | None, rows: slice = slice(None)) -> dict[str, Any]:
+    """``STEPS`` SGD steps on ``rows`` of each full batch under policy ``name``; the whole weights after them, and
+    the norms torchtitan's clip returned where the loop clips."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    with GradGuard(model, policy, audit_log=log, logger=None):
+    norms = []
+    with GradGuard(model, policy_of(name), audit_log=log, logger=None):
         for step in range(STEPS):
             opt.zero_grad()
             tokens, targets = batch(step)
             loss_of(model(tokens[rows]), targets[rows]).backward()
+            if name in LOOP_CLIPS:
+                norms.append(float(titan_clip(model.parameters(), LOOP_CLIPS[name])))
             opt.step()
-    return {name: full(param).detach().reshape(-1).tolist() for name, param in model.named_parameters()}
+    weights = {key: full(param).detach().reshape(-1).tolist() for key, param in model.named_parameters()}
+    return {"final": weights, "norms": norms}
 
 
 def stats_of(log: Path) -> list[dict[str, Any]]:
@@ -97,8 +106,7 @@ def tensor_parallel(layout: str, rank: int, world: int, outdir: Path) -> dict[st
             dp_rank = mesh["dp"].get_local_rank()
             rows = slice(dp_rank * half, (dp_rank + 1) * half)
         log = outdir / f"{name}-rank{rank}.jsonl"
-        final = train(model, policy_of(name), log, rows)
-        result[name] = {"final": final, "stats": stats_of(log)}
+        result[name] = train(model, name, log, rows) | {"stats": stats_of(log)}
         dist.barrier()
     result["halt"] = nan_in_one_shard(layout, rank, world, mesh, two_d)
     return result

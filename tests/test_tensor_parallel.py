@@ -40,10 +40,10 @@ def reference(policy: str) -> dict[str, Any]:
     """The decoder in one process on the full batch, guarded by the same policy."""
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"gradguard-tp-reference-{os.getpid()}-{policy}.jsonl"
     log.unlink(missing_ok=True)
-    final = scenarios.train(make_decoder(), scenarios.policy_of(policy), log)
+    result = scenarios.train(make_decoder(), policy, log)
     stats = scenarios.stats_of(log)
     log.unlink()
-    return {"final": final, "stats": stats}
+    return result | {"stats": stats}
 
 
 def torch_clipped(group: bool) -> dict[str, list[float]]:
@@ -109,6 +109,18 @@ def test_the_clips_match_torch_s_own_clip_grad_norm(layout_runs: list[dict[str, 
     expected = torch_clipped(group)
     for result in layout_runs:
         assert_weights_close(result["group_clip" if group else "per_tensor_clip"]["final"], expected)
+
+
+@pytest.mark.parametrize("policy", list(scenarios.LOOP_CLIPS))
+def test_torchtitan_s_clip_after_the_guard_sees_the_norm_one_process_sees(
+    layout_runs: list[dict[str, Any]], policy: str
+) -> None:
+    """torchtitan's clip_grad_norm_ (get_total_norm on the DTensor gradients, full_tensor(), clip_grads_with_norm_)
+    after the guard's step returns, at every step, the norm one process's torch clip returns after the same policy:
+    the gradients' own where the guard treats nothing, the policy's where it clipped them."""
+    expected = reference(policy)["norms"]
+    for result in layout_runs:
+        torch.testing.assert_close(torch.tensor(result[policy]["norms"]), torch.tensor(expected), atol=1e-5, rtol=0)
 
 
 def test_the_monitor_s_figures_are_the_whole_tensors(layout_runs: list[dict[str, Any]]) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "loss_of",
     "make_decoder",
     "stage_modules",
+    "titan_clip",
 ]
 
 VOCAB = 32
@@ -176,3 +177,22 @@ def stage_modules(model: Decoder, stage: int, stages: int) -> Decoder:
         model.norm = None
         model.output = None
     return model
+
+
+@torch.no_grad()
+def titan_clip(parameters: Any, max_norm: float, pp_mesh: Any = None) -> torch.Tensor:
+    """torchtitan's ``dist_utils.clip_grad_norm_`` (torchtitan/distributed/utils.py), as it calls torch: the total norm
+    of the gradients through ``get_total_norm`` (a DTensor's placement-aware), ``full_tensor()``, the p-th powers
+    summed over the pipeline's stages, then ``clip_grads_with_norm_`` with that one norm."""
+    import torch.distributed as dist
+
+    parameters = list(parameters)
+    total = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None], 2.0)
+    if hasattr(total, "full_tensor"):
+        total = total.full_tensor()
+    if pp_mesh is not None:
+        total **= 2.0
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+        total **= 0.5
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total)
+    return total

@@ -1,6 +1,7 @@
 """The action families, one module each, behind one interface (``ActionKernel``).
 
-- ``clipping``: ``clip_norm`` (tensor or group scope) and ``clip_value``;
+- ``clipping``: ``clip_norm`` (tensor or group scope, a group's norm over a pipeline's stages) and ``clip_value``;
+- ``overflow``: a 2-norm that overflowed while every element is finite (a float64 norm for its clips);
 - ``shaping``: ``scale``, ``zero`` and ``drop``;
 - ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits);
 - ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel);

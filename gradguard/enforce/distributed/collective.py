@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from gradguard.enforce.distributed.local import LocalGradients, RankSlots, host_name
+from gradguard.enforce.distributed.mesh import MeshLayout
 from gradguard.enforce.distributed.placements import ShareBook
 from gradguard.errors import GradGuardError, GuardStateError
 
@@ -100,6 +101,8 @@ class Collective:
         self.shares = ShareBook()
         self.pipeline: Collective | None = None
         """Under pipeline parallel, the collective over the mesh's ``pp``: a group clip's norm is every stage's."""
+        self.mesh: MeshLayout | None = None
+        """Where this rank stands in the job's device mesh, where one was given (``GradGuard(device_mesh=)``)."""
         """Each tensor's share of a sum over the ranks, where some pieces are replicas (``placements``)."""
         """This rank's own gradient before the reduction, as the engine's tap notes it (``distributed.taps``)."""
         self.members: list[int] = []

@@ -51,16 +51,18 @@ def settle(pairs: Iterable[tuple[Any, Any]]) -> None:
                 buckets.setdefault(key, (mesh, []))[1].append(grad.to_local())
     for (_, dim, op), (mesh, locals_) in buckets.items():
         _reduce_together(locals_, mesh.get_group(dim), op, mesh.size(dim))
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
     for param, grad in unsettled:
-        placements = tuple(Replicate() if p.is_partial() else p for p in grad.placements)
-        reduced = DTensor.from_local(
-            grad.to_local(), grad.device_mesh, placements, run_check=False, shape=grad.shape, stride=grad.stride()
-        )
+        # The gradient object itself is changed, not replaced: whoever holds it (a clip that listed the gradients
+        # before calling get_total_norm, which runs the guard's step) sees the reduced values under their placements.
+        spec = grad._spec
+        placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+        grad._spec = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
         if placements != param.placements:  # Replicate -> Shard: the rank's own rows, taken locally
-            reduced = reduced.redistribute(param.device_mesh, param.placements)
-        param.grad = reduced
+            placed = grad.redistribute(param.device_mesh, param.placements)
+            grad._local_tensor, grad._spec = placed._local_tensor, placed._spec
 
 
 def _reduce_together(locals_: list[torch.Tensor], group: Any, op: str, size: int) -> None:

@@ -160,7 +160,15 @@ def tap_local_gradients(model: nn.Module, local: LocalGradients) -> None:
 
     if isinstance(model, DistributedDataParallel):
         _tap_ddp(model, local)
-    elif not _tap_fsdp2(model, local) and local.seen is None and local.unseen is None:
+    elif _tap_fsdp2(model, local) or local.seen is not None or local.unseen is not None:
+        return
+    elif any(hasattr(param, "placements") for param in model.parameters()):  # DTensors without FSDP2: TP alone
+        local.unseen = (
+            "tensor parallel without FSDP2: no reduction reaches a weight gradient's shard, so each rank's own pieces "
+            "are read after backward and a fault in one names its rank; a fault TP's backward collectives carried "
+            "into every rank of the group (an activation gradient's) names every rank of it"
+        )
+    else:
         local.unseen = (
             "the model is neither DDP- nor FSDP2-wrapped, so the guard cannot see each rank's own gradient before "
             "the reduction (a loop that all-reduces by hand); pass the DDP or FSDP2 model to GradGuard"

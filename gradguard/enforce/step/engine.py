@@ -26,6 +26,7 @@ from gradguard.enforce.step.fused_update import FusedUpdate
 from gradguard.enforce.step.known_norms import KnownNorms
 from gradguard.enforce.step.participants import Participants, Parts
 from gradguard.enforce.step.pipeline import StepPipeline
+from gradguard.enforce.step.stages import stages_taking_part
 from gradguard.enforce.step.summary import CounterSummary
 from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.triggers.health import Health
@@ -89,6 +90,7 @@ class Enforcer:
             judge_loss=self.verdicts.loss,
             scaler_skip=self._scaler_step,
             summary=CounterSummary(summary_every, self.emit_summary),
+            stages=stages_taking_part(self.collective, self.verdicts, counters),
         )
         self.participants = Participants(parts)
         """Who takes part in the step besides the gradients' own actions (``participants``)."""

@@ -58,6 +58,8 @@ class Parts:
     scaler_skip: Callable[[StepWork, StepContext], bool]
     """The guard's record of a step its GradScaler found inf in (the scaler skips it itself)."""
     summary: CounterSummary
+    stages: Participant | None = None
+    """Under pipeline parallel, the stages' one verdict (``step.stages``)."""
 
 
 Factory = Callable[[Parts], Participant | None]
@@ -122,7 +124,7 @@ class Participants:
 # every other figure and its final ruling before the loss's, recovery's ``opens`` before any later one (a window
 # declines the step there, and the ``opens`` after it are not asked), the provenance trace last among the device work.
 register("fused_update", lambda parts: parts.fused)
-register("stages", lambda parts: None)  # given by the guard under a pipeline (``step.stages``): its ruling first
+register("stages", lambda parts: parts.stages)  # under a pipeline (``step.stages``): its ruling first
 register("scaler", lambda parts: ScalerFlags(parts.scaler_skip))
 register("micro_batch", lambda parts: None)  # given by the guard in per-micro-batch mode
 register("skip_limits", lambda parts: parts.skip_limits)

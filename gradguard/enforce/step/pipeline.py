@@ -17,7 +17,7 @@ is the book's (``StepBook``), and what a feature adds is a participant's (``part
 
 from __future__ import annotations
 
-from gradguard.enforce.actions.clipping import clear_overflows
+from gradguard.enforce.actions.overflow import clear_overflows
 from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.plans.plan import Plan
 from gradguard.enforce.recovery.decisions import RewindRequested

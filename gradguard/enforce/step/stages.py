@@ -11,7 +11,6 @@ host that found the fault (with recovery: rewinds with it), or skips with it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,7 +30,14 @@ from gradguard.policy.matching import Binding
 if TYPE_CHECKING:
     from gradguard.policy.document import Policy
 
-__all__ = ["STAGES_RULE", "StagesTakingPart", "agree_on_the_mesh", "refuse_in_a_pipeline", "stage_words"]
+__all__ = [
+    "STAGES_RULE",
+    "StagesTakingPart",
+    "agree_on_the_mesh",
+    "refuse_in_a_pipeline",
+    "stage_words",
+    "stages_taking_part",
+]
 
 STAGES_RULE = "pipeline"
 """The counters' and halts' rule name for a verdict another stage made."""
@@ -102,10 +108,10 @@ class StagesTakingPart(Participant):
 
 def agree_on_the_mesh(
     binding: Binding, options: tuple[bool, int, bool], process_group: Any, device_mesh: Any, timeout: float
-) -> tuple[Collective, Callable[[Verdicts, Counters], Participant | None]]:
-    """The attach agreement, over the job's mesh where one is given: the step's collective (a pipeline stage's ranks,
-    or the whole job's) and what makes the stages' participant once the guard's verdicts exist (None: no pipeline).
-    ``options``: ``per_micro_batch``, ``start_step`` and ``reload``, which every rank must share."""
+) -> Collective:
+    """The attach agreement, over the job's mesh where one is given; the step's collective (a pipeline stage's ranks,
+    holding the collective over the stages, or the whole job's). ``options``: ``per_micro_batch``, ``start_step`` and
+    ``reload``, which every rank must share."""
     policy = binding.policy
 
     def mine(stage: str) -> dict[str, str]:
@@ -114,21 +120,29 @@ def agree_on_the_mesh(
     if device_mesh is None:
         collective = Collective(process_group)
         agree_at_attach(collective, mine(""), timeout)
-        return collective, lambda verdicts, counters: None
+        return collective
     if process_group is not None:
         raise ValueError("pass device_mesh or process_group, not both: the mesh names the groups the guard agrees over")
     layout = layout_of(device_mesh)
     job = Collective(None)
     agree_at_attach(job, mine(f"{layout.stage} of {layout.stages}" if layout.pipeline else ""), timeout)
+    job.mesh = layout
     if not layout.pipeline:
-        return job, lambda verdicts, counters: None
+        return job
     refuse_in_a_pipeline(policy)
     stage = Collective(layout.stage_group)
     stage.join(job, layout.stage_ranks[layout.stage])
-    pipeline = Collective(layout.pp_group)
-    pipeline.join(job, layout.pp_ranks)
-    stage.pipeline = pipeline
-    return stage, lambda verdicts, counters: StagesTakingPart(layout, pipeline, stage, verdicts, counters)
+    stage.pipeline = Collective(layout.pp_group)
+    stage.pipeline.join(job, layout.pp_ranks)
+    stage.mesh = layout
+    return stage
+
+
+def stages_taking_part(collective: Collective, verdicts: Verdicts, counters: Counters) -> StagesTakingPart | None:
+    """The pipeline's participant, where ``collective`` is a pipeline stage's (``agree_on_the_mesh``)."""
+    if collective.pipeline is None or collective.mesh is None:
+        return None
+    return StagesTakingPart(collective.mesh, collective.pipeline, collective, verdicts, counters)
 
 
 def refuse_in_a_pipeline(policy: Policy) -> None:

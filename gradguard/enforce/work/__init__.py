@@ -1,6 +1,7 @@
 """What one step works with: its context, the figures it queues for its one read, its outcome, and the tensor maths.
 
-Owns ``step_work`` (``StepContext``, ``StepWork``, ``Pending``: the one host sync, ``StepOutcome``), ``writes``
+Owns ``context`` (``StepContext``: the update a step precedes; ``StepPlan``), ``step_work`` (``StepWork``, ``Pending``:
+the one host sync, ``StepOutcome``), ``writes``
 (``DeferredWrites``: the changes the read showed are needed), ``places`` (``Place``: where a rank's piece of a
 DeepSpeed gradient lies in its parameter, and the weights there), ``skips`` (the skip rules' histories and limits, on
 plain numbers: ``gradguard replay`` keeps them too, without torch), ``tensors`` (batched norms, clip coefficients and

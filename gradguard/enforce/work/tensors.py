@@ -136,7 +136,7 @@ def clip_coefficients(totals: torch.Tensor, max_norm: float) -> torch.Tensor:
 
     A NaN or Inf gradient is left as it is and reported (torch would spread the NaN to every tensor
     of a group clip). A finite gradient whose float32 norm overflowed is clipped after the sync, with
-    its norm taken in float64 (``gradguard.enforce.actions.clipping.clear_overflows``).
+    its norm taken in float64 (``gradguard.enforce.actions.overflow.clear_overflows``).
     """
     coef = torch.clamp(max_norm / (totals + EPS), max=1.0)
     # Norms are never negative, so ``< inf`` is ``isfinite`` (False for NaN and +Inf) in one kernel instead of

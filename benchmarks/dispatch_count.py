@@ -19,8 +19,8 @@ and against real models' (kilobytes to megabytes a tensor) less:
 - ``torch global clip``: ``clip_grad_norm_(params, 1.0, foreach=True)``, no guard: the reference;
 - ``guard: clip + halt``: ``guard.step(opt)`` with ``step_overhead.per_tensor_policy(1.0)`` (every
   parameter ``clip_norm`` 1.0 per tensor, plus ``halt_on_nonfinite``);
-- ``guard: default``: ``guard.step(opt)`` with ``Policy.shipped("default")`` (the same plus a
-  ``monitor`` every 10 steps);
+- ``guard: per-tensor-clip``: ``guard.step(opt)`` with ``Policy.shipped("per-tensor-clip")`` (the same plus a
+  ``monitor`` every 10 steps: 0.2.0's default, the rows performance.md names ``guard: default``);
 - ``guard: mixed``: ``guard.step(opt)`` with ``step_overhead.MIXED_POLICY`` (its five rules: halt, two
   per-tensor clips, a ``clip_value``, a group clip over everything), its patterns renamed for the chain;
 - ``torch: mixed, in policy order``: what the mixed policy says (its halt aside), done with torch's own
@@ -463,7 +463,7 @@ class Treatment:
 TREATMENTS = (
     Treatment("torch global clip", None, "torch clip"),
     Treatment("guard: clip + halt", lambda: per_tensor_policy(MAX_NORM), "guard.step"),
-    Treatment("guard: default", lambda: Policy.shipped("default"), "guard.step"),
+    Treatment("guard: per-tensor-clip", lambda: Policy.shipped("per-tensor-clip"), "guard.step"),
     Treatment("guard: mixed", lambda: chain_mixed_policy(), "guard.step"),
     Treatment("torch: mixed, in policy order", None, "torch mixed"),
     Treatment("guard + loop clip", lambda: per_tensor_policy(MAX_NORM), "loop clip"),

@@ -145,14 +145,9 @@ class Dispatcher:
                 take(run, streak)
             return
         # Another rank may have written these clips: the streak goes on in parts, each all replicas or none.
-        flags = job.clip_replicas(streak, run.rank)
         start = 0
         try:
-            while start < len(streak):
-                replica = flags[start]
-                end = start + 1
-                while end < len(streak) and flags[end] is replica:
-                    end += 1
+            for end, replica in job.clip_replicas(streak, run.rank):
                 part = streak if start == 0 and end == len(streak) else streak[start:end]
                 run.replica = replica
                 for take in self._streak_readers:

@@ -49,6 +49,30 @@ _CLIP_FIELDS: Final = ("rule", "action", "param", "params", "micro_batch")
 
 _fields_by_type: dict[type[Any], tuple[str, ...] | None] = {}
 
+Seen = int | dict[int, int]
+"""The ranks that wrote an event at a step: a bit per rank while each wrote it once (most events), else how many
+times each rank did."""
+
+
+def _seen(at: dict[Hashable, Seen], key: Hashable, rank: int) -> bool:
+    """Note that ``rank`` wrote the event ``key`` (once more) at the step ``at``: whether another rank wrote it as
+    often (then it is a replica)."""
+    seen = at.get(key)
+    bit = 1 << rank
+    if seen is None:
+        at[key] = bit
+        return False
+    if isinstance(seen, int):
+        if not seen & bit:
+            at[key] = seen | bit
+            return True
+        counts = {other: 1 for other in range(seen.bit_length()) if seen >> other & 1}  # a rank wrote it twice
+        at[key] = counts
+    else:
+        counts = seen
+    n = counts[rank] = counts.get(rank, 0) + 1
+    return any(count >= n for other, count in counts.items() if other != rank)
+
 
 def _identity_fields(kind: type[Any]) -> tuple[str, ...] | None:
     found = _fields_by_type.get(kind, ())
@@ -94,8 +118,8 @@ class Job:
         self.counted: dict[tuple[str, str], int] = {}
         """The counts of its events, each distributed event once (``RunState.count`` of an event no other rank
         of the job wrote before it)."""
-        self._window: dict[int, dict[Hashable, dict[int, int]]] = {}
-        """Step -> what an event was about -> how many such events each rank wrote at that step."""
+        self._window: dict[int, dict[Hashable, Seen]] = {}
+        """Step -> what an event was about -> the ranks that wrote such an event at that step (``Seen``)."""
         self._last: dict[int, int] = {}
         """Rank -> the highest step of its events so far."""
         self._held: dict[int, list[tuple[Any, int]]] = {}
@@ -141,6 +165,10 @@ class Job:
         key = identity(event)
         if key is None:
             return False
+        return _seen(self._at(step, rank), key, rank)
+
+    def _at(self, step: int, rank: int) -> dict[Hashable, Seen]:
+        """What the events of ``step`` were about, so far, as ``rank`` reaches it."""
         window = self._window
         at = window.get(step)
         if at is None:
@@ -148,29 +176,23 @@ class Job:
             self._forget(step, rank)
         elif self._last.get(rank, -1) < step:
             self._last[rank] = step
-        seen = at.get(key)
-        if seen is None:
-            at[key] = {rank: 1}
-            return False
-        n = seen[rank] = seen.get(rank, 0) + 1
-        return any(count >= n for other, count in seen.items() if other != rank)
+        return at
 
-    def clip_replicas(self, records: Sequence[Any], rank: int) -> list[bool]:
-        """``replica`` of each one-tensor clip of ``records`` (a streak of one run of ``rank``), in one loop: what each
-        is about is built here as ``identity`` builds it (``_CLIP_FIELDS``), without looking its fields up."""
-        window, last = self._window, self._last
-        out: list[bool] = []
-        flag = out.append
+    def clip_replicas(self, records: Sequence[Any], rank: int) -> list[tuple[int, bool]]:
+        """``replica`` of each one-tensor clip of ``records`` (a streak of one run of ``rank``), in one loop, as parts:
+        (where a part ends, whether its clips are replicas). What a clip is about is built here as ``identity``
+        builds it (``_CLIP_FIELDS``), and the step's events are looked up once per step, not per clip."""
+        parts: list[tuple[int, bool]] = []
         clip = ev.Intervention
-        for record in records:
+        bit = 1 << rank
+        step_now = None
+        at: dict[Hashable, Seen] = {}
+        before = False
+        for index, record in enumerate(records):
             event = record.event
             step = event.step
-            at = window.get(step)
-            if at is None:
-                at = window[step] = {}
-                self._forget(step, rank)
-            elif last.get(rank, -1) < step:
-                last[rank] = step
+            if step != step_now:
+                at, step_now = self._at(step, rank), step
             params = event.params
             key = (
                 clip,
@@ -182,17 +204,19 @@ class Job:
             )
             seen = at.get(key)
             if seen is None:
-                at[key] = {rank: 1}
-                flag(False)
-                continue
-            n = seen[rank] = seen.get(rank, 0) + 1
-            replica = False
-            for other, count in seen.items():
-                if count >= n and other != rank:
-                    replica = True
-                    break
-            flag(replica)
-        return out
+                at[key] = bit
+                replica = False
+            elif type(seen) is int and not seen & bit:
+                at[key] = seen | bit  # its first on this rank, another rank's before it: a replica
+                replica = True
+            else:
+                replica = _seen(at, key, rank)
+            if replica is not before and index:
+                parts.append((index, before))
+            before = replica
+        if records:
+            parts.append((len(records), before))
+        return parts
 
     def _forget(self, step: int, rank: int) -> None:
         """A new step entered the window: drop the steps every rank has gone past, and the oldest past the cap."""

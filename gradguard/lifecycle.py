@@ -383,6 +383,13 @@ def deepspeed_parts(model: nn.Module | Sequence[nn.Module]) -> tuple[Any | None,
     if not isinstance(model, nn.Module):
         return None, ModelParts(model)
     engine = deepspeed_engine(model)
+    if engine is not None and type(engine).__name__ == "PipelineEngine":
+        raise GuardStateError(
+            "DeepSpeed's pipeline engine (PipelineEngine) is not built: its stages reduce, clip and step inside "
+            "train_batch() where the guard cannot give them one verdict. What is built: DeepSpeed ZeRO 0-3 engines, "
+            "and pipelines of torch.distributed.pipelining with GradGuard(stage, policy, device_mesh=mesh) "
+            "(docs/distributed.md)."
+        )
     return (engine, engine.module) if engine is not None else (None, model)
 
 

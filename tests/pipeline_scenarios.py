@@ -14,8 +14,9 @@ from typing import Any
 
 import parallel_scenarios
 import torch
+import torch.distributed as dist
 from support.gloo_ranks import main
-from support.parallel_models import batch, loss_of, make_decoder, stage_modules
+from support.parallel_models import batch, loss_of, make_decoder, stage_modules, titan_clip
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
@@ -23,14 +24,15 @@ from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
 STEPS = 3
 LR = 0.5
 BAD_STEP = 1
-POLICIES = ["per_tensor_clip", "group_clip", "monitor", "agc", "clip_value", "default"]
+POLICIES = ["per_tensor_clip", "group_clip", "monitor", "agc", "clip_value", "default", *parallel_scenarios.LOOP_CLIPS]
 
 SKIP = {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]}]}
-REWIND = {
-    "version": 1,
-    "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}],
-    "recovery": {"snapshot_every": 2, "min_age": 1, "skip_steps": 1},
-}
+HALT = {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
+REWIND = {**HALT, "recovery": {"snapshot_every": 2, "min_age": 1, "skip_steps": 1}}
+TWIN_STEPS, TWIN_FAULT = 8, 5
+TWIN_BATCHES = [0, 1, 2, 3, 7]
+"""With a snapshot every 2 steps, min_age 1 and skip_steps 1, a NaN at step 5 rewinds to the snapshot of step 4 and
+skips step 6: the batches of 4, 5 and 6 are never learned from."""
 
 
 class Stage:
@@ -76,14 +78,17 @@ class Stage:
 def train(layout: str, rank: int, world: int, outdir: Path, policy: str, schedule: str) -> dict[str, Any]:
     stage = Stage(layout, rank, world, schedule)
     log = outdir / f"{policy}-rank{rank}.jsonl"
-    with GradGuard(
-        stage.module, parallel_scenarios.policy_of(policy), audit_log=log, logger=None, device_mesh=stage.mesh
-    ):
+    norms = []
+    guarded = parallel_scenarios.policy_of(policy)
+    with GradGuard(stage.module, guarded, audit_log=log, logger=None, device_mesh=stage.mesh):
         for step in range(STEPS):
             stage.run(step)
+            if policy in parallel_scenarios.LOOP_CLIPS:  # torchtitan's clip over every stage (its pp_mesh)
+                clip = parallel_scenarios.LOOP_CLIPS[policy]
+                norms.append(float(titan_clip(stage.module.parameters(), clip, pp_mesh=stage.mesh["pp"])))
             stage.opt.step()
     weights = {name: value.reshape(-1).tolist() for name, value in stage.weights().items()}
-    return {"final": weights, "stats": parallel_scenarios.stats_of(log)}
+    return {"final": weights, "stats": parallel_scenarios.stats_of(log), "norms": norms}
 
 
 def fault(rank: int, world: int, policy: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
@@ -117,6 +122,26 @@ def fault(rank: int, world: int, policy: dict[str, Any], steps: int = STEPS) -> 
     return out
 
 
+def rewind_and_twin(rank: int, world: int) -> dict[str, Any]:
+    """The rewind (a NaN on stage 1 at ``TWIN_FAULT``), and the twin that trains only ``TWIN_BATCHES``: each stage's
+    weights after both, bit for bit."""
+    out: dict[str, Any] = {}
+    for name, policy, steps in (("rewound", REWIND, range(TWIN_STEPS)), ("twin", HALT, TWIN_BATCHES)):
+        stage = Stage("twin", rank, world)
+        with GradGuard(stage.module, Policy.from_dict(policy), logger=None, device_mesh=stage.mesh) as guard:
+            for step in steps:
+                stage.run(step)
+                if step == TWIN_FAULT and stage.index == 1 and name == "rewound":
+                    grad = stage.module.layers["1"].feed_forward.up.weight.grad
+                    parallel_scenarios.local(grad).view(-1)[0] = float("nan")
+                stage.opt.step()
+            out[name] = {
+                "weights": {key: value.reshape(-1).tolist() for key, value in stage.weights().items()},
+                "counters": guard.counters.snapshot(),
+            }
+    return out
+
+
 def refused_without_a_mesh(rank: int) -> dict[str, Any]:
     module = stage_modules(make_decoder(), rank, 2)
     try:
@@ -124,6 +149,50 @@ def refused_without_a_mesh(rank: int) -> dict[str, Any]:
     except GuardStateError as error:
         return {"error": str(error)}
     return {"error": None}
+
+
+def refusals(rank: int) -> dict[str, Any]:
+    """Every layout that is not built, attached as a user would: the error each rank gets (None: attached)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def attempt(module: nn.Module, policy: dict[str, Any] | str, **options: Any) -> str | None:
+        chosen = Policy.shipped(policy) if isinstance(policy, str) else Policy.from_dict(policy)
+        try:
+            GradGuard(module, chosen, logger=None, attach_timeout=20, **options).remove()
+        except (GuardStateError, ValueError) as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    pp = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    stage = stage_modules(make_decoder(), rank, 2)
+    group_monitor = {
+        "version": 1,
+        "rules": [{"name": "m", "match": "*", "actions": [{"action": "monitor", "scope": "group"}]}],
+    }
+    return {
+        name: attempt(module, policy, **options)
+        for name, (module, policy, options) in {
+            "context_parallel": (
+                make_decoder(),
+                "default",
+                {"device_mesh": init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))},
+            ),
+            "expert_parallel": (
+                make_decoder(),
+                "default",
+                {"device_mesh": init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))},
+            ),
+            "unknown_dimension": (
+                make_decoder(),
+                "default",
+                {"device_mesh": init_device_mesh("cpu", (2,), mesh_dim_names=("rows",))},
+            ),
+            "mesh_and_group": (stage, "default", {"device_mesh": pp, "process_group": dist.group.WORLD}),
+            "loss_in_a_pipeline": (stage, {**REWIND, "loss": {"spike": {"factor": 10}}}, {"device_mesh": pp}),
+            "group_monitor_in_a_pipeline": (stage, group_monitor, {"device_mesh": pp}),
+            "pipeline_with_its_mesh": (stage, "default", {"device_mesh": pp}),
+        }.items()
+    }
 
 
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
@@ -139,6 +208,10 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         }
     if name == "pp_without_mesh":
         return refused_without_a_mesh(rank)
+    if name == "refusals":
+        return refusals(rank)
+    if name == "pp_rewind_twin":
+        return rewind_and_twin(rank, world)
     raise ValueError(name)
 
 

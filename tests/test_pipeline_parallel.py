@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from parallel_scenarios import LOOP_CLIPS
 from support.gloo_ranks import free_port
 from test_tensor_parallel import assert_stats_close, assert_weights_close, reference, torch_clipped
 
@@ -85,6 +86,17 @@ def test_the_clips_match_torch_s_own_clip_grad_norm_over_the_whole_model(
         assert_weights_close(model, expected)
 
 
+@pytest.mark.parametrize("policy", list(LOOP_CLIPS))
+def test_torchtitan_s_clip_over_the_stages_after_the_guard_sees_the_norm_one_process_sees(
+    pipeline_runs: list[dict[str, Any]], policy: str
+) -> None:
+    """torchtitan's clip_grad_norm_ with its pp_mesh, after the guard's step on each stage, returns on every stage the
+    norm one process's clip returns after the same policy."""
+    expected = torch.tensor(reference(policy)["norms"])
+    for result in pipeline_runs:
+        torch.testing.assert_close(torch.tensor(result[policy]["norms"]), expected, atol=1e-5, rtol=0)
+
+
 def test_each_stage_s_monitor_gives_the_whole_tensors_figures(pipeline_runs: list[dict[str, Any]]) -> None:
     assert_stats_close(merged_stats(pipeline_runs, "monitor"), reference("monitor")["stats"])
 
@@ -92,7 +104,7 @@ def test_each_stage_s_monitor_gives_the_whole_tensors_figures(pipeline_runs: lis
 @pytest.fixture(scope="module")
 def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outdir = tmp_path_factory.mktemp("pp_faults")
-    launch(["pp_faults", "pp_without_mesh"], 2, outdir)
+    launch(["pp_faults", "pp_without_mesh", "refusals", "pp_rewind_twin"], 2, outdir)
     return outdir
 
 
@@ -128,7 +140,52 @@ def test_a_rewind_under_a_pipeline_rewinds_every_stage_together(fault_runs: Path
     assert first["changed"] == second["changed"]
 
 
+def test_a_rewind_under_a_pipeline_ends_bitwise_equal_to_the_twin_that_never_trained_the_undone_batches(
+    fault_runs: Path,
+) -> None:
+    """A NaN on stage 1 rewinds both stages to the same snapshot; each stage's weights at the end equal, bit for bit,
+    those of the pipeline that trained only the batches the rewind kept."""
+    for result in results(fault_runs, "pp_rewind_twin", 2):
+        assert result["rewound"]["weights"] == result["twin"]["weights"]
+        assert sum(counts.get("rewind", 0) for counts in result["rewound"]["counters"].values()) == 1
+
+
 def test_a_stage_attached_without_a_mesh_is_refused_naming_the_pipeline_and_device_mesh(fault_runs: Path) -> None:
     for result in results(fault_runs, "pp_without_mesh", 2):
         assert "if this is a pipeline" in result["error"]
         assert "device_mesh=mesh" in result["error"]
+
+
+REFUSED = {
+    "context_parallel": "GuardStateError: device_mesh has a dimension 'cp' of size 2: context parallel",
+    "expert_parallel": "GuardStateError: device_mesh has a dimension 'ep' of size 2: expert parallel",
+    "unknown_dimension": "GuardStateError: device_mesh has a dimension 'rows' the guard does not know",
+    "mesh_and_group": "ValueError: pass device_mesh or process_group, not both",
+    "loss_in_a_pipeline": "GuardStateError: the policy's 'loss' section cannot be used across pipeline stages",
+    "group_monitor_in_a_pipeline": "GuardStateError: rule 'm': monitor with scope 'group' across pipeline stages",
+}
+
+
+@pytest.mark.parametrize("layout", list(REFUSED))
+def test_a_layout_that_is_not_built_is_refused_at_attach_saying_why_and_what_works(
+    fault_runs: Path, layout: str
+) -> None:
+    """Context and expert parallel, unknown mesh dimensions, a mesh beside a process group, the loss section and
+    group figures other than a clip's across stages: refused on every rank, never silently wrong."""
+    for result in results(fault_runs, "refusals", 2):
+        error = result[layout]
+        assert error is not None
+        assert error.startswith(REFUSED[layout]), error
+        assert any(fix in error for fix in ("docs/distributed.md", "not both", "Remove it", "Use scope")), error
+    for result in results(fault_runs, "refusals", 2):
+        assert result["pipeline_with_its_mesh"] is None
+
+
+def test_deepspeed_s_pipeline_engine_is_refused_naming_what_is_built() -> None:
+    """DeepSpeed's PipelineEngine (its stages step inside train_batch()) is refused before anything is attached."""
+    engine_module = pytest.importorskip("deepspeed.runtime.pipe.engine")
+    engine = engine_module.PipelineEngine.__new__(engine_module.PipelineEngine)
+    from gradguard import GradGuard, GuardStateError, Policy
+
+    with pytest.raises(GuardStateError, match=r"PipelineEngine\) is not built.*device_mesh=mesh"):
+        GradGuard(engine, Policy.shipped("default"), logger=None)

@@ -77,7 +77,7 @@ def layout_of(mesh: Any) -> MeshLayout:
         if name not in KNOWN and name not in REFUSED:
             raise GuardStateError(
                 f"device_mesh has a dimension {name!r} the guard does not know ({', '.join(names)}): name the "
-                "dimensions as torchtitan does (pp, dp_replicate, dp_shard, cp, tp)."
+                "dimensions as torchtitan does (pp, dp_replicate, dp_shard, cp, tp; docs/distributed.md)."
             )
     ranks = mesh.mesh
     world = dist.get_world_size()

@@ -18,6 +18,7 @@ EXAMPLES = {
     "fsdp2": documented_example("docs/distributed.md", "fsdp2"),
     "deepspeed": documented_example("docs/distributed.md", "deepspeed"),
     "which-rank": documented_example("docs/distributed.md", "which-rank"),
+    "pipeline": documented_example("docs/distributed.md", "pipeline"),
 }
 
 
@@ -73,3 +74,21 @@ def test_the_which_rank_example_names_the_rank_that_made_the_nan_on_both_ranks(t
     for rank in (0, 1):
         expected = f"rank {rank}: halted at step 5 in ['2.weight'], made on {{1: {host!r}}}"
         assert expected in done.stdout, done.stdout
+
+
+def test_the_pipeline_example_halts_both_stages_at_the_step_of_the_nan(tmp_path: Path) -> None:
+    """torchrun --nproc_per_node 2 on the page's pipeline: a NaN in the last stage's gradient halts both stages at step
+    3, each naming rank 1 (and its host) as the one that made it."""
+    script = tmp_path / "pipeline_example.py"
+    script.write_text(EXAMPLES["pipeline"], encoding="utf-8")
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"),
+        str(script),
+    ]
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    host = socket.gethostname()
+    for rank in (0, 1):
+        assert f"rank {rank}: halted at step 3, made on {{1: '{host}'}}" in done.stdout, done.stdout

@@ -63,6 +63,7 @@ DEDICATED_EXAMPLES: dict[str, str] = {
     "hf-trainer": "tests/test_integration_transformers.py",
     "lightning": "tests/test_integration_lightning.py",
     "metrics": "tests/test_live_metrics.py",
+    "pipeline": "tests/test_docs_distributed_examples.py",
     "timm": "tests/test_recovery_schedulers.py",
     "which-rank": "tests/test_docs_distributed_examples.py",
 }

@@ -4,6 +4,7 @@
     python benchmarks/host_time.py --quick    # a few rounds (the smoke test)
     python benchmarks/host_time.py --check    # exit 1 if over 1.03x (the MLP: 1.10x) or over the budget
     python benchmarks/host_time.py --phases   # where the time goes: forward, backward, the loop's clip, the update
+    python benchmarks/host_time.py --toggle   # the default provenance's own share, its hooks on and off by turns
 
 The model is nanoGPT's ``GPT`` (Karpathy's ``model.py``: token and position embeddings, pre-norm blocks of
 causal self-attention and a GELU MLP, dropout modules, a head tied to the token embedding) at the smallest shape
@@ -276,7 +277,10 @@ TREATMENTS: dict[str, tuple[str, Callable[[nn.Module], GradGuard | None]]] = {
     "default": ("gpt", _default),
     "default, provenance=None": ("gpt", _untraced),
     "MLP: none": ("mlp", _unguarded),
+    "per-tensor-clip (0.2.0's default)": ("gpt", _per_tensor_clip),
     "MLP: default": ("mlp", _default),
+    "MLP: default, provenance=None": ("mlp", _untraced),
+    "MLP: per-tensor-clip": ("mlp", _per_tensor_clip),
 }
 BASELINE = {"gpt": "none", "mlp": "MLP: none"}
 """Each loop's unguarded treatment: the one its ratios and counts are taken over."""
@@ -375,6 +379,38 @@ def measure(rounds: int, steps: int, seed: int = 0) -> Result:
         for run in runs.values():
             run.stop()
     return Result(ratios)
+
+
+def toggled(loop: str, rounds: int = 80, steps: int = 10, seed: int = 0) -> dict[str, float]:
+    """The default provenance's own share on one guard (the shipped default): its replay hooks on, off, and off again
+    (the A/A control) by turns, in shuffled rounds of ``steps`` steps; each arm's median over rounds of its round's
+    median thread CPU time per step, over ``off``'s in the same round (the same model, memory and guard in every
+    arm: only the hooks differ)."""
+    run = Run(loop, _default, loop)
+    run.start()
+    try:
+        for _ in range(30):
+            run.step()
+        provenance = run.guard._enforcer.provenance if run.guard is not None else None
+        replay = provenance._replay if provenance is not None else None
+        assert replay is not None, "the default does not replay this model"
+        times: dict[str, list[float]] = {"on": [], "off": [], "off-2": []}
+        shuffle = random.Random(seed)
+        for _ in range(rounds):
+            order = list(times)
+            shuffle.shuffle(order)
+            for arm in order:
+                replay.arm() if arm == "on" else replay.disarm()
+                run.step()  # the arm's first step: the step the hooks were switched in
+                spent = []
+                for _ in range(steps):
+                    start = time.thread_time()
+                    run.step()
+                    spent.append(time.thread_time() - start)
+                times[arm].append(statistics.median(spent))
+    finally:
+        run.stop()
+    return {arm: statistics.median(a / b for a, b in zip(times[arm], times["off"], strict=True)) for arm in times}
 
 
 PHASES = ("forward", "backward", "clip", "update")
@@ -511,10 +547,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
     parser.add_argument("--check", action="store_true", help=f"exit 1 if the default guard is over {TARGET}x")
     parser.add_argument("--phases", action="store_true", help="the nanoGPT loop's phases timed apart, per treatment")
+    parser.add_argument("--ratios-only", action="store_true", help="the times only (the counts are deterministic)")
+    parser.add_argument("--toggle", action="store_true", help="the default provenance's share, toggled (``toggled``)")
     args = parser.parse_args(argv)
     rounds, steps = (3, 5) if args.quick else (args.rounds, args.steps)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    if args.toggle:
+        try:
+            shares = {tree: toggled(loop, 2 if args.quick else 80) for tree, loop in TREES.items()}
+        finally:
+            torch.set_num_threads(threads)
+        print("the default provenance's replay hooks on/off on one guard, thread CPU time per step over off:")
+        for tree, share in shares.items():
+            print(f"{tree}: on {share['on']:.3f}, off again (A/A) {share['off-2']:.3f}")
+        return 0
     if args.phases:
         try:
             medians = phase_times(rounds, steps)
@@ -524,8 +571,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(phase_report(medians))
         return 0
     try:
-        counted = {name: budget_counts(2, loop, attach) for name, (loop, attach) in TREATMENTS.items()}
-        budget, within = budget_table()
+        counted, budget, within = {}, "", True
+        if not args.ratios_only:
+            counted = {name: budget_counts(2, loop, attach) for name, (loop, attach) in TREATMENTS.items()}
+            budget, within = budget_table()
         result = measure(rounds, steps)
     finally:
         torch.set_num_threads(threads)
@@ -534,14 +583,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"MLP 2 x Linear(64, 64), batch 32, {ACCUMULATION} micro-batches a step; counts: a mean of {COUNT_STEPS} steps"
     )
     print(report(result, counted))
+    for loop, name in (("nanoGPT", "per-tensor-clip (0.2.0's default)"), ("the MLP", "MLP: per-tensor-clip")):
+        print(f"{loop} under 0.2.0's default policy (the budget's): {result.median(name):.3f}x")
     ok = result.median("default") <= TARGET
     print(f"target: the shipped default <= {TARGET}x: {'PASS' if ok else 'FAIL'} ({result.median('default'):.3f}x)")
     mlp = result.median("MLP: default")
     mlp_ok = mlp <= MLP_TARGET
     print(f"target: the MLP loop's shipped default <= {MLP_TARGET}x: {'PASS' if mlp_ok else 'FAIL'} ({mlp:.3f}x)")
-    print(f"counts per step over each unguarded loop (budget +{BUDGET_OPS} ops, +{BUDGET_CALLS} calls):")
-    print(budget)
-    print(f"budget on every tree, and no more at 4x the layers: {'PASS' if within else 'FAIL'}")
+    if budget:
+        print(f"counts per step over each unguarded loop (budget +{BUDGET_OPS} ops, +{BUDGET_CALLS} calls):")
+        print(budget)
+        print(f"budget on every tree, and no more at 4x the layers: {'PASS' if within else 'FAIL'}")
     return 1 if args.check and not (ok and mlp_ok and within) else 0
 
 

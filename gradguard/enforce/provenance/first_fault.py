@@ -38,6 +38,7 @@ class FirstFault:
     _fwd: list[torch.Tensor]
     _fwd_meta: ForwardMeta
     _replay: Replay | None
+    _replaying: bool
     unreplayable: str | None
     """Why the default traces every forward of this model instead of replaying a faulting step (None: it replays)."""
 
@@ -101,9 +102,11 @@ class FirstFault:
         self._reset()
         replay.disarm()
         self._arm_light()
+        self._replaying = True
         try:
             found, why = replay.run(forwards)
         finally:
+            self._replaying = False
             self._disarm_light()
             self._tracing, self._quick, self._held = saved
             fwd, meta = self._fwd, self._fwd_meta

@@ -92,6 +92,8 @@ class LightTrace:
     _tracing: Any
     """``Tracing``: how it records (the benchmark's arms vary it)."""
     _quick: bool
+    _replaying: bool
+    """A faulting step's forwards are replayed now (under no_grad: the replay keeps no graph): the hooks record."""
     """The hook may reduce a ``HeldOutputs.reduced`` module's output itself: ``_tracing`` sums outputs, holds the small
     ones and puts no tensor hooks (``LIGHT``)."""
 
@@ -102,7 +104,7 @@ class LightTrace:
                     break
             else:
                 return  # token ids, or nothing: no floating-point batch to record (without a call)
-        if recording(self._fwd) is not None:
+        if self._replaying or recording(self._fwd) is not None:
             for tensor in tensors((args, kwargs)):  # a batch given by keyword too (``model(input_ids=...)``)
                 self._fwd.append(self._tracing.reduce(tensor))
                 self._fwd_meta.append((0, DATA))
@@ -110,10 +112,10 @@ class LightTrace:
     def _light_forward(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
         # ``recording``, inlined (this runs for every hooked module at every forward, where a small model's step is
         # host-bound): not under no_grad, nor in a checkpoint's recomputation in backward, nor past the cap.
-        if not _grad_enabled() or len(self._fwd) >= MAX_ENTRIES:
+        if (not _grad_enabled() and not self._replaying) or len(self._fwd) >= MAX_ENTRIES:
             return
         compiling = _dynamo_compiling() or _compiler._is_compiling_flag
-        if not compiling and _graph_task() != -1:
+        if not compiling and _graph_task() != -1 and not self._replaying:
             return
         held = self._held
         if index and not compiling and type(output) is _TENSOR and output.is_floating_point():

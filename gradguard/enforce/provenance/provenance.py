@@ -125,10 +125,10 @@ class Provenance(LightTrace, FirstFault, Participant):
         self._light_handles: list[RemovableHandle] = []
         self._light_levels: tuple[int, int] | None = None
         self._armed_until: int | None = None
-        self._replay: Replay | None = None
+        self._replaying = False
         self.unreplayable = unreplayable(model) if mode == "first_fault" and tracing.replay else None
-        if mode == "first_fault" and tracing.replay and self.unreplayable is None:
-            self._replay = Replay(model)
+        replays = mode == "first_fault" and tracing.replay and self.unreplayable is None
+        self._replay: Replay | None = Replay(model) if replays else None
         self._reset()
         if mode == "always":
             self._arm_modules()

@@ -170,7 +170,7 @@ class Replay:
         found: set[str] = set()
         self.active = True
         try:
-            with torch.enable_grad():  # the trace records where gradients are on, as the step's own forward ran
+            with torch.no_grad():  # no graph kept: a replay's memory is one module's activations, not the forward's
                 for args, kwargs, _, cpu, cuda_states, held in forwards:
                     _set_states(cpu, cuda_states)
                     found.add(agreement(held, outputs(called(*args, **kwargs))))

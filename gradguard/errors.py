@@ -234,6 +234,8 @@ def origin_sentence(origin: Mapping[str, Any]) -> str:
     if origin.get("after_reduction") and phase != "received":
         text += f" Made after the reduction, on rank {origin.get('rank')}: the other ranks' reduced gradients stayed "
         text += "finite."
+    if origin.get("unseen"):
+        text += f" Whether this rank made it cannot be told: {origin['unseen']}."
     return text
 
 

@@ -18,6 +18,7 @@ a quiet guarded run stays bitwise the unguarded one (``tests/test_which_rank.py`
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradguard.enforce.distributed.local import LocalGradients
+from gradguard.errors import GuardWarning
 
 __all__ = ["tap_local_gradients"]
 
@@ -171,5 +173,11 @@ def tap_local_gradients(model: nn.Module, local: LocalGradients) -> None:
     else:
         local.unseen = (
             "the model is neither DDP- nor FSDP2-wrapped, so the guard cannot see each rank's own gradient before "
-            "the reduction (a loop that all-reduces by hand); pass the DDP or FSDP2 model to GradGuard"
+            "the reduction (a loop that all-reduces by hand, or the module inside a DDP wrapper: nanoGPT's raw_model, "
+            "a LightningModule); pass the DDP or FSDP2 model to GradGuard"
+        )
+        warnings.warn(
+            f"gradguard: {local.unseen}, so no fault can be named with the rank that made it.",
+            GuardWarning,
+            stacklevel=4,
         )

@@ -163,6 +163,9 @@ class RanksTakingPart(Participant):
             outcome.origin = received_origin(collective.rank, outcome.ranks, kind, after)
         elif after and outcome.origin is not None:  # this rank made it: its own account, said to be after the reduction
             outcome.origin = outcome.origin | {"after_reduction": True, "rank": collective.rank}
+        elif outcome.nonfinite and not outcome.ranks and outcome.origin is not None and collective.local.unseen:
+            # No rank's own gradient was seen: this rank's account is of the reduced gradient, which may be another's.
+            outcome.origin = outcome.origin | {"unseen": collective.local.unseen}
         self._outliers = self._find_outliers(work) if outcome.rank_norms is not None else {}
         self._diverged = None
         if self._checked is not None:
@@ -190,8 +193,8 @@ class RanksTakingPart(Participant):
             return {}
         self._outlier_words = (
             "; ".join(
-                f"rank {rank}'s own gradient norm {norms[rank]:.4g} is {norms[rank] / references[rank]:.3g} x the other "
-                f"ranks' median {references[rank]:.4g}"
+                f"rank {rank}'s own gradient norm {norms[rank]:.4g} is {norms[rank] / references[rank]:.3g} x the "
+                f"other ranks' median {references[rank]:.4g}"
                 for rank in far
             )
             + f" (outlier_factor {ranks.outlier_factor:g}; norms by rank: {_norms_words(norms)})"

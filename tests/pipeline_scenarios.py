@@ -40,7 +40,7 @@ class Stage:
 
     def __init__(self, layout: str, rank: int, world: int, schedule: str = "gpipe") -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         dp = world // 2
         self.mesh = (
@@ -51,6 +51,18 @@ class Stage:
         self.index = self.mesh["pp"].get_local_rank()
         self.dp_rank = self.mesh["dp_shard"].get_local_rank() if dp > 1 else 0
         self.dp = dp
+        if schedule == "interleaved":  # a 4-layer decoder in 4 stages, 2 a rank (torchtitan's model_parts)
+            group = self.mesh["pp"].get_group()
+            self.parts = [stage_modules(make_decoder(layers=4), s, 4) for s in (self.index, self.index + 2)]
+            stages = [
+                PipelineStage(p, s, 4, torch.device("cpu"), group=group)
+                for p, s in zip(self.parts, (self.index, self.index + 2), strict=True)
+            ]
+            self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=2, loss_fn=loss_of)
+            self.module = self.parts[0]
+            self.opt = torch.optim.SGD([p for part in self.parts for p in part.parameters()], lr=LR)
+            return
+        self.parts = []
         self.module: nn.Module = stage_modules(make_decoder(), self.index, 2)
         if dp > 1:
             from torch.distributed.fsdp import fully_shard
@@ -71,8 +83,17 @@ class Stage:
         else:
             self.schedule.step(target=targets[rows])
 
+    @property
+    def guarded(self) -> nn.Module | list[nn.Module]:
+        """What the guard is given: the stage, or the rank's parts (interleaved)."""
+        return self.parts or self.module
+
     def weights(self) -> dict[str, torch.Tensor]:
-        return {name: parallel_scenarios.full(p).detach().clone() for name, p in self.module.named_parameters()}
+        named = [item for part in self.parts or [self.module] for item in part.named_parameters()]
+        return {name: parallel_scenarios.full(p).detach().clone() for name, p in named}
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for part in self.parts or [self.module] for p in part.parameters()]
 
 
 def train(layout: str, rank: int, world: int, outdir: Path, policy: str, schedule: str) -> dict[str, Any]:
@@ -80,12 +101,12 @@ def train(layout: str, rank: int, world: int, outdir: Path, policy: str, schedul
     log = outdir / f"{policy}-rank{rank}.jsonl"
     norms = []
     guarded = parallel_scenarios.policy_of(policy)
-    with GradGuard(stage.module, guarded, audit_log=log, logger=None, device_mesh=stage.mesh):
+    with GradGuard(stage.guarded, guarded, audit_log=log, logger=None, device_mesh=stage.mesh):
         for step in range(STEPS):
             stage.run(step)
             if policy in parallel_scenarios.LOOP_CLIPS:  # torchtitan's clip over every stage (its pp_mesh)
                 clip = parallel_scenarios.LOOP_CLIPS[policy]
-                norms.append(float(titan_clip(stage.module.parameters(), clip, pp_mesh=stage.mesh["pp"])))
+                norms.append(float(titan_clip(stage.parameters(), clip, pp_mesh=stage.mesh["pp"])))
             stage.opt.step()
     weights = {name: value.reshape(-1).tolist() for name, value in stage.weights().items()}
     return {"final": weights, "stats": parallel_scenarios.stats_of(log), "norms": norms}
@@ -196,9 +217,10 @@ def refusals(rank: int) -> dict[str, Any]:
 
 
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
-    if name in ("pp_gpipe", "pp_1f1b", "pp_dp"):
-        schedule = "1f1b" if name == "pp_1f1b" else "gpipe"
-        return {policy: train(name, rank, world, outdir, policy, schedule) for policy in POLICIES}
+    if name in ("pp_gpipe", "pp_1f1b", "pp_dp", "pp_interleaved"):
+        schedule = {"pp_1f1b": "1f1b", "pp_interleaved": "interleaved"}.get(name, "gpipe")
+        runs: dict[str, Any] = {policy: train(name, rank, world, outdir, policy, schedule) for policy in POLICIES}
+        return runs | {"layers": 4 if schedule == "interleaved" else 2}
     if name == "pp_faults":
         halt_policy = {"version": 1, "rules": REWIND["rules"]}
         return {

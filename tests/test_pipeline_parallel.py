@@ -56,7 +56,8 @@ def merged_stats(ranks: list[dict[str, Any]], policy: str) -> list[dict[str, Any
     return merged
 
 
-LAYOUTS = [("pp_gpipe", 2), ("pp_1f1b", 2), ("pp_dp", 4)]
+LAYOUTS = [("pp_gpipe", 2), ("pp_1f1b", 2), ("pp_interleaved", 2), ("pp_dp", 4)]
+"""``pp_interleaved``: a 4-layer decoder in 4 stages, two a rank (torchtitan's ``model_parts``: one guarded model)."""
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=[name for name, _ in LAYOUTS])
@@ -72,7 +73,7 @@ def test_the_stages_together_end_with_the_weights_one_process_would_have(
     pipeline_runs: list[dict[str, Any]], policy: str
 ) -> None:
     """Per-tensor and group clips (a group clip's norm over every stage), agc, clip_value and the shipped default."""
-    expected = reference(policy)["final"]
+    expected = reference(policy, pipeline_runs[0]["layers"])["final"]
     for model in whole_model(pipeline_runs, policy):
         assert_weights_close(model, expected)
 
@@ -81,7 +82,7 @@ def test_the_stages_together_end_with_the_weights_one_process_would_have(
 def test_the_clips_match_torch_s_own_clip_grad_norm_over_the_whole_model(
     pipeline_runs: list[dict[str, Any]], group: bool
 ) -> None:
-    expected = torch_clipped(group)
+    expected = torch_clipped(group, pipeline_runs[0]["layers"])
     for model in whole_model(pipeline_runs, "group_clip" if group else "per_tensor_clip"):
         assert_weights_close(model, expected)
 
@@ -92,13 +93,15 @@ def test_torchtitan_s_clip_over_the_stages_after_the_guard_sees_the_norm_one_pro
 ) -> None:
     """torchtitan's clip_grad_norm_ with its pp_mesh, after the guard's step on each stage, returns on every stage the
     norm one process's clip returns after the same policy."""
-    expected = torch.tensor(reference(policy)["norms"])
+    expected = torch.tensor(reference(policy, pipeline_runs[0]["layers"])["norms"])
     for result in pipeline_runs:
         torch.testing.assert_close(torch.tensor(result[policy]["norms"]), expected, atol=1e-5, rtol=0)
 
 
 def test_each_stage_s_monitor_gives_the_whole_tensors_figures(pipeline_runs: list[dict[str, Any]]) -> None:
-    assert_stats_close(merged_stats(pipeline_runs, "monitor"), reference("monitor")["stats"])
+    assert_stats_close(
+        merged_stats(pipeline_runs, "monitor"), reference("monitor", pipeline_runs[0]["layers"])["stats"]
+    )
 
 
 @pytest.fixture(scope="module")

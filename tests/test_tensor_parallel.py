@@ -36,19 +36,19 @@ def launch(name: str, world: int, outdir: Path, timeout: float = 400) -> list[di
     return [json.loads((outdir / name / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-def reference(policy: str) -> dict[str, Any]:
-    """The decoder in one process on the full batch, guarded by the same policy."""
+def reference(policy: str, layers: int = 2) -> dict[str, Any]:
+    """The decoder (of ``layers`` blocks) in one process on the full batch, guarded by the same policy."""
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"gradguard-tp-reference-{os.getpid()}-{policy}.jsonl"
     log.unlink(missing_ok=True)
-    result = scenarios.train(make_decoder(), policy, log)
+    result = scenarios.train(make_decoder(layers=layers), policy, log)
     stats = scenarios.stats_of(log)
     log.unlink()
     return result | {"stats": stats}
 
 
-def torch_clipped(group: bool) -> dict[str, list[float]]:
+def torch_clipped(group: bool, layers: int = 2) -> dict[str, list[float]]:
     """The decoder trained with torch's own clip: per tensor at 0.05, or over all of it at 0.2."""
-    model = make_decoder()
+    model = make_decoder(layers=layers)
     opt = torch.optim.SGD(model.parameters(), lr=scenarios.LR)
     for step in range(scenarios.STEPS):
         opt.zero_grad()

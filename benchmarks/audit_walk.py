@@ -11,7 +11,7 @@ sees every call into ``gradguard/``, and gives each file and function its stage:
 
 - **command**: ``cli/``, ``audit/command.py`` and ``audit/summarizer.py`` (which builds the collectors and the
   dispatcher, and gathers their parts): the orchestrators;
-- **reader**: ``audit/reader.py`` and ``audit/plausible.py``: bytes to typed events;
+- **reader**: ``audit/reader.py``, ``audit/plausible.py`` and ``audit/merging.py``: bytes to typed events;
 - **dispatcher**: ``audit/dispatch.py``, ``audit/run_book.py``, ``audit/jobs.py``: each line's run and replica
   bookkeeping, once, then the collectors registered for it;
 - **collectors**: the modules of the registered collectors (``audit/collectors.py``; ``audit/counting.py`` is the
@@ -53,7 +53,7 @@ from gradguard.cli import main
 PACKAGE = Path(registry.__file__).resolve().parent.parent
 ORDER = ("command", "reader", "dispatcher", "collectors", "report")
 COMMAND = {"audit/command.py", "audit/summarizer.py"}
-READER = {"audit/reader.py", "audit/plausible.py"}
+READER = {"audit/reader.py", "audit/plausible.py", "audit/merging.py"}
 DISPATCHER = {"audit/dispatch.py", "audit/run_book.py", "audit/jobs.py"}
 REPORT = {"audit/render.py", "audit/stops_report.py", "audit/health_report.py"}
 REPORT_FUNCTIONS = {"loss_skip_causes", "most_faults"}

@@ -3,8 +3,8 @@
 Never imports torch. The modules, in the order the data flows:
 
 - ``gradguard.audit.command``: running the command: read (once, or following), summarize, render, plot.
-- ``gradguard.audit.reader``: reading JSON-lines logs in chunks, merging files in step order, following
-  growing ones; ``ReadStats`` counts lines and keeps the unreadable ones.
+- ``gradguard.audit.reader``: reading JSON-lines logs in chunks, merging files in step order (``merging``: a run of
+  one file's records at a time), following growing ones; ``ReadStats`` counts lines and keeps the unreadable ones.
 - ``gradguard.audit.filters``: ``--since/--until/--rule/--param`` (``Filters``) and their test on
   one event (``EventFilter``).
 - ``gradguard.audit.summarizer``: ``Summarizer``: builds the registered collectors side by side and the one

@@ -15,7 +15,6 @@ resumed into a new file) are merged lazily with `heapq.merge`, holding one event
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import json
 import os
@@ -26,6 +25,7 @@ from typing import Any, BinaryIO, Final, Union
 
 import msgspec
 
+from gradguard.audit.merging import merged_batches
 from gradguard.audit.plausible import (
     CHECKED_EVENTS,
     INT_LIMIT,
@@ -434,37 +434,7 @@ def read_batches(
     if len(paths) == 1:
         yield from _file_batches(paths[0], 0, stats, progress)
         return
-    yield from _merged_batches([_file_batches(path, index, stats, progress) for index, path in enumerate(paths)])
-
-
-def _merged_batches(streams: list[Iterator[list[Record]]]) -> Iterator[list[Record]]:
-    """The files' batches merged in step order, a run of one file's records at a time (a step of one rank's, in a
-    job's per-rank files): the file whose next record comes first gives every record before the next file's, found
-    by bisection, not compared one by one as ``heapq.merge`` would (the same order: records compare by
-    ``(order, file, line)``)."""
-    heads: list[tuple[Record, int]] = []
-    batches: dict[int, tuple[list[Record], int]] = {}
-
-    def advance(index: int, stream: Iterator[list[Record]]) -> None:
-        for batch in stream:
-            if batch:
-                batches[index] = (batch, 0)
-                heapq.heappush(heads, (batch[0], index))
-                return
-        batches.pop(index, None)
-
-    for index, stream in enumerate(streams):
-        advance(index, stream)
-    while heads:
-        _, index = heapq.heappop(heads)
-        batch, start = batches[index]
-        end = bisect.bisect_left(batch, heads[0][0], lo=start) if heads else len(batch)
-        yield batch[start:end] if start or end < len(batch) else batch
-        if end < len(batch):
-            batches[index] = (batch, end)
-            heapq.heappush(heads, (batch[end], index))
-        else:
-            advance(index, streams[index])
+    yield from merged_batches([_file_batches(path, index, stats, progress) for index, path in enumerate(paths)])
 
 
 def read_merged(

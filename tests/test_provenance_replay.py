@@ -226,3 +226,58 @@ def test_a_replay_that_faults_where_the_step_did_not_names_no_module_and_says_wh
     assert origin is not None
     assert (origin["phase"], origin["module"], origin["transient"]) == ("untraced", None, False)
     assert "side effects" in origin["note"]
+
+
+class CalledByParts(nn.Module):
+    """A model whose loop calls its submodules, never its own forward (a training_step of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.act, self.second = nn.Linear(4, 8), OnceNaN(), nn.Linear(8, 2)
+        self.act.forward = lambda x: x * math.nan if self.act.armed else x * 1.0  # type: ignore[method-assign]
+
+    def step_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.second(self.act(self.first(x))), y)
+
+
+def test_a_model_whose_own_forward_never_runs_is_traced_at_every_forward_after_its_first_whole_step() -> None:
+    """Nothing to replay, ever: after a whole step (the first after attaching may have had its forward before) with
+    no forward of the model itself, the light trace runs at every forward, as it did before the replay, and names the
+    module of a later fault."""
+    model = CalledByParts()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with GradGuard(model, Policy.from_dict(HALT), logger=None) as guard:
+        provenance = guard._enforcer.provenance
+        assert provenance is not None
+        assert provenance.replaying
+        for step in range(3):
+            model.act.armed = step == 2
+            opt.zero_grad()
+            model.step_loss(torch.randn(6, 4), torch.randn(6, 2)).backward()
+            if step < 2:
+                opt.step()
+                assert provenance.replaying == (step == 0)
+                assert ("submodules" in (provenance.unreplayable or "")) == (step == 1)
+                continue
+            with pytest.raises(GradientHalt) as info:
+                opt.step()
+    origin = info.value.origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"]) == ("forward", "act")
+
+
+def test_a_lightning_module_keeps_the_light_trace_at_every_forward() -> None:
+    """Lightning calls a LightningModule's training_step (under DDP, its wrapper's forward is that step, with the
+    user's logging): never replayed."""
+    pl = pytest.importorskip("lightning.pytorch")
+
+    class Regressor(pl.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+    with GradGuard(Regressor(), Policy.from_dict(HALT), logger=None) as guard:
+        provenance = guard._enforcer.provenance
+        assert provenance is not None
+        assert not provenance.replaying
+        assert "Lightning" in (provenance.unreplayable or "")

@@ -67,8 +67,16 @@ class FirstFault:
         replay = self._replay
         if replay is None or not replay.handles:
             return
-        forwards, overflow = replay.forwards, replay.overflow
+        forwards, overflow, whole_step = replay.forwards, replay.overflow, replay.whole_step
         replay.clear()
+        replay.whole_step = True
+        if not forwards and not overflow and whole_step:
+            # A step with gradients and no forward of the model itself: the loop calls its submodules (a training_step
+            # of its own), so there is nothing to replay, ever. The light trace at every forward from now on.
+            self.unreplayable = "the model's own forward did not run before its step: the loop calls its submodules"
+            self._replay = None
+            replay.disarm()
+            self._arm_light()
         outcome = work.outcome
         if not outcome.nonfinite or outcome.scaler_found_inf:
             return  # a clean step (a GradScaler's inf is its loss-scale search, not a fault)

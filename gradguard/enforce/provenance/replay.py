@@ -50,9 +50,13 @@ states, output references (a list of tensors or weak references) or None until t
 def unreplayable(model: nn.Module) -> str | None:
     """Why ``model``'s forward cannot be replayed by the ranks that faulted alone (None: it can): a forward that talks
     to the other ranks (sharded parameters gathered, a synchronized batch norm), or one compiled in place around the
-    hooks."""
+    hooks, or a Lightning module (Lightning calls its ``training_step``, and its DDP wrapper's forward is that step,
+    with the user's logging and, in manual optimization, the optimizer's step)."""
     if getattr(model, "_compiled_call_impl", None) is not None:
         return "the model was compiled in place (model.compile()), around the hooks that hold its forwards"
+    lightning = ("LightningModule", "_LightningModuleWrapperBase")
+    if any(klass.__name__ in lightning for klass in type(_called(model)).__mro__):
+        return "Lightning calls its training_step, not the model's forward"
     for module in model.modules():
         if isinstance(module, nn.SyncBatchNorm):
             return "its forward reduces across ranks (SyncBatchNorm)"
@@ -85,10 +89,13 @@ class Replay:
         self._open = False
         """A forward was held and has not returned yet (its output goes to it)."""
         self.handles: list[RemovableHandle] = []
+        self.whole_step = False
+        """The hooks were armed through a whole step (from the end of the one before): its forwards are all held."""
 
     def arm(self) -> None:
         model = self._model()
         if model is not None and not self.handles:
+            self.whole_step = False
             self.handles = [
                 model.register_forward_pre_hook(self._before, with_kwargs=True),
                 model.register_forward_hook(self._after),
@@ -147,7 +154,7 @@ class Replay:
         if overflow:
             return f"more than {MAX_FORWARDS} forwards ran since the last step, and none was held"
         if not forwards:
-            return "no forward of the model with gradients was held since the last step (compiled around its hooks?)"
+            return "no forward of the model with gradients was held since the last step"
         for args, kwargs, versions, *_ in forwards:
             now = [value._version for value in (*args, *kwargs.values()) if type(value) is _TENSOR]
             if now != versions:

@@ -19,9 +19,10 @@ from gradguard.enforce.hooks.boundaries import explicit_context, stepped_by
 from gradguard.enforce.hooks.clips import ClipWatch
 from gradguard.enforce.hooks.closures import StepArgs, TreatAfterClosure, closure_of, refuse_reevaluating, with_closure
 from gradguard.enforce.hooks.deepspeed_boundary import refuse_under_deepspeed
+from gradguard.enforce.hooks.guard_hooks import ClipCall
 from gradguard.enforce.hooks.micro_batch import MicroBatchHooks
 from gradguard.enforce.hooks.scaler import ScalerWatch, loss_scale_of
-from gradguard.enforce.hooks.torch_hooks import ClipCall, enlist, optimizer_steps
+from gradguard.enforce.hooks.torch_hooks import enlist, optimizer_steps
 from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.provenance.provenance import attach_provenance, check_mode
 from gradguard.enforce.step.engine import Enforcer

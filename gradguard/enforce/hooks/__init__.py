@@ -1,6 +1,7 @@
 """The hooks into torch: where a step's boundary is found in the user's loop.
 
 Owns ``torch_hooks`` (the global optimizer hooks and the interception of torch's clip utilities and GradScaler),
+``guard_hooks`` (what those hooks ask of a guard, and which clip functions they wrap),
 ``clip_norms`` (a clip bound by name before the guard: its norm after the guard's step), ``scaler_view`` (what the
 GradScalers say about some gradients), ``clips`` (the loop's own clip as a boundary),
 ``closures`` (``optimizer.step(closure)``), ``boundaries`` (a boundary's ``StepContext``), ``scaler`` (GradScaler's

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim import Optimizer
 
+from gradguard.enforce.hooks.guard_hooks import ClipCall
 from gradguard.enforce.hooks.scaler_view import scaler_view
-from gradguard.enforce.hooks.torch_hooks import ClipCall
 from gradguard.enforce.plans.plan_book import PlanBook
 
 __all__ = ["ClipBoundary", "ClipWatch"]

@@ -32,14 +32,14 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from gradguard.enforce.hooks import clip_norms
+from gradguard.enforce.hooks.guard_hooks import CLIP_SITES, CLIPS, ClipCall, GuardHooks
 from gradguard.enforce.triggers.loss import LossWatch, root_of
 from gradguard.errors import GradientHalt
 
@@ -53,52 +53,6 @@ __all__ = [
     "optimizer_steps",
 ]
 
-
-class GuardHooks(Protocol):
-    """What a guard offers the process-wide hooks ([`gradguard.GradGuard`][gradguard.GradGuard] implements it)."""
-
-    def _on_optimizer_step(
-        self, optimizer: Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None: ...
-
-    def _after_optimizer_step(self, optimizer: Optimizer) -> None: ...
-
-    def _before_clip(self, call: ClipCall) -> bool: ...
-
-    def _after_clip(self) -> None: ...
-
-    def _loss_watch(self) -> LossWatch | None: ...
-
-    def _clip_instead(
-        self, name: str, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any: ...
-
-
-@dataclass(frozen=True)
-class ClipCall:
-    """A call of one of torch's clip functions, as a guard sees it before the clip runs."""
-
-    name: str
-    """The function's public name, e.g. ``"torch.nn.utils.clip_grad_norm_"``."""
-    tensors: list[torch.Tensor]
-    """The parameters it was given, or the gradients (``get_total_norm``)."""
-    of_grads: bool
-    """``tensors`` are gradients, not parameters."""
-
-
-# (module, attribute, takes gradients?, its first argument's name)
-_CLIP_SITES: tuple[tuple[str, str, bool, str], ...] = (
-    ("torch.nn.utils", "clip_grad_norm_", False, "parameters"),
-    ("torch.nn.utils", "clip_grad_norm", False, "parameters"),
-    ("torch.nn.utils", "clip_grad_value_", False, "parameters"),
-    ("torch.nn.utils", "clip_grads_with_norm_", False, "parameters"),
-    ("torch.nn.utils", "get_total_norm", True, "tensors"),
-    ("torch.nn.utils.clip_grad", "clip_grad_norm_", False, "parameters"),
-    ("torch.nn.utils.clip_grad", "clip_grad_norm", False, "parameters"),
-    ("torch.nn.utils.clip_grad", "clip_grad_value_", False, "parameters"),
-)
-CLIPS: tuple[str, ...] = tuple(f"{module}.{name}" for module, name, _, _ in _CLIP_SITES)
-"""Every spelling of torch's clips that a guard intercepts."""
 
 _lock = threading.Lock()
 _guards: tuple[weakref.ReferenceType[GuardHooks], ...] = ()
@@ -212,7 +166,7 @@ def _wrap_all() -> None:
     import importlib
 
     made: dict[int, Callable[..., Any]] = {}
-    for module_name, attribute, of_grads, first in (*_CLIP_SITES, *clip_norms.INNER_SITES):
+    for module_name, attribute, of_grads, first in (*CLIP_SITES, *clip_norms.INNER_SITES):
         owner = importlib.import_module(module_name)
         original = getattr(owner, attribute, None)
         if original is None:

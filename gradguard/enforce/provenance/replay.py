@@ -33,9 +33,12 @@ __all__ = ["MAX_FORWARDS", "SMALL_OUTPUT", "Replay", "agreement", "outputs", "un
 MAX_FORWARDS: Final = 64
 """Forwards held between two steps at most (micro-batches): past it the step is not replayed (memory stays bounded
 in a loop that runs forwards with gradients and never steps)."""
-SMALL_OUTPUT: Final = 4 * 2**20
-"""An output tensor of at most this many bytes is held by reference until the step (to tell a transient); a larger one
-weakly (the loop may keep it, as nanoGPT keeps its logits)."""
+SMALL_OUTPUT: Final = 0
+"""An output tensor of at most this many bytes would be held by reference until the step (to tell a transient); every
+one is held weakly: holding one would keep it past its backward, above the unguarded step's peak (the footprint
+tests: +1 MiB of a small GPT's logits). A loop that keeps its output (nanoGPT keeps its logits) lets the replay tell
+a transient; one that drops it gets ``unknown`` there, and the replay's trace names the module as the light trace
+would."""
 _TENSOR = torch.Tensor
 _CPU = torch.default_generator
 _grad_enabled = torch.is_grad_enabled

@@ -7,6 +7,7 @@ gradients, parameters and optimizer states must be ``torch.equal``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -453,10 +454,12 @@ SYNC_POLICIES = {
 @pytest.mark.parametrize("poison", [False, True])
 @pytest.mark.parametrize("policy_name", list(SYNC_POLICIES))
 def test_one_host_sync_also_for_group_clips_and_for_a_step_with_nan(make_workload, make_policy, policy_name, poison):
-    """Group clip, clip_value and scale together, and a step whose gradient holds NaN (halted or not): one sync."""
+    """Group clip, clip_value and scale together, and a step whose gradient holds NaN (halted or not): one sync (the
+    default provenance's replay of a faulting step reads once more: the test below)."""
     workload = make_workload("mlp")
     opt = torch.optim.SGD(workload.model.parameters(), lr=0.01)
-    with GradGuard(workload.model, make_policy(*SYNC_POLICIES[policy_name]), logger=None) as guard:
+    policy = make_policy(*SYNC_POLICIES[policy_name])
+    with GradGuard(workload.model, policy, logger=None, provenance=None) as guard:
         workload.backward(0)
         if poison:
             workload.model.hidden.weight.grad[0, 0] = float("nan")
@@ -469,6 +472,27 @@ def test_one_host_sync_also_for_group_clips_and_for_a_step_with_nan(make_workloa
 
         assert count_host_syncs(step) == 1
         assert guard.step_count == 1
+
+
+@pytest.mark.parametrize("policy_name", list(SYNC_POLICIES))
+def test_the_default_provenance_reads_once_more_only_at_a_faulting_step_it_replays(
+    make_workload, make_policy, policy_name
+):
+    """A clean step: one sync. A step whose gradient holds NaN: the step's read, and one for the replay's figures."""
+    workload = make_workload("mlp")
+    opt = torch.optim.SGD(workload.model.parameters(), lr=0.01)
+    with GradGuard(workload.model, make_policy(*SYNC_POLICIES[policy_name]), logger=None):
+        for poison, expected in ((False, 1), (True, 2)):
+            opt.zero_grad()
+            workload.backward(0)
+            if poison:
+                workload.model.hidden.weight.grad[0, 0] = float("nan")
+
+            def step() -> None:
+                with contextlib.suppress(GradientHalt):
+                    opt.step()
+
+            assert count_host_syncs(step) == expected, poison
 
 
 def test_sync_counter_sees_item_and_tolist(make_workload):

@@ -182,7 +182,7 @@ def test_the_quick_host_time_run_prints_every_treatment_with_its_counts(
     assert benchmarks["host_time"].main(["--quick"]) == 0
     printed = capsys.readouterr().out
     rows = ("| none | 1 |", "| default |", "| default, provenance=None |", "| MLP: none | 1 |", "| MLP: default |")
-    said = ("| default, nanoGPT at 8 layers (4x) |", "target: the shipped default", "budget at 8 layers")
+    said = ("| default | nanoGPT's GPT | 8 |", "target: the shipped default", "budget on every tree, and no more at 4x")
     for row in (*rows, *said):
         assert row in printed, printed
 

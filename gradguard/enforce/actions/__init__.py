@@ -5,7 +5,8 @@
 - ``shaping``: ``scale``, ``zero`` and ``drop``;
 - ``nonfinite``: ``halt_on_nonfinite`` and ``skip_step_on_nonfinite`` (the watch, and skip limits);
 - ``monitoring``: ``monitor`` (figures of the gradient as it arrives; an observing kernel);
-- ``adaptive``: ``zclip`` and ``autoclip`` (thresholds from statistics of earlier norms);
+- ``adaptive``: ``zclip``'s and ``autoclip``'s decisions and ``autoclip`` (thresholds from statistics of earlier norms);
+- ``zclip``: ``zclip``'s kernel, per tensor decided on the host from the step's read where it can;
 - ``adaptive_unitwise``: ``agc`` (adaptive gradient clipping against the weights' norms, per unit or group);
 - ``spikes``: ``skip_step_on_spike`` (an observing kernel whose verdict is a skip).
 
@@ -16,7 +17,7 @@ May import: work, distributed.
 
 from __future__ import annotations
 
-from gradguard.enforce.actions.adaptive import AutoClipKernel, ZClipKernel
+from gradguard.enforce.actions.adaptive import AutoClipKernel
 from gradguard.enforce.actions.adaptive_unitwise import AgcKernel
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.actions.clipping import ClipNormKernel, ClipValueKernel
@@ -24,6 +25,7 @@ from gradguard.enforce.actions.monitoring import MonitorKernel
 from gradguard.enforce.actions.nonfinite import HaltKernel, SkipKernel
 from gradguard.enforce.actions.shaping import DropKernel, ScaleKernel, ZeroKernel
 from gradguard.enforce.actions.spikes import SpikeSkipKernel
+from gradguard.enforce.actions.zclip import ZClipKernel
 from gradguard.policy.schema import Action
 
 __all__ = ["ActionKernel", "kernel_for"]

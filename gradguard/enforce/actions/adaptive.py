@@ -30,11 +30,13 @@ __all__ = [
     "AutoClipKernel",
     "StatisticsTakingPart",
     "ZClipDecision",
-    "ZClipKernel",
     "autoclip_decide",
     "autoclip_empty",
+    "finite_norms",
     "followed_norms",
     "norms_for_statistics",
+    "report_reader",
+    "rescale",
     "zclip_decide",
     "zclip_empty",
 ]
@@ -66,7 +68,7 @@ def norms_for_statistics(work: StepWork, ids: list[int], gs: list[torch.Tensor],
     return work.pending.stack(per_tensor, device).to(STATS_DTYPE)
 
 
-def _rescale(gs: list[torch.Tensor], coef: torch.Tensor, group: bool) -> None:
+def rescale(gs: list[torch.Tensor], coef: torch.Tensor, group: bool) -> None:
     """Multiply each gradient by its coefficient (or all by the one group coefficient), per device."""
     for _, positions in by_device(range(len(gs)), gs):
         members = [gs[k] for k in positions]
@@ -81,7 +83,7 @@ def _rescale(gs: list[torch.Tensor], coef: torch.Tensor, group: bool) -> None:
 Report = Callable[[list[float]], None]
 
 
-def _report(
+def report_reader(
     work: StepWork, bound: BoundRule, action: ZClip | AutoClip, ids: list[int], group: bool, figures: list[str]
 ) -> Report:
     """A reader for ``[coef, norm, threshold, *figures]`` per column: counts and logs the clips.
@@ -235,41 +237,6 @@ def autoclip_decide(action: AutoClip, g: torch.Tensor, state: dict[str, torch.Te
     return AutoClipDecision(coef, threshold, {"ring": ring, "count": count})
 
 
-class ZClipKernel(ActionKernel):
-    """``zclip``: clip a norm whose z-score against its EMA exceeds ``z_thresh`` (arXiv 2504.02507)."""
-
-    schemas = (ZClip,)
-    alarms = True
-
-    def wants_raw_norm(self, action: Action) -> bool:
-        return True
-
-    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
-        assert isinstance(action, ZClip)
-        assert work.statistics is not None
-        group, gs, g = followed_norms(work, ids, action.scope)
-        series = work.statistics.series_for(
-            bound, action, group, (action.warmup_steps,), g.device, zclip_empty(action.warmup_steps)
-        )
-        cols = None if group else series.select(ids)
-        state = series.at(cols)
-        decision = zclip_decide(action, g, state, warming=not series.counters.get("ready"))
-        _rescale(gs, decision.coef, group)
-        counters: dict[str, int] = {}
-        if decision.all_ready is not None:
-            counters["ready"] = 0
-
-            def note_ready(values: list[float]) -> None:
-                counters["ready"] = int(values[0] > 0 and cols is None)  # every column ready: skip warm-up work
-
-            work.pending.add(decision.all_ready, note_ready)
-        work.statistics_step.propose(series, cols, decision.proposal, counters)
-        figures = torch.stack([decision.coef, g, decision.limit, state["mean"], state["var"].sqrt(), decision.z])
-        work.pending.quiet_if(partial(_finite, g))  # its clip is made on the device; a non-finite norm is reported
-        work.pending.add(figures, _report(work, bound, action, ids, group, ["mean", "std", "z"]))
-        return True
-
-
 class AutoClipKernel(ActionKernel):
     """``autoclip``: clip to the ``percentile`` of the recent norms, the current one included (arXiv 2007.14469)."""
 
@@ -288,15 +255,15 @@ class AutoClipKernel(ActionKernel):
         cols = None if group else series.select(ids)
         slot = series.ring_slot(history)
         decision = autoclip_decide(action, g, series.at(cols), slot)
-        _rescale(gs, decision.coef, group)
+        rescale(gs, decision.coef, group)
         work.statistics_step.propose(series, cols, decision.proposal, {"slot": slot + 1})
         figures = torch.stack([decision.coef, g, decision.threshold, decision.proposal["count"]])
-        work.pending.quiet_if(partial(_finite, g))
-        work.pending.add(figures, _report(work, bound, action, ids, group, ["samples"]))
+        work.pending.quiet_if(partial(finite_norms, g))
+        work.pending.add(figures, report_reader(work, bound, action, ids, group, ["samples"]))
         return True
 
 
-def _finite(norms: torch.Tensor) -> torch.Tensor:
+def finite_norms(norms: torch.Tensor) -> torch.Tensor:
     """Norms (never negative) are finite: ``< inf`` is False for NaN and +Inf, in one kernel."""
     return norms < math.inf
 

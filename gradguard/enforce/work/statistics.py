@@ -56,6 +56,17 @@ class Series:
     """The bound rule the columns were mapped for: a new binding (a rebind, a reload) maps them again."""
     in_order: list[int] = field(default_factory=list)
     """The tensor indices of every column, in column order (tensor scope)."""
+    host: dict[str, Any] | None = None
+    """Where the host decides (``actions.zclip``): the values as Python numbers, the series' own in place of
+    ``tensors`` until ``materialize`` makes them tensors again; replaced at a commit, never edited (a snapshot holds
+    the dict it copied)."""
+
+    def materialize(self) -> None:
+        """``host``'s values back into ``tensors`` (a step the device decides, a carry-over)."""
+        if self.host is not None:
+            device = next(iter(self.tensors.values())).device
+            made = {key: torch.tensor(value, dtype=STATS_DTYPE, device=device) for key, value in self.host.items()}
+            self.tensors, self.host = {**self.tensors, **made}, None
 
     def map_columns(self, bound: BoundRule) -> None:
         self.bound = bound
@@ -64,6 +75,7 @@ class Series:
 
     def at(self, cols: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Every tensor's rows ``cols`` (``None``: all of them, not copied)."""
+        self.materialize()
         return {key: value if cols is None else value.index_select(0, cols) for key, value in self.tensors.items()}
 
     def ring_slot(self, size: int) -> int:
@@ -85,6 +97,12 @@ class StepStatistics:
     proposals: list[tuple[Series, torch.Tensor | None, dict[str, torch.Tensor], dict[str, int]]] = field(
         default_factory=list
     )
+    host: list[tuple[Series, dict[str, Any], dict[str, int]]] = field(default_factory=list)
+    """Proposals of Python numbers, for a series the host decides (``Series.host``)."""
+
+    def propose_host(self, series: Series, values: dict[str, Any], counters: dict[str, int]) -> None:
+        """After this step, ``series.host`` holds ``values`` (every column) for their keys."""
+        self.host.append((series, values, counters))
 
     def propose(
         self,
@@ -106,6 +124,11 @@ class StepStatistics:
                     series.tensors[key] = series.tensors[key].index_copy(0, cols, value)
             series.counters.update(counters)
         self.proposals.clear()
+        for series, values, counters in self.host:
+            base = series.host if series.host is not None else {k: v.tolist() for k, v in series.tensors.items()}
+            series.host = {**base, **values}
+            series.counters.update(counters)
+        self.host.clear()
 
 
 class Statistics:
@@ -200,6 +223,7 @@ def pushed(ring: torch.Tensor, slot: int, values: torch.Tensor, empty: float) ->
 
 def _carry_over(earlier: Series, fresh: Series) -> None:
     """Copy the columns ``fresh`` shares by name with ``earlier``; the others start empty."""
+    earlier.materialize()
     old = {name: column for column, name in enumerate(earlier.names)}
     pairs = [(column, old[name]) for column, name in enumerate(fresh.names) if name in old]
     if len(pairs) == len(fresh.names):
@@ -230,6 +254,9 @@ def _plain(series: Series) -> dict[str, Any]:
         "action": series.kind,
         "shape": list(series.shape),
         "names": list(series.names),
-        "tensors": {key: value.cpu().tolist() for key, value in series.tensors.items()},
+        "tensors": {
+            key: series.host[key] if series.host is not None and key in series.host else value.cpu().tolist()
+            for key, value in series.tensors.items()
+        },
         "counters": dict(series.counters),
     }

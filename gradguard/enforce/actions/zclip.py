@@ -1,0 +1,209 @@
+"""``zclip``'s kernel: per tensor, decided on the host from the norms the step reads anyway where it can.
+
+Per tensor, zclip's verdict needs the tensor's 2-norm and its statistics (a running mean and variance, or the warm-up
+buffer). Where the norms are the raw ones the non-finite watch reads in the step's one read, and the clip's change may
+wait for that read (no later action of the step changes those gradients), the statistics are kept on the host (CPU
+tensors, read as floats) and the verdict is taken in the read's reader, in the same float64 operations, in the same
+order, as ``zclip_decide``: a clean step launches nothing for it, and a clip is one deferred multiply. Elsewhere
+(a group scope, norms taken afresh, another action after it, FSDP2, a pipeline, a fused optimizer that reads after
+its update) the device path decides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from gradguard.enforce.actions.adaptive import (
+    ZCLIP_EPS,
+    finite_norms,
+    followed_norms,
+    report_reader,
+    rescale,
+    zclip_decide,
+    zclip_empty,
+)
+from gradguard.enforce.actions.base import ActionKernel
+from gradguard.enforce.work.statistics import STATS_DTYPE, Series, StepStatistics
+from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.tensors import EPS
+from gradguard.enforce.work.writes import DeferredWrites
+from gradguard.policy.matching import BoundRule
+from gradguard.policy.schema import Action, ZClip
+
+__all__ = ["ZClipKernel", "zclip_on_host"]
+
+_CPU = torch.device("cpu")
+
+
+def zclip_on_host(work: StepWork, bound: BoundRule, action: ZClip, ids: list[int]) -> bool:
+    """Decide ``action`` for ``ids`` in the step's read; False where the device must (the module's docstring)."""
+    raw, statistics = work.raw, work.statistics
+    if (
+        action.scope != "tensor"
+        or statistics is None
+        or work.sharded
+        or work.pipeline is not None
+        or work.pending.quiet is not None
+        or not work.after_read.issuperset(ids)
+        or not work.touched.isdisjoint(ids)
+        or not all(map(raw.__contains__, ids))
+    ):
+        return False
+    key = (bound.name, next(p for p, a in enumerate(bound.actions) if a is action))
+    fresh = key not in statistics.series and key not in statistics._saved  # nothing to read: every statistic is 0
+    warmup = action.warmup_steps
+    series = statistics.series_for(bound, action, False, (warmup,), _CPU, zclip_empty(warmup))
+    if series.host is None:
+        if series.tensors["mean"].device.type != "cpu":
+            return False  # made on the device by an earlier step: it decides there
+        count = len(series.names)
+        zeros = {name: [0.0] * count for name in ("mean", "var", "ready", "count")} | {
+            "buffer": [[0.0] * warmup for _ in range(count)]
+        }
+        series.host = zeros if fresh else {name: value.tolist() for name, value in series.tensors.items()}
+    columns = [series.columns[i] for i in ids]
+    grads = [work.grads[i] for i in ids]
+    # Not the StepWork: a reader that held it would make a cycle through the step's pending read.
+    report = report_reader(work, bound, action, ids, False, ["mean", "std", "z"])
+    read = partial(_decide, work.writes, work.statistics_step, report, action, ids, grads, series, columns)
+    work.pending.add(work.pending.stack([raw[i] for i in ids], raw[ids[0]].device), read)
+    return True
+
+
+def _decide(
+    writes: DeferredWrites,
+    proposals: StepStatistics,
+    report: Callable[[list[float]], None],
+    action: ZClip,
+    ids: list[int],
+    grads: list[torch.Tensor],
+    series: Series,
+    columns: list[int],
+    g: list[float],
+) -> None:
+    """The read's reader: ``zclip_decide``'s maths per column, in Python floats (float64, the same operations)."""
+    host = series.host
+    assert host is not None
+    mean_all, var_all, ready_all, count_all = (host[k] for k in ("mean", "var", "ready", "count"))
+    # IEEE square roots, as torch's sqrt takes them (``x ** 0.5`` is pow, not always rounded the same), in one map.
+    std_all = list(map(math.sqrt, var_all))
+    warming = not series.counters.get("ready")
+    zt, alpha, ceiling = action.z_thresh, action.alpha, action.max_norm
+    square = zt * zt
+    coefs, limits, means, stds, zs = [], [], [], [], []
+    new_mean, new_var = list(mean_all), list(var_all)
+    warm_columns: list[tuple[int, float]] = []
+    moved = False
+    for k, column in enumerate(columns):
+        norm, mean, var, std = g[k], mean_all[column], var_all[column], std_all[column]
+        ready = ready_all[column] > 0
+        finite = norm - norm == 0.0
+        z = (norm - mean) / (std + ZCLIP_EPS)
+        adaptive = mean + square / z * std if ready and finite and z > zt and mean > 0 else norm
+        limit = adaptive if ready else math.inf
+        if ceiling is not None:
+            limit = min(limit, ceiling)
+        coefs.append(limit / (norm + EPS) if finite and norm > limit else 1.0)
+        limits.append(limit)
+        means.append(mean)
+        stds.append(std)
+        zs.append(z)
+        if ready and finite:
+            moved = True
+            new_mean[column] = updated = alpha * mean + (1 - alpha) * adaptive
+            spread = adaptive - updated
+            new_var[column] = alpha * var + (1 - alpha) * (spread * spread)
+        elif warming and not ready and finite:
+            warm_columns.append((column, norm))
+    # Only what changed is proposed: each is a tensor made from a list, the step's only torch operations here.
+    proposal: dict[str, Any] = {"mean": new_mean, "var": new_var} if moved else {}
+    counters: dict[str, int] = {}
+    if warming and warm_columns:
+        proposal |= _warm_up(action, host["buffer"], warm_columns, new_mean, new_var, ready_all, count_all, counters)
+    if proposal:
+        proposals.propose_host(series, proposal, counters)
+    if min(coefs) < 1.0:
+        for index, grad, coef in zip(ids, grads, coefs, strict=True):
+            if coef < 1.0:
+                writes.scale(index, grad, coef, partial(torch.tensor, coef, dtype=torch.float32, device=grad.device))
+    report([*coefs, *g, *limits, *means, *stds, *zs])
+
+
+def _warm_up(
+    action: ZClip,
+    buffer: list[list[float]],
+    warm: list[tuple[int, float]],
+    mean: list[float],
+    var: list[float],
+    ready: list[float],
+    count: list[float],
+    counters: dict[str, int],
+) -> dict[str, Any]:
+    """The warm-up's buffer and counts after this step; a column whose buffer fills takes its first mean and variance
+    from it, taken by torch as ``zclip_decide`` takes them (the same summation)."""
+    warmup = action.warmup_steps
+    rows = [list(row) for row in buffer]  # out of place: the proposal is committed only if the step is applied
+    count = list(count)
+    ready = list(ready)
+    filled = []
+    for column, norm in warm:
+        rows[column][min(int(count[column]), warmup - 1)] = norm
+        count[column] += 1.0
+        if count[column] >= warmup:
+            filled.append(column)
+    if filled:  # once per column: its first mean and variance, by torch's own reduction (as zclip_decide takes them)
+        # Over every column's row, as zclip_decide reduces them: torch's reduction order can follow the row count.
+        full = torch.tensor(rows, dtype=STATS_DTYPE)
+        first_mean = full.mean(dim=1)
+        first_var = ((full - first_mean.unsqueeze(1)) ** 2).mean(dim=1)
+        means, variances = first_mean.tolist(), first_var.tolist()
+        for column in filled:
+            mean[column], var[column], ready[column] = means[column], variances[column], 1.0
+    if all(value > 0 for value in ready):
+        counters["ready"] = 1
+    changed: dict[str, Any] = {"buffer": rows, "count": count}
+    return changed | ({"mean": mean, "var": var, "ready": ready} if filled else {})
+
+
+class ZClipKernel(ActionKernel):
+    """``zclip``: clip a norm whose z-score against its EMA exceeds ``z_thresh`` (arXiv 2504.02507)."""
+
+    schemas = (ZClip,)
+    alarms = True
+
+    def wants_raw_norm(self, action: Action) -> bool:
+        return True
+
+    def apply(self, work: StepWork, bound: BoundRule, action: Action, ids: list[int]) -> bool:
+        assert isinstance(action, ZClip)
+        assert work.statistics is not None
+        if zclip_on_host(work, bound, action, ids):
+            return True
+        group, gs, g = followed_norms(work, ids, action.scope)
+        series = work.statistics.series_for(
+            bound, action, group, (action.warmup_steps,), g.device, zclip_empty(action.warmup_steps)
+        )
+        if series.tensors["mean"].device != g.device:  # kept on the host by the host path's earlier steps
+            series.tensors = {key: value.to(g.device) for key, value in series.tensors.items()}
+        cols = None if group else series.select(ids)
+        state = series.at(cols)
+        decision = zclip_decide(action, g, state, warming=not series.counters.get("ready"))
+        rescale(gs, decision.coef, group)
+        counters: dict[str, int] = {}
+        if decision.all_ready is not None:
+            counters["ready"] = 0
+
+            def note_ready(values: list[float]) -> None:
+                counters["ready"] = int(values[0] > 0 and cols is None)  # every column ready: skip warm-up work
+
+            work.pending.add(decision.all_ready, note_ready)
+        work.statistics_step.propose(series, cols, decision.proposal, counters)
+        figures = torch.stack([decision.coef, g, decision.limit, state["mean"], state["var"].sqrt(), decision.z])
+        work.pending.quiet_if(partial(finite_norms, g))  # its clip is made on the device; a non-finite norm is reported
+        work.pending.add(figures, report_reader(work, bound, action, ids, group, ["mean", "std", "z"]))
+        return True

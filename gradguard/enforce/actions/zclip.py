@@ -2,11 +2,12 @@
 
 Per tensor, zclip's verdict needs the tensor's 2-norm and its statistics (a running mean and variance, or the warm-up
 buffer). Where the norms are the raw ones the non-finite watch reads in the step's one read, and the clip's change may
-wait for that read (no later action of the step changes those gradients), the statistics are kept on the host (CPU
-tensors, read as floats) and the verdict is taken in the read's reader, in the same float64 operations, in the same
-order, as ``zclip_decide``: a clean step launches nothing for it, and a clip is one deferred multiply. Elsewhere
-(a group scope, norms taken afresh, another action after it, FSDP2, a pipeline, a fused optimizer that reads after
-its update) the device path decides.
+wait for that read (no later action of the step changes those gradients), the statistics are kept on the host as
+Python numbers (``Series.host``) and the verdict is taken in the read's reader, in ``zclip_decide``'s float64
+operations in its order (square roots correctly rounded, where torch's vectorised ones may differ in the last bit):
+a clean step launches nothing for it, and a clip is one deferred multiply. Elsewhere (a group scope, norms taken
+afresh, another action after it, FSDP2, a pipeline, a fused optimizer that reads after its update) the device path
+decides.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def _decide(
     host = series.host
     assert host is not None
     mean_all, var_all, ready_all, count_all = (host[k] for k in ("mean", "var", "ready", "count"))
-    # IEEE square roots, as torch's sqrt takes them (``x ** 0.5`` is pow, not always rounded the same), in one map.
+    # Correctly rounded square roots, in one map (``x ** 0.5`` is pow; torch's vectorised float64 sqrt on the CPU may
+    # differ in the last bit: the std and z reported, and rarely a threshold, then differ there from the device's).
     std_all = list(map(math.sqrt, var_all))
     warming = not series.counters.get("ready")
     zt, alpha, ceiling = action.z_thresh, action.alpha, action.max_norm

@@ -108,7 +108,7 @@ def _peaks(work: StepWork, ids: list[int], gs: list[torch.Tensor]) -> list[torch
     raw, touched = work.raw_peaks, work.touched
     if not work.sharded and all(index in raw and index not in touched for index in ids):
         return [raw[index] for index in ids]
-    return work.norms(gs, float("inf"))
+    return work.norms(gs, float("inf"), ids)
 
 
 def _clip_tensors(

@@ -73,7 +73,7 @@ class MonitorKernel(ActionKernel):
             else:
                 base["norm"] = stack_on(work.norms(gs, 2.0, ids), device).float()
         if "max_abs" in wanted:
-            base["max_abs"] = stack_on(work.norms(gs, float("inf")), device).float()
+            base["max_abs"] = stack_on(work.norms(gs, float("inf"), ids), device).float()
         if wanted & {"mean", "std"} and work.sharded and work.collective is not None:
             base |= _moments(
                 work.collective, gs, device, "std" in wanted and not joint, work.share_weights(ids, device)

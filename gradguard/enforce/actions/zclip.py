@@ -55,8 +55,6 @@ def zclip_on_host(work: StepWork, bound: BoundRule, action: ZClip, ids: list[int
         or not all(map(raw.__contains__, ids))
     ):
         return False
-    key = (bound.name, next(p for p, a in enumerate(bound.actions) if a is action))
-    fresh = key not in statistics.series and key not in statistics._saved  # nothing to read: every statistic is 0
     warmup = action.warmup_steps
     series = statistics.series_for(bound, action, False, (warmup,), _CPU, zclip_empty(warmup))
     if series.host is None:
@@ -66,7 +64,7 @@ def zclip_on_host(work: StepWork, bound: BoundRule, action: ZClip, ids: list[int
         zeros = {name: [0.0] * count for name in ("mean", "var", "ready", "count")} | {
             "buffer": [[0.0] * warmup for _ in range(count)]
         }
-        series.host = zeros if fresh else {name: value.tolist() for name, value in series.tensors.items()}
+        series.host = zeros if series.blank else {name: value.tolist() for name, value in series.tensors.items()}
     columns = [series.columns[i] for i in ids]
     grads = [work.grads[i] for i in ids]
     # Not the StepWork: a reader that held it would make a cycle through the step's pending read.

@@ -98,13 +98,13 @@ class Collective:
     def __init__(self, group: Any = None) -> None:
         self.group = group
         self.local = LocalGradients()
+        """This rank's own gradient before the reduction, as the engine's tap notes it (``distributed.taps``)."""
         self.shares = ShareBook()
+        """Each tensor's share of a sum over the ranks, where some pieces are replicas (``placements``)."""
         self.pipeline: Collective | None = None
         """Under pipeline parallel, the collective over the mesh's ``pp``: a group clip's norm is every stage's."""
         self.mesh: MeshLayout | None = None
         """Where this rank stands in the job's device mesh, where one was given (``GradGuard(device_mesh=)``)."""
-        """Each tensor's share of a sum over the ranks, where some pieces are replicas (``placements``)."""
-        """This rank's own gradient before the reduction, as the engine's tap notes it (``distributed.taps``)."""
         self.members: list[int] = []
         """The group's ranks (global ranks), in group order; set at attach (``agreement.agree_at_attach``)."""
         self.hosts: dict[int, str] = {}

@@ -56,6 +56,9 @@ class Series:
     """The bound rule the columns were mapped for: a new binding (a rebind, a reload) maps them again."""
     in_order: list[int] = field(default_factory=list)
     """The tensor indices of every column, in column order (tensor scope)."""
+    blank: bool = False
+    """Its tensors are still as ``init`` made them (nothing carried over, loaded or committed): the host need not
+    read them to know them."""
     host: dict[str, Any] | None = None
     """Where the host decides (``actions.zclip``): the values as Python numbers, the series' own in place of
     ``tensors`` until ``materialize`` makes them tensors again; replaced at a commit, never edited (a snapshot holds
@@ -66,7 +69,7 @@ class Series:
         if self.host is not None:
             device = next(iter(self.tensors.values())).device
             made = {key: torch.tensor(value, dtype=STATS_DTYPE, device=device) for key, value in self.host.items()}
-            self.tensors, self.host = {**self.tensors, **made}, None
+            self.tensors, self.host, self.blank = {**self.tensors, **made}, None, False
 
     def map_columns(self, bound: BoundRule) -> None:
         self.bound = bound
@@ -123,6 +126,7 @@ class StepStatistics:
                 else:
                     series.tensors[key] = series.tensors[key].index_copy(0, cols, value)
             series.counters.update(counters)
+            series.blank = False
         self.proposals.clear()
         for series, values, counters in self.host:
             base = series.host if series.host is not None else {k: v.tolist() for k, v in series.tensors.items()}
@@ -163,6 +167,8 @@ class Statistics:
         earlier = series if series is not None else self._take_saved(key, device)
         if earlier is not None and earlier.kind == fresh.kind and earlier.shape == shape:
             _carry_over(earlier, fresh)
+        else:
+            fresh.blank = True
         self.series[key] = fresh
         return fresh
 

@@ -7,7 +7,6 @@ what they did into ``StepOutcome``; the engine reads everything back in one tran
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -351,17 +350,13 @@ class StepWork:
         """The tensors of the running action whose change may wait for the step's read: ``final`` and ``held``."""
         return self.final | self.held if self.held else self.final
 
-    def norms(
-        self, grads: Sequence[torch.Tensor], norm_type: float, ids: Sequence[int] | None = None
-    ) -> list[torch.Tensor]:
+    def norms(self, grads: Sequence[torch.Tensor], norm_type: float, ids: Sequence[int]) -> list[torch.Tensor]:
         """Per-tensor norms; under FSDP2 and tensor parallel, of the full tensors (one collective), not of this rank's
         pieces (``ids``: the tensors' indices, for their shares where some pieces are replicas)."""
         local = norms(grads, norm_type)
         if not self.sharded or self.collective is None:
             return local
-        shares = self.share_weights(ids, local[0].device) if ids is not None and local else None
-        if shares is None and self.shares is not None and ids is None and not math.isinf(norm_type):
-            raise AssertionError("a sum over the ranks of replicated pieces needs the tensors' ids (their shares)")
+        shares = self.share_weights(ids, local[0].device) if local else None
         return combine_shard_norms(self.collective, local, norm_type, shares)
 
     def share_weights(self, ids: Sequence[int], device: torch.device, repeat: int = 1) -> torch.Tensor | None:

@@ -287,8 +287,7 @@ class GradGuard(ServesMetrics):
 
     def remove(self) -> None:
         """Remove every hook and close the audit log (a guard garbage-collected while attached does it, and warns); safe
-        to call more than once, from any thread (a step in flight on another thread finishes first; later steps of the
-        model are not treated)."""
+        to call more than once, from any thread: a step in flight finishes, the model's later steps are not treated."""
         with self._lock:
             if self._finalizer.detach() is not None:
                 self._attachment.close("removed")
@@ -340,8 +339,9 @@ class GradGuard(ServesMetrics):
         core = self._enforcer  # only where this very clip ran the guard's step: nothing came between
         return clip_with_known_norms(core.known_norms, *call) if core.book.last_run_treated else None
 
-    def _loss_watch(self) -> LossWatch | None:  # where backward's roots go, if the policy watches the loss
-        return self._enforcer.loss_watch if self._attachment.open and watches_loss(self.policy) else None
+    def _loss_watch(self) -> LossWatch | None:  # where backward's roots go, if the policy watches this step's loss
+        core = self._enforcer
+        return core.loss_watch if self._attachment.open and watches_loss(self.policy, core.book.step) else None
 
     def _after_clip(self) -> None:  # the clip's own change to the gradients is not a new gradient
         with self._lock:

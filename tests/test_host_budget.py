@@ -122,25 +122,14 @@ def test_the_default_provenance_costs_no_torch_op_and_few_python_calls_on_a_clea
         assert 0 < traced[0] - untraced[0] <= 30, (layers, traced, untraced)
 
 
-@pytest.mark.parametrize("loop", ["gpt", "flat"])
-def test_the_shipped_default_adds_at_most_its_budget_on_both_gpt_trees(host_time: ModuleType, loop: str) -> None:
+@pytest.mark.parametrize("loop", ["gpt", "flat", "mlp"])
+def test_the_shipped_default_adds_at_most_its_budget_on_every_tree(host_time: ModuleType, loop: str) -> None:
     """The shipped default policy (its per-tensor zclip decided on the host from the step's read: two small tensors
-    of statistics a step) with the default provenance, within +10 ops and +200 calls, and no more at 4x the layers."""
+    of statistics a step) with the default provenance, within +10 ops and +200 calls, and no more at 4x the layers.
+    On the MLP with 4 micro-batches it was +8.7 ops and +213 calls while each backward's loss was summed on the device
+    at every step; its monitor samples the loss every 10th step, and now the other nine take no root (+182, -1.2)."""
     counted = {layers: host_time.budget_counts(layers, loop) for layers in (2, 8)}
     assert host_time.within_budget(counted), counted
-
-
-def test_the_shipped_default_s_zclip_adds_at_most_three_ops_over_the_budget_s_policy_on_the_mlp(
-    host_time: ModuleType,
-) -> None:
-    """On the MLP with 4 micro-batches the budget's own policy (0.2.0's) is at +8.1 ops and +191 calls: the shipped
-    default's zclip adds its statistics' two or three small tensors a step and a few calls (over the budget there:
-    +11.1 ops, +212 calls, issue 56's note)."""
-    for layers in (2, 8):
-        shipped = host_time.budget_counts(layers, "mlp")
-        budget_policy = host_time.budget_counts(layers, "mlp", host_time._per_tensor_clip)
-        assert shipped[1] - budget_policy[1] <= 3.0, (layers, shipped, budget_policy)
-        assert shipped[0] - budget_policy[0] <= 25.0, (layers, shipped, budget_policy)
 
 
 def test_the_counts_are_deterministic_and_see_the_guard(host_time: ModuleType) -> None:

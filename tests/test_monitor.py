@@ -385,3 +385,33 @@ def test_a_monitored_step_frees_its_gradients_without_waiting_for_the_garbage_co
             assert all(ref() is None for ref in grads)
     finally:
         gc.enable()
+
+
+def test_a_sampled_step_records_the_sum_of_its_micro_batches_losses_and_an_unsampled_one_is_given_no_root(
+    make_policy, read_audit, tmp_path
+):
+    """The loss rides a ``stats`` event at the steps a monitor samples (every 3rd, from step 1): the sum of the step's
+    four micro-batches' losses, bit for bit; at the other steps the guard takes no root and no op at backward (its
+    loss watch is not asked: issue 56's budget on the MLP with 4 micro-batches)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rules = [{"name": "m", "match": "*", "actions": [{"action": "monitor", "every": 3, "from_step": 1}]}]
+    log = tmp_path / "run.jsonl"
+    sums, asked = [], []
+    with GradGuard(model, make_policy(*rules), audit_log=log) as guard:
+        for _ in range(8):
+            opt.zero_grad(set_to_none=True)
+            total = torch.zeros(())
+            for _ in range(4):
+                loss = model(torch.randn(16, 8)).pow(2).mean() / 4
+                asked.append(guard._loss_watch() is not None)
+                loss.backward()  # type: ignore[no-untyped-call]
+                total = total + loss.detach()
+            sums.append(total.item())
+            opt.step()
+    sampled = [step for step in range(8) if step >= 1 and (step - 1) % 3 == 0]
+    assert asked == [step in sampled for step in range(8) for _ in range(4)]
+    stats = _stats_events(read_audit(log), "m")
+    assert [event["step"] for event in stats] == sampled == [1, 4, 7]
+    assert [event["loss"] for event in stats] == [sums[step] for step in sampled]

@@ -29,7 +29,7 @@ from gradguard.enforce.triggers.loss_reference import LossReference, LossVerdict
 from gradguard.enforce.work.step_work import StepOutcome, StepWork
 from gradguard.events.log import EventLog
 from gradguard.policy.matching import GuardedParam
-from gradguard.policy.schema import Loss, Monitor, PolicyFields
+from gradguard.policy.schema import Loss, Monitor, PolicyFields, Rule
 
 __all__ = ["PROBES", "LossVerdict", "LossWatch", "watches_loss"]
 
@@ -38,28 +38,33 @@ PROBES = 16
 backward that reaches none of 16 of them is another model's)."""
 
 
-def watches_loss(policy: PolicyFields) -> bool:
-    """Whether a guard under ``policy`` learns the loss: to judge it (a ``loss`` section), to compare a step's two
-    computations (``rerun``), or to record it beside the norms a ``monitor`` writes (``stats`` events)."""
+def watches_loss(policy: PolicyFields, step: int) -> bool:
+    """Whether a guard under ``policy`` learns the loss of ``step`` (the step whose backward runs now): to judge it (a
+    ``loss`` section), to compare a step's two computations (``rerun``), at every step; to record it beside the norms
+    a ``monitor`` writes (``stats`` events), at the steps a monitor samples. A step no one watches leaves its roots
+    alone (no op, no probe of the gradients): the default's monitor samples every 10th step."""
     # Asked at every backward: the policy last asked about is answered without hashing it (pydantic hashes every
-    # section, 7 calls); a policy is immutable, so the same object has the same answer. One tuple, swapped whole,
-    # so that a thread reads a policy with its own answer.
+    # section, 7 calls), and again for the same step without a call; a policy is immutable, so the same object has the
+    # same watchers. One tuple, swapped whole, so that a thread reads a policy with its own answer.
     global _last_asked
-    last_policy, last_answer = _last_asked
-    if policy is last_policy:
+    last_policy, watchers, last_step, last_answer = _last_asked
+    if policy is last_policy and step == last_step:
         return last_answer
-    answer = _watches_loss(policy)
-    _last_asked = (policy, answer)
+    always, monitors = watchers if policy is last_policy else _loss_watchers(policy)
+    answer = always or any(rule.active_at(step) and monitor.samples(step) for rule, monitor in monitors)
+    _last_asked = (policy, (always, monitors), step, answer)
     return answer
 
 
-_last_asked: tuple[PolicyFields | None, bool] = (None, False)
+_Watchers = tuple[bool, tuple[tuple[Rule, Monitor], ...]]
+_last_asked: tuple[PolicyFields | None, _Watchers, int, bool] = (None, (False, ()), -1, False)
 
 
 @lru_cache(maxsize=32)
-def _watches_loss(policy: PolicyFields) -> bool:
-    monitors = any(isinstance(action, Monitor) for rule in policy.rules for action in rule.actions)
-    return policy.loss is not None or policy.rerun is not None or monitors
+def _loss_watchers(policy: PolicyFields) -> _Watchers:
+    """Whether ``policy`` watches the loss at every step, and the monitors (with their rules) that sample it."""
+    monitors = tuple((rule, action) for rule in policy.rules for action in rule.actions if isinstance(action, Monitor))
+    return policy.loss is not None or policy.rerun is not None, monitors
 
 
 class LossWatch(LossReference):

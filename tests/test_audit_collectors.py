@@ -97,8 +97,33 @@ def _is_collector(node: ast.ClassDef) -> bool:
     return any(isinstance(base, ast.Name) and base.id == "Collector" for base in node.bases)
 
 
-def test_a_streaks_replica_check_builds_what_a_clip_is_about_as_identity_does() -> None:
-    from gradguard.audit import jobs
+def test_a_streaks_replica_check_agrees_with_the_one_by_one_check() -> None:
+    """A job's clips checked a streak at a time (``Job.clip_replicas``, as the dispatcher hands them) are replicas
+    exactly where checked one at a time (``Job.replica``, as with a filter on): the same parameter, rule, action,
+    micro-batch mark and group another rank clipped at that step, as often."""
+    from gradguard.audit.jobs import Job
+    from gradguard.audit.reader import Record
     from gradguard.events.definitions import Intervention
 
-    assert jobs._identity_fields(Intervention) == jobs._CLIP_FIELDS
+    def clip(rank: int, step: int, param: str, micro: bool = False, params: list[str] | None = None) -> Intervention:
+        return Intervention(
+            run=f"r{rank}", rank=rank, step=step, rule="clip", action="clip_norm", param=param, params=params,
+            before=2.0, after=1.0, micro_batch=micro,
+        )  # fmt: skip
+
+    rank0 = [clip(0, 1, "a"), clip(0, 1, "b"), clip(0, 1, "a", micro=True), clip(0, 1, "a", micro=True)]
+    rank0 += [clip(0, 1, "c", params=["c", "d"]), clip(0, 2, "a")]
+    rank1 = [clip(1, 1, "b"), clip(1, 1, "a", micro=True), clip(1, 1, "a", micro=True), clip(1, 1, "a", micro=True)]
+    rank1 += [clip(1, 1, "c"), clip(1, 1, "c", params=["c", "d"]), clip(1, 2, "a"), clip(1, 2, "b"), clip(1, 2, "a")]
+    expected = [True, True, True, False, False, True, True, False, False]
+    one_by_one, streak = Job(1), Job(1)
+    for job in (one_by_one, streak):
+        job.join(0, "r0")
+        job.join(1, "r1")
+        assert [job.replica(event, 0) for event in rank0] == [False] * len(rank0)
+    assert [one_by_one.replica(event, 1) for event in rank1] == expected
+    parts = streak.clip_replicas([Record(event.step, 1, line, event) for line, event in enumerate(rank1)], 1)
+    assert parts == [(3, True), (5, False), (7, True), (9, False)]
+    starts = [0, *[end for end, _ in parts[:-1]]]
+    marks = [replica for (end, replica), start in zip(parts, starts, strict=True) for _ in range(start, end)]
+    assert marks == expected

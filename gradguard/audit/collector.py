@@ -68,9 +68,9 @@ class Collector:
         return {}
 
     def clips(self, run: RunState, records: Sequence[Record]) -> None:
-        """A streak of one-tensor clips (``Intervention`` with a ``param``) of ``run``, read one after the other (most
-        lines of a long log), all replicas or none (``run.replica``): each to its handler, unless the collector takes
-        them at once."""
+        """A streak of one-tensor clips (``Intervention`` with a ``param``) of ``run``, all of one rule and action,
+        read one after the other (most lines of a long log), all replicas or none (``run.replica``): each to its
+        handler, unless the collector takes them at once."""
         handle = self.reads()[Intervention]
         for record in records:
             handle(record.event, run, record)

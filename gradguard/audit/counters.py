@@ -45,28 +45,10 @@ class CounterCheck(Collector):
         return counted | {ev.Halt: self.halt, ev.Counters: self.snapshot, ev.Detach: self.snapshot}
 
     def clips(self, run: RunState, records: Sequence[Record]) -> None:
-        """A streak of one-tensor clips: counted by (rule, action), the pair compared with the line before's (the guard
-        writes a step's clips rule by rule)."""
-        recomputed = run.recomputed
-        counted = None if run.replica else run.job.counted  # the job counts each distributed clip once
-        rule_now: str | None = None
-        action_now: str | None = None
-        key = ("", "")
-        pending = 0
-        for record in records:
-            event: ev.Intervention = record.event  # type: ignore[assignment]  # a streak holds clips only
-            rule, action = event.rule, event.action
-            if rule != rule_now or action != action_now:
-                if pending:
-                    recomputed[key] = recomputed.get(key, 0) + pending
-                    if counted is not None:
-                        counted[key] = counted.get(key, 0) + pending
-                rule_now, action_now, key, pending = rule, action, (rule, action), 0
-            pending += 1
-        if pending:
-            recomputed[key] = recomputed.get(key, 0) + pending
-            if counted is not None:
-                counted[key] = counted.get(key, 0) + pending
+        """A streak of one-tensor clips, all of one rule and action: counted at once."""
+        if records:
+            first: ev.Intervention = records[0].event  # type: ignore[assignment]  # a streak holds clips only
+            run.count(first.rule, first.action, len(records))
 
     def halt(self, event: ev.Halt, run: RunState, record: Record) -> None:
         counting.halt(event, run)

@@ -5,10 +5,11 @@ is a replica (another rank of the job wrote it at its step: ``Job.replica``; a j
 only holds its events, ``Job.hold``), and hands it to every collector that registered for its type, in registration
 order (``gradguard.audit.collectors``). No collector sees an event before this is done, and none does it again.
 
-Most lines of a long log are clips of one tensor of the run just seen: they are gathered while they last and handed
-to each collector that reads clips at once (``Collector.clips``), a streak per collector instead of a call per line
-per collector; in a job of several ranks, in parts that are all replicas or none (``Job.clip_replicas``, marked on
-the run as for any event). A filter on (``--since``, ``--rule``, ...) takes them one by one.
+Most lines of a long log are clips of one tensor of the run, rule and action just seen: they are gathered while they
+last and handed to each collector that reads clips at once (``Collector.clips``), a streak per collector instead of a
+call per line per collector; in a job of several ranks, in parts that are all replicas or none
+(``Job.clip_replicas``, marked on the run as for any event). A filter on (``--since``, ``--rule``, ...) takes them
+one by one.
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ class Dispatcher:
     def _add_batch(self, records: list[Record]) -> None:
         """Take every event of ``records``; one a collector cannot use is reported as an unreadable line and skipped.
 
-        A one-tensor clip of the run of the line before joins the streak; the run's step span,
-        time and event count are kept in locals while it lasts (attribute stores per line would cost a tenth of the
-        audit) and written with the streak, before the next other event.
+        A one-tensor clip of the run, rule and action of the clip before joins the streak; the run's step span is
+        kept in locals while it lasts (attribute stores per line would cost a tenth of the audit) and written with
+        the streak, before the next other event.
         """
         if self.one_by_one:
             for record in records:
@@ -89,11 +90,10 @@ class Dispatcher:
             return
         clip = ev.Intervention
         run: RunState | None = None
-        run_id, run_file = "", -1
+        run_id, run_file, rule, action = "", -1, "", ""
         streak: list[Record] = []
         gather = streak.append
         streaking = False
-        last_ts: str | None = None
         low = high = 0
         for record in records:
             event = record.event
@@ -101,13 +101,12 @@ class Dispatcher:
                 streaking
                 and type(event) is clip
                 and event.run == run_id
+                and event.rule == rule
+                and event.action == action
                 and record.file == run_file
                 and event.param is not None
             ):
                 gather(record)
-                ts = event.ts
-                if ts is not None:
-                    last_ts = ts
                 step = event.step
                 if step > high:
                     high = step
@@ -116,27 +115,29 @@ class Dispatcher:
                 continue
             if streak:
                 assert run is not None
-                self._flush(run, streak, last_ts, low, high)
+                self._flush(run, streak, low, high)
                 streak = []
                 gather = streak.append
             run = self._dispatch(record)
-            if run is None:
-                streaking = False
-                continue
-            run_id, run_file = event.run, record.file
-            # A streak starts only where the run has a step span to widen (a clip's own ``run_of`` would start it).
-            first, last = run.first_step, run.last_step
-            streaking = first is not None and last is not None
-            if streaking:
-                last_ts, low, high = run.last_ts, first, last  # type: ignore[assignment]
+            # A streak starts after a one-tensor clip whose run has a step span to widen (its own ``run_of`` gave it
+            # one): its rule and action are the streak's, so that a collector counts a streak at once.
+            streaking = False
+            if run is not None and type(event) is clip and event.param is not None:
+                streaking = True
+                run_id, run_file, rule, action = event.run, record.file, event.rule, event.action
+                low, high = run.first_step, run.last_step  # type: ignore[assignment]
         if streak:
             assert run is not None
-            self._flush(run, streak, last_ts, low, high)
+            self._flush(run, streak, low, high)
 
-    def _flush(self, run: RunState, streak: list[Record], last_ts: str | None, low: int, high: int) -> None:
+    def _flush(self, run: RunState, streak: list[Record], low: int, high: int) -> None:
         """The streak's bookkeeping into its run, then the streak to every collector that reads clips."""
         run.events += len(streak)
-        run.last_ts = last_ts
+        last_ts = streak[-1].event.ts
+        if last_ts is None:  # the guard stamps every line: only a hand-written log gets here
+            last_ts = next((record.event.ts for record in reversed(streak) if record.event.ts is not None), None)
+        if last_ts is not None:
+            run.last_ts = last_ts
         run.first_step = low
         run.last_step = high
         job = run.job

@@ -90,26 +90,19 @@ class InterventionCollector(Collector):
         return {Intervention: self.intervention, AdaptiveClip: self.adaptive_clip}
 
     def clips(self, run: RunState, records: Sequence[Record]) -> None:
-        """A streak of one-tensor clips (no filter on): each updates its ``Entry``, the (rule, action) of the line
-        before compared, not looked up (the guard writes a step's clips rule by rule); replicas are counted once."""
-        if run.replica:
+        """A streak of one-tensor clips of one rule and action (no filter on): each updates its ``Entry``; replicas
+        are counted once."""
+        if run.replica or not records:
             return
-        entries = self.entries
-        seq = self.seq
-        rule_now: str | None = None
-        action_now: str | None = None
-        by_param: dict[str, Entry] = {}
-        for record in records:
-            event: Intervention = record.event  # type: ignore[assignment]  # a streak holds clips only
-            rule, action, raw, step = event.rule, event.action, event.before, event.step
-            if rule != rule_now or action != action_now:
-                rule_now, action_now = rule, action
-                found = entries.get((rule, action))
-                if found is None:
-                    found = entries[(rule, action)] = {}
-                by_param = found
+        first: Intervention = records[0].event  # type: ignore[assignment]  # a streak holds clips only
+        key = (first.rule, first.action)
+        by_param = self.entries.get(key)
+        if by_param is None:
+            by_param = self.entries[key] = {}
+        for seq, record in enumerate(records, self.seq + 1):
+            event: Intervention = record.event  # type: ignore[assignment]
+            raw, step = event.before, event.step
             before = raw if type(raw) is float else number_or_none(raw)
-            seq += 1
             param: str = event.param  # type: ignore[assignment]  # a streak's clips are of one tensor each
             entry = by_param.get(param)
             if entry is None:
@@ -121,7 +114,7 @@ class InterventionCollector(Collector):
             if before is not None and (entry[5] is None or before > entry[5]):
                 entry[5] = before
                 entry[6] = step
-        self.seq = seq
+        self.seq += len(records)
 
     def contribute(self, fields: dict[str, Any]) -> None:
         by_rule_action, by_param = self.rows()

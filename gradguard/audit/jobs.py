@@ -44,9 +44,6 @@ the parameters whose own norms differed, empty on the other ranks)."""
 _PER_RANK: Final = (ev.Counters, ev.SnapshotPlacement)
 """Events of one rank's own state, never replicas: its counters, where its own snapshots live."""
 
-_CLIP_FIELDS: Final = ("rule", "action", "param", "params", "micro_batch")
-"""What a clip is about, in ``identity``'s order (``Job.clip_replicas`` builds it directly; a test holds them equal)."""
-
 _fields_by_type: dict[type[Any], tuple[str, ...] | None] = {}
 
 Seen = int | dict[int, int]
@@ -54,7 +51,7 @@ Seen = int | dict[int, int]
 times each rank did."""
 
 
-def _seen(at: dict[Hashable, Seen], key: Hashable, rank: int) -> bool:
+def _seen(at: dict[Any, Seen], key: Hashable, rank: int) -> bool:
     """Note that ``rank`` wrote the event ``key`` (once more) at the step ``at``: whether another rank wrote it as
     often (then it is a replica)."""
     seen = at.get(key)
@@ -106,6 +103,28 @@ def identity(event: Any) -> tuple[Hashable, ...] | None:
     return tuple(values)
 
 
+class _Step:
+    """What the events of one step of a job were about, and the ranks that wrote each (``Seen``)."""
+
+    __slots__ = ("clips", "events")
+
+    def __init__(self) -> None:
+        self.events: dict[Hashable, Seen] = {}
+        """``identity`` -> the ranks that wrote such an event."""
+        self.clips: dict[tuple[str, str, bool], dict[str, Seen]] = {}
+        """(rule, action, micro_batch) -> parameter -> the ranks that clipped it so: the one-tensor clips, most events
+        of a step, looked up by their parameter alone (what ``identity`` would say of them, but no tuple to build and
+        hash a clip)."""
+
+    def clipped(self, rule: str, action: str, micro_batch: bool) -> dict[str, Seen]:
+        """The one-tensor clips of the step under ``rule`` and ``action``, by parameter."""
+        key = (rule, action, micro_batch)
+        found = self.clips.get(key)
+        if found is None:
+            found = self.clips[key] = {}
+        return found
+
+
 class Job:
     """The runs of one job, by rank, and the events of its recent steps, to tell a replica from a new event."""
 
@@ -118,8 +137,8 @@ class Job:
         self.counted: dict[tuple[str, str], int] = {}
         """The counts of its events, each distributed event once (``RunState.count`` of an event no other rank
         of the job wrote before it)."""
-        self._window: dict[int, dict[Hashable, Seen]] = {}
-        """Step -> what an event was about -> the ranks that wrote such an event at that step (``Seen``)."""
+        self._window: dict[int, _Step] = {}
+        """Step -> what its events were about, and the ranks that wrote each."""
         self._last: dict[int, int] = {}
         """Rank -> the highest step of its events so far."""
         self._held: dict[int, list[tuple[Any, int]]] = {}
@@ -162,60 +181,62 @@ class Job:
         step = getattr(event, "step", None)
         if step is None:
             return False
+        if type(event) is ev.Intervention and event.param is not None and event.params is None:
+            clipped = self._at(step, rank).clipped(event.rule, event.action, event.micro_batch)
+            return _seen(clipped, event.param, rank)
         key = identity(event)
         if key is None:
             return False
-        return _seen(self._at(step, rank), key, rank)
+        return _seen(self._at(step, rank).events, key, rank)
 
-    def _at(self, step: int, rank: int) -> dict[Hashable, Seen]:
+    def _at(self, step: int, rank: int) -> _Step:
         """What the events of ``step`` were about, so far, as ``rank`` reaches it."""
         window = self._window
         at = window.get(step)
         if at is None:
-            at = window[step] = {}
+            at = window[step] = _Step()
             self._forget(step, rank)
         elif self._last.get(rank, -1) < step:
             self._last[rank] = step
         return at
 
     def clip_replicas(self, records: Sequence[Any], rank: int) -> list[tuple[int, bool]]:
-        """``replica`` of each one-tensor clip of ``records`` (a streak of one run of ``rank``), in one loop, as parts:
-        (where a part ends, whether its clips are replicas). What a clip is about is built here as ``identity``
-        builds it (``_CLIP_FIELDS``), and the step's events are looked up once per step, not per clip."""
+        """``replica`` of each one-tensor clip of ``records`` (a streak of one run of ``rank``, of one rule and action),
+        in one loop, as parts: (where a part ends, whether its clips are replicas). The clips of a step are looked up
+        by parameter in one dict (``_Step.clipped``), found once per step."""
         parts: list[tuple[int, bool]] = []
-        clip = ev.Intervention
+        if not records:
+            return parts
+        first = records[0].event
+        rule, action = first.rule, first.action
         bit = 1 << rank
-        step_now = None
-        at: dict[Hashable, Seen] = {}
+        step_now: int | None = None
+        micro_now = False
+        clipped: dict[str, Seen] = {}
         before = False
         for index, record in enumerate(records):
             event = record.event
             step = event.step
-            if step != step_now:
-                at, step_now = self._at(step, rank), step
-            params = event.params
-            key = (
-                clip,
-                event.rule,
-                event.action,
-                event.param,
-                None if params is None else tuple(params),
-                event.micro_batch,
-            )
-            seen = at.get(key)
-            if seen is None:
-                at[key] = bit
-                replica = False
-            elif type(seen) is int and not seen & bit:
-                at[key] = seen | bit  # its first on this rank, another rank's before it: a replica
-                replica = True
+            micro = event.micro_batch
+            if step != step_now or micro is not micro_now:
+                clipped, step_now, micro_now = self._at(step, rank).clipped(rule, action, micro), step, micro
+            if event.params is not None:  # a one-tensor clip naming its group too: what identity says of it
+                replica = _seen(self._at(step, rank).events, identity(event), rank)
             else:
-                replica = _seen(at, key, rank)
+                param = event.param
+                seen = clipped.get(param)
+                if seen is None:
+                    clipped[param] = bit
+                    replica = False
+                elif type(seen) is int and not seen & bit:
+                    clipped[param] = seen | bit  # its first on this rank, another rank's before it: a replica
+                    replica = True
+                else:
+                    replica = _seen(clipped, param, rank)
             if replica is not before and index:
                 parts.append((index, before))
             before = replica
-        if records:
-            parts.append((len(records), before))
+        parts.append((len(records), before))
         return parts
 
     def _forget(self, step: int, rank: int) -> None:

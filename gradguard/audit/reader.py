@@ -20,6 +20,7 @@ import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from io import BytesIO
 from pathlib import Path
 from typing import Any, BinaryIO, Final, Union
 
@@ -210,6 +211,12 @@ def _refused(raw: bytes, limit: int) -> str | None:
     return parsed if isinstance(parsed, str) else None
 
 
+def _unended(raw: bytes) -> bytes:
+    """``raw`` without its newline: the standard library's reasons for a line that is not JSON name its columns as
+    they were written, an unterminated string as such (not as a newline inside it)."""
+    return raw[:-1] if raw.endswith(b"\n") else raw
+
+
 def _longest(lines: Sequence[bytes | None]) -> int:
     """The length of the longest line of ``lines`` (an over-long one, ``None``, is not read)."""
     try:
@@ -236,8 +243,10 @@ class LineSplitter:
     as ``None``, so memory stays bounded whatever the input.
     """
 
-    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+    def __init__(self, max_line: int = MAX_LINE_BYTES, *, newlines: bool = False) -> None:
         self.max_line = max_line
+        self.newlines = newlines
+        """Whether a complete line keeps its newline (the reader's: msgspec skips it, and no line is copied again)."""
         self.lines_done = 0
         """How many lines have been handed out (the last one's number)."""
         self._held: list[bytes] = []
@@ -250,23 +259,26 @@ class LineSplitter:
         return self._overlong or self._held_bytes > 0
 
     def feed(self, chunk: bytes) -> tuple[int, list[bytes | None]]:
-        """The complete lines that ``chunk`` finishes, and the number of the first of them."""
+        """The complete lines that ``chunk`` finishes (with their newline where ``newlines``), and the number of the
+        first of them."""
         first_number = self.lines_done + 1
-        parts = chunk.split(b"\n")
-        tail = parts.pop()
-        lines: list[bytes | None] = parts  # type: ignore[assignment]
+        # BytesIO finds each newline with memchr: a sixth of the time bytes.split takes, which looks at every byte.
+        lines: list[bytes | None] = BytesIO(chunk).readlines()  # type: ignore[assignment]
+        tail = lines.pop() if lines and not chunk.endswith(b"\n") else None
+        longest = self.max_line + 1  # a line and its newline
         if lines and (self._overlong or self._held):
-            lines[0] = None if self._overlong else b"".join([*self._held, parts[0]])
-            if lines[0] is not None and len(lines[0]) > self.max_line:
-                lines[0] = None
+            first = None if self._overlong else b"".join([*self._held, lines[0]])  # type: ignore[list-item]
+            lines[0] = None if first is None or len(first) > longest else first
             self._held, self._held_bytes, self._overlong = [], 0, False
         if len(chunk) > self.max_line:  # only then can a line of this chunk alone be over-long
             for index, line in enumerate(lines):
-                if line is not None and len(line) > self.max_line:
+                if line is not None and len(line) > longest:
                     lines[index] = None
         self.lines_done += len(lines)
         if tail:
             self._hold(tail)
+        if not self.newlines:
+            lines = [line if line is None else line[:-1] for line in lines]
         return first_number, lines
 
     def _hold(self, piece: bytes) -> None:
@@ -300,7 +312,7 @@ class _FileState:
         self.name = str(path)
         self.index = index
         self.stats = stats
-        self.splitter = LineSplitter()
+        self.splitter = LineSplitter(newlines=True)
         self.last_step = -1
         self.events = 0
         self._ascii_before = True
@@ -337,13 +349,13 @@ class _FileState:
             if screen and not raw.isascii() and (why := invalid_text(raw)) is not None:
                 self.stats.bad_line(self.name, number, why, raw)
                 continue
-            if digits and len(raw) > limit and (refused := _refused(raw, limit)) is not None:
+            if digits and len(raw) > limit and (refused := _refused(_unended(raw), limit)) is not None:
                 self.stats.bad_line(self.name, number, refused, raw)
                 continue
             try:
                 event: AnyEvent = decode(raw)
             except _DECODE_ERRORS as exc:
-                checked = read_line(raw, exc)
+                checked = read_line(_unended(raw), exc)
                 if checked is None:
                     continue
                 if isinstance(checked, str):

@@ -2,7 +2,8 @@
 
 Each rank holds one stage of ``support.parallel_models``' decoder (the whole model's names, the other stages' layers
 removed, as torchtitan splits it), runs a GPipe or 1F1B schedule over 2 micro-batches of the full batch and then its
-optimizer's step, guarded with ``device_mesh``; ``pp_dp`` puts FSDP2 over 2 data-parallel replicas under each stage.
+optimizer's step, guarded with ``device_mesh``; ``pp_dp`` puts FSDP2 over 2 data-parallel replicas under each stage,
+``pp_tp`` torchtitan's tensor-parallel plan over 2 ranks in each stage.
 Run as ``python tests/pipeline_scenarios.py NAMES WORLD OUTDIR PORT`` (support.gloo_ranks).
 """
 
@@ -16,7 +17,7 @@ import parallel_scenarios
 import torch
 import torch.distributed as dist
 from support.gloo_ranks import main
-from support.parallel_models import batch, loss_of, make_decoder, stage_modules, titan_clip
+from support.parallel_models import apply_torchtitan_tp, batch, loss_of, make_decoder, stage_modules, titan_clip
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
@@ -42,12 +43,13 @@ class Stage:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        dp = world // 2
-        self.mesh = (
-            init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp_shard"))
-            if dp > 1
-            else init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-        )
+        dp = 1 if layout == "pp_tp" else world // 2
+        if layout == "pp_tp":  # torchtitan's PP over TP: each stage's layers split over its 2 tensor-parallel ranks
+            self.mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "tp"))
+        elif dp > 1:
+            self.mesh = init_device_mesh("cpu", (2, dp), mesh_dim_names=("pp", "dp_shard"))
+        else:
+            self.mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
         self.index = self.mesh["pp"].get_local_rank()
         self.dp_rank = self.mesh["dp_shard"].get_local_rank() if dp > 1 else 0
         self.dp = dp
@@ -68,6 +70,8 @@ class Stage:
             from torch.distributed.fsdp import fully_shard
 
             fully_shard(self.module, mesh=self.mesh["dp_shard"])
+        if layout == "pp_tp":
+            apply_torchtitan_tp(self.module, self.mesh["tp"])
         stage = PipelineStage(self.module, self.index, 2, torch.device("cpu"), group=self.mesh["pp"].get_group())
         kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(stage, n_microbatches=2, loss_fn=loss_of)
@@ -112,14 +116,16 @@ def train(layout: str, rank: int, world: int, outdir: Path, policy: str, schedul
     return {"final": weights, "stats": parallel_scenarios.stats_of(log), "norms": norms}
 
 
-def fault(rank: int, world: int, policy: dict[str, Any], steps: int = STEPS) -> dict[str, Any]:
-    """A NaN written into stage 1's ``layers.1.feed_forward.up.weight`` gradient at ``BAD_STEP``."""
-    stage = Stage("fault", rank, world)
+def fault(rank: int, world: int, policy: dict[str, Any], steps: int = STEPS, layout: str = "fault") -> dict[str, Any]:
+    """A NaN written into stage 1's ``layers.1.feed_forward.up.weight`` gradient at ``BAD_STEP`` (under ``pp_tp``, into
+    the shard of stage 1's last tensor-parallel rank only)."""
+    stage = Stage(layout, rank, world)
+    poisoned = stage.index == 1 and (layout != "pp_tp" or stage.mesh["tp"].get_local_rank() == world // 2 - 1)
     out: dict[str, Any] = {"halted": None, "skipped": [], "rewinds": 0, "changed": []}
     with GradGuard(stage.module, Policy.from_dict(policy), logger=None, device_mesh=stage.mesh) as guard:
         for step in range(steps):
             stage.run(step)
-            if step == BAD_STEP and stage.index == 1:
+            if step == BAD_STEP and poisoned:
                 grad = stage.module.layers["1"].feed_forward.up.weight.grad
                 parallel_scenarios.local(grad).view(-1)[0] = float("nan")
             before = stage.weights()
@@ -217,7 +223,7 @@ def refusals(rank: int) -> dict[str, Any]:
 
 
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
-    if name in ("pp_gpipe", "pp_1f1b", "pp_dp", "pp_interleaved"):
+    if name in ("pp_gpipe", "pp_1f1b", "pp_dp", "pp_interleaved", "pp_tp"):
         schedule = {"pp_1f1b": "1f1b", "pp_interleaved": "interleaved"}.get(name, "gpipe")
         runs: dict[str, Any] = {policy: train(name, rank, world, outdir, policy, schedule) for policy in POLICIES}
         return runs | {"layers": 4 if schedule == "interleaved" else 2}
@@ -227,6 +233,12 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             "halt": fault(rank, world, halt_policy),
             "skip": fault(rank, world, SKIP),
             "rewind": fault(rank, world, REWIND, 5),
+        }
+    if name == "pp_tp_faults":
+        halt_policy = {"version": 1, "rules": REWIND["rules"]}
+        return {
+            "halt": fault(rank, world, halt_policy, layout="pp_tp"),
+            "skip": fault(rank, world, SKIP, layout="pp_tp"),
         }
     if name == "pp_without_mesh":
         return refused_without_a_mesh(rank)

@@ -1,7 +1,8 @@
 """Pipeline parallel as one model: every stage's figures are the whole model's, and the stages take one verdict.
 
 tests/pipeline_scenarios.py runs torch.distributed.pipelining's GPipe and 1F1B schedules on 2 gloo ranks (a stage
-each), and a pipeline of 2 stages over 2 FSDP2 replicas on 4; each stage is guarded with the job's ``device_mesh``.
+each), a pipeline of 2 stages over 2 FSDP2 replicas on 4 and one over torchtitan's TP plan on 4; each stage is
+guarded with the job's ``device_mesh``.
 The stages' weights together are compared with the decoder trained in one process on the full batch under the same
 policy (and torch's own ``clip_grad_norm_`` for the clips).
 """
@@ -56,8 +57,10 @@ def merged_stats(ranks: list[dict[str, Any]], policy: str) -> list[dict[str, Any
     return merged
 
 
-LAYOUTS = [("pp_gpipe", 2), ("pp_1f1b", 2), ("pp_interleaved", 2), ("pp_dp", 4)]
-"""``pp_interleaved``: a 4-layer decoder in 4 stages, two a rank (torchtitan's ``model_parts``: one guarded model)."""
+LAYOUTS = [("pp_gpipe", 2), ("pp_1f1b", 2), ("pp_interleaved", 2), ("pp_dp", 4), ("pp_tp", 4)]
+"""``pp_interleaved``: a 4-layer decoder in 4 stages, two a rank (torchtitan's ``model_parts``: one guarded model);
+``pp_tp``: 2 stages, each over 2 tensor-parallel ranks (torchtitan's plan: sequence-parallel norms, a row-wise
+embedding on the first stage, a column-wise head on the last)."""
 
 
 @pytest.fixture(scope="module", params=LAYOUTS, ids=[name for name, _ in LAYOUTS])
@@ -123,6 +126,30 @@ def test_a_nan_on_one_stage_halts_every_stage_before_any_update(fault_runs: Path
     assert first["rule"] == "pipeline"
     assert "stage 1 of 2" in first["message"]
     assert "It was not made on this pipeline stage (rank 0)" in first["message"]
+
+
+def test_a_nan_in_one_tensor_parallel_shard_of_one_stage_halts_all_four_ranks_before_any_update(
+    tmp_path: Path,
+) -> None:
+    """PP over TP (2 stages of 2 tensor-parallel ranks): a NaN in rank 3's shard of stage 1's weight halts every rank
+    at that step, none updated; stage 1's ranks name the parameter, every rank names rank 3 alone (its shard made
+    it), stage 0's as a pipeline verdict; under a skip policy every rank skips that step and trains on after it."""
+    launch(["pp_tp_faults"], 4, tmp_path)
+    ranks = results(tmp_path, "pp_tp_faults", 4)
+    halts = [result["halt"]["halted"] for result in ranks]
+    for rank, halted in enumerate(halts):
+        assert halted["step"] == scenarios.BAD_STEP, rank
+        assert halted["unchanged"], rank
+        assert list(halted["ranks"]) == ["3"], (rank, halted["ranks"])
+        if rank >= 2:
+            assert halted["params"] == ["layers.1.feed_forward.up.weight"], rank
+        else:
+            assert halted["rule"] == "pipeline", rank
+            assert "stage 1 of 2" in halted["message"], rank
+    for result in ranks:
+        assert result["skip"]["halted"] is None
+        assert result["skip"]["skipped"] == [scenarios.BAD_STEP]
+        assert result["skip"]["changed"] == [True, False, True]
 
 
 def test_a_skip_on_one_stage_skips_every_stage(fault_runs: Path) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +124,13 @@ class RankSlots:
         out = torch.zeros(self.bit_slots, dtype=torch.float32, device=device)
         out[self.rank // BITS_PER_SLOT] = set_.float() * float(1 << (self.rank % BITS_PER_SLOT))
         return out
+
+    def bits_of(self, ranks: Iterable[int]) -> list[float]:
+        """``bit_slots`` values with the bits of ``ranks`` set (on the host): ``ranks_of`` reads them back."""
+        values = [0.0] * self.bit_slots
+        for rank in set(ranks):
+            values[rank // BITS_PER_SLOT] += float(1 << (rank % BITS_PER_SLOT))
+        return values
 
     def ranks_of(self, values: Sequence[float]) -> list[int]:
         """The ranks whose bit is set in summed ``bit_slots`` values."""

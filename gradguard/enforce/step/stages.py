@@ -22,7 +22,7 @@ from gradguard.enforce.distributed.mesh import MeshLayout, layout_of
 from gradguard.enforce.recovery.decisions import HaltReport
 from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.work.participant import Participant, Ruling
-from gradguard.enforce.work.step_work import StepContext, StepWork
+from gradguard.enforce.work.step_work import StepContext, StepOutcome, StepWork
 from gradguard.errors import GuardStateError
 from gradguard.events.counters import Counters
 from gradguard.policy.matching import Binding
@@ -63,6 +63,9 @@ class StagesTakingPart(Participant):
         self.verdicts = verdicts
         self.counters = counters
         self._slots = RankSlots(layout.stage, layout.stages, norms=False)
+        self._makers = RankSlots(0, max(max(ranks) for ranks in layout.stage_ranks) + 1, norms=False)
+        """A bit per rank of the job: the ranks a halting stage's own verdict found made the fault (under tensor or
+        data parallel, one of the stage's ranks; not the rank of that stage this rank exchanges with)."""
 
     def ruling(self, work: StepWork, context: StepContext) -> Ruling | None:
         outcome, slots = work.outcome, self._slots
@@ -72,24 +75,37 @@ class StagesTakingPart(Participant):
         device = next(iter(work.grads.values())).device
         mine = torch.tensor([halts, skips, "nan" in kinds, "inf" in kinds], dtype=torch.bool, device=device)
         bits = slots.bit_slots
-        payload = torch.cat([slots.bit(mine[0], device), slots.bit(mine[1], device), mine[2:].float()])
+        if halts and not outcome.ranks and not self.stage.active():  # a stage of one rank: its own gradient
+            outcome.ranks = {self.stage.rank: self.stage.hosts.get(self.stage.rank, "?")}
+        payload = torch.cat(
+            [slots.bit(mine[0], device), slots.bit(mine[1], device), mine[2:].float(), self._made(outcome, device)]
+        )
         values = self.pipeline.sum_(payload).tolist()  # the stages' verdicts: the step's second read, under a pipeline
         halting = [s for s in slots.ranks_of(values[:bits]) if s != self.layout.stage]
         skipping = [s for s in slots.ranks_of(values[bits : 2 * bits]) if s != self.layout.stage]
         if halts:
-            if not outcome.ranks and not self.stage.active():  # a stage of one rank: its own gradient, none reduced in
-                outcome.ranks = {self.stage.rank: self.stage.hosts.get(self.stage.rank, "?")}
             return None  # its own verdict halts it
         if halting:
             kind = "nan" if values[2 * bits] else "inf"
-            return Ruling(lambda: self._halt(work.step, halting, kind))
+            makers = self._makers.ranks_of(values[2 * bits + 2 :])
+            return Ruling(lambda: self._halt(work.step, halting, makers, kind))
         if skipping and not skips:
             self.counters.add(STAGES_RULE, "skip")
             return Ruling(lambda: True)
         return None
 
-    def _halt(self, step: int, stages: list[int], kind: str) -> bool:
-        ranks = {self.pipeline.members[s]: self.pipeline.hosts.get(self.pipeline.members[s], "?") for s in stages}
+    def _made(self, outcome: StepOutcome, device: torch.device) -> torch.Tensor:
+        """The bits of the ranks this stage's verdict found made its fault (zeros on a step it does not halt: built on
+        the device, no host copy; the halting step's few ranks are copied)."""
+        makers = self._makers
+        if not outcome.halted_by or not outcome.ranks:
+            return torch.zeros(makers.bit_slots, dtype=torch.float32, device=device)
+        return torch.tensor(makers.bits_of(outcome.ranks), dtype=torch.float32, device=device)
+
+    def _halt(self, step: int, stages: list[int], makers: list[int], kind: str) -> bool:
+        # The ranks that made it, as the halting stages' verdicts found them; where a stage said none, its rank here.
+        named = makers or [self.pipeline.members[s] for s in stages]
+        ranks = {rank: self.pipeline.hosts.get(rank, "?") for rank in named}
         where = " and ".join(stage_words(self.layout, rank, host) for rank, host in ranks.items())
         reason = f"the pipeline's stages stop together; {where} found it, and its halt names the parameter"
         origin: dict[str, Any] = {

@@ -434,3 +434,41 @@ def test_a_loss_verdict_whose_condition_was_missed_is_refused_loudly(monkeypatch
     policy = _policy(_clip(1e9), loss={"spike": {"factor": 3.0, "window": 4, "warmup": 2, "action": "skip"}})
     with pytest.raises(GuardStateError, match="flag did not stop"):
         _train(policy, _adamw, steps=9, losses=lambda step: 20.0 if step == 5 else 1.0)
+
+
+def test_a_tensor_asked_for_again_is_read_once_and_each_reader_gets_its_own_values() -> None:
+    """The shipped default's zclip reads the raw norms' very stack: the one read copies it once (no ``cat`` of it with
+    itself, one torch op a step fewer), and every reader still gets its values, in the order the readers came."""
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    norms, other, more = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0]), torch.tensor([5.0, 6.0])
+    got: dict[str, list[float]] = {}
+    alone = Pending()
+    alone.add(norms, lambda values: got.setdefault("first", values))
+    alone.add(norms, lambda values: got.setdefault("again", values))
+    with Ops() as ops:
+        alone.sync()
+    assert got == {"first": [1.0, 2.0, 3.0], "again": [1.0, 2.0, 3.0]}
+    assert not any("cat" in name for name in ops.names), ops.names
+    got.clear()
+    mixed = Pending()
+    mixed.add(norms, lambda values: got.setdefault("norms", values))
+    mixed.add(other, lambda values: got.setdefault("other and more", values), more)
+    mixed.add(more, lambda values: got.setdefault("more, alone", values))  # a part of a reader's span, read again
+    mixed.add(norms, lambda values: got.setdefault("norms again", values))
+    mixed.add(other, lambda values: got.setdefault("other again", values))
+    mixed.sync()
+    assert got == {
+        "norms": [1.0, 2.0, 3.0],
+        "other and more": [4.0, 5.0, 6.0],
+        "more, alone": [5.0, 6.0],
+        "norms again": [1.0, 2.0, 3.0],
+        "other again": [4.0],
+    }

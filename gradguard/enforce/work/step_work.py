@@ -10,6 +10,7 @@ import functools
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ class Pending:
     parts: list[torch.Tensor] = field(default_factory=list)
     readers: list[Callable[[list[float]], None]] = field(default_factory=list)
     _spans: list[int] = field(default_factory=list)
-    """How many of ``parts`` each reader reads."""
+    """How many of ``parts`` each reader reads; ``-1 - i``: part ``i`` again (a tensor added before, read once)."""
     raw_stack: tuple[list[torch.Tensor], torch.Tensor] | None = None
     """The raw norms and their stack, so a clip over exactly those norms does not stack them again."""
     quiet: list[torch.Tensor] | None = None
@@ -89,6 +90,12 @@ class Pending:
         """Read ``values`` (and ``more``, after them: no ``cat`` of its own) in the sync; ``reader`` gets them as
         one flat list."""
         parts = self.parts
+        if not more:  # the very tensor a reader before asked for (zclip's norms are the raw norms' stack): read once
+            for index, part in enumerate(parts):
+                if part is values:
+                    self.readers.append(reader)
+                    self._spans.append(-1 - index)
+                    return
         for tensor in (values, *more):
             parts.append(tensor if tensor.dim() == 1 else tensor.reshape(-1))  # a reshape is a dispatch even as a no-op
         self.readers.append(reader)
@@ -114,7 +121,11 @@ class Pending:
         else:
             host = torch.cat([part.to("cpu", torch.float64) for part in parts]).tolist()
         offset, first = 0, 0
+        starts = list(accumulate(map(torch.Tensor.numel, parts), initial=0)) if min(spans) < 0 else []
         for reader, span in zip(readers, spans, strict=True):
+            if span < 0:  # a part read again
+                reader(host[starts[-1 - span] : starts[-span]])
+                continue
             size = parts[first].numel() if span == 1 else sum(part.numel() for part in parts[first : first + span])
             reader(host[offset : offset + size])
             offset += size

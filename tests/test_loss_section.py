@@ -471,3 +471,26 @@ def test_each_guard_judges_only_its_own_models_loss_when_two_models_train_in_one
     finally:
         for guard in guards.values():
             guard.remove()
+
+
+@pytest.mark.parametrize("shipped", ["per-tensor-clip", "default"])
+def test_the_losses_a_grad_scaler_scaled_are_let_go_when_no_guard_watches_them(shipped: str) -> None:
+    """``GradScaler.scale`` notes each scaled loss for the guards' loss section; a backward no guard watches the loss
+    of (a policy without a loss section or monitor; the default's nine steps in ten) takes nothing out, so the notes
+    of losses gone since are let go at the next ``scale``: over 300 steps at most the live one and the last are held,
+    whatever ids Python gives the new losses."""
+    from gradguard.enforce.hooks import torch_hooks
+
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    shifting = []
+    with GradGuard(model, shipped, logger=None, scaler=scaler):
+        for _ in range(300):
+            opt.zero_grad()
+            scaled = scaler.scale(model(torch.randn(2, 4)).sum())
+            shifting.append(torch.zeros(1))  # a new object between the losses: their ids do not repeat
+            scaled.backward()  # type: ignore[no-untyped-call]
+            scaler.step(opt)
+            scaler.update()
+            assert len(torch_hooks._unscaled_roots) <= 2

@@ -285,6 +285,9 @@ def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, outputs)
         if self.is_enabled() and isinstance(outputs, torch.Tensor) and isinstance(result, torch.Tensor):
             with _scaler_lock:  # the loss this root scaled, for the guards' loss section
+                # A backward no guard watched the loss of took nothing out: the roots gone since are let go here.
+                for key in [key for key, (held, _) in _unscaled_roots.items() if held() is None]:
+                    del _unscaled_roots[key]
                 _unscaled_roots[id(result)] = (weakref.ref(result), outputs.detach())
         return result
 

@@ -284,11 +284,7 @@ def _scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
                 _scaled[self] = (self._per_optimizer_states, threading.get_ident())
         result = original(self, outputs)
         if self.is_enabled() and isinstance(outputs, torch.Tensor) and isinstance(result, torch.Tensor):
-            with _scaler_lock:  # the loss this root scaled, for the guards' loss section
-                # A backward no guard watched the loss of took nothing out: the roots gone since are let go here.
-                for key in [key for key, (held, _) in _unscaled_roots.items() if held() is None]:
-                    del _unscaled_roots[key]
-                _unscaled_roots[id(result)] = (weakref.ref(result), outputs.detach())
+            note_scaled_root(result, outputs)  # the loss this root scaled, for the guards' loss section
         return result
 
     return scale
@@ -302,6 +298,9 @@ def note_scaled_root(scaled: torch.Tensor, loss: torch.Tensor) -> None:
     """``scaled`` is ``loss`` times a loss scale another library applied (DeepSpeed's fp16): a backward of ``scaled``
     hands the guards' loss section ``loss``, as after ``GradScaler.scale``."""
     with _scaler_lock:
+        # A backward no guard watched the loss of took nothing out: the roots gone since are let go here.
+        for key in [key for key, (held, _) in _unscaled_roots.items() if held() is None]:
+            del _unscaled_roots[key]
         _unscaled_roots[id(scaled)] = (weakref.ref(scaled), loss.detach())
 
 

@@ -65,7 +65,12 @@ __all__ = [
 CHUNK_BYTES: Final = 1 << 16
 """Bytes read at a time; a chunk's events are decoded together, so this bounds the memory they take. 64 KiB: a
 chunk's events (about 170 lines of a real log) stay in the processor's cache while the collectors read them, which
-a 256 KiB chunk's did not (several files merged held one of each: the ranks' logs read a sixth slower)."""
+a 256 KiB chunk's did not. Several files merged hold a chunk of each: each file is read in its share of this
+(``MIN_CHUNK_BYTES`` at least), so that they take the cache one file's would (4 ranks' logs read 64 KiB a file
+missed the simulated 1 MiB cache twice as often as one log, a share as often)."""
+MIN_CHUNK_BYTES: Final = 1 << 13
+"""The smallest share of ``CHUNK_BYTES`` a file of several is read in (about 20 lines): smaller, and the work done
+once a chunk would cost more than the cache saves."""
 MAX_LINE_BYTES: Final = 64 << 20
 """Longer lines are reported and skipped (a group clip of a million parameters is about 50 MiB)."""
 _EXCERPT_CHARS: Final = 80
@@ -425,12 +430,12 @@ def read_file(
 
 
 def _file_batches(
-    path: Path, index: int, stats: ReadStats, progress: Callable[[int], None] | None
+    path: Path, index: int, stats: ReadStats, progress: Callable[[int], None] | None, chunk_bytes: int = CHUNK_BYTES
 ) -> Iterator[list[Record]]:
-    """The events of one file, a chunk's worth at a time."""
+    """The events of one file, a chunk's worth (``chunk_bytes``) at a time."""
     state = _FileState(path, index, stats)
     with open(path, "rb") as handle:
-        while chunk := handle.read(CHUNK_BYTES):
+        while chunk := handle.read(chunk_bytes):
             if progress is not None:
                 progress(len(chunk))
             yield state.feed(chunk)
@@ -446,7 +451,8 @@ def read_batches(
     if len(paths) == 1:
         yield from _file_batches(paths[0], 0, stats, progress)
         return
-    yield from merged_batches([_file_batches(path, index, stats, progress) for index, path in enumerate(paths)])
+    share = max(CHUNK_BYTES // len(paths), MIN_CHUNK_BYTES)
+    yield from merged_batches([_file_batches(path, index, stats, progress, share) for index, path in enumerate(paths)])
 
 
 def read_merged(

@@ -5,6 +5,7 @@
     python benchmarks/host_time.py --check    # exit 1 if over 1.03x (the MLP: 1.10x) or over the budget
     python benchmarks/host_time.py --phases   # where the time goes: forward, backward, the loop's clip, the update
     python benchmarks/host_time.py --toggle   # the default provenance's own share, its hooks on and off by turns
+    py-spy record -r 400 -f raw -o mlp.txt -- python benchmarks/host_time.py --only "MLP: default" --steps 12000
 
 The model is nanoGPT's ``GPT`` (Karpathy's ``model.py``: token and position embeddings, pre-norm blocks of
 causal self-attention and a GELU MLP, dropout modules, a head tied to the token embedding) at the smallest shape
@@ -549,10 +550,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--phases", action="store_true", help="the nanoGPT loop's phases timed apart, per treatment")
     parser.add_argument("--ratios-only", action="store_true", help="the times only (the counts are deterministic)")
     parser.add_argument("--toggle", action="store_true", help="the default provenance's share, toggled (``toggled``)")
+    parser.add_argument(
+        "--only",
+        metavar="TREATMENT",
+        choices=list(TREATMENTS),
+        help="run --steps steps of one treatment and nothing else, for a profiler outside (py-spy record -- ...)",
+    )
     args = parser.parse_args(argv)
     rounds, steps = (3, 5) if args.quick else (args.rounds, args.steps)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    if args.only:
+        loop, attach = TREATMENTS[args.only]
+        run = Run(args.only, attach, loop)
+        run.start()
+        for _ in range(args.steps):
+            run.step()
+        run.stop()
+        return 0
     if args.toggle:
         try:
             shares = {tree: toggled(loop, 2 if args.quick else 80) for tree, loop in TREES.items()}

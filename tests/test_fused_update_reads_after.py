@@ -439,6 +439,7 @@ def test_a_loss_verdict_whose_condition_was_missed_is_refused_loudly(monkeypatch
 def test_a_tensor_asked_for_again_is_read_once_and_each_reader_gets_its_own_values() -> None:
     """The shipped default's zclip reads the raw norms' very stack: the one read copies it once (no ``cat`` of it with
     itself, one torch op a step fewer), and every reader still gets its values, in the order the readers came."""
+
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()

@@ -309,7 +309,8 @@ class Monitor(_StepWindow):
 
     def samples(self, step: int) -> bool:
         """Whether the monitor takes its figures at ``step`` (inside its window, every ``every`` steps)."""
-        return self.active_at(step) and (step - (self.from_step or 0)) % self.every == 0
+        windowed = self.from_step is not None or self.until_step is not None  # asked at every step: no call if not
+        return (not windowed or self.active_at(step)) and (step - (self.from_step or 0)) % self.every == 0
 
 
 Action = Annotated[

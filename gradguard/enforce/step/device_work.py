@@ -106,8 +106,11 @@ def observe(plan: Plan, work: StepWork, everyone: int) -> bool:
     grads, step, sampled = work.grads, work.step, False
     for position, action in plan.observers:
         bound, members = plan.rules[position]
+        rule = bound.rule  # a rule without a step window is active at every step: no call to ask it
+        if (rule.from_step is not None or rule.until_step is not None) and not rule.active_at(step):
+            continue
         kernel = kernel_for(action)
-        if not bound.rule.active_at(step) or not kernel.samples(action, step):
+        if not kernel.samples(action, step):
             continue
         ids = _present(plan.member_ids[position], members, grads, everyone)
         if ids:

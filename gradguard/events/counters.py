@@ -5,7 +5,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 
-__all__ = ["BUILT_IN_RULES", "LOSS_RULE", "RECOVERY_RULE", "RERUN_RULE", "SCALER_RULE", "Counters"]
+__all__ = [
+    "BUILT_IN_RULES",
+    "LOSS_RULE",
+    "RANKS_RULE",
+    "RECOVERY_RULE",
+    "RERUN_RULE",
+    "SCALER_RULE",
+    "STAGES_RULE",
+    "Counters",
+]
 
 LOSS_RULE = "loss"
 """Counter key of the policy's ``loss`` section (its spikes, non-finite losses and halts)."""
@@ -15,7 +24,11 @@ SCALER_RULE = "grad_scaler"
 """Counter key of the steps a GradScaler skipped (inf/NaN found in a normal loss-scale search)."""
 RECOVERY_RULE = "recovery"
 """Counter key of the steps of a rewind's window (``recovery`` section)."""
-BUILT_IN_RULES = frozenset({LOSS_RULE, RERUN_RULE, SCALER_RULE, RECOVERY_RULE})
+RANKS_RULE = "ranks"
+"""Counter key of the policy's ``ranks`` section (its outliers, divergences, skips and halts)."""
+STAGES_RULE = "pipeline"
+"""Counter key of a verdict another pipeline stage made (a stage's skip or halt for another's fault)."""
+BUILT_IN_RULES = frozenset({LOSS_RULE, RERUN_RULE, SCALER_RULE, RECOVERY_RULE, RANKS_RULE, STAGES_RULE})
 """The keys the guard counts under besides its rules' names: no rule may take one (``policy.schema``'s
 ``RESERVED_RULE_NAMES``, which cannot import this room, says the same; a test holds them equal)."""
 

@@ -54,6 +54,8 @@ RESERVED_RULE_NAMES = {
     "rerun": "the policy's rerun section",
     "grad_scaler": "GradScaler's skipped steps",
     "recovery": "the steps a rewind's window skips",
+    "ranks": "the policy's ranks section",
+    "pipeline": "the verdicts a pipeline's stages take for one another",
 }
 """Names the guard counts under besides the rules' (``guard.counters``): no rule may take them."""
 DUPLICATE_RULE_NAME = "duplicate_rule_name"

@@ -34,7 +34,7 @@ from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.work.participant import Participant, Ruling
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.errors import GuardStateError, GuardWarning, ranks_words
-from gradguard.events.counters import Counters
+from gradguard.events.counters import RANKS_RULE, Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.document import Policy
 from gradguard.policy.matching import canonical_name
@@ -50,8 +50,6 @@ __all__ = [
     "watch_ranks",
 ]
 
-RANKS_RULE = "ranks"
-"""The counters' and halts' rule name for the policy's ``ranks`` section."""
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -24,7 +24,7 @@ from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.work.participant import Participant, Ruling
 from gradguard.enforce.work.step_work import StepContext, StepOutcome, StepWork
 from gradguard.errors import GuardStateError
-from gradguard.events.counters import Counters
+from gradguard.events.counters import STAGES_RULE, Counters
 from gradguard.policy.matching import Binding
 
 if TYPE_CHECKING:
@@ -38,9 +38,6 @@ __all__ = [
     "stage_words",
     "stages_taking_part",
 ]
-
-STAGES_RULE = "pipeline"
-"""The counters' and halts' rule name for a verdict another stage made."""
 
 
 def stage_words(layout: MeshLayout, rank: int, host: str) -> str:

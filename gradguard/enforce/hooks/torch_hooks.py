@@ -298,10 +298,14 @@ def note_scaled_root(scaled: torch.Tensor, loss: torch.Tensor) -> None:
     """``scaled`` is ``loss`` times a loss scale another library applied (DeepSpeed's fp16): a backward of ``scaled``
     hands the guards' loss section ``loss``, as after ``GradScaler.scale``."""
     with _scaler_lock:
-        # A backward no guard watched the loss of took nothing out: the roots gone since are let go here.
-        for key in [key for key, (held, _) in _unscaled_roots.items() if held() is None]:
-            del _unscaled_roots[key]
+        _let_go_of_gone_roots()  # a backward no guard watched the loss of took nothing out
         _unscaled_roots[id(scaled)] = (weakref.ref(scaled), loss.detach())
+
+
+def _let_go_of_gone_roots() -> None:
+    """Forget the scaled losses that are gone (under ``_scaler_lock``)."""
+    for key in [key for key, (held, _) in _unscaled_roots.items() if held() is None]:
+        del _unscaled_roots[key]
 
 
 def _backward_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -357,9 +361,7 @@ def _before_backward(args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Seen:
     if root is not None:
         with _scaler_lock:
             scaled = _unscaled_roots.pop(id(root), None)
-            for key, (held, _) in list(_unscaled_roots.items()):
-                if held() is None:
-                    del _unscaled_roots[key]
+            _let_go_of_gone_roots()
         if scaled is not None and scaled[0]() is root:
             root = scaled[1]
     return [(watch, watch.probe(), root, why) for watch in watches]

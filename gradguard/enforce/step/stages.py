@@ -75,7 +75,12 @@ class StagesTakingPart(Participant):
         if halts and not outcome.ranks and not self.stage.active():  # a stage of one rank: its own gradient
             outcome.ranks = {self.stage.rank: self.stage.hosts.get(self.stage.rank, "?")}
         payload = torch.cat(
-            [slots.bit(mine[0], device), slots.bit(mine[1], device), mine[2:].float(), self._made(outcome, device)]
+            [
+                slots.bit(mine[0], device),
+                slots.bit(mine[1], device),
+                mine[2:].float(),
+                self._made(halts, outcome, device),
+            ]
         )
         values = self.pipeline.sum_(payload).tolist()  # the stages' verdicts: the step's second read, under a pipeline
         halting = [s for s in slots.ranks_of(values[:bits]) if s != self.layout.stage]
@@ -91,11 +96,11 @@ class StagesTakingPart(Participant):
             return Ruling(lambda: True)
         return None
 
-    def _made(self, outcome: StepOutcome, device: torch.device) -> torch.Tensor:
+    def _made(self, halts: bool, outcome: StepOutcome, device: torch.device) -> torch.Tensor:
         """The bits of the ranks this stage's verdict found made its fault (zeros on a step it does not halt: built on
         the device, no host copy; the halting step's few ranks are copied)."""
         makers = self._makers
-        if not outcome.halted_by or not outcome.ranks:
+        if not halts or not outcome.ranks:
             return torch.zeros(makers.bit_slots, dtype=torch.float32, device=device)
         return torch.tensor(makers.bits_of(outcome.ranks), dtype=torch.float32, device=device)
 

@@ -12,11 +12,12 @@ spreads one NaN to every gradient: ``torch.nn.utils``' ``clip_grad_norm_``, ``cl
 ``clip_grads_with_norm_`` and ``get_total_norm`` (which takes gradients, not parameters), and
 ``torch.nn.utils.clip_grad``'s ``clip_grad_norm_``, ``clip_grad_norm`` and ``clip_grad_value_``. A wrapper is a module
 attribute swapped in one assignment (atomic for every thread); the originals are put back when the last guard goes,
-unless someone else wrapped them on top of ours since. A name bound before the swap (``from torch.nn.utils import
-clip_grad_norm_`` before gradguard attached) keeps torch's function, which looks up ``torch.nn.utils.clip_grad``'s
-``_get_total_norm`` and ``_clip_grads_with_norm_`` at call time: those are wrapped too (as ``get_total_norm`` and
-``clip_grads_with_norm_``, ``clip_norms``), so the guard's step runs before such a clip takes its norm; inside a call
-already intercepted they pass straight through.
+unless someone else wrapped them on top of ours since. A name a loaded module bound before the swap (``from
+torch.nn.utils import clip_grad_value_`` before gradguard attached) is swapped with them (``bound_names``). One held
+elsewhere (an object's attribute) keeps torch's function; ``clip_grad_norm_`` so held looks up
+``torch.nn.utils.clip_grad``'s ``_get_total_norm`` and ``_clip_grads_with_norm_`` at call time: those are wrapped too
+(as ``get_total_norm`` and ``clip_grads_with_norm_``, ``clip_norms``), so the guard's step runs before such a clip
+takes its norm; inside a call already intercepted they pass straight through.
 
 It wraps ``torch.autograd.backward`` (which ``Tensor.backward`` calls) to hand each backward's root to the guards whose
 policy watches the loss (the ``loss`` section), unscaled where ``GradScaler.scale`` made it; and
@@ -38,7 +39,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from gradguard.enforce.hooks import clip_norms
+from gradguard.enforce.hooks import bound_names, clip_norms
 from gradguard.enforce.hooks.guard_hooks import CLIP_SITES, CLIPS, ClipCall, GuardHooks
 from gradguard.enforce.triggers.loss import LossWatch, root_of
 from gradguard.errors import GradientHalt
@@ -167,17 +168,19 @@ def optimizer_steps(optimizer: Optimizer) -> int:
 def _wrap_all() -> None:
     import importlib
 
-    made: dict[int, Callable[..., Any]] = {}
+    made: dict[int, tuple[Callable[..., Any], Callable[..., Any]]] = {}
     for module_name, attribute, of_grads, first in (*CLIP_SITES, *clip_norms.INNER_SITES):
         owner = importlib.import_module(module_name)
         original = getattr(owner, attribute, None)
         if original is None:
             continue  # an older torch without this spelling
-        wrapper = made.get(id(original))
+        wrapper = made.get(id(original), (None, None))[1]
         if wrapper is None:
-            wrapper = made[id(original)] = _clip_wrapper(original, f"{module_name}.{attribute}", of_grads, first)
+            wrapper = _clip_wrapper(original, f"{module_name}.{attribute}", of_grads, first)
+            made[id(original)] = (original, wrapper)
         setattr(owner, attribute, wrapper)
         _wrapped.append((owner, attribute, original, wrapper))
+    _wrapped.extend(bound_names.rebind(made))  # the same functions bound by name in the loop's modules
     autograd = importlib.import_module("torch.autograd")
     original_backward = autograd.backward
     backward = _backward_wrapper(original_backward)

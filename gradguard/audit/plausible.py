@@ -100,8 +100,16 @@ def long_digit_run(raw: bytes, limit: int) -> bool:
     wrote it and Python's own JSON reader refuses it. A run of digits is only a suspect (it may lie in a string, or
     be a float's), so the standard library's parse of the line decides (``reader.parse_line``).
     """
+    if not limit or len(raw) <= limit:
+        return False
+    # A run of more than ``limit`` digits holds a whole block of ``limit // 2 + 1`` bytes starting at a multiple of
+    # that: a clean line (a monitor's 200 floats, 8 KB) is cleared by a few blocks' ``isdigit``, each stopping at its
+    # first non-digit, and only a suspect pays for translate and find (4% of the audit's instructions on a clean log).
+    block = limit // 2 + 1
+    if not any(raw[start : start + block].isdigit() for start in range(0, len(raw) - block + 1, block)):
+        return False
     # translate and find run in C at memory speed; a regular expression for the run is several times slower.
-    return bool(limit) and len(raw) > limit and raw.translate(_DIGITS_AS_ZEROS).find(_zeros(limit)) >= 0
+    return raw.translate(_DIGITS_AS_ZEROS).find(_zeros(limit)) >= 0
 
 
 def out_of_range(event: Any) -> str | None:

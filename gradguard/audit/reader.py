@@ -354,7 +354,12 @@ class _FileState:
             if screen and not raw.isascii() and (why := invalid_text(raw)) is not None:
                 self.stats.bad_line(self.name, number, why, raw)
                 continue
-            if digits and len(raw) > limit and (refused := _refused(_unended(raw), limit)) is not None:
+            if (
+                digits
+                and len(raw) > limit
+                and long_digit_run(raw, limit)
+                and (refused := _refused(_unended(raw), limit)) is not None
+            ):
                 self.stats.bad_line(self.name, number, refused, raw)
                 continue
             try:

@@ -14,7 +14,7 @@ from gradguard.audit.fields import Malformed, number_or_none
 from gradguard.audit.reader import Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import ParamRow, ParamTally, RuleActionRow
-from gradguard.events.definitions import AdaptiveClip, Intervention
+from gradguard.events.definitions import AdaptiveClip, Intervention, as_float
 
 __all__ = ["InterventionCollector"]
 
@@ -99,22 +99,29 @@ class InterventionCollector(Collector):
         by_param = self.entries.get(key)
         if by_param is None:
             by_param = self.entries[key] = {}
-        for seq, record in enumerate(records, self.seq + 1):
+        get = by_param.get
+        seq = self.seq
+        # The loop a clip of most lines goes through: each step and name read once, where it is used (a tenth fewer
+        # instructions than reading them all first). ``before`` is a Number, never None: a float once ``as_float``.
+        for record in records:
             event: Intervention = record.event  # type: ignore[assignment]
-            raw, step = event.before, event.step
-            before = raw if type(raw) is float else number_or_none(raw)
-            param: str = event.param  # type: ignore[assignment]  # a streak's clips are of one tensor each
-            entry = by_param.get(param)
+            seq += 1
+            before = event.before
+            if type(before) is not float:
+                before = as_float(before)
+            entry = get(event.param)  # type: ignore[arg-type]  # a streak's clips are of one tensor each
             if entry is None:
-                by_param[param] = [1, step, seq, step, seq, before, step]
+                step = event.step
+                by_param[event.param] = [1, step, seq, step, seq, before, step]  # type: ignore[index]
                 continue
             entry[0] += 1
-            entry[3] = step
+            entry[3] = step = event.step
             entry[4] = seq
-            if before is not None and (entry[5] is None or before > entry[5]):
+            best = entry[5]
+            if best is None or before > best:
                 entry[5] = before
                 entry[6] = step
-        self.seq += len(records)
+        self.seq = seq
 
     def contribute(self, fields: dict[str, Any]) -> None:
         by_rule_action, by_param = self.rows()
@@ -161,18 +168,19 @@ class InterventionCollector(Collector):
         if entries is None:
             entries = self.entries[key] = {}
         seq = self.seq
-        value: float | None = None
+        get = entries.get
         for name, one in zip(params, before, strict=True):
-            value = one if type(one) is float else number_or_none(one)
+            value = one if type(one) is float else as_float(one)  # a Number, never None (see ``clips``)
             seq += 1
-            entry = entries.get(name)
+            entry = get(name)
             if entry is None:
                 entries[name] = [1, step, seq, step, seq, value, step]
                 continue
             entry[0] += 1
             entry[3] = step
             entry[4] = seq
-            if value is not None and (entry[5] is None or value > entry[5]):
+            best = entry[5]
+            if best is None or value > best:
                 entry[5] = value
                 entry[6] = step
         self.seq = seq

@@ -9,18 +9,22 @@ Run as ``python tests/pipeline_scenarios.py NAMES WORLD OUTDIR PORT`` (support.g
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import parallel_scenarios
 import torch
 import torch.distributed as dist
-from support.gloo_ranks import main
+from support.gloo_ranks import failure_record, keep_failure, main
 from support.parallel_models import apply_torchtitan_tp, batch, loss_of, make_decoder, stage_modules, titan_clip
 from torch import nn
 
 from gradguard import GradGuard, GradientHalt, GuardStateError, Policy
+from gradguard.enforce.step.participants import registered
+from gradguard.enforce.work.participant import Participant
 
 STEPS = 3
 LR = 0.5
@@ -116,10 +120,15 @@ def train(layout: str, rank: int, world: int, outdir: Path, policy: str, schedul
     return {"final": weights, "stats": parallel_scenarios.stats_of(log), "norms": norms}
 
 
-def fault(rank: int, world: int, policy: dict[str, Any], steps: int = STEPS, layout: str = "fault") -> dict[str, Any]:
+def fault(
+    rank: int, world: int, policy: dict[str, Any], steps: int = STEPS, layout: str = "fault", fused: bool = False
+) -> dict[str, Any]:
     """A NaN written into stage 1's ``layers.1.feed_forward.up.weight`` gradient at ``BAD_STEP`` (under ``pp_tp``, into
-    the shard of stage 1's last tensor-parallel rank only)."""
+    the shard of stage 1's last tensor-parallel rank only); ``fused``: each stage steps a fused AdamW (whose update a
+    guard alone in its step lets run before its read)."""
     stage = Stage(layout, rank, world)
+    if fused:
+        stage.opt = torch.optim.AdamW(stage.module.parameters(), lr=1e-2, fused=True)
     poisoned = stage.index == 1 and (layout != "pp_tp" or stage.mesh["tp"].get_local_rank() == world // 2 - 1)
     out: dict[str, Any] = {"halted": None, "skipped": [], "rewinds": 0, "changed": []}
     with GradGuard(stage.module, Policy.from_dict(policy), logger=None, device_mesh=stage.mesh) as guard:
@@ -218,8 +227,53 @@ def refusals(rank: int) -> dict[str, Any]:
             "loss_in_a_pipeline": (stage, {**REWIND, "loss": {"spike": {"factor": 10}}}, {"device_mesh": pp}),
             "group_monitor_in_a_pipeline": (stage, group_monitor, {"device_mesh": pp}),
             "pipeline_with_its_mesh": (stage, "default", {"device_mesh": pp}),
+            "reload_in_a_pipeline": (stage, "default", {"device_mesh": pp, "reload": True}),
         }.items()
-    }
+    } | {"reload_call_in_a_pipeline": reload_call(stage, pp)}
+
+
+def reload_call(stage: nn.Module, mesh: Any) -> str | None:
+    """``guard.reload(path)`` on a pipeline's stage: the warning it gives (None: it reloaded)."""
+    import warnings
+
+    shipped = Path(__file__).parent.parent / "gradguard" / "policies" / "per-tensor-clip.yaml"
+    guard = GradGuard(stage, Policy.shipped("default"), logger=None, device_mesh=mesh)
+    with guard, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reloaded = guard.reload(shipped)
+    return None if reloaded else "; ".join(str(warning.message) for warning in caught)
+
+
+class FailsOnStageOne(Participant):
+    """Raises inside the guard's step on stage 1's rank at ``BAD_STEP``, before the stages exchange their verdicts."""
+
+    def before_figures(self, work: Any, context: Any) -> None:
+        if work.step == BAD_STEP and dist.get_rank() == 1:
+            raise ValueError("the device returned garbage")
+
+
+def failure(rank: int, world: int, outdir: Path) -> None:
+    """Stage 1's step raises while stage 0 waits in the stages' exchange: every rank must raise ``GuardStateError``
+    naming rank 1 within seconds, not at the process group's timeout. The failed rank lives on a while (a loop that
+    catches to save a checkpoint): the others learn of it from the store, not from its transport closing."""
+    result: dict[str, Any] = {"rank": rank, "error": None}
+    started = time.monotonic()
+    with registered("fails_on_stage_one", lambda parts: FailsOnStageOne()):
+        stage = Stage("pp_gpipe", rank, world)
+        log = outdir / f"audit-rank{rank}.jsonl"
+        guard = GradGuard(stage.module, Policy.from_dict(HALT), audit_log=log, logger=None, device_mesh=stage.mesh)
+        try:
+            for step in range(STEPS):
+                stage.run(step)
+                started = time.monotonic()
+                stage.opt.step()
+        except GuardStateError as error:
+            result["error"] = failure_record(error, started)
+        result["steps"] = guard.step_count  # the guard stays referenced (and attached) until here
+    keep_failure(result, log, outdir, rank)
+    if rank == 1:
+        time.sleep(3)
+    os._exit(0)  # the group is unusable now: no barrier, no clean leave
 
 
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
@@ -233,6 +287,7 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             "halt": fault(rank, world, halt_policy),
             "skip": fault(rank, world, SKIP),
             "rewind": fault(rank, world, REWIND, 5),
+            "halt_fused": fault(rank, world, halt_policy, fused=True),
         }
     if name == "pp_tp_faults":
         halt_policy = {"version": 1, "rules": REWIND["rules"]}
@@ -240,6 +295,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             "halt": fault(rank, world, halt_policy, layout="pp_tp"),
             "skip": fault(rank, world, SKIP, layout="pp_tp"),
         }
+    if name == "pp_failure":
+        failure(rank, world, outdir)
     if name == "pp_without_mesh":
         return refused_without_a_mesh(rank)
     if name == "refusals":

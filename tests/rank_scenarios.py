@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from support.gloo_ranks import TIMEOUT, main
+from support.gloo_ranks import failure_record, keep_failure, main
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as Ddp
 
@@ -233,17 +233,9 @@ def failure(rank: int, outdir: Path, *, exits: bool) -> dict[str, Any]:
                 started = time.monotonic()
                 opt.step()
         except GuardStateError as error:
-            result["error"] = {
-                "type": type(error).__name__,
-                "message": str(error),
-                "failed_rank": getattr(error, "failed_rank", None),
-                "seconds": time.monotonic() - started,
-                "timeout": TIMEOUT.total_seconds(),
-            }
+            result["error"] = failure_record(error, started)
         result["steps"] = guard.step_count  # the guard stays referenced (and attached) until here
-    events = [json.loads(line) for line in (outdir / f"audit-rank{rank}.jsonl").read_text().splitlines()]
-    result["failures"] = [event for event in events if event["event"] == "rank_failure"]
-    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
+    keep_failure(result, outdir / f"audit-rank{rank}.jsonl", outdir, rank)
     if exits or rank != 1:
         os._exit(0)  # the group is unusable now: no barrier, no clean leave
     time.sleep(3)  # the failed rank lives on (a loop that catches to save a checkpoint) while the others stop

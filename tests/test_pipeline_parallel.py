@@ -152,6 +152,34 @@ def test_a_nan_in_one_tensor_parallel_shard_of_one_stage_halts_all_four_ranks_be
         assert result["skip"]["changed"] == [True, False, True]
 
 
+def test_a_nan_on_one_stage_halts_every_stage_before_a_fused_optimizer_s_update(fault_runs: Path) -> None:
+    """With a fused AdamW on each stage (whose update a guard alone in its step lets run before its read), stage 0's
+    gradients are finite, yet it must not update before the stages' verdict: every stage halts, none updated."""
+    first, second = (result["halt_fused"]["halted"] for result in results(fault_runs, "pp_faults", 2))
+    for halted in (first, second):
+        assert halted["step"] == scenarios.BAD_STEP
+        assert halted["unchanged"]
+    assert second["params"] == ["layers.1.feed_forward.up.weight"]
+    assert first["rule"] == "pipeline"
+
+
+def test_a_failure_inside_one_stage_s_step_ends_every_stage_at_once_naming_its_rank(tmp_path: Path) -> None:
+    """Stage 1's step raises before the stages' exchange, where stage 0 waits: both ranks raise at once, naming rank 1
+    and what it raised, and log it; none waits for the process group's timeout."""
+    launch(["pp_failure"], 2, tmp_path)
+    for result in results(tmp_path, "pp_failure", 2):
+        error = result["error"]
+        assert error is not None, result
+        assert error["type"] == "RankFailed"
+        assert error["failed_rank"] == 1
+        assert f"failed inside the guard's step {scenarios.BAD_STEP}" in error["message"]
+        assert "ValueError: the device returned garbage" in error["message"]
+        assert error["seconds"] < error["timeout"] / 3, error  # learned from the store, not the timeout
+        assert result["steps"] == scenarios.BAD_STEP + 1
+        (event,) = result["failures"]
+        assert (event["failed_rank"], event["error"]) == (1, "ValueError: the device returned garbage")
+
+
 def test_a_skip_on_one_stage_skips_every_stage(fault_runs: Path) -> None:
     """Under a skip policy no stage updates at the faulty step, and both go on training after it."""
     for result in results(fault_runs, "pp_faults", 2):
@@ -193,6 +221,7 @@ REFUSED = {
     "mesh_and_group": "ValueError: pass device_mesh or process_group, not both",
     "loss_in_a_pipeline": "GuardStateError: the policy's 'loss' section cannot be used across pipeline stages",
     "group_monitor_in_a_pipeline": "GuardStateError: rule 'm': monitor with scope 'group' across pipeline stages",
+    "reload_in_a_pipeline": "GuardStateError: reloading the policy across pipeline stages is not built yet",
 }
 
 
@@ -200,15 +229,27 @@ REFUSED = {
 def test_a_layout_that_is_not_built_is_refused_at_attach_saying_why_and_what_works(
     fault_runs: Path, layout: str
 ) -> None:
-    """Context and expert parallel, unknown mesh dimensions, a mesh beside a process group, the loss section and
-    group figures other than a clip's across stages: refused on every rank, never silently wrong."""
+    """Context and expert parallel, unknown mesh dimensions, a mesh beside a process group, the loss section,
+    group figures other than a clip's and a policy reloaded across stages: refused on every rank, never silently
+    wrong."""
     for result in results(fault_runs, "refusals", 2):
         error = result[layout]
         assert error is not None
         assert error.startswith(REFUSED[layout]), error
-        assert any(fix in error for fix in ("docs/distributed.md", "not both", "Remove it", "Use scope")), error
+        fixes = ("docs/distributed.md", "not both", "Remove it", "Use scope", "without reload=True")
+        assert any(fix in error for fix in fixes), error
     for result in results(fault_runs, "refusals", 2):
         assert result["pipeline_with_its_mesh"] is None
+
+
+def test_reloading_a_pipeline_stage_s_policy_is_refused_and_the_old_policy_stays(fault_runs: Path) -> None:
+    """The stages' reload agreement is not made over the pipeline: each would switch at its own step, so
+    ``guard.reload()`` is refused on every stage (``reload=True`` at attach: the test above)."""
+    for result in results(fault_runs, "refusals", 2):
+        warning = result["reload_call_in_a_pipeline"]
+        assert warning is not None
+        assert "policy not reloaded, the old one stays in force" in warning
+        assert "reloading the policy across pipeline stages is not built yet" in warning
 
 
 def test_deepspeed_s_pipeline_engine_is_refused_naming_what_is_built() -> None:

@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["TIMEOUT", "Scenario", "free_port", "main", "run_scenarios", "shutdown"]
+__all__ = ["TIMEOUT", "Scenario", "failure_record", "free_port", "keep_failure", "main", "run_scenarios", "shutdown"]
 
 TIMEOUT = datetime.timedelta(seconds=30)
 """How long a collective waits for the other ranks: a rank that hangs fails the test instead of blocking it."""
@@ -36,6 +37,26 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def failure_record(error: BaseException, started: float) -> dict[str, Any]:
+    """What a rank keeps of the error that ended its step: its type and words, the rank it names, and how long it
+    waited since ``started`` (``time.monotonic()``), beside the process group's timeout."""
+    return {
+        "type": type(error).__name__,
+        "message": str(error),
+        "failed_rank": getattr(error, "failed_rank", None),
+        "seconds": time.monotonic() - started,
+        "timeout": TIMEOUT.total_seconds(),
+    }
+
+
+def keep_failure(result: dict[str, Any], log: Path, outdir: Path, rank: int) -> None:
+    """Write a failure scenario's ``result`` with the ``rank_failure`` events of its audit ``log`` (the group is
+    unusable after a failure: the scenario writes its own result and leaves without a barrier)."""
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    result["failures"] = [event for event in events if event["event"] == "rank_failure"]
+    (outdir / f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def run_scenarios(scenario: Scenario, names: str, rank: int, world: int, outdir: Path) -> None:

@@ -164,6 +164,11 @@ class Collective:
         self._sized = (world, many)
         return many
 
+    def shared(self) -> bool:
+        """Whether another rank takes part in this guard's step: a process group of several ranks (``active``), or a
+        pipeline's stages, which exchange their verdicts even where each stage is one rank (its own group of one)."""
+        return self.pipeline is not None or self.active()
+
     def size(self) -> int:
         """How many ranks the group has (1 without a process group)."""
         return int(dist.get_world_size(self.group)) if _DISTRIBUTED and dist.is_initialized() else 1

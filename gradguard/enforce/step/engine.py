@@ -139,14 +139,15 @@ class Enforcer:
         a skip rule's limits are exceeded; or from ``after_update``, where the read waits for a fused update.
 
         Under ``torch.distributed``, any other exception raised inside the step is written where the other ranks look
-        (``Collective.failed``), so that none waits for this rank in the step's collective: every rank raises
-        ``GuardStateError`` naming it (and writes a ``rank_failure`` event)."""
+        (``Collective.failed``), so that none waits for this rank in the step's collective (a pipeline's other stages
+        included, where each stage is one rank): every rank raises ``GuardStateError`` naming it (and writes a
+        ``rank_failure`` event)."""
         try:
             return self.pipeline.run(plan, context, self.binding)
         except (GradientHalt, RerunRequested, RewindRequested):
             raise  # every rank halts (or computes the step again, or rewinds) together
         except Exception as error:
-            if not self.collective.active():
+            if not self.collective.shared():  # no other rank waits for this one (a stage of one rank's peers do)
                 raise
             failure = error if isinstance(error, RankFailed) else self.collective.failed(error)
             collective = self.collective
@@ -167,8 +168,9 @@ class Enforcer:
         return otherwise if verdict is None else verdict
 
     def _alone(self) -> bool:
-        """No per-micro-batch hooks, no process group, no second computation of the step (``FusedUpdate.takes``)."""
-        return self._micro_batch is None and not self.collective.active() and self.reruns.step is None
+        """No per-micro-batch hooks, no other rank in the step (a pipeline's stages take one verdict before any update),
+        no second computation of the step (``FusedUpdate.takes``)."""
+        return self._micro_batch is None and not self.collective.shared() and self.reruns.step is None
 
     def _loss_peek(self, work: StepWork) -> Any:
         return self.loss_watch.peek(self.binding.policy.loss, work.outcome.loss)

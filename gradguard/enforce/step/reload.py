@@ -32,6 +32,7 @@ import torch.distributed as dist
 from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.plans.plan_book import PlanBook
 from gradguard.enforce.step.engine import Enforcer
+from gradguard.enforce.step.stages import RELOAD_REFUSED
 from gradguard.errors import GuardStateError, PolicyError
 from gradguard.events.log import EventLog
 from gradguard.policy.document import Policy
@@ -191,6 +192,8 @@ class Reloader:
             path = self.path
         if path is None:
             return "the policy was given as a Policy object, not a file: pass reload(path=...)"
+        if self._collective.pipeline is not None:
+            return RELOAD_REFUSED
         if self._collective.active() and not self.agrees:
             return "under torch.distributed, reloading needs GradGuard(..., reload=True) on every rank"
         candidate = self.prepare(load_candidate(os.fspath(path)), plans)

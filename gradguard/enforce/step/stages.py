@@ -148,6 +148,8 @@ def agree_on_the_mesh(
     if not layout.pipeline:
         return job
     refuse_in_a_pipeline(policy)
+    if options[2]:
+        raise GuardStateError(RELOAD_REFUSED)
     stage = Collective(layout.stage_group)
     stage.join(job, layout.stage_ranks[layout.stage])
     stage.pipeline = Collective(layout.pp_group)
@@ -161,6 +163,13 @@ def stages_taking_part(collective: Collective, verdicts: Verdicts, counters: Cou
     if collective.pipeline is None or collective.mesh is None:
         return None
     return StagesTakingPart(collective.mesh, collective.pipeline, collective, verdicts, counters)
+
+
+RELOAD_REFUSED = (
+    "reloading the policy across pipeline stages is not built yet: each stage would switch at its own step (their "
+    "agreement is not made over the stages), and the stages would then judge one step by two policies. Start the run "
+    "again with the new policy, without reload=True"
+)
 
 
 def refuse_in_a_pipeline(policy: Policy) -> None:

@@ -338,13 +338,12 @@ class StepWork:
         work.outcome.clipped_before = context.clipped_before
         work.pipeline = collective.pipeline
         work.places = context.places
-        if active is not None:
-            active.step = step
-            if active.local.seen is not None:
-                device = next(iter(grads.values())).device
-                ranks = binding.policy.ranks
-                work.slots = active.slots(norms=ranks is not None and ranks.outlier_factor is not None)
-                work.rank_payload = work.slots.payload(active.local.take(device), device)
+        collective.step = step  # for a failure's words: a pipeline stage of one rank is not ``active`` but has peers
+        if active is not None and active.local.seen is not None:
+            device = next(iter(grads.values())).device
+            ranks = binding.policy.ranks
+            work.slots = active.slots(norms=ranks is not None and ranks.outlier_factor is not None)
+            work.rank_payload = work.slots.payload(active.local.take(device), device)
         return work
 
     def take_rank_payload(self) -> tuple[tuple[torch.Tensor, ...], Callable[[Sequence[float]], None] | None]:

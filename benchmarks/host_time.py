@@ -4,6 +4,7 @@
     python benchmarks/host_time.py --quick    # a few rounds (the smoke test)
     python benchmarks/host_time.py --check    # exit 1 if over 1.03x (the MLP: 1.10x) or over the budget
     python benchmarks/host_time.py --phases   # where the time goes: forward, backward, the loop's clip, the update
+    python benchmarks/host_time.py --phases mlp --clock cpu   # the same for the MLP loop, in thread CPU time
     python benchmarks/host_time.py --toggle   # the default provenance's own share, its hooks on and off by turns
     python benchmarks/host_time.py --ratios-only --clock cpu   # each step's thread CPU time, not the wall's
     py-spy record -r 400 -f raw -o mlp.txt -- python benchmarks/host_time.py --only "MLP: default" --steps 12000
@@ -33,6 +34,7 @@ Linears directly, no ``transformer`` dict) and the MLP loop's ``LinearStack``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import random
 import statistics
@@ -421,8 +423,9 @@ def toggled(loop: str, rounds: int = 80, steps: int = 10, seed: int = 0) -> dict
 
 
 PHASES = ("forward", "backward", "clip", "update")
-"""The nanoGPT loop's parts, timed apart by ``phase_times``: the forward with the loss, ``zero_grad`` and backward,
-the loop's ``clip_grad_norm_`` (where the guard's step runs), ``AdamW.step()``."""
+"""A loop's parts, timed apart by ``phase_times``: the forward with the loss, ``zero_grad`` and backward (the MLP's
+``zero_grad`` untimed, its micro-batches' forwards and backwards summed), the loop's ``clip_grad_norm_`` (where the
+guard's step runs), ``AdamW.step()``."""
 
 
 def _noop_hooks(model: nn.Module) -> GradGuard | None:
@@ -446,10 +449,62 @@ PHASE_TREATMENTS: dict[str, Callable[[nn.Module], GradGuard | None]] = {
 }
 
 
-def phase_times(rounds: int, steps: int, seed: int = 0) -> dict[str, dict[str, float]]:
-    """Each ``PHASE_TREATMENTS`` entry's median time (us) of each of ``PHASES`` on nanoGPT's loop, interleaved in
-    shuffled rounds (after 5 rounds of warm-up, not counted)."""
-    runs = {name: Run(name, attach) for name, attach in PHASE_TREATMENTS.items()}
+def _noop_root_hooks(model: nn.Module) -> GradGuard | None:
+    """The replay's two hooks on the model itself (a pre-hook with kwargs, a forward hook), doing nothing: what torch's
+    slower module call costs the default's replay before its hooks do anything."""
+    model.register_forward_pre_hook(lambda module, args, kwargs: None, with_kwargs=True)
+    model.register_forward_hook(lambda module, args, output: None)
+    return None
+
+
+MLP_PHASE_TREATMENTS: dict[str, Callable[[nn.Module], GradGuard | None]] = {
+    "none": _unguarded,
+    "default": _default,
+    "default, provenance=None": _untraced,
+    "per-tensor-clip (0.2.0's default)": _per_tensor_clip,
+    "the replay's two hooks, doing nothing": _noop_root_hooks,
+}
+
+
+def _timed_step(run: Run, clock: Callable[[], float]) -> list[float]:
+    """One step of ``run``'s loop, its ``PHASES`` timed apart (us): the MLP's forwards and backwards summed over its
+    micro-batches."""
+    if run.loop == "mlp":
+        forward = backward = 0.0
+        run.opt.zero_grad(set_to_none=True)
+        for _ in range(ACCUMULATION):
+            x = torch.randn(32, 64, generator=run.data)
+            start = clock()
+            loss = functional.mse_loss(run.model(x), x.flip(1)) / ACCUMULATION
+            middle = clock()
+            loss.backward()  # type: ignore[no-untyped-call]
+            forward, backward = forward + middle - start, backward + clock() - middle
+        marks = [0.0, forward, forward + backward]
+        offset = clock() - marks[-1]
+    else:
+        tokens = torch.randint(0, 65, (8, 65), generator=run.data)
+        offset = clock()
+        marks = [0.0]
+        _, loss = run.model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        marks.append(clock() - offset)
+        run.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        marks.append(clock() - offset)
+    torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
+    marks.append(clock() - offset)
+    run.opt.step()
+    marks.append(clock() - offset)
+    return [(end - start) * 1e6 for start, end in itertools.pairwise(marks)]
+
+
+def phase_times(
+    rounds: int, steps: int, seed: int = 0, loop: str = "gpt", clock: Callable[[], float] = time.perf_counter
+) -> dict[str, dict[str, float]]:
+    """Each treatment's median time (us) of each of ``PHASES`` on nanoGPT's loop (``PHASE_TREATMENTS``) or the MLP's
+    (``loop="mlp"``, ``MLP_PHASE_TREATMENTS``), interleaved in shuffled rounds (after 5 rounds of warm-up, not
+    counted)."""
+    treatments = MLP_PHASE_TREATMENTS if loop == "mlp" else PHASE_TREATMENTS
+    runs = {name: Run(name, attach, loop) for name, attach in treatments.items()}
     times: dict[str, dict[str, list[float]]] = {name: {phase: [] for phase in PHASES} for name in runs}
     shuffle = random.Random(seed)
     for run in runs.values():
@@ -459,22 +514,11 @@ def phase_times(rounds: int, steps: int, seed: int = 0) -> dict[str, dict[str, f
             order = list(runs)
             shuffle.shuffle(order)
             for name in order:
-                run = runs[name]
                 for _ in range(steps):
-                    tokens = torch.randint(0, 65, (8, 65), generator=run.data)
-                    marks = [time.perf_counter()]
-                    _, loss = run.model(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
-                    marks.append(time.perf_counter())
-                    run.opt.zero_grad(set_to_none=True)
-                    loss.backward()
-                    marks.append(time.perf_counter())
-                    torch.nn.utils.clip_grad_norm_(run.model.parameters(), 1.0)
-                    marks.append(time.perf_counter())
-                    run.opt.step()
-                    marks.append(time.perf_counter())
+                    spent = _timed_step(runs[name], clock)
                     if round_index >= 5:
-                        for phase, start, end in zip(PHASES, marks, marks[1:], strict=False):
-                            times[name][phase].append((end - start) * 1e6)
+                        for phase, value in zip(PHASES, spent, strict=True):
+                            times[name][phase].append(value)
     finally:
         for run in runs.values():
             run.stop()
@@ -553,7 +597,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--quick", action="store_true", help="3 rounds of 5 steps")
     parser.add_argument("--check", action="store_true", help=f"exit 1 if the default guard is over {TARGET}x")
-    parser.add_argument("--phases", action="store_true", help="the nanoGPT loop's phases timed apart, per treatment")
+    parser.add_argument(
+        "--phases",
+        nargs="?",
+        const="gpt",
+        choices=("gpt", "mlp"),
+        help="a loop's phases timed apart, per treatment: nanoGPT's (gpt, the default) or the MLP's",
+    )
     parser.add_argument("--ratios-only", action="store_true", help="the times only (the counts are deterministic)")
     parser.add_argument("--toggle", action="store_true", help="the default provenance's share, toggled (``toggled``)")
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="what a step's time is (``CLOCKS``)")
@@ -586,10 +636,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.phases:
         try:
-            medians = phase_times(rounds, steps)
+            medians = phase_times(rounds, steps, loop=args.phases, clock=CLOCKS[args.clock])
         finally:
             torch.set_num_threads(threads)
-        print(f"nanoGPT, 2 layers, width 64, CPU, one thread, {rounds} rounds x {steps} steps; medians per phase")
+        shape = "nanoGPT, 2 layers, width 64" if args.phases == "gpt" else f"the MLP, {ACCUMULATION} micro-batches"
+        print(f"{shape}, CPU, one thread, {rounds} rounds x {steps} steps, {args.clock} clock; medians per phase")
         print(phase_report(medians))
         return 0
     try:

@@ -42,6 +42,8 @@ class NonfiniteCollector(Collector):
         self._narrow = event_filter.narrow
         self._rules = event_filter.rules
         self._param_filter = event_filter.params
+        self._filtered = event_filter.filters.active
+        """Whether a filter is on (else every event is shown: a NaN step's line per tensor takes no filter calls)."""
         self.steps = StepTally()
         self.by_kind: dict[str, int] = {}
         self.by_rule: dict[str, int] = {}
@@ -59,7 +61,7 @@ class NonfiniteCollector(Collector):
 
     def nonfinite(self, event: Nonfinite, run: RunState, record: Record) -> None:
         rule, kind, param, step = event.rule, event.kind, event.param, event.step
-        if run.replica or not self._shown(step, rule) or not self._narrow([param]):
+        if run.replica or (self._filtered and (not self._shown(step, rule) or not self._narrow([param]))):
             return
         self.steps.add(step)
         self.by_kind[kind] = self.by_kind.get(kind, 0) + 1

@@ -61,9 +61,11 @@ def poison_grad(grad: torch.Tensor, rank: int, step: int) -> torch.Tensor:
     return grad
 
 
-def halt_found(train: Callable[[], Any], callback: Any) -> dict[str, Any]:
-    """Run ``train`` to its halt; with the type of the model the callback's guard attached to."""
-    guarded = lambda: type(callback.guard._model_ref()).__name__  # noqa: E731
+def halt_found(train: Callable[[], Any], callback: Any, seen: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``train`` to its halt; with the type of the model the callback's guard attached to (as ``seen`` noted it
+    during training, where given: Lightning drops its DDP wrapper when ``fit`` raises, and only a garbage cycle may
+    still hold it then)."""
+    guarded = lambda: seen["guarded"] if seen else type(callback.guard._model_ref()).__name__  # noqa: E731
     try:
         train()
     except GradientHalt as halt:
@@ -116,13 +118,19 @@ def lightning_scenario(rank: int, *, sharded: bool) -> dict[str, Any]:
     data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
     module = ShardedRegressor() if sharded else TinyRegressor()
     callback = GradGuardCallback(HALT, logger=None)
+    seen: dict[str, str] = {}
+
+    class NoteTheGuarded(pl.Callback):  # type: ignore[misc,name-defined]
+        def on_train_batch_start(self, *args: Any) -> None:
+            seen["guarded"] = type(callback.guard._model_ref()).__name__
+
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded else "ddp"
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=4,
-        callbacks=[callback],
+        callbacks=[callback, NoteTheGuarded()],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -133,7 +141,7 @@ def lightning_scenario(rank: int, *, sharded: bool) -> dict[str, Any]:
         module.first.register_full_backward_pre_hook(lambda _, grads: (poison_grad(grads[0], rank, step_now()),))
     else:
         poison(module.first.weight, rank, lambda: trainer.global_step)
-    return halt_found(lambda: trainer.fit(module, data), callback)
+    return halt_found(lambda: trainer.fit(module, data), callback, seen)
 
 
 class TinyLM(nn.Module):

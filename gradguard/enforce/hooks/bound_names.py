@@ -37,9 +37,13 @@ def rebind(wrappers: dict[int, tuple[Callable[..., Any], Callable[..., Any]]]) -
         if name in ("torch", "gradguard") or name.startswith(_LEFT_ALONE) or not isinstance(module, types.ModuleType):
             continue
         namespace = vars(module)
-        if wanted.isdisjoint(map(id, namespace.values())):  # in C: almost every module holds none
+        try:
+            if wanted.isdisjoint(map(id, namespace.values())):  # in C: almost every module holds none
+                continue
+            items = list(namespace.items())
+        except RuntimeError:  # its namespace changed meanwhile (a finalizer, an import): it is being made, not used
             continue
-        for attribute, value in list(namespace.items()):
+        for attribute, value in items:
             found = wrappers.get(id(value))
             if found is not None and found[0] is value:
                 namespace[attribute] = found[1]

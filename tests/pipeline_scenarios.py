@@ -34,6 +34,9 @@ POLICIES = ["per_tensor_clip", "group_clip", "monitor", "agc", "clip_value", "de
 SKIP = {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "skip_step_on_nonfinite"}]}]}
 HALT = {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [{"action": "halt_on_nonfinite"}]}]}
 REWIND = {**HALT, "recovery": {"snapshot_every": 2, "min_age": 1, "skip_steps": 1}}
+SKIP_AT_MOST_ONCE = {"action": "skip_step_on_nonfinite", "max_consecutive_skips": 1}
+SKIP_ONCE = {"version": 1, "rules": [{"name": "nonfinite", "match": "*", "actions": [SKIP_AT_MOST_ONCE]}]}
+SKIP_ONCE_REWIND = {**SKIP_ONCE, "recovery": {"snapshot_every": 2, "min_age": 1, "skip_steps": 0}}
 TWIN_STEPS, TWIN_FAULT = 8, 5
 TWIN_BATCHES = [0, 1, 2, 3, 7]
 """With a snapshot every 2 steps, min_age 1 and skip_steps 1, a NaN at step 5 rewinds to the snapshot of step 4 and
@@ -121,7 +124,13 @@ def train(layout: str, rank: int, world: int, outdir: Path, policy: str, schedul
 
 
 def fault(
-    rank: int, world: int, policy: dict[str, Any], steps: int = STEPS, layout: str = "fault", fused: bool = False
+    rank: int,
+    world: int,
+    policy: dict[str, Any],
+    steps: int = STEPS,
+    layout: str = "fault",
+    fused: bool = False,
+    bad_steps: tuple[int, ...] = (BAD_STEP,),
 ) -> dict[str, Any]:
     """A NaN written into stage 1's ``layers.1.feed_forward.up.weight`` gradient at ``BAD_STEP`` (under ``pp_tp``, into
     the shard of stage 1's last tensor-parallel rank only); ``fused``: each stage steps a fused AdamW (whose update a
@@ -134,7 +143,7 @@ def fault(
     with GradGuard(stage.module, Policy.from_dict(policy), logger=None, device_mesh=stage.mesh) as guard:
         for step in range(steps):
             stage.run(step)
-            if step == BAD_STEP and poisoned:
+            if step in bad_steps and poisoned:
                 grad = stage.module.layers["1"].feed_forward.up.weight.grad
                 parallel_scenarios.local(grad).view(-1)[0] = float("nan")
             before = stage.weights()
@@ -288,6 +297,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             "skip": fault(rank, world, SKIP),
             "rewind": fault(rank, world, REWIND, 5),
             "halt_fused": fault(rank, world, halt_policy, fused=True),
+            "skip_limit": fault(rank, world, SKIP_ONCE, 4, bad_steps=(1, 2)),
+            "skip_limit_rewind": fault(rank, world, SKIP_ONCE_REWIND, 4, bad_steps=(1, 2)),
         }
     if name == "pp_tp_faults":
         halt_policy = {"version": 1, "rules": REWIND["rules"]}

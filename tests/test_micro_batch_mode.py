@@ -94,3 +94,40 @@ def test_a_nan_in_one_micro_batch_still_halts_at_the_step() -> None:
             opt.step()
     for name, value in model.state_dict().items():
         assert torch.equal(value, before[name])
+
+
+@pytest.mark.parametrize("watch", ["halt_on_nonfinite", "skip_step_on_nonfinite"])
+def test_an_inf_a_micro_batch_s_value_clip_made_finite_is_still_halted_or_skipped_at_the_step(watch: str) -> None:
+    """A ``clip_value`` in the hooks clamps an Inf to the limit before it accumulates, so the step's own watch sees a
+    finite gradient: the peak the hook read before its clamp must reach the rule that watches the tensor."""
+    policy = Policy.from_dict(
+        {
+            "version": 1,
+            "rules": [
+                {"name": "nonfinite", "match": "*", "actions": [{"action": watch}]},
+                {"name": "value", "match": "*", "actions": [{"action": "clip_value", "limit": 0.05}]},
+            ],
+        }
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradGuard(model, policy, per_micro_batch=True, logger=None) as guard:
+        batches = micro_batches(0)
+        batches[1][0, 0] = float("inf")  # the weight's gradient is the input's sum: an Inf there, no NaN anywhere
+        for x in batches:
+            model(x).sum().backward()
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        if watch == "halt_on_nonfinite":
+            with pytest.raises(GradientHalt) as caught:
+                opt.step()
+            assert caught.value.kind == "inf"
+            assert caught.value.rule == "nonfinite"
+            assert caught.value.params == ("weight",)
+        else:
+            opt.step()
+            assert guard.last_step_skipped
+            assert guard.counters.snapshot()["nonfinite"]["skip_step_on_nonfinite"] == 1
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])

@@ -163,6 +163,28 @@ def test_a_nan_on_one_stage_halts_every_stage_before_a_fused_optimizer_s_update(
     assert first["rule"] == "pipeline"
 
 
+def test_a_skip_past_its_limit_on_one_stage_halts_every_stage_at_that_step(fault_runs: Path) -> None:
+    """Stage 1 skips a NaN at step 1 and meets another at step 2, past ``max_consecutive_skips: 1``: its skip becomes a
+    halt after the stages exchanged their verdicts, so the exchange must already say halt, or stage 0 skips on alone
+    (and waits in the next step's send until the timeout)."""
+    first, second = (result["skip_limit"] for result in results(fault_runs, "pp_faults", 2))
+    for stage in (first, second):
+        assert stage["skipped"] == [1]
+        assert stage["halted"]["step"] == 2
+        assert stage["halted"]["unchanged"]
+    assert "skip limit exceeded" in second["halted"]["message"]
+    assert first["halted"]["rule"] == "pipeline"
+
+
+def test_a_skip_past_its_limit_under_recovery_rewinds_every_stage_together(fault_runs: Path) -> None:
+    """The same with recovery: every stage rewinds to the same snapshot at step 2 and trains on, one model."""
+    first, second = (result["skip_limit_rewind"] for result in results(fault_runs, "pp_faults", 2))
+    for stage in (first, second):
+        assert stage["halted"] is None
+        assert stage["changed"] == [True, False, True, True]  # step 2 restored the snapshot on both stages
+        assert sum(counts.get("rewind", 0) for counts in stage["counters"].values()) == 1
+
+
 def test_a_failure_inside_one_stage_s_step_ends_every_stage_at_once_naming_its_rank(tmp_path: Path) -> None:
     """Stage 1's step raises before the stages' exchange, where stage 0 waits: both ranks raise at once, naming rank 1
     and what it raised, and log it; none waits for the process group's timeout."""

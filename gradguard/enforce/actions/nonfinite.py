@@ -10,6 +10,7 @@ Skip limits escalate to a halt after too many skips in a row or within a window 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -17,9 +18,9 @@ import torch
 from gradguard.enforce.actions.base import ActionKernel
 from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.skips import SkipBook, SkipHistory, has_active, joined_kind
-from gradguard.enforce.work.step_work import StepWork
+from gradguard.enforce.work.step_work import StepOutcome, StepWork
 from gradguard.enforce.work.tensors import norms, stack_on, version_of
-from gradguard.policy.schema import HaltOnNonfinite, SkipStepOnNonfinite
+from gradguard.policy.schema import HaltOnNonfinite, Rule, SkipStepOnNonfinite
 
 
 class Watched(Protocol):
@@ -32,7 +33,16 @@ class Watched(Protocol):
     def watchers_by_param(self) -> dict[int, tuple[int, ...]]: ...
 
 
-__all__ = ["HaltKernel", "SkipHistory", "SkipKernel", "SkipLimits", "has_active", "joined_kind", "watch_raw_norms"]
+__all__ = [
+    "HaltKernel",
+    "SkipHistory",
+    "SkipKernel",
+    "SkipLimits",
+    "has_active",
+    "joined_kind",
+    "judge_nonfinite",
+    "watch_raw_norms",
+]
 
 
 class HaltKernel(ActionKernel):
@@ -51,6 +61,22 @@ class SkipKernel(ActionKernel):
 
     schemas = (SkipStepOnNonfinite,)
     watches = True
+
+
+def judge_nonfinite(
+    outcome: StepOutcome, rules: Sequence[Rule], watchers: Iterable[int], index: int, kind: str, step: int, under: int
+) -> None:
+    """Tensor ``index`` was non-finite (``kind``): halted by the first of its ``watchers`` (the rules over it) with an
+    active ``halt_on_nonfinite``, else skipped by one with ``skip_step_on_nonfinite``; reported under that rule, or
+    ``under`` where none watches it."""
+    active = [r for r in watchers if rules[r].active_at(step)]
+    halts = [r for r in active if has_active(rules[r].actions, HaltOnNonfinite, step)]
+    skips = [r for r in active if has_active(rules[r].actions, SkipStepOnNonfinite, step)]
+    if halts:
+        outcome.halted_by[index] = halts[0]
+    elif skips:
+        outcome.skipped_by[index] = skips[0]
+    outcome.nonfinite.setdefault(index, (kind, (halts or skips or [under])[0]))
 
 
 def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[int, torch.Tensor]:
@@ -82,15 +108,8 @@ def watch_raw_norms(work: StepWork, plan: Watched, raw_ids: list[int]) -> dict[i
     rules = binding.policy.rules
 
     def judge(index: int, kind: str) -> None:
-        watchers = [r for r in plan.watchers_by_param.get(index, ()) if rules[r].active_at(step)]
-        halts = [r for r in watchers if has_active(rules[r].actions, HaltOnNonfinite, step)]
-        skips = [r for r in watchers if has_active(rules[r].actions, SkipStepOnNonfinite, step)]
-        if halts:
-            outcome.halted_by[index] = halts[0]
-        elif skips:
-            outcome.skipped_by[index] = skips[0]
-        reported_under = (halts or skips or [binding.params[index].rules[0]])[0]
-        outcome.nonfinite.setdefault(index, (kind, reported_under))
+        watchers = plan.watchers_by_param.get(index, ())
+        judge_nonfinite(outcome, rules, watchers, index, kind, step, binding.params[index].rules[0])
 
     def read_evidence(values: list[float]) -> None:
         # The evidence itself, read: NaN or Inf on the host exactly where isnan/isinf on the device would be.

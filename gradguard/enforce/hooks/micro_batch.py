@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradguard.enforce.actions.nonfinite import judge_nonfinite
 from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.enforce.work.tensors import EPS, LOW_PRECISION
@@ -150,7 +151,9 @@ class MicroBatchHooks(Participant):
                 rule = rules[record.rule].name
                 action = record.action
                 if before != before or abs(before) == float("inf"):
-                    outcome.nonfinite.setdefault(record.index, ("nan" if before != before else "inf", record.rule))
+                    # A value clip made it finite before it accumulated: the step's own watch would never see it.
+                    kind, watchers = "nan" if before != before else "inf", binding.params[record.index].rules
+                    judge_nonfinite(outcome, rules, watchers, record.index, kind, step, record.rule)
                     continue
                 param = binding.params[record.index].name
                 if isinstance(action, ClipNorm) and coef < 1.0:

@@ -66,8 +66,12 @@ class StagesTakingPart(Participant):
 
     def ruling(self, work: StepWork, context: StepContext) -> Ruling | None:
         outcome, slots = work.outcome, self._slots
-        halts = bool(outcome.halted_by)
-        skips = not halts and bool(outcome.skipped_by or outcome.spikes)
+        skips = bool(outcome.skipped_by or outcome.spikes)
+        # A skip past its rule's limits halts (or rewinds) this stage after the exchange: the others must hear of it.
+        halts = bool(outcome.halted_by) or (
+            skips and self.verdicts.skip_escalates(work.binding.policy.rules, outcome, work.step)
+        )
+        skips = skips and not halts
         kinds = {kind for kind, _ in outcome.nonfinite.values()}
         device = next(iter(work.grads.values())).device
         mine = torch.tensor([halts, skips, "nan" in kinds, "inf" in kinds], dtype=torch.bool, device=device)
@@ -88,7 +92,7 @@ class StagesTakingPart(Participant):
         if halts:
             return None  # its own verdict halts it
         if halting:
-            kind = "nan" if values[2 * bits] else "inf"
+            kind = "nan" if values[2 * bits] else "inf" if values[2 * bits + 1] else "spike"
             makers = self._makers.ranks_of(values[2 * bits + 2 :])
             return Ruling(lambda: self._halt(work.step, halting, makers, kind))
         if skipping and not skips:

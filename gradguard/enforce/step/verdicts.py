@@ -167,6 +167,11 @@ class Verdicts:
             lr_scale=self.recovery.lr_scale,
         )
 
+    def skip_escalates(self, rules: Sequence[Rule], outcome: StepOutcome, step: int) -> bool:
+        """Whether ``skip`` of this step's skips would halt (or rewind) instead: a skip rule past its limits."""
+        causes = _skip_causes(outcome)
+        return any(self.skip_limits.would_exceed(r, rules[r], step, cause) for r, cause in causes)
+
     def skip(
         self, rules: Sequence[Rule], outcome: StepOutcome, names: dict[int, str], step: int, context: StepContext
     ) -> None:
@@ -175,10 +180,7 @@ class Verdicts:
         params = first_first([names[i] for i in offenders], outcome.origin)
         kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
         kind = joined_kind(kinds.values())
-        causes: list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]
-        causes = [(r, SkipStepOnNonfinite) for r in sorted(set(outcome.skipped_by.values()))]
-        causes += [(r, SkipStepOnSpike) for r in sorted({spike.rule_index for spike in outcome.spikes})]
-        for rule_index, cause in causes:
+        for rule_index, cause in _skip_causes(outcome):
             rule = rules[rule_index]
             reason = self.skip_limits.record(rule_index, rule, step, cause)
             if reason is not None:
@@ -233,6 +235,14 @@ class Verdicts:
                 GuardWarning,
                 stacklevel=6,
             )
+
+
+def _skip_causes(outcome: StepOutcome) -> list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]:
+    """The skip rules a skipped step counts under, each with the kind of its skip, in rule order."""
+    causes: list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]
+    causes = [(r, SkipStepOnNonfinite) for r in sorted(set(outcome.skipped_by.values()))]
+    causes += [(r, SkipStepOnSpike) for r in sorted({spike.rule_index for spike in outcome.spikes})]
+    return causes
 
 
 def first_first(params: list[str], origin: Mapping[str, Any] | None) -> list[str]:

@@ -74,6 +74,17 @@ class SkipBook:
                     return reason
         return None
 
+    def would_exceed(
+        self, rule_index: int, rule: Rule, step: int, cause: type[SkipStepOnNonfinite | SkipStepOnSpike]
+    ) -> bool:
+        """Whether ``record`` of this skip would say halt, without noting it (a pipeline's stages must know before
+        they exchange their verdicts)."""
+        held = self.history.get(rule_index)
+        trial = SkipHistory(held.consecutive, deque(held.recent)) if held is not None else SkipHistory()
+        trial.note(step)
+        actions = [action for action in rule.actions if isinstance(action, cause) and action.active_at(step)]
+        return any(trial.exceeded(action, step, "skipped steps") is not None for action in actions)
+
     def step_applied(self) -> None:
         """A step went through: no rule's skips are consecutive any more."""
         for history in self.history.values():

@@ -285,6 +285,26 @@ def failure(rank: int, world: int, outdir: Path) -> None:
     os._exit(0)  # the group is unusable now: no barrier, no clean leave
 
 
+def scaled(rank: int, world: int) -> dict[str, Any]:
+    """Each stage steps through its own GradScaler (every stage makes its scale; the last scales its loss): refused
+    on every stage at the first step, before the stages exchange anything."""
+    stage = Stage("fault", rank, world)
+    scaler = torch.amp.GradScaler("cpu")
+    out: dict[str, Any] = {"error": None, "step": None}
+    started = time.monotonic()
+    with GradGuard(stage.module, Policy.from_dict(HALT), logger=None, device_mesh=stage.mesh):
+        try:
+            for step in range(STEPS):
+                stage.run(step)
+                scaler.scale(torch.zeros(()))
+                out["step"] = step
+                scaler.step(stage.opt)
+                scaler.update()
+        except GuardStateError as error:
+            out["error"] = failure_record(error, started)
+    return out
+
+
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     if name in ("pp_gpipe", "pp_1f1b", "pp_dp", "pp_interleaved", "pp_tp"):
         schedule = {"pp_1f1b": "1f1b", "pp_interleaved": "interleaved"}.get(name, "gpipe")
@@ -297,6 +317,7 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             "skip": fault(rank, world, SKIP),
             "rewind": fault(rank, world, REWIND, 5),
             "halt_fused": fault(rank, world, halt_policy, fused=True),
+            "scaled": scaled(rank, world),
             "skip_limit": fault(rank, world, SKIP_ONCE, 4, bad_steps=(1, 2)),
             "skip_limit_rewind": fault(rank, world, SKIP_ONCE_REWIND, 4, bad_steps=(1, 2)),
         }

@@ -185,6 +185,19 @@ def test_a_skip_past_its_limit_under_recovery_rewinds_every_stage_together(fault
         assert sum(counts.get("rewind", 0) for counts in stage["counters"].values()) == 1
 
 
+def test_a_grad_scaler_on_the_stages_is_refused_on_every_stage_at_the_first_step(fault_runs: Path) -> None:
+    """Each stage's GradScaler would skip its own update alone (an Inf on stage 1 skips stage 1's optimizer step while
+    stage 0 updates and waits for it in the stages' exchange): refused at once, on every stage, at step 0."""
+    for result in results(fault_runs, "pp_faults", 2):
+        error = result["scaled"]["error"]
+        assert result["scaled"]["step"] == 0
+        assert error is not None
+        assert error["type"] == "GuardStateError"
+        assert error["message"].startswith("a GradScaler under pipeline parallel is not built"), error
+        assert "bfloat16 autocast" in error["message"]
+        assert error["seconds"] < error["timeout"] / 3, error
+
+
 def test_a_failure_inside_one_stage_s_step_ends_every_stage_at_once_naming_its_rank(tmp_path: Path) -> None:
     """Stage 1's step raises before the stages' exchange, where stage 0 waits: both ranks raise at once, naming rank 1
     and what it raised, and log it; none waits for the process group's timeout."""

@@ -19,6 +19,7 @@ from gradguard.enforce.distributed.agreement import agree_at_attach, fingerprint
 from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.distributed.local import RankSlots
 from gradguard.enforce.distributed.mesh import MeshLayout, layout_of
+from gradguard.enforce.hooks.scaler_view import scaler_view
 from gradguard.enforce.recovery.decisions import HaltReport
 from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.work.participant import Participant, Ruling
@@ -63,6 +64,11 @@ class StagesTakingPart(Participant):
         self._makers = RankSlots(0, max(max(ranks) for ranks in layout.stage_ranks) + 1, norms=False)
         """A bit per rank of the job: the ranks a halting stage's own verdict found made the fault (under tensor or
         data parallel, one of the stage's ranks; not the rank of that stage this rank exchanges with)."""
+
+    def before_figures(self, work: StepWork, context: StepContext) -> None:
+        # Every stage meets this at its first step, before any exchange: refused together, none left waiting.
+        if context.found_inf or context.scaled_optimizers or scaler_view(context.stepped_params()).optimizers:
+            raise GuardStateError(SCALER_REFUSED)
 
     def ruling(self, work: StepWork, context: StepContext) -> Ruling | None:
         outcome, slots = work.outcome, self._slots
@@ -169,6 +175,12 @@ def stages_taking_part(collective: Collective, verdicts: Verdicts, counters: Cou
     return StagesTakingPart(collective.mesh, collective.pipeline, collective, verdicts, counters)
 
 
+SCALER_REFUSED = (
+    "a GradScaler under pipeline parallel is not built: each stage's scaler decides alone to skip its own update (an "
+    "Inf on one stage skips that stage's optimizer step, while the others update and wait for it in the stages' "
+    "exchange), and the stages' loss scales move apart. Train the pipeline in bfloat16 autocast without a scaler, as "
+    "torchtitan does"
+)
 RELOAD_REFUSED = (
     "reloading the policy across pipeline stages is not built yet: each stage would switch at its own step (their "
     "agreement is not made over the stages), and the stages would then judge one step by two policies. Start the run "

@@ -339,6 +339,8 @@ class StepWork:
         work.pipeline = collective.pipeline
         work.places = context.places
         collective.step = step  # for a failure's words: a pipeline stage of one rank is not ``active`` but has peers
+        if collective.pipeline is not None:
+            collective.pipeline.step = step
         if active is not None and active.local.seen is not None:
             device = next(iter(grads.values())).device
             ranks = binding.policy.ranks

@@ -148,7 +148,36 @@ def nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool)
     return out
 
 
+def unguarded_twin(world: int) -> dict[str, Any]:
+    """torchtitan's plan over ``world`` tensor-parallel ranks (4 heads, so four ranks fit), trained unguarded and then
+    under the shipped default, from the same weights on the same batches: which parameters end differently (none: a
+    healthy run is left untouched, to the last bit; a sum over three ranks or more rounds by where it is made)."""
+    import support.parallel_models as models
+    from torch.distributed.device_mesh import init_device_mesh
+
+    models.HEADS, models.TOKENS = 4, 8  # this scenario's own launch: no other in its process
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    weights = []
+    for guarded in (False, True):
+        model = make_decoder()
+        apply_torchtitan_tp(model, mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        guard = GradGuard(model, Policy.shipped("default"), logger=None) if guarded else None
+        for step in range(STEPS + 1):
+            opt.zero_grad()
+            tokens, targets = batch(step)
+            loss_of(model(tokens), targets).backward()
+            opt.step()
+        if guard is not None:
+            guard.remove()
+        weights.append({name: full(param).detach().clone() for name, param in model.named_parameters()})
+    plain, guarded_weights = weights
+    return {"differing": sorted(name for name in plain if not torch.equal(plain[name], guarded_weights[name]))}
+
+
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
+    if name == "tp_unguarded_twin":
+        return unguarded_twin(world)
     layout = name.removeprefix("tp_")
     return tensor_parallel(layout, rank, world, outdir)
 

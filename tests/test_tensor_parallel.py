@@ -83,6 +83,14 @@ def assert_stats_close(found: list[dict[str, Any]], expected: list[dict[str, Any
                     assert abs(mine["figures"][stat][name] - value) <= 1e-4 * largest, (stat, name)
 
 
+def test_a_healthy_run_on_four_tensor_parallel_ranks_is_the_unguarded_one_to_the_last_bit(tmp_path: Path) -> None:
+    """The shipped default changes nothing in a healthy run: its Partial gradients (the SequenceParallel norms') are
+    reduced one all-reduce each, as the update would reduce them (one joined buffer summed each element in another
+    order on four ranks, and every weight ended a few ulp away)."""
+    for result in launch("tp_unguarded_twin", 4, tmp_path):
+        assert result["differing"] == []
+
+
 LAYOUTS = [("tp_plain", 2), ("tp_titan", 2), ("tp_fsdp2_titan", 4)]
 
 

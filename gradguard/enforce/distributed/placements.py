@@ -10,8 +10,9 @@ a figure taken from this rank's local piece:
   A plain tensor beside DTensors (a parameter a TP plan left alone) is a replica on every rank: share ``1 / world``.
 - ``Partial(op)``: each rank holds an addend of the gradient, not a piece of it (a SequenceParallel norm's weight);
   no figure of an addend is a figure of the gradient. ``settle`` reduces every Partial gradient before anything is
-  read, in one all-reduce per mesh dimension for all of them together (the optimizer would otherwise reduce each one
-  inside its own update: the same values), and gives each gradient its parameter's placements (a row-wise
+  read, one all-reduce each, as the optimizer would otherwise reduce it inside its own update (the same values to
+  the last bit: one joined buffer would round differently on three ranks or more), and gives each gradient its
+  parameter's placements (a row-wise
   embedding's gradient comes back ``Replicate`` while its weight is ``Shard(0)``; the update applies the rank's rows
   of it, and the per-unit actions must read those).
 
@@ -32,8 +33,8 @@ __all__ = ["ShareBook", "settle"]
 
 def settle(pairs: Iterable[tuple[Any, Any]]) -> None:
     """Give each ``(parameter, DTensor gradient)``'s gradient its parameter's placements, reducing the Partial ones
-    first (one all-reduce per mesh dimension, for every Partial gradient at once). Every rank of the mesh calls this
-    with the same parameters in the same order (the plan's), so the all-reduces match."""
+    first (an all-reduce each, as the update would make them). Every rank of the mesh calls this with the same
+    parameters in the same order (the plan's), so the all-reduces match."""
     unsettled = [
         (param, grad)
         for param, grad in pairs
@@ -50,7 +51,7 @@ def settle(pairs: Iterable[tuple[Any, Any]]) -> None:
                 key = (id(mesh), dim, str(placement.reduce_op))
                 buckets.setdefault(key, (mesh, []))[1].append(grad.to_local())
     for (_, dim, op), (mesh, locals_) in buckets.items():
-        _reduce_together(locals_, mesh.get_group(dim), op, mesh.size(dim))
+        _reduce_each(locals_, mesh.get_group(dim), op, mesh.size(dim))
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
@@ -65,16 +66,19 @@ def settle(pairs: Iterable[tuple[Any, Any]]) -> None:
             grad._local_tensor, grad._spec = placed._local_tensor, placed._spec
 
 
-def _reduce_together(locals_: list[torch.Tensor], group: Any, op: str, size: int) -> None:
-    """All-reduce ``locals_`` in place as one flat buffer (one collective for all of them)."""
-    flat = torch.cat([local.reshape(-1) for local in locals_])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    if op == "avg":
-        flat /= size
-    offset = 0
-    for local in locals_:
-        local.copy_(flat[offset : offset + local.numel()].view_as(local))
-        offset += local.numel()
+def _reduce_each(locals_: list[torch.Tensor], group: Any, op: str, size: int) -> None:
+    """All-reduce each of ``locals_`` in place, one collective each (all in flight at once), as DTensor's own
+    redistribution in the update would: one joined buffer rounds differently on three ranks or more (the order in which
+    an element's pieces are summed follows its place in the buffer), and a healthy step would not be the unguarded
+    one to the last bit."""
+    dense = [local if local.is_contiguous() else local.contiguous() for local in locals_]
+    for work in [dist.all_reduce(each, op=dist.ReduceOp.SUM, group=group, async_op=True) for each in dense]:
+        work.wait()
+    for local, each in zip(locals_, dense, strict=True):
+        if op == "avg":
+            each /= size
+        if each is not local:
+            local.copy_(each)
 
 
 class ShareBook:

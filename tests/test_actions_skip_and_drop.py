@@ -213,6 +213,39 @@ def test_max_consecutive_skips_escalates_to_a_halt_and_a_good_step_resets_the_co
     assert counters["r0"]["halt_on_nonfinite"] == 1
 
 
+def test_max_consecutive_skips_counts_training_steps_when_two_optimizers_apply_one_and_skip_the_other() -> None:
+    """Two optimizers, the head's gradient Inf at every step from 2 on: the body's clean update at each step must not
+    end the run of skips the head's make (it did, and the run skipped for ever): skips at 2 and 3, a halt at 4."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizers = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)]
+    policy = make_policy({"match": "*", "actions": [{"action": "skip_step_on_nonfinite", "max_consecutive_skips": 2}]})
+    skipped: list[int] = []
+    halt: GradientHalt | None = None
+    with GradGuard(model, policy, logger=None) as guard:
+        for step in range(10):
+            for opt in optimizers:
+                opt.zero_grad()
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            if step >= 2:
+                model[1].weight.grad.view(-1)[0] = float("inf")
+            try:
+                for opt in optimizers:
+                    opt.step()
+            except GradientHalt as raised:
+                halt = raised
+                break
+            if guard.last_step_skipped:
+                skipped.append(step)
+        restored = copy.deepcopy(guard.state_dict()["skips"])
+    assert skipped == [2, 3]
+    assert halt is not None
+    assert halt.step == 4
+    assert halt.reason is not None
+    assert "3 consecutive" in halt.reason
+    assert restored == {"r0": {"consecutive": 3, "recent": [2, 3, 4]}}
+
+
 def test_skips_per_window_escalate_to_a_halt_only_when_the_window_holds_too_many() -> None:
     """max_skips 2 within window_steps 5: skips at 0, 3, 6, 9 never put 3 in one window of 5 steps; 10 does."""
     policy = make_policy(

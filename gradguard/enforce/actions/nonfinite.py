@@ -191,4 +191,4 @@ class SkipLimits(SkipBook, Participant):
     ``gradguard replay`` keeps too). As a participant: an applied step ends every run of skips."""
 
     def applied(self, work: StepWork) -> None:
-        self.step_applied()
+        self.step_applied(work.step)

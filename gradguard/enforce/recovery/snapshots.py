@@ -263,6 +263,7 @@ class Snapshot:
         live.statistics._saved = copy.deepcopy(self.saved_statistics)
         live.skip_limits.history = copy.deepcopy(self.skips.history)
         live.skip_limits.scaler_skips = self.skips.scaler_skips
+        live.skip_limits.applied_at = self.skips.applied_at
         if live.loss is not None and self.loss:
             live.loss.load_state_dict(self.loss)
 

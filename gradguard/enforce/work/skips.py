@@ -57,6 +57,18 @@ class SkipBook:
         """Rule index -> its skips: how many in a row, and at which recent steps."""
         self.scaler_skips = 0
         """GradScaler skips in a row (``halt_on_nonfinite``'s ``max_scaler_skips``)."""
+        self.applied_at: int | None = None
+        """The last training step one of whose boundaries was applied (``step_applied(step)``): it ends a rule's run of
+        skips only once that step is over without a skip of the rule. A step of two optimizers may apply one's update
+        and skip the other's, and the step is then a skipped one in the run."""
+
+    def _settle(self, history: SkipHistory, step: int) -> int:
+        """``history``'s skips in a row before a skip at ``step``: none where a step after its last skip, and before
+        ``step``, was applied."""
+        applied = self.applied_at
+        if applied is not None and applied != step and (not history.recent or applied > history.recent[-1]):
+            return 0
+        return history.consecutive
 
     def record(
         self, rule_index: int, rule: Rule, step: int, cause: type[SkipStepOnNonfinite | SkipStepOnSpike]
@@ -66,6 +78,7 @@ class SkipBook:
         The rule's history counts all its skips; the limits are those of its actions of type ``cause``.
         """
         history = self.history.setdefault(rule_index, SkipHistory())
+        history.consecutive = self._settle(history, step)
         history.note(step)
         for action in rule.actions:
             if isinstance(action, cause) and action.active_at(step):
@@ -80,27 +93,32 @@ class SkipBook:
         """Whether ``record`` of this skip would say halt, without noting it (a pipeline's stages must know before
         they exchange their verdicts)."""
         held = self.history.get(rule_index)
-        trial = SkipHistory(held.consecutive, deque(held.recent)) if held is not None else SkipHistory()
+        trial = SkipHistory(self._settle(held, step), deque(held.recent)) if held is not None else SkipHistory()
         trial.note(step)
         actions = [action for action in rule.actions if isinstance(action, cause) and action.active_at(step)]
         return any(trial.exceeded(action, step, "skipped steps") is not None for action in actions)
 
-    def step_applied(self) -> None:
-        """A step went through: no rule's skips are consecutive any more."""
+    def step_applied(self, step: int | None = None) -> None:
+        """A step went through: no rule's skips are consecutive any more. With ``step``, a boundary of that training
+        step did (another of the same step may still skip: ``applied_at``)."""
+        self.scaler_skips = 0
+        if step is not None:
+            self.applied_at = step
+            return
         for history in self.history.values():
             history.consecutive = 0
-        self.scaler_skips = 0
 
     def state_dict(self, rules: Sequence[Rule]) -> dict[str, Any]:
+        after = -1 if self.applied_at is None else self.applied_at + 1  # the skips in a row a next step would meet
         return {
-            rules[index].name: {"consecutive": history.consecutive, "recent": list(history.recent)}
+            rules[index].name: {"consecutive": self._settle(history, after), "recent": list(history.recent)}
             for index, history in sorted(self.history.items())
         }
 
     def load_state_dict(self, saved: dict[str, Any], rules: Sequence[Rule]) -> list[str]:
         """Take over saved histories, by rule name; returns the names this policy lacks."""
         by_name = {rule.name: index for index, rule in enumerate(rules)}
-        self.history = {}
+        self.history, self.applied_at = {}, None
         unknown = []
         for name, entry in saved.items():
             if name not in by_name:

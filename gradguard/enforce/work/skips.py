@@ -80,12 +80,7 @@ class SkipBook:
         history = self.history.setdefault(rule_index, SkipHistory())
         history.consecutive = self._settle(history, step)
         history.note(step)
-        for action in rule.actions:
-            if isinstance(action, cause) and action.active_at(step):
-                reason = history.exceeded(action, step, "skipped steps")
-                if reason is not None:
-                    return reason
-        return None
+        return _exceeded(history, rule, step, cause)
 
     def would_exceed(
         self, rule_index: int, rule: Rule, step: int, cause: type[SkipStepOnNonfinite | SkipStepOnSpike]
@@ -95,8 +90,7 @@ class SkipBook:
         held = self.history.get(rule_index)
         trial = SkipHistory(self._settle(held, step), deque(held.recent)) if held is not None else SkipHistory()
         trial.note(step)
-        actions = [action for action in rule.actions if isinstance(action, cause) and action.active_at(step)]
-        return any(trial.exceeded(action, step, "skipped steps") is not None for action in actions)
+        return _exceeded(trial, rule, step, cause) is not None
 
     def step_applied(self, step: int | None = None) -> None:
         """A step went through: no rule's skips are consecutive any more. With ``step``, a boundary of that training
@@ -127,6 +121,19 @@ class SkipBook:
             recent = deque(int(step) for step in entry["recent"])
             self.history[by_name[name]] = SkipHistory(int(entry["consecutive"]), recent)
         return unknown
+
+
+def _exceeded(
+    history: SkipHistory, rule: Rule, step: int, cause: type[SkipStepOnNonfinite | SkipStepOnSpike]
+) -> str | None:
+    """Why ``history``, with this step's skip noted, exceeds the limits of ``rule``'s active actions of type
+    ``cause`` (the first that says so), or None."""
+    for action in rule.actions:
+        if isinstance(action, cause) and action.active_at(step):
+            reason = history.exceeded(action, step, "skipped steps")
+            if reason is not None:
+                return reason
+    return None
 
 
 def joined_kind(kinds: Iterable[str]) -> str:

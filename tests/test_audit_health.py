@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 from pathlib import Path
 
@@ -164,3 +166,45 @@ def test_the_streaming_median_stays_within_1_2_percent_in_bounded_memory():
     assert len(values) > EXACT_SAMPLES
     assert histogram.median() == pytest.approx(statistics.median(values), rel=0.012)
     assert len(histogram.bins) <= 601
+
+
+@pytest.mark.parametrize("steps", [3, 256, 257, 300, 1500])
+def test_a_block_of_monitor_figures_adds_to_each_series_what_adding_them_one_by_one_would(steps: int):
+    """``_Block.flush`` takes the whole block's finite columns at once: the series (first, last, smallest, largest,
+    non-finite count, exact values or bins) must be those that adding each figure alone gives, with columns that
+    hold a NaN or an Inf, columns of zeros and negatives, and blocks that take a series past its exact samples."""
+    import struct
+
+    from gradguard.audit.health import _Block, _Series
+
+    rng = random.Random(steps)
+    width = 7
+    specials = {2: math.nan, 4: math.inf, 5: -math.inf}
+
+    def figure(row: int, column: int) -> float:
+        if column in specials and row % 11 == 3:
+            return specials[column]
+        if column == 6:
+            return 0.0 if row % 2 else -(10 ** rng.uniform(-35, 35))
+        return 10 ** rng.uniform(-8, 8) * (1 if column % 3 else -1)
+
+    table = [[figure(row, column) for column in range(width)] for row in range(steps)]
+    expected = [_Series(table[0][column], 0) for column in range(width)]
+    for column, series in enumerate(expected):
+        for row in range(steps):
+            series.add(table[row][column], row)
+    block_series = [_Series(table[0][column], 0) for column in range(width)]
+    for column, series in enumerate(block_series):
+        series.add(table[0][column], 0)
+    block = _Block([f"p{column}" for column in range(width)], block_series, list(range(width)))
+    for row in range(1, steps):
+        block.add(struct.pack(f"{width}d", *table[row]), row)
+    block.flush()
+    for got, want in zip(block_series, expected, strict=True):
+        assert (got.last_step, got.low, got.high) == (want.last_step, want.low, want.high)
+        assert got.nonfinite == want.nonfinite
+        assert got.last == want.last or (math.isnan(got.last) and math.isnan(want.last))
+        assert got.median.count == want.median.count
+        assert got.median.exact == want.median.exact
+        assert got.median.bins == want.median.bins
+        assert got.median.median() == want.median.median()

@@ -257,3 +257,35 @@ def test_a_ranks_field_whose_key_is_not_a_rank_is_an_unreadable_line(tmp_path: P
     data = audit_json(tmp_path / "rank0.jsonl")
     assert data["bad_lines_total"] == 1
     assert "'ranks' has 'two', not a rank number" in data["bad_lines"][0]["reason"]
+
+
+def test_a_rank_whose_log_starts_late_has_its_clips_and_nan_lines_counted_once(tmp_path: Path) -> None:
+    """Rank 1's log lost its first line (its attach): its run joins the job only at its first step, after rank 0's
+    lines of that step were read as a job of one rank. Those lines (runs of clips, a NaN step's line per tensor) are
+    held until the second rank comes, so rank 1's copies are replicas: each clip and detection counts once, as with
+    a filter on (which reads every line alone)."""
+    paths = []
+    for rank in (0, 1):
+        with LogBuilder(tmp_path / f"rank{rank}.jsonl", run=f"r{rank}", rank=rank) as log:
+            log.attach(RULES)
+            for step in range(4):
+                if step == 2:
+                    for param in PARAMS:
+                        log.nonfinite(step, "nonfinite", param, "nan", skips=True)
+                    verdict(log, "skip", step, {"0": "host-a"})
+                    continue
+                for param in PARAMS:
+                    log.clip(step, "clip", param, 2.0 + step)
+            log.counters(3)
+            log.detach(4)
+        paths.append(log.path)
+    late = paths[1].read_text().splitlines()[1:]
+    paths[1].write_text("\n".join(late) + "\n")
+    every_line_alone = audit_json(*paths, "--rule", "clip", "--rule", "nonfinite")
+    data = audit_json(*paths)
+    assert [job["ranks"] for job in data["jobs"]] == [[0, 1]]
+    assert data["intervention_count"] == every_line_alone["intervention_count"] == 12
+    assert data["nonfinite"]["events"] == every_line_alone["nonfinite"]["events"] == 4
+    assert data["totals"]["clip"] == {"clip_norm": 12}
+    assert data["totals"]["nonfinite"]["nan"] == 4
+    assert data["skips"]["events"] == 1

@@ -20,7 +20,7 @@ from gradguard.audit.filters import EventFilter, Filters
 from gradguard.audit.reader import ReadStats, Record
 from gradguard.audit.run_state import RunState
 from gradguard.audit.summary import AddedSection, AuditSummary
-from gradguard.events.definitions import Intervention
+from gradguard.events.definitions import Intervention, Nonfinite
 
 if TYPE_CHECKING:
     from gradguard.audit.run_book import RunBook
@@ -72,6 +72,13 @@ class Collector:
         read one after the other (most lines of a long log), all replicas or none (``run.replica``): each to its
         handler, unless the collector takes them at once."""
         handle = self.reads()[Intervention]
+        for record in records:
+            handle(record.event, run, record)
+
+    def nonfinites(self, run: RunState, records: Sequence[Record]) -> None:
+        """A streak of ``nonfinite`` detections of ``run`` (a NaN step writes one per tensor), all of one rule and kind,
+        all replicas or none: each to its handler, unless the collector takes them at once."""
+        handle = self.reads()[Nonfinite]
         for record in records:
             handle(record.event, run, record)
 

@@ -50,6 +50,10 @@ class CounterCheck(Collector):
             first: ev.Intervention = records[0].event  # type: ignore[assignment]  # a streak holds clips only
             run.count(first.rule, first.action, len(records))
 
+    def nonfinites(self, run: RunState, records: Sequence[Record]) -> None:
+        """A streak of non-finite detections, all of one rule and kind: counted at once."""
+        counting.nonfinites([record.event for record in records], run)  # type: ignore[misc]  # nonfinite lines only
+
     def halt(self, event: ev.Halt, run: RunState, record: Record) -> None:
         counting.halt(event, run)
         self.snapshot(event, run, record)

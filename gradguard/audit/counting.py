@@ -8,7 +8,7 @@ the guard counted for it (a halt of the ``ranks`` section is ``ranks/halt``, nev
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from gradguard.audit.fields import Malformed
@@ -16,7 +16,7 @@ from gradguard.audit.run_state import RANKS_RULE, SCALER_KEY, RunState
 from gradguard.events import definitions as ev
 from gradguard.events.counters import LOSS_RULE, RERUN_RULE
 
-__all__ = ["COUNTS", "ESCALATION", "RANKS_KINDS", "Count", "halt"]
+__all__ = ["COUNTS", "ESCALATION", "RANKS_KINDS", "Count", "halt", "nonfinites"]
 
 ESCALATION: Final = "skip limit exceeded"
 """How the ``reason`` of a halt (or rewind) starts when a skip rule went past its limits."""
@@ -58,6 +58,22 @@ def _nonfinite(event: ev.Nonfinite, run: RunState) -> None:
         run.halting_rules[event.rule] = None
     if event.skips:
         run.skipping_rules[event.rule] = None
+
+
+def nonfinites(events: Sequence[ev.Nonfinite], run: RunState) -> None:
+    """``_nonfinite`` of each of a streak's detections, all of one rule and kind (a NaN step's line per tensor), the
+    count added at once."""
+    if not events:
+        return
+    rule = events[0].rule
+    run.count(rule, events[0].kind, len(events))
+    for event in events:
+        if event.step != run.watch_step:
+            run.watch(event.step)
+        if event.halts:
+            run.halting_rules[rule] = None
+        if event.skips:
+            run.skipping_rules[rule] = None
 
 
 def _flag(event: ev.Vanishing | ev.Exploding, run: RunState) -> None:

@@ -5,16 +5,17 @@ is a replica (another rank of the job wrote it at its step: ``Job.replica``; a j
 only holds its events, ``Job.hold``), and hands it to every collector that registered for its type, in registration
 order (``gradguard.audit.collectors``). No collector sees an event before this is done, and none does it again.
 
-Most lines of a long log are clips of one tensor of the run, rule and action just seen: they are gathered while they
-last and handed to each collector that reads clips at once (``Collector.clips``), a streak per collector instead of a
-call per line per collector; in a job of several ranks, in parts that are all replicas or none
-(``Job.clip_replicas``, marked on the run as for any event). A filter on (``--since``, ``--rule``, ...) takes them
-one by one.
+Most lines of a long log are clips of one tensor of the run, rule and action just seen, and a NaN step writes a
+``nonfinite`` line per tensor of one run, rule and kind: such lines are gathered while they last and handed to each
+collector that reads them at once (``Collector.clips``, ``Collector.nonfinites``), a streak per collector instead of
+a call per line per collector; in a job of several ranks, in parts that are all replicas or none
+(``Job.clip_replicas``, ``Job.replicas``, marked on the run as for any event); in a job of one rank, held as a
+whole (``Job.hold_streak``). A filter on (``--since``, ``--rule``, ...) takes them one by one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import Any, Final
 
@@ -25,10 +26,12 @@ from gradguard.audit.run_book import RunBook
 from gradguard.audit.run_state import RunState
 from gradguard.events import definitions as ev
 
-__all__ = ["STREAK_RECORDS", "Dispatcher", "name_of"]
+__all__ = ["STREAK_RECORDS", "Dispatcher", "Readers", "name_of"]
 
 STREAK_RECORDS: Final = 512
 """Records of an iterator taken at a time (a list is taken whole: its records are held already)."""
+Readers = tuple[Callable[[RunState, Sequence[Record]], None], ...]
+"""The collectors' ``clips`` (or ``nonfinites``), each taking a streak at once."""
 _UNREADABLE = (ArithmeticError, LookupError, TypeError, ValueError)
 """What a collector may raise on a value no definition foresaw (a fuzzed or hand-edited line): that line is lost,
 not the report."""
@@ -57,15 +60,13 @@ class Dispatcher:
         self.one_by_one = one_by_one
         """Whether every clip goes through its handlers (a filter is on): no streak."""
         by_type: dict[type[Any], list[Handler]] = {}
-        clip_readers: list[Collector] = []
         for collector in collectors:
             for kind, handler in collector.reads().items():
                 by_type.setdefault(kind, []).append(handler)
-            if ev.Intervention in collector.reads():
-                clip_readers.append(collector)
         self._unclaimed = tuple(by_type.pop(UNCLAIMED, ()))
         self._handlers = {kind: tuple(handlers) for kind, handlers in by_type.items()}
-        self._streak_readers = tuple(collector.clips for collector in clip_readers)
+        self._clip_readers: Readers = tuple(one.clips for one in collectors if ev.Intervention in one.reads())
+        self._nonfinite_readers: Readers = tuple(one.nonfinites for one in collectors if ev.Nonfinite in one.reads())
 
     def add_all(self, records: Iterable[Record]) -> None:
         """Take every event of ``records``: a list (a read chunk's) as it is, an iterator ``STREAK_RECORDS`` at a time
@@ -80,20 +81,20 @@ class Dispatcher:
     def _add_batch(self, records: list[Record]) -> None:
         """Take every event of ``records``; one a collector cannot use is reported as an unreadable line and skipped.
 
-        A one-tensor clip of the run, rule and action of the clip before joins the streak; the run's step span is
-        kept in locals while it lasts (attribute stores per line would cost a tenth of the audit) and written with
-        the streak, before the next other event.
+        A one-tensor clip of the run, rule and action of the clip before joins the streak, as a ``nonfinite`` of the
+        run, rule and kind of the one before does; the run's step span is kept in locals while it lasts (attribute
+        stores per line would cost a tenth of the audit) and written with the streak, before the next other event.
         """
         if self.one_by_one:
             for record in records:
                 self._dispatch(record)
             return
-        clip = ev.Intervention
+        clip, nonfinite = ev.Intervention, ev.Nonfinite
         run: RunState | None = None
         run_id, run_file, rule, action = "", -1, "", ""
         streak: list[Record] = []
         gather = streak.append
-        streaking = False
+        streaking = streaking_nonfinite = False
         low = high = 0
         for record in records:
             event = record.event
@@ -113,25 +114,46 @@ class Dispatcher:
                 elif step < low:
                     low = step
                 continue
+            if (
+                streaking_nonfinite
+                and type(event) is nonfinite
+                and event.run == run_id
+                and event.rule == rule
+                and event.kind == action
+                and record.file == run_file
+            ):
+                gather(record)
+                step = event.step
+                if step > high:
+                    high = step
+                elif step < low:
+                    low = step
+                continue
             if streak:
                 assert run is not None
-                self._flush(run, streak, low, high)
+                self._flush(run, streak, low, high, self._clip_readers if streaking else self._nonfinite_readers)
                 streak = []
                 gather = streak.append
             run = self._dispatch(record)
-            # A streak starts after a one-tensor clip whose run has a step span to widen (its own ``run_of`` gave it
-            # one): its rule and action are the streak's, so that a collector counts a streak at once.
-            streaking = False
-            if run is not None and type(event) is clip and event.param is not None:
-                streaking = True
-                run_id, run_file, rule, action = event.run, record.file, event.rule, event.action
-                low, high = run.first_step, run.last_step  # type: ignore[assignment]
+            # A streak starts after a one-tensor clip (or a nonfinite) whose run has a step span to widen (its own
+            # ``run_of`` gave it one): its rule and action (kind) are the streak's, so that a collector counts a
+            # streak at once.
+            streaking = streaking_nonfinite = False
+            if run is not None:
+                if type(event) is clip and event.param is not None:
+                    streaking = True
+                    run_id, run_file, rule, action = event.run, record.file, event.rule, event.action
+                    low, high = run.first_step, run.last_step  # type: ignore[assignment]
+                elif type(event) is nonfinite:
+                    streaking_nonfinite = True
+                    run_id, run_file, rule, action = event.run, record.file, event.rule, event.kind
+                    low, high = run.first_step, run.last_step  # type: ignore[assignment]
         if streak:
             assert run is not None
-            self._flush(run, streak, low, high)
+            self._flush(run, streak, low, high, self._clip_readers if streaking else self._nonfinite_readers)
 
-    def _flush(self, run: RunState, streak: list[Record], low: int, high: int) -> None:
-        """The streak's bookkeeping into its run, then the streak to every collector that reads clips."""
+    def _flush(self, run: RunState, streak: list[Record], low: int, high: int, readers: Readers) -> None:
+        """The streak's bookkeeping into its run, then the streak to every collector that reads its kind."""
         run.events += len(streak)
         last_ts = streak[-1].event.ts
         if last_ts is None:  # the guard stamps every line: only a hand-written log gets here
@@ -142,16 +164,19 @@ class Dispatcher:
         run.last_step = high
         job = run.job
         if not job.multi:
-            for take in self._streak_readers:
+            job.hold_streak(streak, high, run.rank)
+            for take in readers:
                 take(run, streak)
             return
-        # Another rank may have written these clips: the streak goes on in parts, each all replicas or none.
+        # Another rank may have written these events: the streak goes on in parts, each all replicas or none.
         start = 0
+        is_clip = type(streak[0].event) is ev.Intervention
         try:
-            for end, replica in job.clip_replicas(streak, run.rank):
+            parts = job.clip_replicas(streak, run.rank) if is_clip else job.replicas(streak, run.rank)
+            for end, replica in parts:
                 part = streak if start == 0 and end == len(streak) else streak[start:end]
                 run.replica = replica
-                for take in self._streak_readers:
+                for take in readers:
                     take(run, part)
                 start = end
         finally:

@@ -155,8 +155,12 @@ class Job:
         if len(self.runs) == 2 and self._held:
             held, self._held = self._held, {}
             for step in sorted(held):
-                for event, by in held[step]:
-                    self.replica(event, by)
+                for one, by in held[step]:
+                    if isinstance(one, list):  # a streak's records (``hold_streak``)
+                        for record in one:
+                            self.replica(record.event, by)
+                    else:
+                        self.replica(one, by)
 
     def hold(self, event: Any, rank: int) -> bool:
         """An event of a job of one rank so far: never a replica; held as it is, in case another rank joins.
@@ -166,6 +170,15 @@ class Job:
         step = getattr(event, "step", None)
         if step is None:
             return False
+        self._held_at(step).append((event, rank))
+        return False
+
+    def hold_streak(self, records: list[Any], last_step: int, rank: int) -> None:
+        """``hold`` for a streak of the dispatcher's (one run's clips, or its ``nonfinite`` lines), as a whole: held at
+        its last step (``last_step``), its records worked out in order if another rank joins."""
+        self._held_at(last_step).append((records, rank))
+
+    def _held_at(self, step: int) -> list[tuple[Any, int]]:
         held = self._held
         at = held.get(step)
         if at is None:
@@ -173,8 +186,7 @@ class Job:
             if len(held) > 2:
                 for old in [old for old in held if old < step - 1]:
                     del held[old]
-        at.append((event, rank))
-        return False
+        return at
 
     def replica(self, event: Any, rank: int) -> bool:
         """Whether another rank of the job already wrote ``event`` (as often) at its step; remembers it."""
@@ -199,6 +211,20 @@ class Job:
         elif self._last.get(rank, -1) < step:
             self._last[rank] = step
         return at
+
+    def replicas(self, records: Sequence[Any], rank: int) -> list[tuple[int, bool]]:
+        """``replica`` of each event of ``records`` (one run's, of ``rank``), as parts: (where a part ends, whether its
+        events are replicas)."""
+        parts: list[tuple[int, bool]] = []
+        before = False
+        for index, record in enumerate(records):
+            replica = self.replica(record.event, rank)
+            if replica is not before and index:
+                parts.append((index, before))
+            before = replica
+        if records:
+            parts.append((len(records), before))
+        return parts
 
     def clip_replicas(self, records: Sequence[Any], rank: int) -> list[tuple[int, bool]]:
         """``replica`` of each one-tensor clip of ``records`` (a streak of one run of ``rank``, of one rule and action),

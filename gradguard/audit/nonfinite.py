@@ -4,7 +4,7 @@ group clips skipped on a non-finite norm.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradguard.audit.collector import Collector, Context, Finding, Handler
@@ -71,6 +71,30 @@ class NonfiniteCollector(Collector):
             entry = self._by_param[param] = _Nonfinite()
         entry.add(step, rule)
         entry.kinds[kind] = None
+
+    def nonfinites(self, run: RunState, records: Sequence[Record]) -> None:
+        """A streak of detections of one rule and kind (a NaN step's line per tensor; no filter on): counted at once,
+        each tensor's tally updated in one loop."""
+        if run.replica or not records:
+            return
+        first: Nonfinite = records[0].event  # type: ignore[assignment]  # a streak holds nonfinite lines only
+        rule, kind, n = first.rule, first.kind, len(records)
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + n
+        self.by_rule[rule] = self.by_rule.get(rule, 0) + n
+        steps, by_param = self.steps, self._by_param
+        steps.events += n
+        last = steps.last_added
+        for record in records:
+            event: Nonfinite = record.event  # type: ignore[assignment]
+            step, param = event.step, event.param
+            if step != last:
+                steps.add(step, 0)
+                last = step
+            entry = by_param.get(param)
+            if entry is None:
+                entry = by_param[param] = _Nonfinite()
+            entry.add(step, rule)
+            entry.kinds[kind] = None
 
     def unhalted_event(self, event: NonfiniteUnhalted, run: RunState, record: Record) -> None:
         names, step = event.params, event.step

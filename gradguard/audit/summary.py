@@ -216,8 +216,14 @@ class StepTally:
         self.last: int | None = None
         self._last: int | None = None
 
-    def add(self, step: int | None) -> None:
-        self.events += 1
+    @property
+    def last_added(self) -> int | None:
+        """The step of the event added last."""
+        return self._last
+
+    def add(self, step: int | None, events: int = 1) -> None:
+        """``events`` more events, of ``step``."""
+        self.events += events
         if step is None or step == self._last:
             return
         self._last = step

@@ -27,7 +27,8 @@ HOST = "host-{rank}"
 class JobPlan:
     ranks: int
     steps: list[tuple[str, int, int]]
-    """(happening, how many clips, the rank a fault was made on) per step."""
+    """(happening, how many clips (or non-finite tensors, at a skip or rewind), the rank a fault was made on) per
+    step."""
     halt: str | None
     """The kind of the halt the job ends in, or None (detached)."""
 
@@ -110,17 +111,18 @@ def _write(guard: _Rank, job: JobPlan, start: int, end: int) -> None:
                     scope="tensor",
                 )
         elif happening in ("skip", "rewind"):
-            count("nonfinite", "nan")
-            log.emit(
-                "info",
-                "nonfinite",
-                step=step,
-                rule="nonfinite",
-                param=param,
-                kind="nan",
-                halts=False,
-                skips=happening == "skip",
-            )
+            for name in PARAMS[:clips]:  # a NaN in as many tensors as the step would have clipped: a line each
+                count("nonfinite", "nan")
+                log.emit(
+                    "info",
+                    "nonfinite",
+                    step=step,
+                    rule="nonfinite",
+                    param=name,
+                    kind="nan",
+                    halts=False,
+                    skips=happening == "skip",
+                )
             if happening == "skip":
                 count("nonfinite", "skip_step_on_nonfinite")
                 log.emit("warning", "skip", step=step, rule="nonfinite", **_verdict(param, origin))
@@ -224,11 +226,11 @@ def _expect(expected: Expected, job: JobPlan) -> None:
             expected.clips += clips
         elif happening == "skip":
             expected.skips += 1
-            expected.nonfinite += 1
+            expected.nonfinite += clips
             expected.named(origin, "skips")
         elif happening == "rewind":
             expected.rewinds += 1
-            expected.nonfinite += 1
+            expected.nonfinite += clips
             expected.named(origin, "rewinds")
         elif happening == "outlier_skip":
             expected.skips += 1

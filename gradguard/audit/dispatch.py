@@ -106,15 +106,7 @@ class Dispatcher:
                 and event.action == action
                 and record.file == run_file
                 and event.param is not None
-            ):
-                gather(record)
-                step = event.step
-                if step > high:
-                    high = step
-                elif step < low:
-                    low = step
-                continue
-            if (
+            ) or (
                 streaking_nonfinite
                 and type(event) is nonfinite
                 and event.run == run_id

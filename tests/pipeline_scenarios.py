@@ -131,20 +131,22 @@ def fault(
     layout: str = "fault",
     fused: bool = False,
     bad_steps: tuple[int, ...] = (BAD_STEP,),
+    stage_of: dict[int, int] | None = None,
 ) -> dict[str, Any]:
     """A NaN written into stage 1's ``layers.1.feed_forward.up.weight`` gradient at ``BAD_STEP`` (under ``pp_tp``, into
     the shard of stage 1's last tensor-parallel rank only); ``fused``: each stage steps a fused AdamW (whose update a
-    guard alone in its step lets run before its read)."""
+    guard alone in its step lets run before its read); ``stage_of``: at each bad step, the stage whose layer's gradient
+    gets it (stage 1's by default)."""
     stage = Stage(layout, rank, world)
     if fused:
         stage.opt = torch.optim.AdamW(stage.module.parameters(), lr=1e-2, fused=True)
-    poisoned = stage.index == 1 and (layout != "pp_tp" or stage.mesh["tp"].get_local_rank() == world // 2 - 1)
+    poisoned = layout != "pp_tp" or stage.mesh["tp"].get_local_rank() == world // 2 - 1
     out: dict[str, Any] = {"halted": None, "skipped": [], "rewinds": 0, "changed": []}
     with GradGuard(stage.module, Policy.from_dict(policy), logger=None, device_mesh=stage.mesh) as guard:
         for step in range(steps):
             stage.run(step)
-            if step in bad_steps and poisoned:
-                grad = stage.module.layers["1"].feed_forward.up.weight.grad
+            if step in bad_steps and poisoned and (stage_of or {}).get(step, 1) == stage.index:
+                grad = stage.module.layers[str(stage.index)].feed_forward.up.weight.grad
                 parallel_scenarios.local(grad).view(-1)[0] = float("nan")
             before = stage.weights()
             try:
@@ -320,6 +322,7 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             "scaled": scaled(rank, world),
             "skip_limit": fault(rank, world, SKIP_ONCE, 4, bad_steps=(1, 2)),
             "skip_limit_rewind": fault(rank, world, SKIP_ONCE_REWIND, 4, bad_steps=(1, 2)),
+            "skip_limit_across": fault(rank, world, SKIP_ONCE, 4, bad_steps=(1, 2), stage_of={1: 1, 2: 0}),
         }
     if name == "pp_tp_faults":
         halt_policy = {"version": 1, "rules": REWIND["rules"]}

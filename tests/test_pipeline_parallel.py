@@ -176,6 +176,21 @@ def test_a_skip_past_its_limit_on_one_stage_halts_every_stage_at_that_step(fault
     assert first["halted"]["rule"] == "pipeline"
 
 
+def test_skip_limits_count_the_skips_of_every_stage_as_one_process_would(fault_runs: Path) -> None:
+    """A NaN on stage 1 at step 1, then one on stage 0 at step 2, under ``max_consecutive_skips: 1``: the model skipped
+    two steps in a row, so step 2 halts on every stage before any update, as one process halts. Each stage's skip rule
+    counts the skip the other stage made (it skipped step 1 for stage 1's NaN), or stage 0 would skip step 2 as its
+    first and train on."""
+    first, second = (result["skip_limit_across"] for result in results(fault_runs, "pp_faults", 2))
+    for stage in (first, second):
+        assert stage["skipped"] == [1]
+        assert stage["halted"]["step"] == 2
+        assert stage["halted"]["unchanged"]
+    assert "skip limit exceeded" in first["halted"]["message"]
+    assert first["halted"]["params"] == ["layers.0.feed_forward.up.weight"]
+    assert second["halted"]["rule"] == "pipeline"
+
+
 def test_a_skip_past_its_limit_under_recovery_rewinds_every_stage_together(fault_runs: Path) -> None:
     """The same with recovery: every stage rewinds to the same snapshot at step 2 and trains on, one model."""
     first, second = (result["skip_limit_rewind"] for result in results(fault_runs, "pp_faults", 2))

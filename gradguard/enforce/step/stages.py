@@ -21,7 +21,7 @@ from gradguard.enforce.distributed.local import RankSlots
 from gradguard.enforce.distributed.mesh import MeshLayout, layout_of
 from gradguard.enforce.hooks.scaler_view import scaler_view
 from gradguard.enforce.recovery.decisions import HaltReport
-from gradguard.enforce.step.verdicts import Verdicts
+from gradguard.enforce.step.verdicts import SKIP_CAUSES, SkipCause, Verdicts, skip_causes
 from gradguard.enforce.work.participant import Participant, Ruling
 from gradguard.enforce.work.step_work import StepContext, StepOutcome, StepWork
 from gradguard.errors import GuardStateError
@@ -84,12 +84,15 @@ class StagesTakingPart(Participant):
         bits = slots.bit_slots
         if halts and not outcome.ranks and not self.stage.active():  # a stage of one rank: its own gradient
             outcome.ranks = {self.stage.rank: self.stage.hosts.get(self.stage.rank, "?")}
+        rules = work.binding.policy.rules
+        own = skip_causes(outcome) if skips else []
         payload = torch.cat(
             [
                 slots.bit(mine[0], device),
                 slots.bit(mine[1], device),
                 mine[2:].float(),
                 self._made(halts, outcome, device),
+                self._causes(own, len(rules), device),
             ]
         )
         values = self.pipeline.sum_(payload).tolist()  # the stages' verdicts: the step's second read, under a pipeline
@@ -97,14 +100,30 @@ class StagesTakingPart(Participant):
         skipping = [s for s in slots.ranks_of(values[bits : 2 * bits]) if s != self.layout.stage]
         if halts:
             return None  # its own verdict halts it
+        causes_at = 2 * bits + 2 + self._makers.bit_slots
         if halting:
             kind = "nan" if values[2 * bits] else "inf" if values[2 * bits + 1] else "spike"
-            makers = self._makers.ranks_of(values[2 * bits + 2 :])
+            makers = self._makers.ranks_of(values[2 * bits + 2 : causes_at])
             return Ruling(lambda: self._halt(work.step, halting, makers, kind))
+        # The step is skipped under the rules any stage skipped it by: each rule's limits count the model's skips, not
+        # this stage's alone (a skip rule of every stage meets the same run of skips, as in one process).
+        for slot, value in enumerate(values[causes_at:]):
+            cause = (slot % len(rules), SKIP_CAUSES[slot // len(rules)])
+            if value and cause not in own:
+                self.verdicts.skip_limits.record(cause[0], rules[cause[0]], work.step, cause[1])
         if skipping and not skips:
             self.counters.add(STAGES_RULE, "skip")
             return Ruling(lambda: True)
         return None
+
+    @staticmethod
+    def _causes(own: list[tuple[int, SkipCause]], rules: int, device: torch.device) -> torch.Tensor:
+        """A slot per (skip kind, rule): 1 where this stage skips the step by that rule (zeros on a step it does not
+        skip: built on the device, no host copy)."""
+        slots = torch.zeros(len(SKIP_CAUSES) * rules, dtype=torch.float32, device=device)
+        for rule_index, cause in own:
+            slots[SKIP_CAUSES.index(cause) * rules + rule_index] = 1.0
+        return slots
 
     def _made(self, halts: bool, outcome: StepOutcome, device: torch.device) -> torch.Tensor:
         """The bits of the ranks this stage's verdict found made its fault (zeros on a step it does not halt: built on

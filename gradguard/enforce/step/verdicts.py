@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from gradguard.enforce.actions.nonfinite import SkipLimits, joined_kind
 from gradguard.enforce.recovery.decisions import HaltReport, RewindRequested, ranks_field
@@ -22,7 +22,7 @@ from gradguard.events.counters import LOSS_RULE, Counters
 from gradguard.events.log import EventLog
 from gradguard.policy.schema import HaltOnNonfinite, Rule, SkipStepOnNonfinite, SkipStepOnSpike
 
-__all__ = ["Verdicts"]
+__all__ = ["SKIP_CAUSES", "SkipCause", "Verdicts", "skip_causes"]
 
 _SKIP_ACTION = {SkipStepOnNonfinite: "skip_step_on_nonfinite", SkipStepOnSpike: "skip_step_on_spike"}
 
@@ -169,7 +169,7 @@ class Verdicts:
 
     def skip_escalates(self, rules: Sequence[Rule], outcome: StepOutcome, step: int) -> bool:
         """Whether ``skip`` of this step's skips would halt (or rewind) instead: a skip rule past its limits."""
-        causes = _skip_causes(outcome)
+        causes = skip_causes(outcome)
         return any(self.skip_limits.would_exceed(r, rules[r], step, cause) for r, cause in causes)
 
     def skip(
@@ -180,7 +180,7 @@ class Verdicts:
         params = first_first([names[i] for i in offenders], outcome.origin)
         kinds = {names[i]: outcome.nonfinite[i][0] for i in offenders}
         kind = joined_kind(kinds.values())
-        for rule_index, cause in _skip_causes(outcome):
+        for rule_index, cause in skip_causes(outcome):
             rule = rules[rule_index]
             reason = self.skip_limits.record(rule_index, rule, step, cause)
             if reason is not None:
@@ -237,9 +237,14 @@ class Verdicts:
             )
 
 
-def _skip_causes(outcome: StepOutcome) -> list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]:
+SkipCause = type[SkipStepOnNonfinite | SkipStepOnSpike]
+"""The kind of action a skip was made by: its limits are those of the rule's actions of that kind."""
+SKIP_CAUSES: Final[tuple[SkipCause, ...]] = (SkipStepOnNonfinite, SkipStepOnSpike)
+
+
+def skip_causes(outcome: StepOutcome) -> list[tuple[int, SkipCause]]:
     """The skip rules a skipped step counts under, each with the kind of its skip, in rule order."""
-    causes: list[tuple[int, type[SkipStepOnNonfinite | SkipStepOnSpike]]]
+    causes: list[tuple[int, SkipCause]]
     causes = [(r, SkipStepOnNonfinite) for r in sorted(set(outcome.skipped_by.values()))]
     causes += [(r, SkipStepOnSpike) for r in sorted({spike.rule_index for spike in outcome.spikes})]
     return causes

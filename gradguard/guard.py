@@ -159,8 +159,8 @@ class GradGuard(ServesMetrics):
             self.rank = distributed_rank()
             events = EventLog(audit_log=audit_log, logger=logger, context={"run": self.run_id, "rank": self.rank})
             enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
-            self._enforcer = enforcer
-            self._enforcer.step = start_step
+            self._enforcer, enforcer.step = enforcer, start_step
+            self._plans.one_plan = collective.pipeline is not None  # one verdict a training step (``PlanBook``)
             self._events = events
             self._expected: list[Optimizer] | None = optimizers
             self._warned_unexpected = False

@@ -169,6 +169,53 @@ def fault(
     return out
 
 
+class Optimizers:
+    """An optimizer per part of a stage, stepped in turn (torchtitan's ``OptimizersContainer``)."""
+
+    def __init__(self, parts: list[list[nn.Parameter]]) -> None:
+        self.optimizers = [torch.optim.SGD(params, lr=LR) for params in parts]
+
+    def zero_grad(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+
+def several_optimizers(rank: int, world: int) -> dict[str, Any]:
+    """Stage 0 steps two optimizers (its attention's parameters, then the rest), stage 1 one: healthy under the default
+    policy, then unguarded (the twin), then a NaN on stage 1 at ``BAD_STEP`` under a halt policy."""
+    out: dict[str, Any] = {}
+    for name, policy in (("default", Policy.shipped("default")), ("twin", None), ("halt", Policy.from_dict(HALT))):
+        stage = Stage("fault", rank, world)
+        named = list(stage.module.named_parameters())
+        attention = [p for key, p in named if ".attention." in key]
+        rest = [p for key, p in named if ".attention." not in key]
+        stage.opt = Optimizers([attention, rest]) if stage.index == 0 else Optimizers([[p for _, p in named]])
+        guard = GradGuard(stage.module, policy, logger=None, device_mesh=stage.mesh) if policy is not None else None
+        run: dict[str, Any] = {"halted": None}
+        try:
+            for step in range(STEPS):
+                stage.run(step)
+                if name == "halt" and step == BAD_STEP and stage.index == 1:
+                    stage.module.layers["1"].feed_forward.up.weight.grad.view(-1)[0] = float("nan")
+                before = stage.weights()
+                try:
+                    stage.opt.step()
+                except GradientHalt as halt:
+                    unchanged = all(torch.equal(before[k], v) for k, v in stage.weights().items())
+                    run["halted"] = {"step": halt.step, "rule": halt.rule, "unchanged": unchanged}
+                    break
+        finally:
+            if guard is not None:
+                guard.remove()
+        run["final"] = {key: value.reshape(-1).tolist() for key, value in stage.weights().items()}
+        out[name] = run
+    return out
+
+
 def rewind_and_twin(rank: int, world: int) -> dict[str, Any]:
     """The rewind (a NaN on stage 1 at ``TWIN_FAULT``), and the twin that trains only ``TWIN_BATCHES``: each stage's
     weights after both, bit for bit."""
@@ -268,22 +315,44 @@ def failure(rank: int, world: int, outdir: Path) -> None:
     naming rank 1 within seconds, not at the process group's timeout. The failed rank lives on a while (a loop that
     catches to save a checkpoint): the others learn of it from the store, not from its transport closing."""
     result: dict[str, Any] = {"rank": rank, "error": None}
-    started = time.monotonic()
     with registered("fails_on_stage_one", lambda parts: FailsOnStageOne()):
         stage = Stage("pp_gpipe", rank, world)
         log = outdir / f"audit-rank{rank}.jsonl"
         guard = GradGuard(stage.module, Policy.from_dict(HALT), audit_log=log, logger=None, device_mesh=stage.mesh)
-        try:
-            for step in range(STEPS):
-                stage.run(step)
-                started = time.monotonic()
-                stage.opt.step()
-        except GuardStateError as error:
-            result["error"] = failure_record(error, started)
+        train_until_refused(stage, result)
         result["steps"] = guard.step_count  # the guard stays referenced (and attached) until here
     keep_failure(result, log, outdir, rank)
     if rank == 1:
         time.sleep(3)
+    os._exit(0)  # the group is unusable now: no barrier, no clean leave
+
+
+def train_until_refused(stage: Stage, result: dict[str, Any]) -> None:
+    """``STEPS`` steps, or until one raises ``GuardStateError``: kept in ``result["error"]``, with how long its
+    optimizer step took to raise it."""
+    started = time.monotonic()
+    try:
+        for step in range(STEPS):
+            stage.run(step)
+            started = time.monotonic()
+            stage.opt.step()
+    except GuardStateError as error:
+        result["error"] = failure_record(error, started)
+
+
+def frozen_stage(rank: int, world: int, outdir: Path) -> None:
+    """Stage 1's parameters are all frozen (its optimizer steps nothing): it has no verdict to give, and stage 0 would
+    wait for it in the stages' exchange. Refused on stage 1 at its first step; stage 0 hears of it from the store."""
+    result: dict[str, Any] = {"rank": rank, "error": None}
+    stage = Stage("pp_gpipe", rank, world)
+    if stage.index == 1:
+        stage.module.requires_grad_(False)
+    log = outdir / f"audit-rank{rank}.jsonl"
+    guard = GradGuard(stage.module, Policy.from_dict(HALT), audit_log=log, logger=None, device_mesh=stage.mesh)
+    train_until_refused(stage, result)
+    result["steps"] = guard.step_count
+    keep_failure(result, log, outdir, rank)
+    time.sleep(1)
     os._exit(0)  # the group is unusable now: no barrier, no clean leave
 
 
@@ -323,6 +392,7 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
             "skip_limit": fault(rank, world, SKIP_ONCE, 4, bad_steps=(1, 2)),
             "skip_limit_rewind": fault(rank, world, SKIP_ONCE_REWIND, 4, bad_steps=(1, 2)),
             "skip_limit_across": fault(rank, world, SKIP_ONCE, 4, bad_steps=(1, 2), stage_of={1: 1, 2: 0}),
+            "several_optimizers": several_optimizers(rank, world),
         }
     if name == "pp_tp_faults":
         halt_policy = {"version": 1, "rules": REWIND["rules"]}
@@ -332,6 +402,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         }
     if name == "pp_failure":
         failure(rank, world, outdir)
+    if name == "pp_frozen_stage":
+        frozen_stage(rank, world, outdir)
     if name == "pp_without_mesh":
         return refused_without_a_mesh(rank)
     if name == "refusals":

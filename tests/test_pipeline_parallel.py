@@ -191,6 +191,18 @@ def test_skip_limits_count_the_skips_of_every_stage_as_one_process_would(fault_r
     assert second["halted"]["rule"] == "pipeline"
 
 
+def test_a_stage_of_two_optimizers_beside_a_stage_of_one_takes_one_verdict_a_step(fault_runs: Path) -> None:
+    """Stage 0 steps an optimizer per part (torchtitan's layout), stage 1 one: each stage's first optimizer step treats
+    the stage's every gradient, so both make one exchange a step (the stage of two waited in a second one until the
+    timeout before). Healthy: bitwise the unguarded run; a NaN on stage 1 halts both stages before any part moved."""
+    for stage in results(fault_runs, "pp_faults", 2):
+        runs = stage["several_optimizers"]
+        assert runs["default"]["halted"] is None
+        assert runs["default"]["final"] == runs["twin"]["final"]
+        assert runs["halt"]["halted"]["step"] == scenarios.BAD_STEP
+        assert runs["halt"]["halted"]["unchanged"]
+
+
 def test_a_skip_past_its_limit_under_recovery_rewinds_every_stage_together(fault_runs: Path) -> None:
     """The same with recovery: every stage rewinds to the same snapshot at step 2 and trains on, one model."""
     first, second = (result["skip_limit_rewind"] for result in results(fault_runs, "pp_faults", 2))
@@ -228,6 +240,23 @@ def test_a_failure_inside_one_stage_s_step_ends_every_stage_at_once_naming_its_r
         assert result["steps"] == scenarios.BAD_STEP + 1
         (event,) = result["failures"]
         assert (event["failed_rank"], event["error"]) == (1, "ValueError: the device returned garbage")
+
+
+def test_a_stage_with_nothing_to_treat_is_refused_on_every_stage_at_its_first_step(tmp_path: Path) -> None:
+    """A frozen stage finds no gradient at its optimizer's step, so it would never join the stages' exchange, where
+    the other stage waits until the process group's timeout: it is refused at once, naming the fix, and the other
+    stage raises naming its rank, within seconds."""
+    launch(["pp_frozen_stage"], 2, tmp_path)
+    first, second = (result["error"] for result in results(tmp_path, "pp_frozen_stage", 2))
+    assert second is not None
+    assert first is not None
+    assert second["type"] == "GuardStateError"
+    assert second["message"].startswith("a pipeline stage with no gradient to treat at its first step")
+    assert first["type"] == "RankFailed"
+    assert first["failed_rank"] == 1
+    assert "no gradient to treat" in first["message"]
+    for error in (first, second):
+        assert error["seconds"] < error["timeout"] / 3, error
 
 
 def test_a_skip_on_one_stage_skips_every_stage(fault_runs: Path) -> None:

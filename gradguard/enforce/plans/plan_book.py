@@ -45,6 +45,11 @@ class PlanBook:
         self._last: tuple[weakref.ReferenceType[Optimizer], tuple[tuple[int, ...], Plan | None]] | None = None
         """The optimizer ``for_optimizer`` or ``steps_none`` was asked about last, and its entry."""
         self._warned_split: set[int] = set()
+        self.one_plan = False
+        """Every optimizer that steps a guarded tensor gets the whole-model plan: its step treats every gradient, and
+        the other optimizers of the training step find them treated. A pipeline stage's, whose step takes one
+        verdict with the other stages in a collective each: a stage of two optimizers (torchtitan steps one per model
+        part) and a stage of one must make the same collectives, and no part update before another's fault halts."""
         self._by_clip: tuple[tuple[int, ...], Plan | None] | None = None
         self._among: tuple[tuple[int, ...], bool, list[torch.Tensor]] | None = None
 
@@ -54,7 +59,9 @@ class PlanBook:
         model = self._model_ref()
         if model is None:
             raise PolicyError([PolicyIssue(policy.source, None, "", "the guarded model no longer exists")])
-        return PlanBook(policy, model, self._on_rebind)
+        book = PlanBook(policy, model, self._on_rebind)
+        book.one_plan = self.one_plan
+        return book
 
     def current(self) -> Plan:
         """The whole-model plan, bound again first if the model's tensors changed."""
@@ -77,7 +84,9 @@ class PlanBook:
         by_id = self.binding.by_id
         members = [entry for p in params if (entry := by_id.get(id(p))) is not None and entry.ref() is p]
         plan = Plan.build(self.binding, members) if members else None
-        if plan is not None:
+        if plan is not None and self.one_plan:
+            plan = self.whole
+        elif plan is not None:
             self._warn_split_groups(plan)
         self._by_optimizer[optimizer] = (fingerprint, plan)
         self._last = (weakref.ref(optimizer), (fingerprint, plan))

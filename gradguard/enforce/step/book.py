@@ -39,6 +39,8 @@ class StepBook:
         self.explicit_marks = False
         self.last_run_treated = False
         """Whether the last boundary found new gradients to treat."""
+        self.began = False
+        """Whether a step has begun since attach."""
         self._rerun_step = rerun_step
 
     def begin_step(self, indices: Iterable[int]) -> int:
@@ -49,6 +51,7 @@ class StepBook:
         window) follows training steps, not optimizer calls.
         """
         ids = set(indices)
+        self.began = True
         if (again := self._rerun_step()) is not None:
             return again  # the step's second computation is the same step
         if not self.in_step or ids & self.in_step:

@@ -29,10 +29,16 @@ from gradguard.enforce.step.verdicts import Verdicts
 from gradguard.enforce.work.participant import Ruling, clear_gradients
 from gradguard.enforce.work.step_work import Carry, StepContext, StepWork
 from gradguard.enforce.work.tensors import without_grad
-from gradguard.errors import GradientHalt
+from gradguard.errors import GradientHalt, GuardStateError
 from gradguard.policy.matching import Binding
 
-__all__ = ["StepPipeline"]
+__all__ = ["EMPTY_STAGE_REFUSED", "StepPipeline"]
+
+EMPTY_STAGE_REFUSED = (
+    "a pipeline stage with no gradient to treat at its first step (every parameter frozen, or none guarded) is not "
+    "built yet: the other stages wait for its verdict in their exchange, which it would never join. Guard a pipeline "
+    "whose every stage trains a guarded parameter (unfreeze one, or match one with the policy)"
+)
 
 
 class StepPipeline:
@@ -59,6 +65,8 @@ class StepPipeline:
         grads, wrapped = gather(plan, book.applied_versions, context)  # 1. gather
         book.last_run_treated = bool(grads)
         if not grads:
+            if self.collective.pipeline is not None and not book.began:
+                raise GuardStateError(EMPTY_STAGE_REFUSED)  # the other stages hear of it in their exchange's poll
             return True
         step = book.begin_step(grads)  # 2. open
         for participant in participants.at["opens"]:  # a loop, not all() over a generator: no call a participant

@@ -6,9 +6,9 @@ Owns ``torch_hooks`` (the global optimizer hooks and the interception of torch's
 clip bound by name elsewhere: its norm after the guard's step), ``scaler_view`` (what the
 GradScalers say about some gradients), ``clips`` (the loop's own clip as a boundary),
 ``closures`` (``optimizer.step(closure)``), ``boundaries`` (a boundary's ``StepContext``), ``scaler`` (GradScaler's
-flags and skips; the GradScaler watch's participant) and ``micro_batch`` (the opt-in per-micro-batch hooks, a
-participant). They find boundaries and hand them to the step; they do not
-run it.
+flags and skips; the GradScaler watch's participant), ``micro_batch`` (the opt-in per-micro-batch hooks, a
+participant) and ``pipeline_weights`` (pipelining's zero-bubble weight pass, which those hooks act in). They find
+boundaries and hand them to the step; they do not run it.
 
 May import: plans, triggers, actions, work, distributed.
 """

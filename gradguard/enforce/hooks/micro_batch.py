@@ -9,7 +9,10 @@ step boundary, on the accumulated gradient. The hooks never sync: the figures th
 in the step's one sync.
 
 Caveats, documented in docs/where-the-guard-acts.md: under DDP a tensor hook sees this rank's local contribution,
-before the all-reduce; ``torch.autograd.grad`` calls are recognised and left untouched.
+before the all-reduce; ``torch.autograd.grad`` calls are recognised and left untouched, but for pipelining's
+zero-bubble weight pass, which adds its ``autograd.grad`` results into ``.grad`` by hand (``pipeline_weights``). A
+clip (``clip_norm``, ``clip_value``) of a DTensor parameter (tensor parallel) is refused at attach: its figure is the
+whole tensor's, a collective in every micro-batch's backward (``refuse_sharded``).
 """
 
 from __future__ import annotations
@@ -21,13 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from gradguard.enforce.actions.nonfinite import judge_nonfinite
+from gradguard.enforce.distributed.collective import is_sharded
+from gradguard.enforce.hooks import pipeline_weights
 from gradguard.enforce.work.participant import Participant
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.enforce.work.tensors import EPS, LOW_PRECISION
+from gradguard.errors import GuardStateError
 from gradguard.policy.matching import Binding, GuardedParam
 from gradguard.policy.schema import Action, ClipNorm, ClipValue, Scale, Zero
 
-__all__ = ["HookRecord", "MicroBatchHooks", "handled_in_hooks"]
+__all__ = ["HookRecord", "MicroBatchHooks", "handled_in_hooks", "refuse_sharded"]
 
 
 def handled_in_hooks(action: Action) -> bool:
@@ -35,6 +41,31 @@ def handled_in_hooks(action: Action) -> bool:
     if isinstance(action, ClipNorm):
         return action.scope == "tensor"
     return isinstance(action, ClipValue | Scale | Zero)
+
+
+def refuse_sharded(binding: Binding) -> None:
+    """Refuse a per-micro-batch clip of a DTensor parameter (tensor parallel; the same on every rank, so every rank
+    refuses at once): its norm or peak is the whole tensor's, over every rank's shard (and a sequence-parallel
+    gradient is a partial sum until reduced), which a hook could only have by a collective in each micro-batch's
+    backward. ``scale`` and ``zero`` act element by element on any piece: they stay."""
+    rules = binding.policy.rules
+    for entry in binding.params:
+        param = entry.ref()
+        if param is None or not param.requires_grad or not is_sharded(param):
+            continue
+        for i in entry.rules:
+            for action in rules[i].actions:
+                if not handled_in_hooks(action) or not isinstance(action, ClipNorm | ClipValue):
+                    continue
+                figure = "norm" if isinstance(action, ClipNorm) else "peak (its Inf watch and its count)"
+                raise GuardStateError(
+                    f"per_micro_batch=True cannot run rule {rules[i].name!r}'s {action.action} on {entry.name!r}, a "
+                    f"DTensor (sharded: tensor parallel, FSDP2): a per-micro-batch clip needs each contribution's "
+                    f"{figure} over the whole tensor, every rank's shard, a collective in each micro-batch's backward. "
+                    "Turn per_micro_batch off (the step then clips the accumulated gradient, with the whole tensor's "
+                    "figures agreed across the ranks), or keep the DTensor parameters out of the rule (exclude); "
+                    "scale and zero do act per micro-batch under tensor parallel"
+                )
 
 
 @dataclass(frozen=True)
@@ -67,6 +98,7 @@ class MicroBatchHooks(Participant):
         self._records: list[HookRecord] = []
         self._counts: list[tuple[int, str, int]] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        refuse_sharded(binding)
         rules = binding.policy.rules
         for entry in binding.params:
             actions = [(i, action) for i in entry.rules for action in rules[i].actions if handled_in_hooks(action)]
@@ -76,6 +108,9 @@ class MicroBatchHooks(Participant):
             accumulator = param.view_as(param).grad_fn
             node = accumulator.next_functions[0][0] if accumulator is not None else None
             self.handles.append(param.register_hook(self._make_hook(binding, entry, actions, node)))  # type: ignore[no-untyped-call]
+        self._enlisted = bool(self.handles)
+        if self._enlisted:
+            pipeline_weights.enlist()  # pipelining's zero-bubble weight pass accumulates by hand
 
     def _make_hook(
         self,
@@ -87,7 +122,7 @@ class MicroBatchHooks(Participant):
         rules = binding.policy.rules
 
         def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            if not _accumulates(node):
+            if not _accumulates(node) and not pipeline_weights.by_hand(node):
                 return None
             step = self._current_step()
             out = grad
@@ -167,3 +202,6 @@ class MicroBatchHooks(Participant):
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self._enlisted:
+            self._enlisted = False
+            pipeline_weights.release()

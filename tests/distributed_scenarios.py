@@ -143,27 +143,34 @@ def train(
     return result
 
 
-def rerun_transient_one_rank(rank: int, model: nn.Module, outdir: Path) -> dict[str, Any]:
-    """optimizer.step(closure) under a policy with a rerun section; rank 1's first computation of BAD_STEP is NaN."""
+def rerun_one_rank(rank: int, model: nn.Module, outdir: Path, fault: str = "loss") -> dict[str, Any]:
+    """optimizer.step(closure) under a policy with a rerun section; at BAD_STEP rank 1's first computation is NaN:
+    its loss (``loss``), or its own piece of ``body.weight``'s gradient after the backward (``grad``: under FSDP2
+    its shard, which no reduction reaches), or that piece in both computations (``grad_again``)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     policy = {**POLICY, "rerun": {}}
     log = outdir / f"audit-rank{rank}.jsonl"
     result: dict[str, Any] = {"rank": rank, "halt": None}
     with GradGuard(model, Policy.from_dict(policy), audit_log=log, logger=None) as guard:
-        for step in range(STEPS):
-            calls = [0]
+        try:
+            for step in range(STEPS):
+                calls = [0]
 
-            def closure(step: int = step, calls: list[int] = calls) -> torch.Tensor:
-                calls[0] += 1
-                x, y = batch(rank, step)
-                opt.zero_grad()
-                loss = nn.functional.mse_loss(model(x), y)
-                if step == BAD_STEP and rank == 1 and calls[0] == 1:
-                    loss = loss * float("nan")
-                loss.backward()
-                return loss
+                def closure(step: int = step, calls: list[int] = calls) -> torch.Tensor:
+                    calls[0] += 1
+                    x, y = batch(rank, step)
+                    opt.zero_grad()
+                    loss = nn.functional.mse_loss(model(x), y)
+                    if step == BAD_STEP and rank == 1 and calls[0] == 1 and fault == "loss":
+                        loss = loss * float("nan")
+                    loss.backward()
+                    if fault == "grad_again" or (fault == "grad" and calls[0] == 1):
+                        nan_on_rank_one_grad(model, step)
+                    return loss
 
-            opt.step(closure)
+                opt.step(closure)
+        except GradientHalt as halt:
+            result["halt"] = {"step": halt.step, "kind": halt.kind, "rule": halt.rule, "params": list(halt.params)}
         result["counters"] = guard.counters.snapshot()
         result["steps"] = guard.step_count
     result["final"] = final_params(model)
@@ -190,6 +197,10 @@ def inf_on_rank_zero_grad(model: nn.Module, step: int) -> None:
         param.grad.view(-1)[0] = float("inf")
 
 
+RERUNS = {"fsdp2_rerun_transient_one_rank": "grad", "fsdp2_rerun_reproducible_one_rank": "grad_again"}
+"""The rerun section under FSDP2: a NaN in rank 1's shard, made in the first computation only, or in both."""
+
+
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as Ddp
 
@@ -206,14 +217,14 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     if name == "ddp_skip_one_rank":
         return train(rank, world, Ddp(make_model()), SKIP_POLICY, outdir, inject=inf_on_rank_zero_grad)
     if name == "ddp_rerun_transient_one_rank":
-        return rerun_transient_one_rank(rank, Ddp(make_model()), outdir)
+        return rerun_one_rank(rank, Ddp(make_model()), outdir)
     if name == "ddp_loss_spike_one_rank":
         return train(rank, world, Ddp(make_model()), LOSS_POLICY, outdir, loss_factor=spike_on_rank_one)
     if name == "ddp_metrics":
         return ddp_metrics(rank, Ddp(make_model()))
     if name == "ddp_provenance":
         return ddp_provenance(rank, Ddp(make_model()), outdir)
-    if name in {"fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard", "fsdp2_loss_spike_one_rank"}:
+    if name in {"fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard", "fsdp2_loss_spike_one_rank", *RERUNS}:
         from torch.distributed.fsdp import fully_shard
 
         model = make_model()
@@ -222,6 +233,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         for module in (model.embed, model.body, model.head):
             fully_shard(module)
         fully_shard(model)
+        if name in RERUNS:
+            return rerun_one_rank(rank, model, outdir, RERUNS[name])
         inject = nan_on_rank_one_grad if name == "fsdp2_nan_one_rank" else None
         if name == "fsdp2_loss_spike_one_rank":
             return train(rank, world, model, LOSS_POLICY, outdir, loss_factor=spike_on_rank_one)

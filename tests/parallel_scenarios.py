@@ -111,17 +111,59 @@ def tensor_parallel(layout: str, rank: int, world: int, outdir: Path) -> dict[st
         result[name] = train(model, name, log, rows) | {"stats": stats_of(log)}
         dist.barrier()
     result["halt"] = nan_in_one_shard(layout, rank, world, mesh, two_d)
+    result["rerun"] = transient_nan_in_one_shard(layout, rank, world, mesh, two_d, outdir / f"rerun-rank{rank}.jsonl")
     return result
 
 
-def nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool) -> dict[str, Any]:
-    """A NaN written into the last rank's shard of ``layers.0.attention.q.weight``'s gradient at step 1."""
+def sharded_decoder(layout: str, mesh: Any, two_d: bool) -> nn.Module:
+    """The decoder under the layout's tensor parallel plan, and under FSDP2 over it where the mesh is 2-D."""
     model = make_decoder()
     (apply_plain_tp if layout == "plain" else apply_torchtitan_tp)(model, mesh["tp"] if two_d else mesh)
     if two_d:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def nan_in_last_shard(model: nn.Module) -> None:
+    """A NaN written into this rank's shard of ``layers.0.attention.q.weight``'s gradient."""
+    grad = model.layers["0"].attention.q.weight.grad
+    grad.to_local().view(-1)[0] = float("nan")  # type: ignore[union-attr]
+
+
+def transient_nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool, log: Path) -> dict[str, Any]:
+    """``optimizer.step(closure)`` under a ``rerun`` section with ``transient: halt``: a NaN written into the last
+    rank's shard of ``layers.0.attention.q.weight``'s gradient in the first computation of step 1 only."""
+    model = sharded_decoder(layout, mesh, two_d)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    policy = {**POLICIES["halt_then_titan_clip"], "rerun": {"on": ["nonfinite"], "transient": "halt"}}
+    out: dict[str, Any] = {"halted": None, "closures": 0}
+    with GradGuard(model, Policy.from_dict(policy), audit_log=log, logger=None) as guard:
+        try:
+            for step in range(3):
+
+                def closure(step: int = step) -> torch.Tensor:
+                    opt.zero_grad()
+                    tokens, targets = batch(step)
+                    loss = loss_of(model(tokens), targets)
+                    loss.backward()
+                    out["closures"] += 1
+                    if step == 1 and rank == world - 1 and out["closures"] == 2:
+                        nan_in_last_shard(model)
+                    return loss
+
+                opt.step(closure)
+        except GradientHalt as halt:
+            out["halted"] = {"step": halt.step, "kind": halt.kind, "rule": halt.rule, "params": list(halt.params)}
+        out["counters"] = guard.counters.snapshot()
+    out["reruns"] = [event for line in log.read_text().splitlines() if (event := json.loads(line))["event"] == "rerun"]
+    return out
+
+
+def nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool) -> dict[str, Any]:
+    """A NaN written into the last rank's shard of ``layers.0.attention.q.weight``'s gradient at step 1."""
+    model = sharded_decoder(layout, mesh, two_d)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out: dict[str, Any] = {"halted": None}
     with GradGuard(model, Policy.shipped("default"), logger=None):
@@ -130,8 +172,7 @@ def nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool)
             tokens, targets = batch(step)
             loss_of(model(tokens), targets).backward()
             if step == 1 and rank == world - 1:
-                grad = model.layers["0"].attention.q.weight.grad
-                grad.to_local().view(-1)[0] = float("nan")  # type: ignore[union-attr]
+                nan_in_last_shard(model)
             before = [full(p).detach().clone() for p in model.parameters()]
             try:
                 opt.step()

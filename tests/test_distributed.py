@@ -62,7 +62,13 @@ DDP_SCENARIOS = [
     "ddp_loss_spike_one_rank",
     "ddp_rerun_transient_one_rank",
 ]
-FSDP2_SCENARIOS = ["fsdp2_clip", "fsdp2_nan_one_rank", "fsdp2_attach_before_shard", "fsdp2_loss_spike_one_rank"]
+FSDP2_SCENARIOS = [
+    "fsdp2_clip",
+    "fsdp2_nan_one_rank",
+    "fsdp2_attach_before_shard",
+    "fsdp2_loss_spike_one_rank",
+    *scenarios.RERUNS,
+]
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +238,28 @@ def test_a_transient_fault_on_one_rank_is_computed_again_on_both_and_both_go_on(
         assert rerun["origin_ranks"] == {"1": socket.gethostname()}
         assert rerun["recurred"] == {}
     assert results[0]["final"] == results[1]["final"]
+
+
+def test_under_fsdp2_a_nan_in_one_rank_s_shard_is_transient_when_the_step_computed_again_does_not_make_it(
+    fsdp2_runs: Path,
+) -> None:
+    """The rerun section under FSDP2: rank 1's shard of body.weight's gradient is NaN in the first computation of the
+    step only. Both ranks compare the whole tensors' norms (the loss alone agrees), call it transient, name rank 1
+    and go on; the same NaN made again in the second computation is reproducible on both, and the policy halts."""
+    for result in results_of(fsdp2_runs, "fsdp2_rerun_transient_one_rank", 2):
+        assert (result["halt"], result["steps"]) == (None, scenarios.STEPS)
+        assert result["counters"]["rerun"] == {"transient": 1}
+        (rerun,) = result["reruns"]
+        assert (rerun["step"], rerun["verdict"], rerun["params"]) == (scenarios.BAD_STEP, "transient", ["body.weight"])
+        assert rerun["loss_first"] == rerun["loss_second"]
+        assert rerun["ranks"] == [1]  # the rank whose own shard differed, on both
+        assert (rerun["origin_ranks"], rerun["recurred"]) == ({"1": socket.gethostname()}, {})
+    for result in results_of(fsdp2_runs, "fsdp2_rerun_reproducible_one_rank", 2):
+        halt = {"step": scenarios.BAD_STEP, "kind": "nan", "rule": "nonfinite", "params": ["body.weight"]}
+        assert result["halt"] == halt
+        assert result["counters"]["rerun"] == {"reproducible": 1}
+        (rerun,) = result["reruns"]
+        assert (rerun["verdict"], rerun["params"], rerun["ranks"], rerun["max_rel_diff"]) == ("reproducible", [], [], 0)
 
 
 def test_under_ddp_each_rank_serves_its_own_metrics_labelled_with_its_rank(ddp_runs: Path) -> None:

@@ -153,3 +153,27 @@ def test_a_nan_in_one_rank_s_shard_halts_every_rank_before_the_update(layout_run
         assert halted["unchanged"]
         assert list(halted["ranks"]) == [str(len(layout_runs) - 1)]  # the rank whose shard it was, on every rank
     assert "It was not made on this rank (rank 0)" in layout_runs[0]["halt"]["halted"]["message"]
+
+
+def test_a_nan_in_one_rank_s_shard_that_the_step_computed_again_does_not_make_halts_every_rank_as_transient(
+    layout_runs: list[dict[str, Any]],
+) -> None:
+    """The rerun section (transient: halt) under optimizer.step(closure): the NaN in the last rank's shard of the first
+    computation of step 1 is not made again, so every rank compares the whole tensors' norms (not its pieces' alone,
+    nor the loss alone), finds the parameter whose norm differed, names the rank whose shard it was, and halts
+    as one process would: transient, at step 1."""
+    last = len(layout_runs) - 1
+    for result in layout_runs:
+        rerun = result["rerun"]
+        assert rerun["halted"] == {
+            "step": 1,
+            "kind": "transient",
+            "rule": "rerun",
+            "params": ["layers.0.attention.q.weight"],
+        }
+        assert rerun["counters"]["rerun"] == {"transient": 1, "halt": 1}
+        assert rerun["closures"] == 3  # steps 0 and 1, and step 1 again
+        (event,) = rerun["reruns"]
+        assert (event["step"], event["verdict"], event["params"]) == (1, "transient", ["layers.0.attention.q.weight"])
+        assert event["ranks"] == [last]  # the rank whose own pieces differed, on every rank
+        assert event["max_rel_diff"] == "Infinity"

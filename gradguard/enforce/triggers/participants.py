@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 from gradguard.enforce.recovery.decisions import HaltReport, ranks_field
 from gradguard.enforce.triggers.health import Health
 from gradguard.enforce.triggers.loss import LossVerdict, LossWatch
-from gradguard.enforce.triggers.rerun import Figures, Reruns
+from gradguard.enforce.triggers.rerun import Reruns
+from gradguard.enforce.triggers.rerun_figures import Figures
 from gradguard.enforce.work.participant import Participant, Ruling
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.errors import GradientHalt, ranks_words
@@ -102,16 +103,16 @@ class RerunTakingPart(Participant):
         config = policy.rerun
         if config is None or outcome.scaler_found_inf:
             return
-        norms = {work.names[index]: value for index, value in work.raw_host.items()}
+        # The figures are taken only where they are kept or compared: under FSDP2 and tensor parallel, a host read.
         if reruns.first is not None and reruns.step == step:
-            self._compare(work, Figures(outcome.loss, norms), config)
+            self._compare(work, Figures.of(work), config)
             return
         asked = reruns.trigger(config, outcome, self.watch.peek(policy.loss, outcome.loss))
         if asked is None:
             return
         if context.rerunnable:
             reruns.origin_ranks = dict(outcome.ranks)  # where the first computation's fault was made, if known
-            reruns.request(step, asked, Figures(outcome.loss, norms))
+            reruns.request(step, asked, Figures.of(work))
         if not reruns.noted:
             reruns.noted = True
             why = "the loop has no closure for the guard to run again (optimizer.step(closure), or Lightning's "

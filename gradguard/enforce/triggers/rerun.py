@@ -28,24 +28,24 @@ step's computation: ``optimizer.step(closure)`` (and Lightning's automatic optim
   halts saying the fault was transient. Under a process group the ranks agree on both: the verdict is the same on
   every rank before the re-run, and whether the computations differed is summed over the ranks after it: every
   rank goes the same way, the ranks that differed are named, and whether the rank that made it made it again.
+  Under FSDP2 and tensor parallel the norms compared are the whole tensors', the same on every rank
+  (``rerun_figures``).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.triggers.loss import LossWatch
+from gradguard.enforce.triggers.rerun_figures import Comparison, Figures, compared
 from gradguard.enforce.work.step_work import StepContext, StepOutcome, StepWork
 from gradguard.policy.sections import Rerun
 
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 __all__ = [
     "NO_CLOSURE",
     "ClosureRerun",
-    "Figures",
     "RerunRequested",
     "Reruns",
     "current_closure",
@@ -112,23 +111,6 @@ def _inside(rerun: ClosureRerun) -> Iterator[None]:
 
 class RerunRequested(Exception):
     """The step's verdict is to be checked: compute the step again."""
-
-
-@dataclass(frozen=True)
-class Figures:
-    """One computation of a step, as its read gave it: the loss and each tensor's 2-norm."""
-
-    loss: float | None
-    norms: Mapping[str, float]
-
-
-@dataclass(frozen=True)
-class Comparison:
-    verdict: str
-    """``transient`` or ``reproducible``."""
-    max_rel_diff: float
-    params: list[str]
-    ranks: list[int]
 
 
 def rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -300,16 +282,6 @@ def _loss_roots() -> list[tuple[LossWatch, torch.Tensor | None, str | None]]:
     return found
 
 
-def _relative(a: float | None, b: float | None) -> float:
-    if a is None or b is None:
-        return 0.0
-    if a == b or (a != a and b != b):
-        return 0.0  # equal, infinities of one sign, or NaN both times: the same result
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return math.inf
-    return abs(a - b) / max(abs(a), abs(b))
-
-
 class Reruns:
     """One guard's re-runs: the first computation's figures while its second runs, and the notes said once."""
 
@@ -379,22 +351,8 @@ class Reruns:
     def compare(
         self, config: Rerun, second: Figures, collective: Collective | None, device: torch.device
     ) -> Comparison:
-        """The two computations of the step, agreed over the ranks; the re-run is over."""
+        """The two computations of the step, agreed over the ranks (``rerun_figures.compared``); the re-run is over."""
         first = self.first
         assert first is not None
         self.first, self.step = None, None
-        diffs = {name: _relative(value, second.norms.get(name)) for name, value in first.norms.items()}
-        loss_diff = _relative(first.loss, second.loss)
-        largest = max([loss_diff, *diffs.values()])
-        differs = largest > config.tolerance
-        params = sorted(name for name, diff in diffs.items() if diff > config.tolerance)
-        ranks: list[int] = [0] if differs else []
-        if collective is not None:
-            world, rank = dist.get_world_size(collective.group), dist.get_rank(collective.group)
-            flags = torch.zeros(world, dtype=torch.float64, device=device)
-            flags[rank] = float(differs)
-            both = collective.sum_(flags).tolist()  # only on a re-run: a clean step never gets here
-            ranks = [r for r in range(world) if both[r] > 0]
-            differs = bool(ranks)
-        verdict = "transient" if differs else "reproducible"
-        return Comparison(verdict, largest, params, ranks)
+        return compared(config, first, second, collective, device)

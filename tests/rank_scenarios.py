@@ -273,6 +273,17 @@ def fsdp2_monitor(rank: int, outdir: Path) -> dict[str, Any]:
     return {"rank": rank, "expected": expected, "figures": stats["figures"]}
 
 
+def outlier_unseen() -> dict[str, Any]:
+    """``outlier_factor`` on a model that is neither DDP- nor FSDP2-wrapped: no rank's own gradient can be seen, so
+    the check could never fire; refused at attach on every rank."""
+    policy = Policy.from_dict({**HALT_AND_CLIP, "ranks": {"outlier_factor": 10}})
+    try:
+        GradGuard(nn.Linear(4, 4), policy, logger=None).remove()
+    except GuardStateError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     nan_at_two = nan_on(2)
     if name == "nan_one_rank":  # the shipped default policy, nothing else asked for
@@ -313,6 +324,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     if name == "clean_every_check":
         policy = {**HALT_AND_CLIP, "ranks": {"check_replicas_every": 1, "outlier_factor": 10}}
         return train(rank, outdir, policy)
+    if name == "outlier_unseen":
+        return outlier_unseen()
     if name == "unguarded":
         return train(rank, outdir, None, guarded=False)
     if name == "quiet_guard":

@@ -292,3 +292,16 @@ def test_a_users_communication_hook_after_the_guard_runs_inside_its_tap_and_the_
         assert result["halt"]["ranks"] == {"2": HOST}
     # The user's hook did the reduction, the same on every rank: the replicas stayed equal up to the fault.
     assert len({result["digest"] for result in runs}) == 1
+
+
+def test_an_outlier_check_that_could_never_fire_is_refused_at_attach_on_every_rank(tmp_path: Path) -> None:
+    """``outlier_factor`` on a model that is neither DDP- nor FSDP2-wrapped (the same holds under tensor parallel
+    alone): no rank's own gradient norm can be seen before the reduction, so no outlier would ever be named. It was
+    accepted and inert; it is refused, saying why and what works."""
+    launch(["outlier_unseen"], 2, tmp_path)
+    for result in results(tmp_path, "outlier_unseen", 2):
+        error = result["error"]
+        assert error is not None
+        assert "ranks.outlier_factor compares each rank's own gradient norm" in error
+        assert "neither DDP- nor FSDP2-wrapped" in error
+        assert "Remove outlier_factor" in error

@@ -305,10 +305,24 @@ def refuse_sharded_replicas(policy: Policy, model: nn.Module) -> None:
     if any(is_sharded(param) for param in model.parameters()):
         raise GuardStateError(
             f"{policy.source}: ranks.check_replicas_every compares data-parallel replicas' weights, but this model's "
-            "parameters are sharded (FSDP2): no two ranks hold the same weights to compare. Remove "
+            "parameters are sharded (FSDP2, tensor parallel): no two ranks hold the same weights to compare. Remove "
             "check_replicas_every for a sharded model (FSDP2's shards are checked by nothing of the guard's); it "
             "works under DDP and DeepSpeed ZeRO 0-2."
         )
+
+
+def refuse_unseen_outliers(policy: Policy, seen: str | None, unseen: str | None) -> None:
+    """``outlier_factor`` compares each rank's own gradient norm, before the reduction: where the guard cannot see it,
+    the check could never fire (refused, not accepted and inert)."""
+    ranks = policy.ranks
+    if ranks is None or ranks.outlier_factor is None or seen is not None or unseen is None:
+        return
+    raise GuardStateError(
+        f"{policy.source}: ranks.outlier_factor compares each rank's own gradient norm before the reduction, but "
+        f"here {unseen}: no rank's norm would be compared, and no outlier ever named. Remove outlier_factor, or "
+        "pass the guard the DDP or FSDP2 model of a data-parallel job (under tensor parallel alone no two ranks "
+        "hold the same gradient to compare)."
+    )
 
 
 def watch_ranks(enforcer: Enforcer, model: nn.Module, deepspeed: bool) -> dict[str, Any] | None:
@@ -320,6 +334,7 @@ def watch_ranks(enforcer: Enforcer, model: nn.Module, deepspeed: bool) -> dict[s
     policy = enforcer.binding.policy
     if not deepspeed:
         tap_local_gradients(model, collective.local)
+        refuse_unseen_outliers(policy, collective.local.seen, collective.local.unseen)
     refuse_sharded_replicas(policy, model)
     taking_part = RanksTakingPart(
         collective,

@@ -289,3 +289,22 @@ def test_a_rank_whose_log_starts_late_has_its_clips_and_nan_lines_counted_once(t
     assert data["totals"]["clip"] == {"clip_norm": 12}
     assert data["totals"]["nonfinite"]["nan"] == 4
     assert data["skips"]["events"] == 1
+
+
+def test_a_job_of_one_rank_lets_go_of_what_it_held_once_a_newer_job_begins(tmp_path: Path) -> None:
+    """A single-process log of many runs is a job per run; each holds its last steps' events in case a second rank
+    joins, which only the newest job can get: an older job's are let go (a million-line log of 100 runs held 20 MiB
+    of them to the end)."""
+    from gradguard.audit.reader import ReadStats, read_batches
+    from gradguard.audit.summarizer import Summarizer
+
+    path = tmp_path / "run.jsonl"
+    for run in ("a", "b", "c"):
+        replicated_run(path, 0, run=run, made_on={})
+    summarizer = Summarizer([str(path)], ReadStats())
+    for batch in read_batches([path], ReadStats()):
+        summarizer.add_all(batch)
+    holding = [job.holding for job in summarizer.runs.jobs]
+    assert holding[:2] == [0, 0]
+    assert holding[2] > 0
+

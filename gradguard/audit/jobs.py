@@ -162,6 +162,15 @@ class Job:
                     else:
                         self.replica(one, by)
 
+    @property
+    def holding(self) -> int:
+        """How many events and streaks it holds in case another rank joins (``hold``)."""
+        return sum(len(at) for at in self._held.values())
+
+    def close(self) -> None:
+        """A newer job has begun: no rank joins this one any more, so the events held for one (``hold``) go."""
+        self._held = {}
+
     def hold(self, event: Any, rank: int) -> bool:
         """An event of a job of one rank so far: never a replica; held as it is, in case another rank joins.
 

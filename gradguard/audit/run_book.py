@@ -52,6 +52,8 @@ class RunBook:
         """The newest job if it has no run of ``rank`` yet (another rank of it), else a new one."""
         job = self.jobs[-1] if self.jobs else None
         if job is None or rank in job.runs:
+            if job is not None:
+                job.close()  # no rank can join it now: what it held for one is let go
             job = Job(len(self.jobs) + 1)
             self.jobs.append(job)
         job.join(rank, run)

@@ -307,4 +307,3 @@ def test_a_job_of_one_rank_lets_go_of_what_it_held_once_a_newer_job_begins(tmp_p
     holding = [job.holding for job in summarizer.runs.jobs]
     assert holding[:2] == [0, 0]
     assert holding[2] > 0
-

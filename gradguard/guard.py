@@ -378,7 +378,7 @@ class GradGuard(ServesMetrics):
 def _attach_micro_batch_hooks(guard: GradGuard) -> None:
     """The per-micro-batch hooks (``per_micro_batch=True``), at attach and again at a rebind."""
     enforcer = guard._enforcer
-    hooks = MicroBatchHooks(guard._plans.binding, lambda: enforcer.step)
+    hooks = MicroBatchHooks(guard._plans.binding, lambda: enforcer.step, guard._model_ref())
     enforcer.micro_batch = hooks
     guard._attachment.handles.append(hooks)
 

@@ -11,6 +11,7 @@ Run as ``python tests/micro_batch_scenarios.py NAMES WORLD OUTDIR PORT`` (suppor
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,10 +92,15 @@ def tensor_parallel(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    return each_action(lambda model: apply_torchtitan_tp(model, mesh))
+
+
+def each_action(shard: Callable[[nn.Module], Any]) -> dict[str, Any]:
+    """Each of ``ACTIONS`` per micro-batch on a decoder ``shard`` lays out: the error at attach, or what it trained."""
     out: dict[str, Any] = {}
     for action in ACTIONS:
         model = make_decoder()
-        apply_torchtitan_tp(model, mesh)
+        shard(model)
         try:
             out[action] = {"error": None} | train(model, one_rule(action))
         except GuardStateError as error:
@@ -123,11 +129,21 @@ def train(model: nn.Module, policy: Policy) -> dict[str, Any]:
     return {"weights": weights([model]), "counters": counters}
 
 
+def fsdp2(rank: int, world: int) -> dict[str, Any]:
+    """Each per-micro-batch action on the decoder under FSDP2: the error at attach (none trains: FSDP2's parameters
+    get their gradients from its reduce-scatter, where no tensor hook runs)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return each_action(fully_shard)
+
+
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
     if name == "zero_bubble":
         return {schedule: pipeline(rank, schedule) for schedule in SCHEDULES}
     if name == "tensor_parallel":
         return tensor_parallel(rank, world)
+    if name == "fsdp2":
+        return fsdp2(rank, world)
     raise ValueError(name)
 
 

@@ -88,3 +88,15 @@ def test_per_micro_batch_clips_of_tensor_parallel_parameters_are_refused_at_atta
     for result in ranks:
         assert_weights_close(result["scale"]["weights"], expected["weights"])
         assert result["scale"]["counters"] == expected["counters"]
+
+
+def test_every_per_micro_batch_action_on_fsdp2_parameters_is_refused_at_attach(tmp_path: Path) -> None:
+    """FSDP2 hands a parameter its gradient from the reduce-scatter, after the micro-batches accumulated: a tensor hook
+    on it never runs, so a per-micro-batch ``scale`` or ``zero`` (which the step leaves to the hooks) never acted and
+    nothing said so. Every per-micro-batch action on FSDP2's parameters is refused at attach, on every rank."""
+    for result in launch("fsdp2", tmp_path):
+        for action in scenarios.ACTIONS:
+            error = result[action]["error"]
+            assert error is not None, action
+            assert f"rule 'r''s {action} on 'tok_embeddings.weight'" in error
+            assert "Turn per_micro_batch off" in error

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from gradguard.enforce.actions.nonfinite import judge_nonfinite
 from gradguard.enforce.distributed.collective import is_sharded
@@ -33,7 +34,7 @@ from gradguard.errors import GuardStateError
 from gradguard.policy.matching import Binding, GuardedParam
 from gradguard.policy.schema import Action, ClipNorm, ClipValue, Scale, Zero
 
-__all__ = ["HookRecord", "MicroBatchHooks", "handled_in_hooks", "refuse_sharded"]
+__all__ = ["HookRecord", "MicroBatchHooks", "handled_in_hooks", "refuse_fsdp2", "refuse_sharded"]
 
 
 def handled_in_hooks(action: Action) -> bool:
@@ -68,6 +69,30 @@ def refuse_sharded(binding: Binding) -> None:
                 )
 
 
+def refuse_fsdp2(binding: Binding, model: nn.Module) -> None:
+    """Refuse any per-micro-batch action on a parameter FSDP2 manages: its gradient reaches the parameter only from
+    FSDP2's reduce-scatter, after the micro-batches were accumulated, so a tensor hook on it never runs (a ``scale``
+    or ``zero`` left to the hooks would never act, and the step leaves it to them)."""
+    managed = {id(p) for module in model.modules() if hasattr(module, "_get_fsdp_state") for p in module.parameters()}
+    if not managed:
+        return
+    rules = binding.policy.rules
+    for entry in binding.params:
+        param = entry.ref()
+        if param is None or id(param) not in managed or not param.requires_grad:
+            continue
+        for i in entry.rules:
+            for action in rules[i].actions:
+                if handled_in_hooks(action):
+                    raise GuardStateError(
+                        f"per_micro_batch=True cannot run rule {rules[i].name!r}'s {action.action} on {entry.name!r}, "
+                        "a parameter FSDP2 shards: its gradient reaches it only from FSDP2's reduce-scatter, after the "
+                        "micro-batches accumulated, so no tensor hook sees a micro-batch's contribution and the action "
+                        "would never run. Turn per_micro_batch off (the step then acts on the accumulated gradient), "
+                        "or keep FSDP2's parameters out of the rule (exclude)"
+                    )
+
+
 @dataclass(frozen=True)
 class HookRecord:
     """One per-micro-batch clip, with its figures still on the device."""
@@ -92,13 +117,15 @@ def _accumulates(accumulator: torch.autograd.graph.Node | None) -> bool:
 class MicroBatchHooks(Participant):
     """Registers one tensor hook per guarded parameter that has a per-micro-batch action."""
 
-    def __init__(self, binding: Binding, current_step: Callable[[], int]) -> None:
+    def __init__(self, binding: Binding, current_step: Callable[[], int], model: nn.Module | None = None) -> None:
         self._current_step = current_step
         self._lock = threading.Lock()
         self._records: list[HookRecord] = []
         self._counts: list[tuple[int, str, int]] = []
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
         refuse_sharded(binding)
+        if model is not None:
+            refuse_fsdp2(binding, model)
         rules = binding.policy.rules
         for entry in binding.params:
             actions = [(i, action) for i in entry.rules for action in rules[i].actions if handled_in_hooks(action)]

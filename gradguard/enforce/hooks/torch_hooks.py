@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from gradguard.enforce.hooks import bound_names, clip_norms
 from gradguard.enforce.hooks.guard_hooks import CLIP_SITES, CLIPS, ClipCall, GuardHooks
+from gradguard.enforce.hooks.scaler_agreement import agree_found_inf
 from gradguard.enforce.triggers.loss import LossWatch, root_of
 from gradguard.errors import GradientHalt
 
@@ -382,6 +383,7 @@ def _unscale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def unscale_(self: torch.amp.GradScaler, optimizer: Optimizer) -> Any:
         result = original(self, optimizer)
+        agree_found_inf(self, optimizer)  # every rank of a tensor-parallel mesh skips alike
         with _scaler_lock:
             _unscaled.setdefault(self, {})[id(optimizer)] = weakref.ref(optimizer)
         return result

@@ -29,7 +29,7 @@ from gradguard.enforce.step.engine import Enforcer
 from gradguard.enforce.step.known_norms import clip_with_known_norms
 from gradguard.enforce.step.ranks import watch_ranks
 from gradguard.enforce.step.reload import Reloader
-from gradguard.enforce.step.stages import agree_on_the_mesh
+from gradguard.enforce.step.stages import agree_on_the_mesh, failure_told
 from gradguard.enforce.triggers.loss import LossWatch, watches_loss
 from gradguard.enforce.triggers.rerun import ClosureRerun
 from gradguard.enforce.work.step_work import StepContext
@@ -87,7 +87,7 @@ class GradGuard(ServesMetrics):
         replace: remove a guard already attached to the model instead of refusing.
         attach_timeout: under ``torch.distributed``, how long attaching waits for every rank of the group to attach
             too (then ``GuardStateError`` names the missing ranks); ranks that attach with a different policy,
-            parameters or options are refused at once, on every rank.
+            parameters or options are refused at once, on every rank, and a rank whose attach raises is named at once.
         metrics_port: serve live Prometheus metrics on this port (0: any free), at
             [`metrics_url`][gradguard.GradGuard.metrics_url] (docs/live-metrics-and-hot-reload.md).
         metrics_host: the address the metrics are served on.
@@ -108,6 +108,7 @@ class GradGuard(ServesMetrics):
         averages: averaged copies of the model (an EMA) that a ``recovery`` rewind restores with it (docs/recovery.md).
     """
 
+    @failure_told  # a rank whose attach raises before the agreement tells the others, who raise naming it at once
     def __init__(
         self,
         model: nn.Module | Sequence[nn.Module],
@@ -161,8 +162,7 @@ class GradGuard(ServesMetrics):
             enforcer = Enforcer(binding, self.counters, events, summary_every=summary_every, collective=collective)
             self._enforcer, enforcer.step = enforcer, start_step
             self._plans.one_plan = collective.pipeline is not None  # one verdict a training step (``PlanBook``)
-            self._events = events
-            self._expected: list[Optimizer] | None = optimizers
+            self._events, self._expected = events, optimizers
             self._warned_unexpected = False
             self._attachment = Attachment(self._enforcer, events, self._model_ref)
             path = None if isinstance(policy, Policy) else self.policy.file_path

@@ -354,6 +354,8 @@ def ddp_agreement(rank: int, world: int) -> dict[str, Any]:
 
 
 ATTACH_TIMEOUT = 3.0
+FAILING_ATTACH_TIMEOUT = 20.0
+"""attach_fails_on_one_rank's: the other rank must hear of the failure well before it."""
 
 
 def attach(name: str, rank: int, model: nn.Module) -> dict[str, Any]:
@@ -364,14 +366,22 @@ def attach(name: str, rank: int, model: nn.Module) -> dict[str, Any]:
         policy = {**POLICY, "rules": [*POLICY["rules"], extra]}
     if name == "attach_params_differ" and rank == 1:
         model.extra = nn.Linear(2, 2)
+    if name == "attach_fails_on_one_rank" and rank == 0:  # its binding raises PolicyError, before any agreement
+        nowhere = {"name": "nowhere", "match": "decoder.*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]}
+        policy = {**POLICY, "rules": [*POLICY["rules"], nowhere]}
     result: dict[str, Any] = {"rank": rank, "attached": False, "error": None}
     if name == "attach_missing_rank" and rank == 1:
         return result  # this rank never attaches: the other must say so within the timeout
+    timeout = FAILING_ATTACH_TIMEOUT if name == "attach_fails_on_one_rank" else ATTACH_TIMEOUT
     started = time.monotonic()
     try:
-        guard = GradGuard(model, Policy.from_dict(policy), logger=None, attach_timeout=ATTACH_TIMEOUT)
+        guard = GradGuard(model, Policy.from_dict(policy), logger=None, attach_timeout=timeout)
     except Exception as exc:  # the test asserts the type and the message
-        result["error"] = {"type": type(exc).__name__, "message": str(exc)}
+        result["error"] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "failed_rank": getattr(exc, "failed_rank", None),
+        }
     else:
         result["attached"] = True
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

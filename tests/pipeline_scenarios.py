@@ -245,6 +245,24 @@ def refused_without_a_mesh(rank: int) -> dict[str, Any]:
     return {"error": None}
 
 
+ATTACH_TIMEOUT = 20.0
+"""pp_one_stage_rule's: the stage that waits must hear of the other's failure well before it."""
+
+
+def one_stage_rule(rank: int, world: int) -> dict[str, Any]:
+    """A rule matching the head alone, which only the last stage holds: stage 0's binding raises PolicyError before
+    the attach agreement, where stage 1 waits for it. The error each raises, and how long it took."""
+    stage = Stage("pp_gpipe", rank, world)
+    head = {"name": "head", "match": "output.*", "actions": [{"action": "clip_norm", "max_norm": 0.5}]}
+    policy = Policy.from_dict({**HALT, "rules": [*HALT["rules"], head]})
+    started = time.monotonic()
+    try:
+        GradGuard(stage.module, policy, logger=None, device_mesh=stage.mesh, attach_timeout=ATTACH_TIMEOUT).remove()
+    except Exception as error:  # the test asserts the type and the words
+        return {"error": failure_record(error, started) | {"timeout": ATTACH_TIMEOUT}}
+    return {"error": None}
+
+
 def refusals(rank: int) -> dict[str, Any]:
     """Every layout that is not built, attached as a user would: the error each rank gets (None: attached)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -408,6 +426,8 @@ def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
         return refused_without_a_mesh(rank)
     if name == "refusals":
         return refusals(rank)
+    if name == "pp_one_stage_rule":
+        return one_stage_rule(rank, world)
     if name == "pp_rewind_twin":
         return rewind_and_twin(rank, world)
     raise ValueError(name)

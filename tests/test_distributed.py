@@ -380,7 +380,13 @@ def test_fsdp2_guard_attached_before_sharding_rebinds_to_the_sharded_parameters(
     assert results[0]["digests"] == results[1]["digests"]
 
 
-ATTACH_SCENARIOS = ["attach_agree", "attach_policy_differs", "attach_params_differ", "attach_missing_rank"]
+ATTACH_SCENARIOS = [
+    "attach_agree",
+    "attach_fails_on_one_rank",
+    "attach_policy_differs",
+    "attach_params_differ",
+    "attach_missing_rank",
+]
 
 
 @pytest.fixture(scope="module")
@@ -397,6 +403,25 @@ def test_ranks_that_attach_the_same_guard_agree_and_step(attach_runs: Path) -> N
         assert result["error"] is None
         assert result["steps"] == 1
         assert result["seconds"] < scenarios.ATTACH_TIMEOUT
+
+
+def test_a_rank_whose_attach_raises_is_named_at_once_on_the_others_with_its_host_and_error(attach_runs: Path) -> None:
+    """Rank 0's policy has a rule that matches none of its parameters: its binding raises PolicyError before any
+    agreement. Rank 0 raises that, unchanged; rank 1, waiting for rank 0 in the attach agreement, raises RankFailed
+    naming rank 0, its host and its PolicyError within seconds, not "did not attach" at attach_timeout. The scenarios
+    after it agree as before: the failed attach took its place in the ranks' count of attaches."""
+    failed, waiting = results_of(attach_runs, "attach_fails_on_one_rank", 2)
+    assert not failed["attached"]
+    assert failed["error"]["type"] == "PolicyError"
+    assert "rule 'nowhere' matches no parameter" in failed["error"]["message"]
+    assert not waiting["attached"]
+    assert waiting["error"]["type"] == "RankFailed"
+    assert waiting["error"]["failed_rank"] == 0
+    message = waiting["error"]["message"]
+    assert message.startswith(f"rank 0 (host {socket.gethostname()}) failed to attach its GradGuard: PolicyError: ")
+    assert "rule 'nowhere' matches no parameter" in message
+    assert "did not attach" not in message
+    assert waiting["seconds"] < scenarios.FAILING_ATTACH_TIMEOUT / 3
 
 
 def test_ranks_with_different_policies_are_refused_on_every_rank_naming_the_ranks(attach_runs: Path) -> None:

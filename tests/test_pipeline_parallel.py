@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -110,7 +111,7 @@ def test_each_stage_s_monitor_gives_the_whole_tensors_figures(pipeline_runs: lis
 @pytest.fixture(scope="module")
 def fault_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     outdir = tmp_path_factory.mktemp("pp_faults")
-    launch(["pp_faults", "pp_without_mesh", "refusals", "pp_rewind_twin"], 2, outdir)
+    launch(["pp_faults", "pp_without_mesh", "pp_one_stage_rule", "refusals", "pp_rewind_twin"], 2, outdir)
     return outdir
 
 
@@ -291,6 +292,26 @@ def test_a_stage_attached_without_a_mesh_is_refused_naming_the_pipeline_and_devi
     for result in results(fault_runs, "pp_without_mesh", 2):
         assert "if this is a pipeline" in result["error"]
         assert "device_mesh=mesh" in result["error"]
+
+
+def test_a_rule_matching_one_stage_only_is_refused_on_the_other_and_named_at_once_on_the_first(
+    fault_runs: Path,
+) -> None:
+    """A rule matching the head, which only stage 1 holds: stage 0's binding raises its own PolicyError (naming the
+    rule and allow_no_match), before the attach agreement; stage 1, waiting there, raises RankFailed naming rank 0,
+    its host and that PolicyError within seconds, not "rank(s) [0] did not attach" at attach_timeout."""
+    refused, waiting = (result["error"] for result in results(fault_runs, "pp_one_stage_rule", 2))
+    assert refused["type"] == "PolicyError"
+    assert "rule 'head' matches no parameter" in refused["message"]
+    assert "allow_no_match" in refused["message"]
+    assert waiting["type"] == "RankFailed"
+    assert waiting["failed_rank"] == 0
+    assert waiting["message"].startswith(f"rank 0 (host {socket.gethostname()}) failed to attach its GradGuard: ")
+    assert "PolicyError: " in waiting["message"]
+    assert "rule 'head' matches no parameter" in waiting["message"]
+    assert "did not attach" not in waiting["message"]
+    for error in (refused, waiting):
+        assert error["seconds"] < error["timeout"] / 3, error
 
 
 REFUSED = {

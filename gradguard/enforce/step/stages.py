@@ -11,11 +11,13 @@ host that found the fault (with recovery: rewinds with it), or skips with it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec
 
 import torch
 
-from gradguard.enforce.distributed.agreement import agree_at_attach, fingerprint
+from gradguard.enforce.distributed.agreement import agree_at_attach, attach_begins, attach_failed, fingerprint
 from gradguard.enforce.distributed.collective import Collective
 from gradguard.enforce.distributed.local import RankSlots
 from gradguard.enforce.distributed.mesh import MeshLayout, layout_of
@@ -35,6 +37,7 @@ __all__ = [
     "STAGES_RULE",
     "StagesTakingPart",
     "agree_on_the_mesh",
+    "failure_told",
     "refuse_in_a_pipeline",
     "stage_words",
     "stages_taking_part",
@@ -185,6 +188,27 @@ def agree_on_the_mesh(
     stage.pipeline.join(job, layout.pp_ranks)
     stage.mesh = layout
     return stage
+
+
+_Init = ParamSpec("_Init")
+
+
+def failure_told(init: Callable[_Init, None]) -> Callable[_Init, None]:
+    """``GradGuard.__init__``, telling the other ranks what it raised before the attach agreement (the binding's
+    ``PolicyError``, a refused option, anything): they raise naming this rank at once, instead of a "did not attach"
+    at ``attach_timeout``; this rank raises its own error. The agreement is over ``process_group``, or the whole job
+    where a ``device_mesh`` is given (``agree_on_the_mesh``)."""
+
+    @functools.wraps(init)
+    def attach(*args: _Init.args, **kwargs: _Init.kwargs) -> None:
+        mark = attach_begins(None if kwargs.get("device_mesh") is not None else kwargs.get("process_group"))
+        try:
+            init(*args, **kwargs)
+        except BaseException as error:
+            attach_failed(mark, error)
+            raise
+
+    return attach
 
 
 def stages_taking_part(collective: Collective, verdicts: Verdicts, counters: Counters) -> StagesTakingPart | None:

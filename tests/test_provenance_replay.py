@@ -5,6 +5,7 @@ does not reproduce the fault or cannot run, and what a replay leaves as it found
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -299,3 +300,31 @@ def test_a_lightning_module_keeps_the_light_trace_at_every_forward() -> None:
         assert provenance is not None
         assert not provenance.replaying
         assert "Lightning" in (provenance.unreplayable or "")
+
+
+def test_a_copy_of_a_guarded_model_saves_and_holds_none_of_its_inputs(tmp_path: Path) -> None:
+    """The default's replay holds each forward through two hooks on the model, bound to an object with a weak reference
+    to it: ``torch.save`` of the module raised (a weak reference cannot be pickled), and ``copy.deepcopy`` (an EMA
+    model, a student) took a live copy along that held every forward of the copy's, a guard's or not, forever. The
+    copy now gets hooks that return at once and hold nothing; the saved model loads and runs."""
+    import copy
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with GradGuard(model, Policy.shipped("default"), logger=None):
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+        copied = copy.deepcopy(model)
+        saved = tmp_path / "model.pt"
+        torch.save(model, saved)
+    loaded = torch.load(saved, weights_only=False)
+    inputs = [torch.randn(2, 4) for _ in range(3)]
+    held = [weakref.ref(x) for x in inputs]
+    for x in inputs:
+        copied(x).sum().backward()
+        loaded(x).sum().backward()
+    del inputs, x
+    assert [ref() for ref in held] == [None, None, None]
+    assert torch.equal(loaded(torch.ones(1, 4)), model(torch.ones(1, 4)))

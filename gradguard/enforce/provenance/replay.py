@@ -69,6 +69,19 @@ def unreplayable(model: nn.Module) -> str | None:
     return None
 
 
+def _unarmed() -> Replay:
+    """A replay whose hooks return at once and hold nothing (``Replay.__reduce__``)."""
+    replay = Replay.__new__(Replay)
+    replay._model = _no_model  # type: ignore[assignment]  # called as the weak reference is: None
+    replay.forwards, replay.overflow, replay.active, replay._open = [], False, True, False
+    replay.handles, replay.whole_step = [], False
+    return replay
+
+
+def _no_model() -> None:
+    return None
+
+
 def _called(model: nn.Module) -> nn.Module:
     """The module a replay calls: the model inside a DDP or DataParallel wrapper (its forward syncs nothing then), the
     eager module inside ``torch.compile``'s wrapper (no recompilation for the trace's hooks)."""
@@ -94,6 +107,12 @@ class Replay:
         self.handles: list[RemovableHandle] = []
         self.whole_step = False
         """The hooks were armed through a whole step (from the end of the one before): its forwards are all held."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A copy of the model (``copy.deepcopy``, ``torch.save`` of the module, a pickle) takes its hooks along, bound
+        to this object: the copy gets an unarmed one instead, which holds nothing and whose hooks return at once (no
+        guard watches the copy; a weak reference and the held forwards could not be pickled anyway)."""
+        return (_unarmed, ())
 
     def arm(self) -> None:
         model = self._model()

@@ -189,16 +189,24 @@ def nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool)
     return out
 
 
-def unguarded_twin(world: int) -> dict[str, Any]:
+TWIN_CLIPS = {"torch_clip": torch.nn.utils.clip_grad_norm_, "titan_clip": titan_clip}
+"""The loop clips the twins may call after ``backward`` (the guard's step runs at it: ``before_clip``'s default)."""
+TWIN_MAX_NORM = 0.3
+"""Below every step's total norm (about 1.2): the loop's clip scales every gradient."""
+
+
+def unguarded_twin(world: int, clip: str | None = None) -> dict[str, Any]:
     """torchtitan's plan over ``world`` tensor-parallel ranks (4 heads, so four ranks fit), trained unguarded and then
-    under the shipped default, from the same weights on the same batches: which parameters end differently (none: a
-    healthy run is left untouched, to the last bit; a sum over three ranks or more rounds by where it is made)."""
+    under the shipped default, from the same weights on the same batches, the loop calling ``TWIN_CLIPS[clip]`` (if
+    any) before each update in both: which parameters end differently (none: a healthy run is left untouched, to the
+    last bit; a sum over three ranks or more rounds by where it is made, and a clip's scaling of a Partial gradient's
+    addends rounds otherwise than its scaling of their sum)."""
     import support.parallel_models as models
     from torch.distributed.device_mesh import init_device_mesh
 
     models.HEADS, models.TOKENS = 4, 8  # this scenario's own launch: no other in its process
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    weights = []
+    weights, norms, steps = [], [], 0
     for guarded in (False, True):
         model = make_decoder()
         apply_torchtitan_tp(model, mesh)
@@ -208,17 +216,21 @@ def unguarded_twin(world: int) -> dict[str, Any]:
             opt.zero_grad()
             tokens, targets = batch(step)
             loss_of(model(tokens), targets).backward()
+            if clip is not None:
+                norms.append(float(full(TWIN_CLIPS[clip](model.parameters(), TWIN_MAX_NORM))))
             opt.step()
         if guard is not None:
+            steps = guard.step_count  # one a step: the optimizer's step found the gradients the clip's step treated
             guard.remove()
         weights.append({name: full(param).detach().clone() for name, param in model.named_parameters()})
     plain, guarded_weights = weights
-    return {"differing": sorted(name for name in plain if not torch.equal(plain[name], guarded_weights[name]))}
+    differing = sorted(name for name in plain if not torch.equal(plain[name], guarded_weights[name]))
+    return {"differing": differing, "norms": norms, "steps": steps}
 
 
 def scenario(name: str, rank: int, world: int, outdir: Path) -> dict[str, Any]:
-    if name == "tp_unguarded_twin":
-        return unguarded_twin(world)
+    if name.startswith("tp_unguarded_twin"):
+        return unguarded_twin(world, name.removeprefix("tp_unguarded_twin").removeprefix("_") or None)
     layout = name.removeprefix("tp_")
     return tensor_parallel(layout, rank, world, outdir)
 

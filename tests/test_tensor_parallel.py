@@ -91,6 +91,23 @@ def test_a_healthy_run_on_four_tensor_parallel_ranks_is_the_unguarded_one_to_the
         assert result["differing"] == []
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("clip", sorted(scenarios.TWIN_CLIPS))
+def test_a_healthy_run_whose_loop_clips_is_the_unguarded_one_to_the_last_bit(
+    tmp_path: Path, clip: str, world: int
+) -> None:
+    """The guard's step runs at the loop's clip (torch's ``clip_grad_norm_`` or torchtitan's), which then scales each
+    rank's addend of a Partial gradient, and the update sums the scaled addends. The guard reads a reduced copy of
+    each Partial gradient and leaves the gradient itself as it came (the default's zclip multiplies the copy by 1,
+    which changes nothing): reduced in place, it was scaled as a sum, and 28 of the 37 weights ended an ulp away after
+    4 steps (only the 10 Partial gradients at the first). The clip's change to a gradient left Partial is no new
+    gradient: the optimizer's step treats nothing again (one guard step a training step)."""
+    for result in launch(f"tp_unguarded_twin_{clip}", world, tmp_path):
+        assert min(result["norms"]) > scenarios.TWIN_MAX_NORM  # the clip scaled every step, guarded and not
+        assert result["differing"] == []
+        assert result["steps"] == scenarios.STEPS + 1
+
+
 LAYOUTS = [("tp_plain", 2), ("tp_titan", 2), ("tp_fsdp2_titan", 4)]
 
 

@@ -9,12 +9,16 @@ a figure taken from this rank's local piece:
   sharded dimensions' sizes) over the number of ranks the sum runs over, so that every distinct piece counts once.
   A plain tensor beside DTensors (a parameter a TP plan left alone) is a replica on every rank: share ``1 / world``.
 - ``Partial(op)``: each rank holds an addend of the gradient, not a piece of it (a SequenceParallel norm's weight);
-  no figure of an addend is a figure of the gradient. ``settle`` reduces every Partial gradient before anything is
-  read, one all-reduce each, as the optimizer would otherwise reduce it inside its own update (the same values to
-  the last bit: one joined buffer would round differently on three ranks or more), and gives each gradient its
-  parameter's placements (a row-wise
-  embedding's gradient comes back ``Replicate`` while its weight is ``Shard(0)``; the update applies the rank's rows
-  of it, and the per-unit actions must read those).
+  no figure of an addend is a figure of the gradient. ``settle`` reads every Partial gradient through a copy, reduced
+  before anything is read, one all-reduce each, as the optimizer would reduce it inside its own update (the same
+  values to the last bit: one joined buffer would round differently on three ranks or more). The gradient itself is
+  left as it came (``Reduced.install`` gives it the copy only where an action changed the copy): the loop's clip,
+  which runs after the guard's step, scales each rank's addend and the update sums them, as without a guard; scaling
+  their sum rounds otherwise. Two copies of the Partial gradients (small: norms' weights) live for the step.
+- A gradient whose placements differ from its parameter's without a Partial one is given its parameter's in place (a
+  row-wise embedding's gradient comes back ``Replicate`` while its weight is ``Shard(0)``; the update applies the
+  rank's rows of it, and the per-unit actions must read those): its rows, taken locally, are the ones the update
+  takes.
 
 Maxima (the inf-norm, ``clip_value``'s peaks) and non-finite counts need no share: a replica changes neither.
 """
@@ -28,42 +32,93 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShareBook", "settle"]
+__all__ = ["Reduced", "ShareBook", "settle"]
 
 
-def settle(pairs: Iterable[tuple[Any, Any]]) -> None:
-    """Give each ``(parameter, DTensor gradient)``'s gradient its parameter's placements, reducing the Partial ones
-    first (an all-reduce each, as the update would make them). Every rank of the mesh calls this with the same
-    parameters in the same order (the plan's), so the all-reduces match."""
+def settle(placed: Iterable[tuple[int, Any, Any]]) -> Reduced | None:
+    """Give each ``(index, parameter, DTensor gradient)`` its parameter's placements: in place where it has no Partial
+    one; a Partial gradient is left as it is, and a copy of it, reduced (an all-reduce each, as the update would
+    reduce it) and placed so, is read instead (``Reduced``; None: no Partial gradient). Every rank of the mesh calls
+    this with the same parameters in the same order (the plan's), so the all-reduces match."""
     unsettled = [
-        (param, grad)
-        for param, grad in pairs
+        (index, param, grad)
+        for index, param, grad in placed
         if (placements := getattr(grad, "placements", None)) is not None  # a DTensor's
         and placements != getattr(param, "placements", None)
     ]
     if not unsettled:
-        return
-    buckets: dict[tuple[int, int, str], tuple[Any, list[torch.Tensor]]] = {}
-    for _, grad in unsettled:
-        mesh = grad.device_mesh
-        for dim, placement in enumerate(grad.placements):
-            if placement.is_partial():
-                key = (id(mesh), dim, str(placement.reduce_op))
-                buckets.setdefault(key, (mesh, []))[1].append(grad.to_local())
-    for (_, dim, op), (mesh, locals_) in buckets.items():
-        _reduce_each(locals_, mesh.get_group(dim), op, mesh.size(dim))
-    from torch.distributed.tensor import Replicate
+        return None
+    from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
-    for param, grad in unsettled:
-        # The gradient object itself is changed, not replaced: whoever holds it (a clip that listed the gradients
-        # before calling get_total_norm, which runs the guard's step) sees the reduced values under their placements.
-        spec = grad._spec
+    buckets: dict[tuple[int, int, str], tuple[Any, list[torch.Tensor]]] = {}
+    reduced, targets = Reduced(), []
+    for index, param, grad in unsettled:
+        mesh, target = grad.device_mesh, grad
+        for dim, placement in enumerate(grad.placements):
+            if placement.is_partial():
+                if target is grad:  # the copy: contiguous, as the all-reduce takes it
+                    local = grad._local_tensor.clone(memory_format=torch.contiguous_format)
+                    target = DTensor(local, grad._spec, requires_grad=False)  # type: ignore[no-untyped-call]
+                key = (id(mesh), dim, str(placement.reduce_op))
+                buckets.setdefault(key, (mesh, []))[1].append(target._local_tensor)
+        targets.append((index, param, grad, target))
+    for (_, dim, op), (mesh, locals_) in buckets.items():
+        _reduce_each(locals_, mesh.get_group(dim), op, mesh.size(dim))
+    for index, param, grad, target in targets:
+        spec = target._spec
         placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
-        grad._spec = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
+        target._spec = DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
         if placements != param.placements:  # Replicate -> Shard: the rank's own rows, taken locally
-            placed = grad.redistribute(param.device_mesh, param.placements)
-            grad._local_tensor, grad._spec = placed._local_tensor, placed._spec
+            rows = target.redistribute(param.device_mesh, param.placements)
+            target._local_tensor, target._spec = rows._local_tensor, rows._spec
+        if target is not grad:
+            reduced.copies[index] = (grad, target, target._local_tensor.clone())
+    return reduced if reduced.copies else None
+
+
+class Reduced:
+    """The Partial gradients a step reads through reduced copies (``settle``), and those its actions changed.
+
+    A change is told by values, not by versions: an action that multiplies on the device by a coefficient that came
+    out 1 (a clip that did not clip) writes a gradient without changing it. So each copy's values as reduced are
+    kept beside it, and after the step's device work whether each copy still holds them rides the step's one read
+    (``watch``); a write after the read (a change the read showed was needed) is told by the copy's version.
+    """
+
+    def __init__(self) -> None:
+        self.copies: dict[int, tuple[Any, Any, torch.Tensor]] = {}
+        """Tensor index -> (the Partial gradient, its reduced copy, the copy's local values as reduced)."""
+        self._versions: dict[int, int] = {}
+        self._changed: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.copies)
+
+    def watch(self, pending: Any) -> None:
+        """After the step's device work: each copy's largest difference from its values as reduced, read with the rest
+        by ``pending`` (the step's ``Pending``): a NaN or Inf in it counts as a change."""
+        ids = [index for index, (_, copy, _) in self.copies.items() if copy._local_tensor.numel()]
+        self._versions = {index: copy._local_tensor._version for index, (_, copy, _) in self.copies.items()}
+        if not ids:
+            return
+        copies = [self.copies[index][1]._local_tensor for index in ids]
+        gaps = torch._foreach_norm(torch._foreach_sub(copies, [self.copies[index][2] for index in ids]), math.inf)
+
+        def read(values: list[float]) -> None:
+            self._changed = {index for index, gap in zip(ids, values, strict=True) if gap != 0.0}
+
+        pending.add(gaps[0], read, *gaps[1:])
+
+    def install(self) -> None:
+        """After the step's changes: a Partial gradient whose copy one changed takes the copy's values and placements,
+        in the gradient object itself (a clip that listed the gradients before calling ``get_total_norm``, which runs
+        the guard's step, sees them); the others stay Partial, as they came, for the loop's clip and the update."""
+        changed, versions = self._changed, self._versions
+        for index, (grad, copy, _) in self.copies.items():
+            local = copy._local_tensor
+            if index in changed or local._version != versions.get(index):
+                grad._local_tensor, grad._spec = local, copy._spec
 
 
 def _reduce_each(locals_: list[torch.Tensor], group: Any, op: str, size: int) -> None:

@@ -70,23 +70,28 @@ class StepBook:
     def treated(self, work: StepWork, context: StepContext) -> None:
         """An applied step's gradients are treated (held where an explicit boundary treated them)."""
         self.explicit_marks |= context.explicit
-        self.mark_treated(work.grads, work.wrapped, held=context.explicit)
+        self.mark_treated(work, held=context.explicit)
 
-    def mark_treated(self, grads: dict[int, torch.Tensor], wrapped: dict[int, torch.Tensor], *, held: bool) -> None:
+    def mark_treated(self, work: StepWork, *, held: bool) -> None:
         # A weak reference, not id(): a new gradient may reuse a freed one's id and version. Built with map and zip,
         # which loop in C: this runs for every tensor at every step.
+        grads, wrapped = work.grads, work.wrapped
         local = grads.values()
         owners = [wrapped.get(i, grad) for i, grad in grads.items()] if wrapped else local
         entries = zip(map(weakref.ref, owners), map(version_of, local), repeat(held))
         self.applied_versions.update(zip(grads, entries, strict=True))
+        if work.reduced is not None:  # read through reduced copies: the gradients themselves were treated
+            for index, (grad, _, _) in work.reduced.copies.items():
+                self.applied_versions[index] = (weakref.ref(grad), local_tensor(grad)._version, held)
 
     def mark_halted(self, work: StepWork) -> None:
         """A halt: the tensors it did not name were treated (a retry must not treat them again); the offending ones
         are checked again."""
-        outcome = work.outcome
+        outcome, reduced = work.outcome, work.reduced.copies if work.reduced is not None else {}
         for index, local in work.grads.items():
             if index not in outcome.halted_by and index not in outcome.skipped_by:
-                self.applied_versions[index] = (weakref.ref(work.wrapped.get(index, local)), local._version, False)
+                owner = reduced[index][0] if index in reduced else work.wrapped.get(index, local)
+                self.applied_versions[index] = (weakref.ref(owner), local_tensor(owner)._version, False)
 
     def seal_explicit(self) -> None:
         """The optimizer has stepped: gradients treated at an explicit boundary count as treated only while unchanged,

@@ -180,7 +180,7 @@ class Enforcer:
         fused kernel's it drives) to skip; held where the scaler still calls a fused step()."""
         held = context.explicit and stepped_when_skipped(context.scaled_optimizers)
         self.book.explicit_marks |= held
-        self.book.mark_treated(work.grads, work.wrapped, held=held)
+        self.book.mark_treated(work, held=held)
         self.book.scaler_skip_at_boundary = context.explicit
         fused = context.optimizer is not None and not context.explicit
         self.record_scaler_skip((), step=work.step, fused=fused, loss_scale=work.outcome.loss_scale)

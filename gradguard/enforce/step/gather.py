@@ -1,10 +1,10 @@
 """The first stage: the gradients to treat, wherever they live.
 
 A parameter's gradient is in ``p.grad``: a plain tensor, or under FSDP2 a DTensor whose local shard is treated (its
-per-tensor figures combined across ranks); or where the boundary's context says (``StepContext.gradients``: a
-DeepSpeed engine's reduced partitions, this rank's piece of each gradient). A gradient the step already treated and
-that is unchanged since is not treated again (several optimizers, or the loop's clip and then the optimizer's step,
-meet the same gradients).
+per-tensor figures combined across ranks; a Partial one, tensor parallel's, through a reduced copy); or where the
+boundary's context says (``StepContext.gradients``: a DeepSpeed engine's reduced partitions, this rank's piece of
+each gradient). A gradient the step already treated and that is unchanged since is not treated again (several
+optimizers, or the loop's clip and then the optimizer's step, meet the same gradients).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from gradguard.enforce.distributed.collective import local_tensor
-from gradguard.enforce.distributed.placements import settle
+from gradguard.enforce.distributed.placements import Reduced, settle
 from gradguard.enforce.plans.plan import Plan
 from gradguard.enforce.work.step_work import StepContext
 from gradguard.errors import GuardStateError
@@ -27,18 +27,17 @@ Applied = dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]]
 
 def gather(
     plan: Plan, applied: Applied, context: StepContext
-) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-    """The gradients to treat: ``(index -> local gradient, index -> the DTensor it came from)``; those treated and
-    unchanged since (``Enforcer.applied_versions``) are not."""
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], Reduced | None]:
+    """The gradients to treat: ``(index -> local gradient, index -> the DTensor it came from, the Partial gradients
+    read through reduced copies)``; those treated and unchanged since (``Enforcer.applied_versions``) are not."""
     if context.gradients is not None:
-        return context.gradients(plan), {}  # another place's (DeepSpeed's partitions): read once per update
+        return context.gradients(plan), {}, None  # another place's (DeepSpeed's partitions): read once per update
     grads: dict[int, torch.Tensor] = {}
     wrapped: dict[int, torch.Tensor] = {}  # index -> the gradient itself where it is a DTensor
+    placed: list[tuple[int, torch.Tensor, torch.Tensor]] = []
     seen_at, plain, strided = applied.get, torch.Tensor, torch.strided  # locals: a loop per tensor
     honour_explicit = not context.explicit
     refs = plan.refs
-    if plan.placed:  # Partial gradients reduced, each in its parameter's placements (distributed.placements)
-        settle((param, param.grad) for _, ref in refs if (param := ref()) is not None and param.grad is not None)
     for index, ref in refs:
         param = ref()
         grad = param.grad if param is not None else None
@@ -58,4 +57,14 @@ def gather(
         if seen is not None and seen[0]() is grad and (seen[1] == local._version or (honour_explicit and seen[2])):
             continue  # already treated (and unchanged since, or at this step's explicit boundary)
         grads[index] = local
-    return grads, wrapped
+        if plan.placed and local is not grad and param is not None:
+            placed.append((index, param, grad))
+    if not placed:
+        return grads, wrapped, None
+    # Each gradient in its parameter's placements, a Partial one read through a reduced copy (distributed.placements).
+    reduced = settle(placed)
+    copies = reduced.copies if reduced is not None else {}
+    for index, _, grad in placed:
+        copy = copies[index][1] if index in copies else grad
+        grads[index], wrapped[index] = local_tensor(copy), copy
+    return grads, wrapped, reduced

@@ -62,7 +62,7 @@ class StepPipeline:
         participants, book = self.participants, self.book
         for participant in participants.at["boundary"]:
             participant.boundary(context)
-        grads, wrapped = gather(plan, book.applied_versions, context)  # 1. gather
+        grads, wrapped, reduced = gather(plan, book.applied_versions, context)  # 1. gather
         book.last_run_treated = bool(grads)
         if not grads:
             if self.collective.pipeline is not None and not book.began:
@@ -77,6 +77,9 @@ class StepPipeline:
                 return False
         work = StepWork.begin(binding, plan.names, plan.fragile, grads, wrapped, step, self.collective, context)
         queue_device_work(plan, work, context, participants)  # 3. device work
+        if reduced is not None:
+            work.reduced = reduced
+            reduced.watch(work.pending)  # whether an action changed a Partial gradient's reduced copy, in the read
 
         def conclude() -> bool:
             return self.conclude(work, context)
@@ -94,6 +97,8 @@ class StepPipeline:
         self.verdicts.interventions(*late)
         work.writes.apply()  # the changes the read showed are needed, to those tensors only
         clear_overflows(work, work.fragile)
+        if work.reduced is not None:
+            work.reduced.install()  # a Partial gradient an action changed takes its reduced copy; the others stay
         for participant in self.participants.at["after_read"]:  # 5. after the read
             participant.after_read(work, context)
         proceed, applied = self._verdict(work, context)  # 6. verdict

@@ -17,6 +17,7 @@ import torch
 
 from gradguard.enforce.distributed.collective import Collective, combine_shard_norms
 from gradguard.enforce.distributed.local import RankSlots
+from gradguard.enforce.distributed.placements import Reduced
 from gradguard.enforce.work.context import StepContext, StepPlan
 from gradguard.enforce.work.places import Place, weights_at
 from gradguard.enforce.work.statistics import Statistics, StepStatistics
@@ -316,6 +317,8 @@ class StepWork:
     """Tensor index -> its local piece's weight in a sum over the ranks, where some pieces are replicas (tensor
     parallel's Replicate placements, plain tensors beside DTensors: ``distributed.placements``); None: every piece
     counts once (one rank, DDP's replicas are not summed, FSDP2 alone)."""
+    reduced: Reduced | None = None
+    """The Partial gradients (tensor parallel's) whose reduced copies ``grads`` and ``wrapped`` hold instead."""
 
     @classmethod
     def begin(

@@ -111,6 +111,7 @@ def tensor_parallel(layout: str, rank: int, world: int, outdir: Path) -> dict[st
         result[name] = train(model, name, log, rows) | {"stats": stats_of(log)}
         dist.barrier()
     result["halt"] = nan_in_one_shard(layout, rank, world, mesh, two_d)
+    result["kept_gradients"] = kept_gradients(layout, rank, world, mesh, two_d)
     result["rerun"] = transient_nan_in_one_shard(layout, rank, world, mesh, two_d, outdir / f"rerun-rank{rank}.jsonl")
     return result
 
@@ -186,6 +187,41 @@ def nan_in_one_shard(layout: str, rank: int, world: int, mesh: Any, two_d: bool)
                     "message": str(halt),
                 }
                 break
+    return out
+
+
+KEPT_STEPS = 4
+CLIP_EVERY_TENSOR = {
+    "version": 1,
+    "rules": [
+        rule("halt", [{"action": "halt_on_nonfinite"}]),
+        rule("tiny", [{"action": "clip_norm", "max_norm": 1e-4}]),
+    ],
+}
+
+
+def kept_gradients(layout: str, rank: int, world: int, mesh: Any, two_d: bool) -> dict[str, Any]:
+    """``zero_grad(set_to_none=False)``: backward accumulates into the same DTensor gradients every step (DTensor's
+    in-place ops leave their local tensors' versions as they were). Every step's gradients must be treated: a clip of
+    every tensor at each clean step, and a NaN in the last rank's shard at the last step halts at that step."""
+    model = sharded_decoder(layout, mesh, two_d)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out: dict[str, Any] = {"halted_at": None, "first": None}
+    with GradGuard(model, Policy.from_dict(CLIP_EVERY_TENSOR), logger=None) as guard:
+        for step in range(KEPT_STEPS):
+            if step == 1:
+                out["first"] = guard.counters.snapshot()["tiny"]["clip_norm"]
+            opt.zero_grad(set_to_none=False)
+            tokens, targets = batch(step)
+            loss_of(model(tokens), targets).backward()
+            if step == KEPT_STEPS - 1 and rank == world - 1:
+                nan_in_last_shard(model)
+            try:
+                opt.step()
+            except GradientHalt as halt:
+                out["halted_at"] = halt.step
+                break
+        out["clips"] = guard.counters.snapshot().get("tiny", {}).get("clip_norm", 0)
     return out
 
 

@@ -194,3 +194,15 @@ def test_a_nan_in_one_rank_s_shard_that_the_step_computed_again_does_not_make_ha
         assert (event["step"], event["verdict"], event["params"]) == (1, "transient", ["layers.0.attention.q.weight"])
         assert event["ranks"] == [last]  # the rank whose own pieces differed, on every rank
         assert event["max_rel_diff"] == "Infinity"
+
+
+def test_gradients_kept_between_steps_are_treated_at_every_step(layout_runs: list[dict[str, Any]]) -> None:
+    """With ``zero_grad(set_to_none=False)`` backward accumulates into the same DTensor gradients, whose local tensors'
+    versions DTensor's in-place ops leave as they were: every step after the first looked treated already, so no
+    clip, no zclip, no halt acted on it (a NaN at step 3 halted as "step 1", and a NaN at a step the loop did not
+    write into would have gone through). Every tensor is clipped at every clean step, and the NaN halts at its step."""
+    for result in layout_runs:
+        kept = result["kept_gradients"]
+        assert kept["halted_at"] == scenarios.KEPT_STEPS - 1
+        assert kept["first"] > 0
+        assert kept["clips"] == (scenarios.KEPT_STEPS - 1) * kept["first"]

@@ -19,10 +19,22 @@ from gradguard.enforce.plans.plan import Plan
 from gradguard.enforce.work.step_work import StepContext
 from gradguard.errors import GuardStateError
 
-__all__ = ["Applied", "gather"]
+__all__ = ["Applied", "Version", "gather", "treated_version"]
 
-Applied = dict[int, tuple[weakref.ReferenceType[torch.Tensor], int, bool]]
+Applied = dict[int, tuple[weakref.ReferenceType[torch.Tensor], "Version", bool]]
 """``Enforcer.applied_versions``: tensor index -> (weakref to its gradient, the version treated, held)."""
+Version = int | tuple[int, int]
+"""What tells a gradient changed since it was treated (``treated_version``)."""
+
+
+def treated_version(grad: torch.Tensor) -> Version:
+    """A plain gradient's version; a DTensor's own and its local tensor's. DTensor's in-place ops (``zero_()``,
+    backward's accumulation into it after ``zero_grad(set_to_none=False)``) run on the local tensor below the
+    version counter and leave its version as it was; the guard's own writes to the local tensor leave the DTensor's."""
+    if type(grad) is torch.Tensor:
+        return grad._version
+    local = local_tensor(grad)
+    return local._version if local is grad else (grad._version, local._version)
 
 
 def gather(
@@ -54,8 +66,10 @@ def gather(
                 "or compute a dense gradient."
             )
         seen = seen_at(index)
-        if seen is not None and seen[0]() is grad and (seen[1] == local._version or (honour_explicit and seen[2])):
-            continue  # already treated (and unchanged since, or at this step's explicit boundary)
+        if seen is not None and seen[0]() is grad:
+            version = local._version if local is grad else treated_version(grad)
+            if seen[1] == version or (honour_explicit and seen[2]):
+                continue  # already treated (and unchanged since, or at this step's explicit boundary)
         grads[index] = local
         if plan.placed and local is not grad and param is not None:
             placed.append((index, param, grad))

@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable, Iterable
 from itertools import repeat
 
+import torch
+
 from gradguard.enforce.step.gather import Applied, treated_version
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.enforce.work.tensors import version_of
@@ -108,10 +110,10 @@ class StepBook:
         self._retake_versions(held=True)
 
     def _retake_versions(self, *, held: bool) -> None:
-        applied = self.applied_versions
+        applied, plain = self.applied_versions, torch.Tensor  # locals: a loop per tensor, once per step
         for index, (ref, _, was_held) in list(applied.items()):
-            if was_held and (grad := ref()) is not None:
-                applied[index] = (ref, treated_version(grad), held)
+            if was_held and (grad := ref()) is not None:  # a plain gradient's version inline: no call a tensor
+                applied[index] = (ref, grad._version if type(grad) is plain else treated_version(grad), held)
 
     def keep(self, keep: dict[int, int]) -> None:
         """A new binding: tensor indices follow ``keep`` (old index -> new); the others start afresh."""

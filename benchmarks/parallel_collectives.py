@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import sys
@@ -128,6 +129,7 @@ def _rank(rank: int, world: int, name: str, port: int, out: str) -> None:
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:
+        gc.collect()  # the models' DDP and FSDP2 state before their process group, or gloo may abort at exit
         dist.barrier()
         dist.destroy_process_group()
 

@@ -13,6 +13,7 @@ from itertools import repeat
 
 import torch
 
+from gradguard.enforce.distributed.collective import local_tensor
 from gradguard.enforce.step.gather import Applied, treated_version
 from gradguard.enforce.work.step_work import StepContext, StepWork
 from gradguard.enforce.work.tensors import version_of
@@ -77,12 +78,12 @@ class StepBook:
         grads, wrapped = work.grads, work.wrapped
         local = grads.values()
         owners = [wrapped.get(i, grad) for i, grad in grads.items()] if wrapped else local
-        versions = map(treated_version, owners) if wrapped else map(version_of, local)
+        versions = map(treated_version, owners, local) if wrapped else map(version_of, local)
         entries = zip(map(weakref.ref, owners), versions, repeat(held))
         self.applied_versions.update(zip(grads, entries, strict=True))
         if work.reduced is not None:  # read through reduced copies: the gradients themselves were treated
             for index, (grad, _, _) in work.reduced.copies.items():
-                self.applied_versions[index] = (weakref.ref(grad), treated_version(grad), held)
+                self.applied_versions[index] = (weakref.ref(grad), treated_version(grad, local_tensor(grad)), held)
 
     def mark_halted(self, work: StepWork) -> None:
         """A halt: the tensors it did not name were treated (a retry must not treat them again); the offending ones
@@ -91,7 +92,7 @@ class StepBook:
         for index, local in work.grads.items():
             if index not in outcome.halted_by and index not in outcome.skipped_by:
                 owner = reduced[index][0] if index in reduced else work.wrapped.get(index, local)
-                self.applied_versions[index] = (weakref.ref(owner), treated_version(owner), False)
+                self.applied_versions[index] = (weakref.ref(owner), treated_version(owner, local_tensor(owner)), False)
 
     def seal_explicit(self) -> None:
         """The optimizer has stepped: gradients treated at an explicit boundary count as treated only while unchanged,
@@ -113,7 +114,8 @@ class StepBook:
         applied, plain = self.applied_versions, torch.Tensor  # locals: a loop per tensor, once per step
         for index, (ref, _, was_held) in list(applied.items()):
             if was_held and (grad := ref()) is not None:  # a plain gradient's version inline: no call a tensor
-                applied[index] = (ref, grad._version if type(grad) is plain else treated_version(grad), held)
+                version = grad._version if type(grad) is plain else treated_version(grad, local_tensor(grad))
+                applied[index] = (ref, version, held)
 
     def keep(self, keep: dict[int, int]) -> None:
         """A new binding: tensor indices follow ``keep`` (old index -> new); the others start afresh."""

@@ -27,13 +27,11 @@ Version = int | tuple[int, int]
 """What tells a gradient changed since it was treated (``treated_version``)."""
 
 
-def treated_version(grad: torch.Tensor) -> Version:
-    """A plain gradient's version; a DTensor's own and its local tensor's. DTensor's in-place ops (``zero_()``,
-    backward's accumulation into it after ``zero_grad(set_to_none=False)``) run on the local tensor below the
-    version counter and leave its version as it was; the guard's own writes to the local tensor leave the DTensor's."""
-    if type(grad) is torch.Tensor:
-        return grad._version
-    local = local_tensor(grad)
+def treated_version(grad: torch.Tensor, local: torch.Tensor) -> Version:
+    """A plain gradient's version (``local`` is ``grad``); a DTensor's own and its local tensor's. DTensor's in-place
+    ops (``zero_()``, backward's accumulation into it after ``zero_grad(set_to_none=False)``) run on the local tensor
+    below the version counter and leave its version as it was; the guard's own writes to the local tensor leave the
+    DTensor's."""
     return local._version if local is grad else (grad._version, local._version)
 
 
@@ -67,7 +65,8 @@ def gather(
             )
         seen = seen_at(index)
         if seen is not None and seen[0]() is grad:
-            version = local._version if local is grad else treated_version(grad)
+            # A plain gradient's version inline (no call a tensor at every step); a DTensor's, both of its versions.
+            version = local._version if local is grad else treated_version(grad, local)
             if seen[1] == version or (honour_explicit and seen[2]):
                 continue  # already treated (and unchanged since, or at this step's explicit boundary)
         grads[index] = local

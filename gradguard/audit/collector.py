@@ -71,14 +71,16 @@ class Collector:
         """A streak of one-tensor clips (``Intervention`` with a ``param``) of ``run``, all of one rule and action,
         read one after the other (most lines of a long log), all replicas or none (``run.replica``): each to its
         handler, unless the collector takes them at once."""
-        handle = self.reads()[Intervention]
-        for record in records:
-            handle(record.event, run, record)
+        self._each(Intervention, run, records)
 
     def nonfinites(self, run: RunState, records: Sequence[Record]) -> None:
         """A streak of ``nonfinite`` detections of ``run`` (a NaN step writes one per tensor), all of one rule and kind,
         all replicas or none: each to its handler, unless the collector takes them at once."""
-        handle = self.reads()[Nonfinite]
+        self._each(Nonfinite, run, records)
+
+    def _each(self, kind: type[Any], run: RunState, records: Sequence[Record]) -> None:
+        """A streak's records, each to the collector's handler of ``kind``."""
+        handle = self.reads()[kind]
         for record in records:
             handle(record.event, run, record)
 

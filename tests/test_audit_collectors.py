@@ -98,7 +98,7 @@ def _is_collector(node: ast.ClassDef) -> bool:
 
 
 def test_a_streaks_replica_check_agrees_with_the_one_by_one_check() -> None:
-    """A job's clips checked a streak at a time (``Job.clip_replicas``, as the dispatcher hands them) are replicas
+    """A job's clips checked a streak at a time (``Job.streak_replicas``, as the dispatcher hands them) are replicas
     exactly where checked one at a time (``Job.replica``, as with a filter on): the same parameter, rule, action,
     micro-batch mark and group another rank clipped at that step, as often."""
     from gradguard.audit.jobs import Job
@@ -122,7 +122,7 @@ def test_a_streaks_replica_check_agrees_with_the_one_by_one_check() -> None:
         job.join(1, "r1")
         assert [job.replica(event, 0) for event in rank0] == [False] * len(rank0)
     assert [one_by_one.replica(event, 1) for event in rank1] == expected
-    parts = streak.clip_replicas([Record(event.step, 1, line, event) for line, event in enumerate(rank1)], 1)
+    parts = streak.streak_replicas([Record(event.step, 1, line, event) for line, event in enumerate(rank1)], 1)
     assert parts == [(3, True), (5, False), (7, True), (9, False)]
     starts = [0, *[end for end, _ in parts[:-1]]]
     marks = [replica for (end, replica), start in zip(parts, starts, strict=True) for _ in range(start, end)]

@@ -9,7 +9,7 @@ Most lines of a long log are clips of one tensor of the run, rule and action jus
 ``nonfinite`` line per tensor of one run, rule and kind: such lines are gathered while they last and handed to each
 collector that reads them at once (``Collector.clips``, ``Collector.nonfinites``), a streak per collector instead of
 a call per line per collector; in a job of several ranks, in parts that are all replicas or none
-(``Job.clip_replicas``, ``Job.replicas``, marked on the run as for any event); in a job of one rank, held as a
+(``Job.streak_replicas``, marked on the run as for any event); in a job of one rank, held as a
 whole (``Job.hold_streak``). A filter on (``--since``, ``--rule``, ...) takes them one by one.
 """
 
@@ -162,9 +162,8 @@ class Dispatcher:
             return
         # Another rank may have written these events: the streak goes on in parts, each all replicas or none.
         start = 0
-        is_clip = type(streak[0].event) is ev.Intervention
         try:
-            parts = job.clip_replicas(streak, run.rank) if is_clip else job.replicas(streak, run.rank)
+            parts = job.streak_replicas(streak, run.rank)
             for end, replica in parts:
                 part = streak if start == 0 and end == len(streak) else streak[start:end]
                 run.replica = replica

@@ -20,6 +20,10 @@ A job of one rank so far (every single-process log, and most lines of a job's fi
 cannot hold a replica yet: its events are only held as they are (``Job.hold``, a list append), and what they are about
 is worked out only if another rank joins while they are still in the window (``Job.join``). The bookkeeping a
 replica needs is then paid by the jobs of several ranks alone.
+
+Most events of a job of several ranks are one-tensor clips (and a NaN step's ``nonfinite`` lines), which every rank
+writes in one order: a rank's streak of them is told against the others' by comparing lists of parameters, a step at
+a time (``_Order``), not by a dict lookup per event; only where the ranks' orders part are they counted one by one.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ _VERDICT_FIELDS: Final = ("rule", "kind")
 the parameters whose own norms differed, empty on the other ranks)."""
 _PER_RANK: Final = (ev.Counters, ev.SnapshotPlacement)
 """Events of one rank's own state, never replicas: its counters, where its own snapshots live."""
+_CLIP: Final = ev.Intervention
+_NONFINITE: Final = ev.Nonfinite
 
 _fields_by_type: dict[type[Any], tuple[str, ...] | None] = {}
 
@@ -103,25 +109,96 @@ def identity(event: Any) -> tuple[Hashable, ...] | None:
     return tuple(values)
 
 
+class _Order:
+    """The one-tensor events of one step of one kind (the clips of a rule, action and micro-batch mark; the
+    ``nonfinite`` lines of a rule and kind): which rank wrote which, as often.
+
+    The ranks of a job write a step's clips (and a NaN's lines) in one order (the same tensors, the same gradients),
+    so while every rank's so far are the start of one list of parameters (``written``: each rank wrote how many of
+    it, ``done``), a rank's next ones are told at once by comparing lists: those another rank wrote at the same
+    places are replicas (that rank wrote the parameter at least as often by then), those past the end are new. Where
+    a rank's leave that order, every rank's are counted by parameter from then on (``seen``, as ``_seen`` counts any
+    event)."""
+
+    __slots__ = ("done", "seen", "written")
+
+    def __init__(self) -> None:
+        self.written: list[str] = []
+        self.done: dict[int, int] = {}
+        """Rank -> how many of ``written`` it wrote (its clips, while every rank's are a start of it)."""
+        self.seen: dict[str, Seen] | None = None
+        """Parameter -> the ranks that clipped it so, once the ranks' orders parted (None before)."""
+
+    def mark(self, params: list[str], rank: int, parts: list[tuple[int, bool]], end: int) -> None:
+        """``rank`` clipped ``params`` (in order): each part of them, all replicas or none, appended to ``parts`` (a
+        part is (where it ends, whether replicas); ``end`` is where the clips before these end)."""
+        seen = self.seen
+        if seen is None:
+            written, done = self.written, self.done
+            start = done.get(rank, 0)
+            count = len(params)
+            shared = min(count, len(written) - start)
+            if shared <= 0:  # the rank wrote all of ``written``: these are new
+                written.extend(params)
+                done[rank] = start + count
+                _part(parts, end + count, False)
+                return
+            if written[start : start + shared] == (params if shared == count else params[:shared]):
+                done[rank] = start + count
+                _part(parts, end + shared, True)
+                if shared < count:
+                    written.extend(params[shared:])
+                    _part(parts, end + count, False)
+                return
+            seen = self._parted()
+        for param in params:
+            end += 1
+            _part(parts, end, _seen(seen, param, rank))
+
+    def _parted(self) -> dict[str, Seen]:
+        """The ranks' orders parted: the clips so far counted by parameter, as ``_seen`` would have."""
+        seen: dict[str, Seen] = {}
+        for rank, count in self.done.items():
+            for param in self.written[:count]:
+                _seen(seen, param, rank)
+        self.seen = seen
+        return seen
+
+
+def _one(order: _Order, param: str, rank: int) -> bool:
+    """Whether ``rank``'s one event of ``param`` in ``order`` is a replica (``_Order.mark`` of one)."""
+    parts: list[tuple[int, bool]] = []
+    order.mark([param], rank, parts, 0)
+    return parts[0][1]
+
+
+def _part(parts: list[tuple[int, bool]], end: int, replica: bool) -> None:
+    """Clips up to ``end`` are replicas or not: the last part grows where it says the same."""
+    if parts and parts[-1][1] is replica:
+        parts[-1] = (end, replica)
+    else:
+        parts.append((end, replica))
+
+
 class _Step:
     """What the events of one step of a job were about, and the ranks that wrote each (``Seen``)."""
 
-    __slots__ = ("clips", "events")
+    __slots__ = ("events", "orders")
 
     def __init__(self) -> None:
         self.events: dict[Hashable, Seen] = {}
         """``identity`` -> the ranks that wrote such an event."""
-        self.clips: dict[tuple[str, str, bool], dict[str, Seen]] = {}
-        """(rule, action, micro_batch) -> parameter -> the ranks that clipped it so: the one-tensor clips, most events
-        of a step, looked up by their parameter alone (what ``identity`` would say of them, but no tuple to build and
-        hash a clip)."""
+        self.orders: dict[tuple[type[Any], str, str, bool], _Order] = {}
+        """(event type, rule, action or kind, micro_batch) -> the one-tensor clips (or ``nonfinite`` lines) of the
+        step so, most events of a step: told by their parameters alone, in the ranks' shared order (what ``identity``
+        would say of them, but no tuple to build and hash an event)."""
 
-    def clipped(self, rule: str, action: str, micro_batch: bool) -> dict[str, Seen]:
-        """The one-tensor clips of the step under ``rule`` and ``action``, by parameter."""
-        key = (rule, action, micro_batch)
-        found = self.clips.get(key)
+    def order(self, kind: type[Any], rule: str, action: str, micro_batch: bool) -> _Order:
+        """The one-tensor clips (``nonfinite`` lines) of the step of ``rule`` and ``action`` (kind)."""
+        key = (kind, rule, action, micro_batch)
+        found = self.orders.get(key)
         if found is None:
-            found = self.clips[key] = {}
+            found = self.orders[key] = _Order()
         return found
 
 
@@ -202,9 +279,11 @@ class Job:
         step = getattr(event, "step", None)
         if step is None:
             return False
-        if type(event) is ev.Intervention and event.param is not None and event.params is None:
-            clipped = self._at(step, rank).clipped(event.rule, event.action, event.micro_batch)
-            return _seen(clipped, event.param, rank)
+        if type(event) is _CLIP and event.param is not None and event.params is None:
+            order = self._at(step, rank).order(_CLIP, event.rule, event.action, event.micro_batch)
+            return _one(order, event.param, rank)
+        if type(event) is _NONFINITE:
+            return _one(self._at(step, rank).order(_NONFINITE, event.rule, event.kind, False), event.param, rank)
         key = identity(event)
         if key is None:
             return False
@@ -221,57 +300,47 @@ class Job:
             self._last[rank] = step
         return at
 
-    def replicas(self, records: Sequence[Any], rank: int) -> list[tuple[int, bool]]:
-        """``replica`` of each event of ``records`` (one run's, of ``rank``), as parts: (where a part ends, whether its
-        events are replicas)."""
-        parts: list[tuple[int, bool]] = []
-        before = False
-        for index, record in enumerate(records):
-            replica = self.replica(record.event, rank)
-            if replica is not before and index:
-                parts.append((index, before))
-            before = replica
-        if records:
-            parts.append((len(records), before))
-        return parts
-
-    def clip_replicas(self, records: Sequence[Any], rank: int) -> list[tuple[int, bool]]:
-        """``replica`` of each one-tensor clip of ``records`` (a streak of one run of ``rank``, of one rule and action),
-        in one loop, as parts: (where a part ends, whether its clips are replicas). The clips of a step are looked up
-        by parameter in one dict (``_Step.clipped``), found once per step."""
+    def streak_replicas(self, records: Sequence[Any], rank: int) -> list[tuple[int, bool]]:
+        """``replica`` of each event of a streak of the dispatcher's (one run's one-tensor clips of one rule and action,
+        or its ``nonfinite`` lines of one rule and kind; ``rank``'s), as parts: (where a part ends, whether its events
+        are replicas). The events of one step (and micro-batch mark) go at once (``_Order.mark``); a clip naming its
+        group too goes as ``identity`` says of it."""
         parts: list[tuple[int, bool]] = []
         if not records:
             return parts
         first = records[0].event
-        rule, action = first.rule, first.action
-        bit = 1 << rank
-        step_now: int | None = None
-        micro_now = False
-        clipped: dict[str, Seen] = {}
-        before = False
-        for index, record in enumerate(records):
+        kind, rule, step_now = type(first), first.rule, first.step
+        params: list[str] = []
+        end = 0
+        if kind is _NONFINITE:
+            for record in records:
+                event = record.event
+                if event.step != step_now:
+                    self._at(step_now, rank).order(kind, rule, first.kind, False).mark(params, rank, parts, end)
+                    end += len(params)
+                    params = []
+                    step_now = event.step
+                params.append(event.param)
+            self._at(step_now, rank).order(kind, rule, first.kind, False).mark(params, rank, parts, end)
+            return parts
+        action, micro_now = first.action, first.micro_batch
+        for record in records:
             event = record.event
-            step = event.step
-            micro = event.micro_batch
-            if step != step_now or micro is not micro_now:
-                clipped, step_now, micro_now = self._at(step, rank).clipped(rule, action, micro), step, micro
-            if event.params is not None:  # a one-tensor clip naming its group too: what identity says of it
-                replica = _seen(self._at(step, rank).events, identity(event), rank)
-            else:
-                param = event.param
-                seen = clipped.get(param)
-                if seen is None:
-                    clipped[param] = bit
-                    replica = False
-                elif type(seen) is int and not seen & bit:
-                    clipped[param] = seen | bit  # its first on this rank, another rank's before it: a replica
-                    replica = True
-                else:
-                    replica = _seen(clipped, param, rank)
-            if replica is not before and index:
-                parts.append((index, before))
-            before = replica
-        parts.append((len(records), before))
+            if event.step == step_now and event.micro_batch is micro_now and event.params is None:
+                params.append(event.param)
+                continue
+            if params:
+                self._at(step_now, rank).order(kind, rule, action, micro_now).mark(params, rank, parts, end)
+                end += len(params)
+                params = []
+            if event.params is not None:
+                end += 1
+                _part(parts, end, _seen(self._at(event.step, rank).events, identity(event), rank))
+                continue
+            step_now, micro_now = event.step, event.micro_batch
+            params.append(event.param)
+        if params:
+            self._at(step_now, rank).order(kind, rule, action, micro_now).mark(params, rank, parts, end)
         return parts
 
     def _forget(self, step: int, rank: int) -> None:

@@ -126,27 +126,31 @@ class Dispatcher:
                 self._flush(run, streak, low, high, self._clip_readers if streaking else self._nonfinite_readers)
                 streak = []
                 gather = streak.append
-            run = self._dispatch(record)
-            # A streak starts after a one-tensor clip (or a nonfinite) whose run has a step span to widen (its own
-            # ``run_of`` gave it one): its rule and action (kind) are the streak's, so that a collector counts a
-            # streak at once.
             streaking = streaking_nonfinite = False
-            if run is not None:
-                if type(event) is clip and event.param is not None:
-                    streaking = True
-                    run_id, run_file, rule, action = event.run, record.file, event.rule, event.action
-                    low, high = run.first_step, run.last_step  # type: ignore[assignment]
-                elif type(event) is nonfinite:
-                    streaking_nonfinite = True
-                    run_id, run_file, rule, action = event.run, record.file, event.rule, event.kind
-                    low, high = run.first_step, run.last_step  # type: ignore[assignment]
+            if not ((type(event) is clip and event.param is not None) or type(event) is nonfinite):
+                run = self._dispatch(record)
+                continue
+            # A one-tensor clip (or a nonfinite) starts a streak: its run's bookkeeping now (``run_of`` gives the
+            # run a step span to widen), the rest with the streak's, whose rule and action (kind) are its own, so
+            # that a collector takes the streak at once.
+            run = self._run_of(record)
+            if run is None:
+                continue
+            gather(record)
+            low, high = run.first_step, run.last_step  # type: ignore[assignment]
+            run_id, run_file, rule = event.run, record.file, event.rule
+            if type(event) is clip:
+                streaking, action = True, event.action
+            else:
+                streaking_nonfinite, action = True, event.kind  # type: ignore[union-attr]  # a nonfinite line
         if streak:
             assert run is not None
             self._flush(run, streak, low, high, self._clip_readers if streaking else self._nonfinite_readers)
 
     def _flush(self, run: RunState, streak: list[Record], low: int, high: int, readers: Readers) -> None:
-        """The streak's bookkeeping into its run, then the streak to every collector that reads its kind."""
-        run.events += len(streak)
+        """The streak's bookkeeping into its run (its first event's was done as it began), then the streak to every
+        collector that reads its kind."""
+        run.events += len(streak) - 1
         last_ts = streak[-1].event.ts
         if last_ts is None:  # the guard stamps every line: only a hand-written log gets here
             last_ts = next((record.event.ts for record in reversed(streak) if record.event.ts is not None), None)
@@ -172,6 +176,16 @@ class Dispatcher:
                 start = end
         finally:
             run.replica = False
+
+    def _run_of(self, record: Record) -> RunState | None:
+        """The event's run, its bookkeeping done; None where the line was unreadable."""
+        try:
+            return self.runs.run_of(record.event, record)
+        except Malformed as exc:
+            self._bad(record, str(exc))
+        except _UNREADABLE as exc:
+            self._bad(record, f"gradguard {name_of(record.event)!r} event the audit cannot read ({type(exc).__name__})")
+        return None
 
     def _dispatch(self, record: Record) -> RunState | None:
         """One event: its run's bookkeeping, its replica mark, then its handlers; None where the line was unreadable."""

@@ -4,7 +4,9 @@ does not reproduce the fault or cannot run, and what a replay leaves as it found
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +183,59 @@ def test_under_accumulation_the_micro_batch_that_faulted_is_replayed_with_the_ot
             (nn.functional.mse_loss(model(x), torch.randn(6, 2)) / 4).backward()
 
     origin = halt_of(model, step).origin
+    assert origin is not None
+    assert (origin["phase"], origin["input_nonfinite"], origin["replayed"]) == ("forward", True, True)
+
+
+LARGE_ROWS = 40_000
+"""Half the rows of a micro-batch of 4 float32s a row: 80,000 rows are 1.28 MB, over ``SMALL_INPUT`` (1 MiB)."""
+
+
+def _large_micro_batches(model: nn.Module, keep: list[torch.Tensor] | None, poisoned: int | None = None) -> list[Any]:
+    """Four micro-batches of 1.28 MB each, made in the loop and let go after their backward (unless kept in ``keep``):
+    weak references to each, taken before the next is made. ``poisoned``: the micro-batch with an Inf in its input."""
+    alive = []
+    for micro in range(4):
+        x = torch.randn(2 * LARGE_ROWS, 4)
+        if micro == poisoned:
+            x[1, 1] = math.inf
+        alive.append(weakref.ref(x))
+        (nn.functional.mse_loss(model(x), torch.zeros(2 * LARGE_ROWS, 2)) / 4).backward()
+        if keep is not None:
+            keep.append(x)
+        del x
+    return alive
+
+
+def test_under_accumulation_the_guard_holds_no_large_micro_batch_input_the_loop_let_go_but_the_last() -> None:
+    """Unguarded, every micro-batch input is gone before the optimizer's step; under the default, the last one alone
+    is held to the step (a forward's large input is held weakly once the next forward begins)."""
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with GradGuard(model, "default", logger=None) if guarded else contextlib.nullcontext():
+            for _ in range(2):
+                alive = _large_micro_batches(model, keep=None)
+                assert [ref() is not None for ref in alive] == [False, False, False, guarded]
+                opt.step()
+                opt.zero_grad()
+                assert [ref() is not None for ref in alive] == [False] * 4
+
+
+def test_a_fault_under_accumulation_whose_earlier_large_inputs_the_loop_let_go_is_said_not_replayed_and_why() -> None:
+    model = Net()
+    origin = halt_of(model, lambda model: _large_micro_batches(model, keep=None, poisoned=2)).origin
+    assert origin is not None
+    assert (origin["phase"], origin["module"], origin["replayed"]) == ("untraced", None, False)
+    assert "the loop let go of forward 1 of 4's input before the step" in origin["note"]
+    assert "a recurrence is traced" in origin["note"]
+
+
+def test_a_fault_under_accumulation_whose_large_inputs_the_loop_keeps_is_replayed_and_named() -> None:
+    model = Net()
+    kept: list[torch.Tensor] = []
+    origin = halt_of(model, lambda model: _large_micro_batches(model, keep=kept, poisoned=2)).origin
     assert origin is not None
     assert (origin["phase"], origin["input_nonfinite"], origin["replayed"]) == ("forward", True, True)
 

@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 
 from gradguard.enforce.distributed.collective import is_sharded
 
-__all__ = ["MAX_FORWARDS", "SMALL_OUTPUT", "Replay", "agreement", "outputs", "unreplayable"]
+__all__ = ["MAX_FORWARDS", "SMALL_INPUT", "SMALL_OUTPUT", "Replay", "agreement", "outputs", "unreplayable"]
 
 MAX_FORWARDS: Final = 64
 """Forwards held between two steps at most (micro-batches): past it the step is not replayed (memory stays bounded
@@ -39,6 +39,12 @@ one is held weakly: holding one would keep it past its backward, above the ungua
 tests: +1 MiB of a small GPT's logits). A loop that keeps its output (nanoGPT keeps its logits) lets the replay tell
 a transient; one that drops it gets ``unknown`` there, and the replay's trace names the module as the light trace
 would."""
+SMALL_INPUT: Final = 1 << 20
+"""A forward whose tensor arguments take at most this many bytes in all (a batch of token ids) is held until the step;
+a larger one (a batch of images) only until the next forward begins, weakly after: a loop that accumulates over
+micro-batches it makes one after the other lets each go when it moves on, and holding each until the step would keep
+all of them alive at once, above the unguarded loop's peak. A faulting step whose earlier input the loop let go is
+not replayed (``Replay.refusal`` says so) and the full trace is armed for a recurrence, as for any refusal."""
 _TENSOR = torch.Tensor
 _CPU = torch.default_generator
 _grad_enabled = torch.is_grad_enabled
@@ -47,7 +53,14 @@ _weak = weakref.ref
 
 Forward = list[Any]
 """One held forward: [args, kwargs, versions of the plain tensors among them, CPU generator state, CUDA generator
-states, output references (a list of tensors or weak references) or None until the forward returns]."""
+states, output references (a list of tensors or weak references) or None until the forward returns, the bytes of its
+plain tensor arguments]; ``_let_go`` puts weak references (``_Input``) in place of a large forward's tensors."""
+
+
+class _Input(weakref.ref):  # type: ignore[type-arg]
+    """A held forward's tensor argument the loop may let go of (``SMALL_INPUT``); not a weak reference of the user's."""
+
+    __slots__ = ()
 
 
 def unreplayable(model: nn.Module) -> str | None:
@@ -142,17 +155,22 @@ class Replay:
         if len(forwards) >= MAX_FORWARDS:
             self.overflow, self.forwards = True, []
             return
+        if forwards and forwards[-1][6] > SMALL_INPUT:
+            _let_go(forwards[-1])
         versions = []
+        size = 0
         for arg in args:
             if type(arg) is _TENSOR:
                 versions.append(arg._version)
+                size += arg.nbytes
         for value in kwargs.values():
             if type(value) is _TENSOR:
                 versions.append(value._version)
+                size += value.nbytes
         cuda: tuple[torch.Tensor, ...] = ()
         if torch.cuda._initialized:
             cuda = tuple(generator.get_state() for generator in torch.cuda.default_generators)
-        forwards.append([args, kwargs, versions, _CPU.get_state(), cuda, None])
+        forwards.append([args, kwargs, versions, _CPU.get_state(), cuda, None, size])
         self._open = True
 
     def _after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -177,8 +195,14 @@ class Replay:
             return f"more than {MAX_FORWARDS} forwards ran since the last step, and none was held"
         if not forwards:
             return "no forward of the model with gradients was held since the last step"
-        for args, kwargs, versions, *_ in forwards:
-            now = [value._version for value in (*args, *kwargs.values()) if type(value) is _TENSOR]
+        for number, (args, kwargs, versions, *_) in enumerate(forwards, 1):
+            values = (*args, *kwargs.values())
+            if any(type(value) is _Input and value() is None for value in values):
+                return (
+                    f"the loop let go of forward {number} of {len(forwards)}'s input before the step (a micro-batch's "
+                    f"input of more than {SMALL_INPUT:,} bytes is held only until the next forward begins)"
+                )
+            now = [value._version for value in map(_taken, values) if type(value) is _TENSOR]
             if now != versions:
                 return "its inputs were changed in place after their forward"
         return None
@@ -200,8 +224,9 @@ class Replay:
         self.active = True
         try:
             with torch.no_grad():  # no graph kept: a replay's memory is one module's activations, not the forward's
-                for args, kwargs, _, cpu, cuda_states, held in forwards:
+                for args, kwargs, _, cpu, cuda_states, held, _ in forwards:
                     _set_states(cpu, cuda_states)
+                    args, kwargs = tuple(map(_taken, args)), {key: _taken(value) for key, value in kwargs.items()}
                     found.add(agreement(held, outputs(called(*args, **kwargs))))
         except Exception as error:  # the replay's own failure is reported in the origin, never raised over the halt
             return "unknown", f"its replay raised {type(error).__name__}: {error}"
@@ -212,6 +237,18 @@ class Replay:
                 for buffer, saved in buffers:
                     buffer.copy_(saved)
         return next((verdict for verdict in _VERDICTS if verdict in found), "unknown"), None
+
+
+def _let_go(forward: Forward) -> None:
+    """The next forward begins: a large forward's tensor arguments are held weakly from now on (``SMALL_INPUT``)."""
+    args, kwargs = forward[0], forward[1]
+    forward[0] = tuple(_Input(arg) if type(arg) is _TENSOR else arg for arg in args)
+    forward[1] = {key: _Input(value) if type(value) is _TENSOR else value for key, value in kwargs.items()}
+
+
+def _taken(value: Any) -> Any:
+    """A held argument as the forward took it (a weakly held tensor the loop still holds)."""
+    return value() if type(value) is _Input else value
 
 
 def outputs(output: Any) -> list[torch.Tensor]:

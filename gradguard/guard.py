@@ -29,7 +29,7 @@ from gradguard.enforce.step.engine import Enforcer
 from gradguard.enforce.step.known_norms import clip_with_known_norms
 from gradguard.enforce.step.ranks import watch_ranks
 from gradguard.enforce.step.reload import Reloader
-from gradguard.enforce.step.stages import agree_on_the_mesh, failure_told
+from gradguard.enforce.step.stages import agree_on_the_mesh, failure_told, pipelined
 from gradguard.enforce.triggers.loss import LossWatch, watches_loss
 from gradguard.enforce.triggers.rerun import ClosureRerun
 from gradguard.enforce.work.step_work import StepContext
@@ -144,7 +144,7 @@ class GradGuard(ServesMetrics):
         self._model_ref = weakref.ref(model)
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy)
         refuse_under_deepspeed(engine, self.policy, per_micro_batch=per_micro_batch, process_group=process_group)
-        self._plans = PlanBook(self.policy, model, weak_call(self._rebound))
+        self._plans = PlanBook(self.policy, model, weak_call(self._rebound), stage=pipelined(device_mesh))
         binding = self._plans.binding
         for opt in optimizers or ():
             if any(id(p) in binding.by_id for group in opt.param_groups for p in group["params"]):

@@ -246,21 +246,44 @@ def refused_without_a_mesh(rank: int) -> dict[str, Any]:
 
 
 ATTACH_TIMEOUT = 20.0
-"""pp_one_stage_rule's: the stage that waits must hear of the other's failure well before it."""
+"""pp_one_stage_rule's: a stage must hear of the other's failure well before it."""
 
 
 def one_stage_rule(rank: int, world: int) -> dict[str, Any]:
-    """A rule matching the head alone, which only the last stage holds: stage 0's binding raises PolicyError before
-    the attach agreement, where stage 1 waits for it. The error each raises, and how long it took."""
+    """Three attaches on each stage, in turn: a policy with a rule matching the head alone, which only the last stage
+    holds (its counters after two steps); one with a rule matching no stage's tensor; and one whose attach raises on
+    stage 0 alone before the attach agreement (an invalid ``summary_every``). The errors each raised, and how long
+    each took."""
     stage = Stage("pp_gpipe", rank, world)
-    head = {"name": "head", "match": "output.*", "actions": [{"action": "clip_norm", "max_norm": 0.5}]}
-    policy = Policy.from_dict({**HALT, "rules": [*HALT["rules"], head]})
-    started = time.monotonic()
-    try:
-        GradGuard(stage.module, policy, logger=None, device_mesh=stage.mesh, attach_timeout=ATTACH_TIMEOUT).remove()
-    except Exception as error:  # the test asserts the type and the words
-        return {"error": failure_record(error, started) | {"timeout": ATTACH_TIMEOUT}}
-    return {"error": None}
+    head = {"name": "head", "match": "output.*", "actions": [{"action": "clip_norm", "max_norm": 1e-3}]}
+    nowhere = {"name": "nowhere", "match": "no_such.*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]}
+    found: dict[str, Any] = {}
+    with GradGuard(
+        stage.module, Policy.from_dict({**HALT, "rules": [*HALT["rules"], head]}), logger=None, device_mesh=stage.mesh
+    ) as guard:
+        for step in range(2):
+            stage.run(step)
+            stage.opt.step()
+        found["counters"] = guard.counters.snapshot()
+    for name, policy, options in (
+        ("no_stage", {**HALT, "rules": [*HALT["rules"], nowhere]}, {}),
+        ("failed_before", HALT, {"summary_every": -1} if rank == 0 else {}),
+    ):
+        started = time.monotonic()
+        try:
+            GradGuard(
+                stage.module,
+                Policy.from_dict(policy),
+                logger=None,
+                device_mesh=stage.mesh,
+                attach_timeout=ATTACH_TIMEOUT,
+                **options,
+            ).remove()
+        except Exception as error:  # the test asserts the type and the words
+            found[name] = failure_record(error, started) | {"timeout": ATTACH_TIMEOUT}
+        else:
+            found[name] = None
+    return found
 
 
 def refusals(rank: int) -> dict[str, Any]:

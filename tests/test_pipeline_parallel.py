@@ -294,21 +294,40 @@ def test_a_stage_attached_without_a_mesh_is_refused_naming_the_pipeline_and_devi
         assert "device_mesh=mesh" in result["error"]
 
 
-def test_a_rule_matching_one_stage_only_is_refused_on_the_other_and_named_at_once_on_the_first(
+def test_a_rule_matching_one_stage_only_attaches_on_every_stage_and_acts_on_the_stage_that_holds_it(
     fault_runs: Path,
 ) -> None:
-    """A rule matching the head, which only stage 1 holds: stage 0's binding raises its own PolicyError (naming the
-    rule and allow_no_match), before the attach agreement; stage 1, waiting there, raises RankFailed naming rank 0,
-    its host and that PolicyError within seconds, not "rank(s) [0] did not attach" at attach_timeout."""
-    refused, waiting = (result["error"] for result in results(fault_runs, "pp_one_stage_rule", 2))
-    assert refused["type"] == "PolicyError"
-    assert "rule 'head' matches no parameter" in refused["message"]
-    assert "allow_no_match" in refused["message"]
+    """A policy is written for the whole model: a rule matching the head, which only stage 1 holds, is no error on
+    stage 0 (its tensors are another stage's), and stage 1 clips the head at each step."""
+    first, last = (result["counters"] for result in results(fault_runs, "pp_one_stage_rule", 2))
+    assert "head" not in first
+    assert last["head"] == {"clip_norm": 4}  # two tensors, two steps
+
+
+def test_a_rule_matching_no_stage_is_refused_on_every_stage_at_once_naming_the_rule(fault_runs: Path) -> None:
+    """Each stage reads every stage's unmatched rules at the attach agreement: each raises the same PolicyError (the
+    rule, "any pipeline stage", the fix), none waits for the other."""
+    for result in results(fault_runs, "pp_one_stage_rule", 2):
+        refused = result["no_stage"]
+        assert refused["type"] == "PolicyError"
+        assert "rule 'nowhere' matches no parameter of any pipeline stage (patterns ['no_such.*']" in refused["message"]
+        assert "allow_no_match" in refused["message"]
+        assert "rule 'head'" not in refused["message"]
+        assert refused["seconds"] < refused["timeout"] / 3, refused
+
+
+def test_an_attach_that_raises_on_one_stage_before_the_agreement_is_named_at_once_on_the_other(
+    fault_runs: Path,
+) -> None:
+    """Stage 0's attach raises its own error before the attach agreement; stage 1, waiting there, raises RankFailed
+    naming rank 0, its host and that error within seconds, not "rank(s) [0] did not attach" at attach_timeout."""
+    refused, waiting = (result["failed_before"] for result in results(fault_runs, "pp_one_stage_rule", 2))
+    assert refused["type"] == "ValueError"
+    assert "summary_every must be >= 0" in refused["message"]
     assert waiting["type"] == "RankFailed"
     assert waiting["failed_rank"] == 0
     assert waiting["message"].startswith(f"rank 0 (host {socket.gethostname()}) failed to attach its GradGuard: ")
-    assert "PolicyError: " in waiting["message"]
-    assert "rule 'head' matches no parameter" in waiting["message"]
+    assert "ValueError: summary_every must be >= 0" in waiting["message"]
     assert "did not attach" not in waiting["message"]
     for error in (refused, waiting):
         assert error["seconds"] < error["timeout"] / 3, error

@@ -96,6 +96,9 @@ class Binding:
     """Every parameter tensor of the model at bind time, in ``parameters()`` order."""
     warnings: tuple[str, ...] = ()
     """What the policy says that this model makes void (``binding_warnings``): the guard warns of each."""
+    unmatched: tuple[int, ...] = ()
+    """The rules that match no tensor of this model (without ``allow_no_match``), where the model is one pipeline
+    stage (``bind(..., stage=True)``): refused at the attach agreement if no stage has a tensor they match."""
 
     def still_matches(self, model: nn.Module) -> bool:
         """Whether the model still has exactly the tensors it was bound to (by identity, not by ``id``:
@@ -106,8 +109,12 @@ class Binding:
         )
 
 
-def bind(policy: Policy, model: nn.Module) -> Binding:
-    """Match every rule against the model's parameters; raise [`PolicyError`][gradguard.PolicyError] for empty rules."""
+def bind(policy: Policy, model: nn.Module, *, stage: bool = False) -> Binding:
+    """Match every rule against the model's parameters; raise [`PolicyError`][gradguard.PolicyError] for empty rules.
+
+    ``stage``: the model is one stage of a pipeline, which holds part of the model: a rule may match another stage's
+    tensors alone, so the rules that match none here are noted (``Binding.unmatched``), not refused; the attach
+    agreement refuses those no stage matches (``no_stage_matches``)."""
     _refuse_wrappers(model)
     strip = isinstance(model, _DATA_PARALLEL_TYPES)
     names_by_id: dict[int, list[str]] = {}
@@ -135,11 +142,8 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         for i in rule_ids:
             members[i].append(entry)
 
-    issues = [
-        _no_match_issue(policy, index, rule, all_names)
-        for index, rule in enumerate(policy.rules)
-        if not members[index] and not rule.allow_no_match
-    ]
+    unmatched = tuple(i for i, rule in enumerate(policy.rules) if not members[i] and not rule.allow_no_match)
+    issues = [] if stage else [_no_match_issue(policy, index, policy.rules[index], all_names) for index in unmatched]
     changing = [_changing_actions(rule) for rule in policy.rules]
     issues.extend(issue for entry in guarded if (issue := _conflict_issue(policy, entry, changing)) is not None)
     if issues:
@@ -154,7 +158,23 @@ def bind(policy: Policy, model: nn.Module) -> Binding:
         all_names=tuple(all_names),
         model_params=tuple(weakref.ref(param) for param in model.parameters()),
         warnings=tuple(found),
+        unmatched=unmatched if stage else (),
     )
+
+
+def no_stage_matches(policy: Policy, unmatched: Sequence[Sequence[int]], names: list[str]) -> PolicyError | None:
+    """The error for the rules that match no tensor of any pipeline stage (``unmatched``: each stage's
+    ``Binding.unmatched``; ``names``: this stage's parameter names, for the nearest), or None where each matches a
+    tensor of some stage."""
+    nowhere = sorted(set.intersection(*(set(indices) for indices in unmatched))) if unmatched else []
+    if not nowhere:
+        return None
+    issues = []
+    for index in nowhere:
+        issue = _no_match_issue(policy, index, policy.rules[index], names)
+        message = issue.message.replace("of the model (patterns", "of any pipeline stage (patterns")
+        issues.append(PolicyIssue(issue.source, issue.line, issue.path, message))
+    return PolicyError(issues)
 
 
 def binding_warnings(policy: Policy, tensors: Sequence[tuple[str, ...]]) -> list[str]:

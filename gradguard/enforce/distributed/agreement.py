@@ -97,18 +97,19 @@ def fingerprint(
         "parameters": f"{len(binding.params)} guarded tensors, names {digest(names)}",
         "options": options,
         "source": policy.source,
-    } | ({"stage": stage} if stage else {})
+    } | ({"stage": stage, "unmatched": ",".join(map(str, binding.unmatched))} if stage else {})
 
 
-def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: float) -> None:
+def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: float) -> dict[int, dict[str, Any]]:
     """Compare ``mine`` (a ``fingerprint``) across the ranks of ``collective``'s group; raise on a difference.
 
     Every field must be equal on every rank but ``source`` (the policy's file), which is shown, not
     compared: two paths to the same content agree. A rank that has not attached within ``timeout``
-    seconds is named. Does nothing without an initialised process group of more than one rank.
+    seconds is named. Does nothing without an initialised process group of more than one rank. Returns every rank's
+    fingerprint, by rank (empty where it did nothing).
     """
     if not collective.active():
-        return
+        return {}
     ranks, tag = _slots(collective.group)
     sequence = _ATTACHES.get(tag, 0)
     _ATTACHES[tag] = sequence + 1
@@ -137,7 +138,8 @@ def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: fl
     collective.hosts = {rank: str(entry.get("host", "?")) for rank, entry in saved.items()}
     collective.store, collective.failure_key = store, prefix + "failure"
     stages = {rank: str(found.get("stage", "")) for rank, found in saved.items()}
-    for field in sorted({name for found in saved.values() for name in found} - {"source", "host", "stage"}):
+    shown = {"source", "host", "stage", "unmatched"}  # a stage's rules that match none of its tensors: below
+    for field in sorted({name for found in saved.values() for name in found} - shown):
         # A pipeline's stages hold different parameters by design: those are compared among a stage's ranks.
         within = field == "parameters" and any(stages.values())
         by_value: dict[str, list[int]] = {}
@@ -164,6 +166,7 @@ def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: fl
             "rank must attach the same policy to the same model, with the same options, or the ranks would take "
             "different decisions (or wait for each other forever) at the first step."
         )
+    return saved
 
 
 def _failure_of(saved: Mapping[int, Mapping[str, Any]]) -> RankFailed | None:

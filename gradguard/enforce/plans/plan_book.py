@@ -31,9 +31,13 @@ _PARAMS = itemgetter("params")
 class PlanBook:
     """The binding, the whole-model plan and each optimizer's plan; re-binds when the model changes."""
 
-    def __init__(self, policy: Policy, model: nn.Module, on_rebind: Callable[[Binding, list[str]], None]) -> None:
+    def __init__(
+        self, policy: Policy, model: nn.Module, on_rebind: Callable[[Binding, list[str]], None], *, stage: bool = False
+    ) -> None:
         self.policy = policy
-        self.binding = bind(policy, model)
+        self._stage = stage
+        """The model is a pipeline stage: rules matching none of its tensors are the attach agreement's to refuse."""
+        self.binding = bind(policy, model, stage=stage)
         _warn_binding(self.binding.warnings)
         self.whole = Plan.build(self.binding, self.binding.params)
         """Every guarded tensor of the model (``guard.step()`` without an optimizer)."""
@@ -150,7 +154,7 @@ class PlanBook:
 
     def _rebind(self, model: nn.Module) -> None:
         old = self.binding
-        new = bind(self.policy, model)
+        new = bind(self.policy, model, stage=self._stage)
         _warn_binding([warning for warning in new.warnings if warning not in old.warnings])
         old_refs = {name: entry.ref for entry in old.params for name in entry.names}
         replaced = [

@@ -28,7 +28,7 @@ from gradguard.enforce.work.participant import Participant, Ruling
 from gradguard.enforce.work.step_work import StepContext, StepOutcome, StepWork
 from gradguard.errors import GuardStateError
 from gradguard.events.counters import STAGES_RULE, Counters
-from gradguard.policy.matching import Binding
+from gradguard.policy.matching import Binding, no_stage_matches
 
 if TYPE_CHECKING:
     from gradguard.policy.document import Policy
@@ -38,6 +38,7 @@ __all__ = [
     "StagesTakingPart",
     "agree_on_the_mesh",
     "failure_told",
+    "pipelined",
     "refuse_in_a_pipeline",
     "stage_words",
     "stages_taking_part",
@@ -175,10 +176,16 @@ def agree_on_the_mesh(
         raise ValueError("pass device_mesh or process_group, not both: the mesh names the groups the guard agrees over")
     layout = layout_of(device_mesh)
     job = Collective(None)
-    agree_at_attach(job, mine(f"{layout.stage} of {layout.stages}" if layout.pipeline else ""), timeout)
+    saved = agree_at_attach(job, mine(f"{layout.stage} of {layout.stages}" if layout.pipeline else ""), timeout)
     job.mesh = layout
     if not layout.pipeline:
         return job
+    # A rule may match one stage's tensors alone (the embedding, the head): refused only where it matches no stage's,
+    # on every rank at once (each reads the same fingerprints).
+    lists = [str(found.get("unmatched", "")) for found in saved.values()]
+    unmatched = [[int(index) for index in indices.split(",") if index] for indices in lists]
+    if (nowhere := no_stage_matches(policy, unmatched, list(binding.all_names))) is not None:
+        raise nowhere
     refuse_in_a_pipeline(policy)
     if options[2]:
         raise GuardStateError(RELOAD_REFUSED)
@@ -188,6 +195,13 @@ def agree_on_the_mesh(
     stage.pipeline.join(job, layout.pp_ranks)
     stage.mesh = layout
     return stage
+
+
+def pipelined(device_mesh: Any) -> bool:
+    """Whether ``device_mesh`` cuts the model into pipeline stages (a ``pp`` dimension of more than one): the model
+    given is then one stage's, bound as such (``bind(..., stage=True)``)."""
+    names = getattr(device_mesh, "mesh_dim_names", None) or ()
+    return "pp" in names and int(device_mesh.size(names.index("pp"))) > 1
 
 
 _Init = ParamSpec("_Init")

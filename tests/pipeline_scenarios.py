@@ -250,10 +250,10 @@ ATTACH_TIMEOUT = 20.0
 
 
 def one_stage_rule(rank: int, world: int) -> dict[str, Any]:
-    """Three attaches on each stage, in turn: a policy with a rule matching the head alone, which only the last stage
-    holds (its counters after two steps); one with a rule matching no stage's tensor; and one whose attach raises on
-    stage 0 alone before the attach agreement (an invalid ``summary_every``). The errors each raised, and how long
-    each took."""
+    """Four attaches on each stage, in turn: a policy with a rule matching the head alone, which only the last stage
+    holds (its counters after two steps); one with a rule matching no stage's tensor; one of the head's rule alone
+    (stage 0 guards nothing); and one whose attach raises on stage 0 alone before the attach agreement (an invalid
+    ``summary_every``). The errors each raised, and how long each took."""
     stage = Stage("pp_gpipe", rank, world)
     head = {"name": "head", "match": "output.*", "actions": [{"action": "clip_norm", "max_norm": 1e-3}]}
     nowhere = {"name": "nowhere", "match": "no_such.*", "actions": [{"action": "clip_norm", "max_norm": 1.0}]}
@@ -267,6 +267,7 @@ def one_stage_rule(rank: int, world: int) -> dict[str, Any]:
         found["counters"] = guard.counters.snapshot()
     for name, policy, options in (
         ("no_stage", {**HALT, "rules": [*HALT["rules"], nowhere]}, {}),
+        ("unguarded_stage", {**HALT, "rules": [head]}, {}),
         ("failed_before", HALT, {"summary_every": -1} if rank == 0 else {}),
     ):
         started = time.monotonic()

@@ -316,6 +316,17 @@ def test_a_rule_matching_no_stage_is_refused_on_every_stage_at_once_naming_the_r
         assert refused["seconds"] < refused["timeout"] / 3, refused
 
 
+def test_a_stage_the_policy_guards_no_tensor_of_is_refused_on_every_stage_at_attach(fault_runs: Path) -> None:
+    """A policy of the head's rule alone guards nothing on stage 0, which would never join the stages' exchange (the
+    other stage waited for it until the process group's timeout): refused on both at the agreement, naming stage 0."""
+    for result in results(fault_runs, "pp_one_stage_rule", 2):
+        refused = result["unguarded_stage"]
+        assert refused["type"] == "GuardStateError"
+        assert refused["message"].startswith("the pipeline's stage(s) 0 (of 2) hold no tensor the policy guards")
+        assert "'halt_on_nonfinite' rule on '*'" in refused["message"]
+        assert refused["seconds"] < refused["timeout"] / 3, refused
+
+
 def test_an_attach_that_raises_on_one_stage_before_the_agreement_is_named_at_once_on_the_other(
     fault_runs: Path,
 ) -> None:

@@ -97,7 +97,11 @@ def fingerprint(
         "parameters": f"{len(binding.params)} guarded tensors, names {digest(names)}",
         "options": options,
         "source": policy.source,
-    } | ({"stage": stage, "unmatched": ",".join(map(str, binding.unmatched))} if stage else {})
+    } | (
+        {"stage": stage, "unmatched": ",".join(map(str, binding.unmatched)), "guarded": str(len(binding.params))}
+        if stage
+        else {}
+    )
 
 
 def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: float) -> dict[int, dict[str, Any]]:
@@ -138,7 +142,7 @@ def agree_at_attach(collective: Collective, mine: Mapping[str, str], timeout: fl
     collective.hosts = {rank: str(entry.get("host", "?")) for rank, entry in saved.items()}
     collective.store, collective.failure_key = store, prefix + "failure"
     stages = {rank: str(found.get("stage", "")) for rank, found in saved.items()}
-    shown = {"source", "host", "stage", "unmatched"}  # a stage's rules that match none of its tensors: below
+    shown = {"source", "host", "stage", "unmatched", "guarded"}  # a stage's own: ``agree_on_the_mesh`` reads them
     for field in sorted({name for found in saved.values() for name in found} - shown):
         # A pipeline's stages hold different parameters by design: those are compared among a stage's ranks.
         within = field == "parameters" and any(stages.values())

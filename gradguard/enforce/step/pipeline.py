@@ -35,7 +35,7 @@ from gradguard.policy.matching import Binding
 __all__ = ["EMPTY_STAGE_REFUSED", "StepPipeline"]
 
 EMPTY_STAGE_REFUSED = (
-    "a pipeline stage with no gradient to treat at its first step (every parameter frozen, or none guarded) is not "
+    "a pipeline stage with no gradient to treat at its first step (every guarded parameter frozen) is not "
     "built yet: the other stages wait for its verdict in their exchange, which it would never join. Guard a pipeline "
     "whose every stage trains a guarded parameter (unfreeze one, or match one with the policy)"
 )

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "STAGES_RULE",
+    "UNGUARDED_STAGE_REFUSED",
     "StagesTakingPart",
     "agree_on_the_mesh",
     "failure_told",
@@ -186,6 +187,8 @@ def agree_on_the_mesh(
     unmatched = [[int(index) for index in indices.split(",") if index] for indices in lists]
     if (nowhere := no_stage_matches(policy, unmatched, list(binding.all_names))) is not None:
         raise nowhere
+    if bare := sorted({int(str(found["stage"]).split()[0]) for found in saved.values() if found.get("guarded") == "0"}):
+        raise GuardStateError(UNGUARDED_STAGE_REFUSED.format(stages=", ".join(map(str, bare)), count=layout.stages))
     refuse_in_a_pipeline(policy)
     if options[2]:
         raise GuardStateError(RELOAD_REFUSED)
@@ -195,6 +198,13 @@ def agree_on_the_mesh(
     stage.pipeline.join(job, layout.pp_ranks)
     stage.mesh = layout
     return stage
+
+
+UNGUARDED_STAGE_REFUSED = (
+    "the pipeline's stage(s) {stages} (of {count}) hold no tensor the policy guards: such a stage would never take "
+    "part in the stages' exchange of verdicts, and the others would wait for it at every step. Match a tensor of every "
+    "stage (a 'halt_on_nonfinite' rule on '*', as every shipped policy has)"
+)
 
 
 def pipelined(device_mesh: Any) -> bool:

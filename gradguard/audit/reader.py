@@ -69,10 +69,9 @@ a 256 KiB chunk's did not. Several files merged hold a chunk of each: each file 
 ``MERGED_BYTES`` (``MIN_CHUNK_BYTES`` at least)."""
 MERGED_BYTES: Final = 1 << 18
 """What several files merged read at a time, together (a file's share at most ``CHUNK_BYTES``): 4 ranks' logs read
-a whole chunk a file, 64 KiB, took 1% to 4% less time a line than in 32 KiB shares, side by side with one log in three
-runs of 12 turns (the pairs' median ratios 0.956/0.993, 1.017/1.028, 0.991/1.006), though a simulated 1 MiB cache
-says they miss it more (40 times a line against 17.4; one log 16.4); 16 KiB shares were 4% slower than 32 KiB
-(twice the batches)."""
+64 KiB a file took 1% to 4% less time a line than in 32 KiB shares, side by side with one log (three runs of 12
+turns: docs/performance.md), though a simulated 1 MiB cache says they miss it more (40 times a line against 17.4);
+16 KiB shares were 4% slower than 32 KiB (twice the batches)."""
 MIN_CHUNK_BYTES: Final = 1 << 13
 """The smallest share of ``MERGED_BYTES`` a file of several is read in (about 20 lines): smaller, and the work done
 once a chunk would cost more than the cache saves."""

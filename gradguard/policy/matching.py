@@ -169,12 +169,7 @@ def no_stage_matches(policy: Policy, unmatched: Sequence[Sequence[int]], names: 
     nowhere = sorted(set.intersection(*(set(indices) for indices in unmatched))) if unmatched else []
     if not nowhere:
         return None
-    issues = []
-    for index in nowhere:
-        issue = _no_match_issue(policy, index, policy.rules[index], names)
-        message = issue.message.replace("of the model (patterns", "of any pipeline stage (patterns")
-        issues.append(PolicyIssue(issue.source, issue.line, issue.path, message))
-    return PolicyError(issues)
+    return PolicyError([_no_match_issue(policy, i, policy.rules[i], names, of="any pipeline stage") for i in nowhere])
 
 
 def binding_warnings(policy: Policy, tensors: Sequence[tuple[str, ...]]) -> list[str]:
@@ -226,7 +221,7 @@ def binding_warnings(policy: Policy, tensors: Sequence[tuple[str, ...]]) -> list
     return found
 
 
-def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str]) -> PolicyIssue:
+def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str], of: str = "the model") -> PolicyIssue:
     nearest: list[str] = []
     for pattern in rule.match:
         for candidate in _nearest_names(pattern, names):
@@ -239,7 +234,7 @@ def _no_match_issue(policy: Policy, index: int, rule: Rule, names: list[str]) ->
         source if line else policy.source,
         int(line) if line.isdigit() else None,
         f"rules[{index}].match",
-        f"rule {rule.name!r} matches no parameter of the model (patterns {list(rule.match)}, "
+        f"rule {rule.name!r} matches no parameter of {of} (patterns {list(rule.match)}, "
         f"exclude {list(rule.exclude)}). Nearest parameter names: {shown}. "
         "Fix the pattern, or set 'allow_no_match: true' on the rule if that is intended.",
     )

@@ -35,6 +35,8 @@ Readers = tuple[Callable[[RunState, Sequence[Record]], None], ...]
 _UNREADABLE = (ArithmeticError, LookupError, TypeError, ValueError)
 """What a collector may raise on a value no definition foresaw (a fuzzed or hand-edited line): that line is lost,
 not the report."""
+_REFUSED = (Malformed, *_UNREADABLE)
+"""What makes a line unreadable to the dispatcher: a definition's refusal (``Malformed``), or ``_UNREADABLE``."""
 
 
 def name_of(event: AnyEvent) -> str:
@@ -181,10 +183,8 @@ class Dispatcher:
         """The event's run, its bookkeeping done; None where the line was unreadable."""
         try:
             return self.runs.run_of(record.event, record)
-        except Malformed as exc:
-            self._bad(record, str(exc))
-        except _UNREADABLE as exc:
-            self._bad(record, f"gradguard {name_of(record.event)!r} event the audit cannot read ({type(exc).__name__})")
+        except _REFUSED as exc:
+            self._unreadable(record, exc)
         return None
 
     def _dispatch(self, record: Record) -> RunState | None:
@@ -205,13 +205,18 @@ class Dispatcher:
                         handle(event, run, record)
             finally:
                 run.replica = False
-        except Malformed as exc:
-            self._bad(record, str(exc))
-            return None
-        except _UNREADABLE as exc:
-            self._bad(record, f"gradguard {name_of(event)!r} event the audit cannot read ({type(exc).__name__})")
+        except _REFUSED as exc:
+            self._unreadable(record, exc)
             return None
         return run
+
+    def _unreadable(self, record: Record, exc: Exception) -> None:
+        """The line of ``record`` is reported unreadable: a definition's own words (``Malformed``), else the error's
+        type."""
+        if isinstance(exc, Malformed):
+            self._bad(record, str(exc))
+        else:
+            self._bad(record, f"gradguard {name_of(record.event)!r} event the audit cannot read ({type(exc).__name__})")
 
     def _bad(self, record: Record, reason: str) -> None:
         path = self.paths[record.file]

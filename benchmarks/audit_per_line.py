@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from audit_throughput import median, write_log
+from audit_throughput import count_lines, median, rank_logs, write_log
 
 _BY_TURNS = """
 import json, sys, time
@@ -45,14 +45,6 @@ print(json.dumps({"times": times, "totals": totals}))
 """Audits the one log and the rank logs by turns in one process: CPU seconds of each turn, and each one's totals."""
 
 
-def count_lines(paths: list[Path]) -> int:
-    lines = 0
-    for path in paths:
-        with open(path, "rb") as handle:
-            lines += sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 24), b""))
-    return lines
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", type=int, default=1_000_000, help="lines of each log set (about)")
@@ -66,7 +58,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="gradguard-bench-"))
     one = args.log or workdir / "audit.jsonl"
-    ranks = [one.with_name(f"{one.stem}-rank{rank}{one.suffix}") for rank in range(args.ranks)]
+    ranks = rank_logs(one, args.ranks)
     expected: dict[str, object] = {}
     for name, logs in (("one", [one]), ("ranks", ranks)):
         if not (args.reuse and all(path.exists() for path in logs)):

@@ -137,6 +137,20 @@ def side_by_side(logs: list[Path], out: Path, repeats: int) -> dict[str, list[li
     return times
 
 
+def rank_logs(log: Path, ranks: int) -> list[Path]:
+    """The per-rank logs of ``--ranks N`` beside ``log``: ``LOG-rank0.jsonl`` ..."""
+    return [log.with_name(f"{log.stem}-rank{rank}{log.suffix}") for rank in range(ranks)]
+
+
+def count_lines(paths: list[Path]) -> int:
+    """The lines of ``paths``, all together."""
+    lines = 0
+    for path in paths:
+        with open(path, "rb") as handle:
+            lines += sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 24), b""))
+    return lines
+
+
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     middle = len(ordered) // 2
@@ -234,11 +248,7 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="gradguard-bench-"))
     log = args.log or workdir / "audit.jsonl"
-    logs = (
-        [log]
-        if args.ranks == 1
-        else [log.with_name(f"{log.stem}-rank{rank}{log.suffix}") for rank in range(args.ranks)]
-    )
+    logs = [log] if args.ranks == 1 else rank_logs(log, args.ranks)
     started = time.perf_counter()
     expected = None
     if not (args.reuse and all(path.exists() for path in logs)):
@@ -246,10 +256,7 @@ def main() -> None:
             path.unlink(missing_ok=True)
         expected = write_log(args.kind, logs, args.lines, args.steps, workdir)
     generated = time.perf_counter() - started
-    lines = 0
-    for path in logs:
-        with open(path, "rb") as handle:
-            lines += sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 24), b""))
+    lines = count_lines(logs)
     size = sum(path.stat().st_size for path in logs)
 
     tiny = workdir / "tiny.jsonl"

@@ -99,8 +99,11 @@ def statistics_of(guard: GradGuard, rule: str = "adaptive", position: int = 0) -
 class ZClipReference:
     """ZClip as its authors' code does it, with non-finite norms left out of the statistics."""
 
-    def __init__(self, alpha: float, z_thresh: float, warmup: int, max_norm: float | None) -> None:
+    def __init__(
+        self, alpha: float, z_thresh: float, warmup: int, max_norm: float | None, max_norm_ratio: float | None = None
+    ) -> None:
         self.alpha, self.z_thresh, self.warmup, self.max_norm = alpha, z_thresh, warmup, max_norm
+        self.max_norm_ratio = max_norm_ratio
         self.buffer: list[float] = []
         self.mean: float | None = None
         self.var = 0.0
@@ -120,21 +123,32 @@ class ZClipReference:
             z = (norm - self.mean) / (std + EPS)
             adaptive = self.mean + self.z_thresh**2 / z * std if z > self.z_thresh else norm
             limit = adaptive if self.max_norm is None else min(adaptive, self.max_norm)
+            first_mean = sum(self.buffer) / len(self.buffer)
+            if self.max_norm_ratio is not None and first_mean > 0:
+                limit = min(limit, self.max_norm_ratio * first_mean)
             self.mean = self.alpha * self.mean + (1 - self.alpha) * adaptive
             self.var = self.alpha * self.var + (1 - self.alpha) * (adaptive - self.mean) ** 2
         return (limit / (norm + EPS) if norm > limit else 1.0), limit
 
 
-@pytest.mark.parametrize("max_norm", [None, 3.0])
+@pytest.mark.parametrize(
+    ("z_thresh", "max_norm", "max_norm_ratio"),
+    [(2.5, None, None), (2.5, 3.0, None), (50.0, None, 3.0)],
+    ids=["adaptive", "and a ceiling", "a ceiling relative to the warm-up scale"],
+)
 def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enters_its_statistics(
-    max_norm: float | None, tmp_path: Path
+    z_thresh: float, max_norm: float | None, max_norm_ratio: float | None, tmp_path: Path
 ) -> None:
-    """Per tensor: warm-up, then z-score clips at the spikes, EMA of the clipped norms; NaN/Inf left out."""
-    action = {"action": "zclip", "alpha": 0.9, "z_thresh": 2.5, "warmup_steps": 10, "max_norm": max_norm}
+    """Per tensor: warm-up, then z-score clips at the spikes, EMA of the clipped norms; NaN/Inf left out. With
+    ``max_norm_ratio`` (and a z-score threshold too high to act), each spike is held to that multiple of the first
+    mean."""
+    action = {"action": "zclip", "alpha": 0.9, "z_thresh": z_thresh, "warmup_steps": 10, "max_norm": max_norm}
+    if max_norm_ratio is not None:
+        action["max_norm_ratio"] = max_norm_ratio
     log = tmp_path / "run.jsonl"
     history, applied, guard = drive(policy_of(action), 70, log)
     assert all(applied)
-    references = {name: ZClipReference(0.9, 2.5, 10, max_norm) for name in ("a", "b")}
+    references = {name: ZClipReference(0.9, z_thresh, 10, max_norm, max_norm_ratio) for name in ("a", "b")}
     clipped_steps: dict[str, list[int]] = {"a": [], "b": []}
     for step, grads in enumerate(history):
         for name, (before, after) in grads.items():
@@ -145,8 +159,10 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
     assert 30 in clipped_steps["a"]
     assert 45 in clipped_steps["a"]
     assert 33 in clipped_steps["b"]
-    if max_norm is not None:
+    if max_norm is not None or max_norm_ratio is not None:
         assert {30, 31, 45} <= set(clipped_steps["a"])  # the ceiling holds during warm-up and after
+    if max_norm_ratio is not None:  # only the ceiling clipped, exactly at the spikes above 3x the warm-up scale
+        assert clipped_steps == {"a": [30, 31, 45], "b": [33]}
     stats = statistics_of(guard)
     assert stats["names"] == ["a", "b"]
     for column, name in enumerate(("a", "b")):
@@ -162,7 +178,7 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
     )
     spike = next(e for e in clips if e["param"] == "a" and e["step"] == 45)
     assert spike["action"] == "zclip"
-    assert spike["z"] > 2.5
+    assert spike["z"] > 2.5 if max_norm_ratio is None else spike["z"] > 50
     assert spike["after"] == pytest.approx(spike["threshold"])
     assert guard.counters.snapshot()["adaptive"]["zclip"] == len(clips)
 

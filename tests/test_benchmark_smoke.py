@@ -19,6 +19,9 @@ from types import ModuleType
 import pytest
 import torch
 
+from gradguard import Policy
+from gradguard.policy.schema import ZClip
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -77,12 +80,11 @@ def test_the_cuda_sync_check_says_it_is_skipped_without_a_gpu(
     assert check.main(["--require"]) == 1
 
 
-def test_the_quick_spikes_benchmark_prints_a_row_of_figures_for_every_arm(tmp_path: Path) -> None:
-    """``benchmarks/spikes.py --quick`` (a subprocess: it sets torch's thread count) prints every arm's figures."""
-    out = tmp_path / "spikes.json"
+def _run_quick(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``benchmarks/SCRIPT --quick ARGS`` in a subprocess (a benchmark may set torch's threads), which must pass."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCHMARKS.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "spikes.py"), "--quick", "--json", str(out)],
+        [sys.executable, str(BENCHMARKS / script), "--quick", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -90,6 +92,13 @@ def test_the_quick_spikes_benchmark_prints_a_row_of_figures_for_every_arm(tmp_pa
         check=False,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_the_quick_spikes_benchmark_prints_a_row_of_figures_for_every_arm(tmp_path: Path) -> None:
+    """``benchmarks/spikes.py --quick`` (a subprocess: it sets torch's thread count) prints every arm's figures."""
+    out = tmp_path / "spikes.json"
+    done = _run_quick("spikes.py", "--json", str(out))
     rows = {line.split(" | ")[0].lstrip("| "): line for line in done.stdout.splitlines() if line.startswith("| ")}
     labels = (
         "no treatment",
@@ -237,3 +246,18 @@ def test_the_ddp_benchmark_prints_every_treatment_of_nanogpts_loop_on_two_ranks(
         assert step_ms > 0
         assert ratio > 0
     assert "a replica check: " in done.stdout
+
+
+def test_the_quick_warm_up_ratio_run_measures_every_healthy_run_against_the_default_s_own_ceiling() -> None:
+    """``benchmarks/warm_up_ratios.py --quick`` prints a finite ratio for each of its runs, far under the ceiling, whose
+    ratio and warm-up are the shipped default's."""
+    done = _run_quick("warm_up_ratios.py")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [line.strip("|").split("|") for line in lines]
+    assert len(rows) == 9, done.stdout  # the header and eight runs
+    ratios = [float(row[2].split("(")[0]) for row in rows[1:]]
+    assert all(0 < ratio < 100 for ratio in ratios), done.stdout
+    zclip = Policy.shipped("default").rules[1].actions[0]
+    assert isinstance(zclip, ZClip)
+    assert f"the default's ceiling: {zclip.max_norm_ratio:g}x" in done.stdout
+    assert zclip.warmup_steps == 25  # the benchmark's WARMUP: the norms whose mean is the warm-up scale

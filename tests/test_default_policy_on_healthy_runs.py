@@ -1,31 +1,49 @@
 """The shipped default changes nothing in a healthy run and still bounds an exploding gradient (issue 58, item 1).
 
-Each healthy run is compared bitwise with its unguarded twin (same seed, same data): a small GPT with the loop's own
-clip, Hugging Face's Trainer on a 2-layer GPT-2 built from a config, and an MLP learning a fixed teacher, whose
-per-tensor norms pass 1.0 (where the previous default, now ``per-tensor-clip``, clipped). An explosion is made by
-scaling one tensor's gradient in its backward hook: a jump to 30x its recent scale (the median of its last 20 steps'
-norms) reaches the optimizer at no more than 10x that scale and is counted; a sustained climb is held under the
-default's ceiling.
+Each healthy run (``support/healthy_runs.py``) is compared bitwise with its unguarded twin (same seed, same data): a
+small GPT with the loop's own clip (and under a learning-rate warm-up), Hugging Face's Trainer on a 2-layer GPT-2 built
+from a config, a CNN with BatchNorm, a LoRA adapter whose B starts at 0, and an MLP learning a fixed teacher, whose
+per-tensor norms pass 1.0 (where the previous default, now ``per-tensor-clip``, clipped), and two small regressions
+whose norms are above 100 from the start (where the default's fixed ceiling of 100 clipped until round 8). An
+explosion is made by scaling one tensor's gradient in its backward hook: a jump to 30x its recent scale (the median of
+its last 20 steps' norms) reaches the optimizer at no more than 10x that scale and is counted; a sustained climb is
+held under the default's ceiling, 1000 times the tensor's own warm-up scale.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from support.healthy_runs import (
+    STEPS,
+    LoRA,
+    cnn,
+    cnn_loop,
+    gpt_loop,
+    large_norms_loop,
+    late_layer_loop,
+    lora_loop,
+    regression,
+    teacher_loop,
+    teacher_student,
+    tiny_gpt,
+    two_layers,
+)
 from support.training import hf_training_args
 from torch import nn
 
-from gradguard import GradGuard
-from gradguard.cli.demo import TinyDecoder
+from gradguard import GradGuard, Policy
 
-STEPS = 200
-CEILING = 100.0
-"""The default's fixed ceiling on any tensor's norm (``policies/default.yaml``)."""
+RATIO = 1000.0
+"""The default's ceiling on each tensor's norm, a multiple of its warm-up scale (``policies/default.yaml``)."""
+WARMUP = 25
+"""The default's warm-up steps: their norms' mean is a tensor's warm-up scale."""
 Loop = Callable[[nn.Module], None]
 
 
@@ -33,51 +51,6 @@ def _differing_tensors(guarded: nn.Module, unguarded: nn.Module) -> list[str]:
     """The names of the tensors whose values differ bitwise between the two models."""
     theirs = unguarded.state_dict()
     return [name for name, tensor in guarded.state_dict().items() if not torch.equal(tensor, theirs[name])]
-
-
-def _gpt_loop(model: nn.Module, steps: int = STEPS, explode: Callable[[int], None] | None = None) -> None:
-    """nanoGPT's shape of loop: AdamW with weight decay, the loop's own global clip at 1.0, one batch a step."""
-    vocab, length = 32, 16
-    generator = torch.Generator().manual_seed(1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
-    for step in range(steps):
-        start = torch.randint(0, vocab, (8, 1), generator=generator)
-        tokens = (start + torch.arange(length + 1) * torch.randint(1, 3, (8, 1), generator=generator)) % vocab
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
-        if explode is not None:
-            explode(step)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _teacher_loop(model: nn.Module) -> None:
-    """A small MLP learning a fixed random teacher's classes: AdamW, the loop's clip at 1.0; its logits sharpen, and
-    per-tensor norms pass 1.0 in many steps."""
-    torch.manual_seed(0)
-    teacher = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 10))
-    generator = torch.Generator().manual_seed(1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(STEPS):
-        inputs = torch.randn(64, 32, generator=generator)
-        with torch.no_grad():
-            labels = (3 * teacher(inputs)).argmax(1)
-        nn.functional.cross_entropy(model(inputs), labels).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-
-def _tiny_gpt() -> nn.Module:
-    torch.manual_seed(0)
-    return TinyDecoder(vocab=32, width=32, depth=2, heads=2, context=16)
-
-
-def _teacher_student() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
 def _guarded_and_twin(build: Callable[[], nn.Module], loop: Loop, policy: str) -> tuple[nn.Module, nn.Module, Any]:
@@ -90,7 +63,25 @@ def _guarded_and_twin(build: Callable[[], nn.Module], loop: Loop, policy: str) -
 
 
 @pytest.mark.parametrize(
-    ("build", "loop"), [(_tiny_gpt, _gpt_loop), (_teacher_student, _teacher_loop)], ids=["small GPT", "MLP teacher"]
+    ("build", "loop"),
+    [
+        (tiny_gpt, gpt_loop),
+        (teacher_student, teacher_loop),
+        (regression, partial(large_norms_loop, sum_reduced=False)),
+        (regression, partial(large_norms_loop, sum_reduced=True)),
+        (tiny_gpt, partial(gpt_loop, warm_up=100)),
+        (cnn, cnn_loop),
+        (LoRA, lora_loop),
+    ],
+    ids=[
+        "small GPT",
+        "MLP teacher",
+        "norms above 100: unnormalised targets",
+        "norms above 100: a sum-reduced loss",
+        "small GPT under a learning-rate warm-up",
+        "CNN with BatchNorm, one-cycle SGD",
+        "LoRA adapter whose B starts at 0",
+    ],
 )
 def test_the_default_leaves_a_healthy_run_bitwise_as_its_unguarded_twin(build: Callable[[], nn.Module], loop: Loop):
     guarded, unguarded, counters = _guarded_and_twin(build, loop, "default")
@@ -98,9 +89,21 @@ def test_the_default_leaves_a_healthy_run_bitwise_as_its_unguarded_twin(build: C
     assert counters == {}
 
 
+def test_the_runs_of_large_norms_are_what_a_fixed_ceiling_of_100_would_change():
+    """The twin comparison sees the change a fixed ceiling makes (the default's ``max_norm: 100`` until round 8):
+    the large-norm runs above are no trivial pass."""
+    zclip = {"action": "zclip", "z_thresh": 10.0, "warmup_steps": WARMUP, "max_norm": 100.0}
+    fixed = Policy.from_dict({"version": 1, "rules": [{"name": "explosions", "match": "*", "actions": [zclip]}]})
+    for sum_reduced in (False, True):
+        loop = partial(large_norms_loop, sum_reduced=sum_reduced)
+        guarded, unguarded, counters = _guarded_and_twin(regression, loop, fixed)
+        assert counters["explosions"]["zclip"] > 10
+        assert _differing_tensors(guarded, unguarded) != []
+
+
 def test_the_previous_default_kept_as_per_tensor_clip_still_changes_the_teacher_run():
     """The twin comparison sees a change where there is one: the old default clips this healthy run's tensors."""
-    guarded, unguarded, counters = _guarded_and_twin(_teacher_student, _teacher_loop, "per-tensor-clip")
+    guarded, unguarded, counters = _guarded_and_twin(teacher_student, teacher_loop, "per-tensor-clip")
     assert counters["per-tensor-clip"]["clip_norm"] > 0
     assert _differing_tensors(guarded, unguarded) != []
 
@@ -182,7 +185,7 @@ class _Explosion:
 def _explode(scale: Callable[[int, float, float], float], steps: int) -> tuple[_Explosion, dict[str, Any]]:
     """The small GPT under the default, without the loop's clip (so what arrives is the guard's doing alone), one
     tensor scaled from step 60 on."""
-    model = _tiny_gpt()
+    model = tiny_gpt()
     explosion = _Explosion(model, "blocks.1.mlp.0.weight", scale, start=60)
     vocab, length = 32, 16
     generator = torch.Generator().manual_seed(1)
@@ -211,40 +214,21 @@ def test_a_tensor_whose_norm_jumps_to_30x_its_recent_scale_reaches_the_optimizer
     assert counters == {"explosions": {"zclip": 1}}
 
 
-def test_a_sustained_climb_is_held_under_the_ceiling_and_counted_at_every_step_it_passes_it():
+def test_a_sustained_climb_is_held_under_1000x_the_tensor_s_warm_up_scale_and_counted_at_every_step_it_passes_it():
     def climb(step: int, raw: float, recent: float) -> float:
-        return recent * 1.4 ** (step - 59) / raw  # 1.4x a step: past 100 within 25 steps, 1e9 by the end
+        return recent * 1.4 ** (step - 59) / raw  # 1.4x a step: 1000x within 25 steps, 4e8x by the end
 
     explosion, counters = _explode(climb, steps=120)
-    assert max(explosion.made.values()) > 1e6
-    assert max(explosion.arrived.values()) <= CEILING * (1 + 1e-6)
-    above = [step for step, made in explosion.made.items() if made > CEILING]
+    ceiling = RATIO * statistics.fmean(explosion.raw[:WARMUP])  # the mean of the tensor's warm-up norms
+    assert max(explosion.made.values()) > 1e5 * ceiling
+    assert max(explosion.arrived.values()) <= ceiling * (1 + 1e-6)
+    above = [step for step, made in explosion.made.items() if made > ceiling]
     assert len(above) > 30
     assert counters["explosions"]["zclip"] >= len(above)
 
 
-def _late_layer_loop(model: nn.Module) -> None:
-    """A layer left out of the forward for 30 steps (its gradient zeroed, not None: ``set_to_none=False``), then used:
-    its first norms after zeros are not an explosion."""
-    first, second = model[0], model[1]
-    generator = torch.Generator().manual_seed(1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for param in model.parameters():
-        param.grad = torch.zeros_like(param)
-    for step in range(60):
-        inputs = torch.randn(8, 4, generator=generator)
-        out = second(first(inputs)) if step >= 30 else second(inputs)
-        (out - 3.0 - inputs.sum(1, keepdim=True)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
-
-
 def test_a_tensor_whose_gradient_was_zero_through_the_warm_up_is_not_clipped_to_zero_when_it_is_used():
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-
-    guarded, unguarded, counters = _guarded_and_twin(build, _late_layer_loop, "default")
-    assert not torch.equal(guarded[0].weight, build()[0].weight)  # the late layer learned
+    guarded, unguarded, counters = _guarded_and_twin(two_layers, late_layer_loop, "default")
+    assert not torch.equal(guarded[0].weight, two_layers()[0].weight)  # the late layer learned
     assert _differing_tensors(guarded, unguarded) == []
     assert "explosions" not in counters

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from support.host_syncs import count_host_syncs
+from support.host_syncs import count_host_syncs, count_python_data_tensors
 from torch.nn.utils import clip_grad_norm_, clip_grad_value_
 
 from gradguard import GradGuard, GradientHalt, GuardWarning
@@ -496,11 +496,18 @@ def test_the_default_provenance_reads_once_more_only_at_a_faulting_step_it_repla
 
 
 def test_sync_counter_sees_item_and_tolist(make_workload):
-    """The sync counter used above is not blind: .item() and .tolist() each count once."""
+    """The sync counter used above is not blind: .item() and .tolist() each count once. A tensor made on the host from
+    Python numbers, and what is computed from it alone, is read without a sync (on a GPU it never left the host); it
+    counts as a tensor sent from Python data once it meets another tensor."""
     t = torch.ones(3)
     assert count_host_syncs(lambda: t.sum().item()) == 1
     assert count_host_syncs(lambda: t.tolist()) == 1
     assert count_host_syncs(lambda: t * 2) == 0
+    assert count_host_syncs(lambda: torch.tensor([[1.0, 2.0]]).mean(dim=1).tolist()) == 0
+    assert count_host_syncs(lambda: torch.tensor([1.0, 2.0]).sum().item()) == 0
+    assert count_host_syncs(lambda: (t * torch.tensor(2.0)).sum().item()) == 1
+    assert count_python_data_tensors(lambda: torch.tensor([1.0, 2.0]).mean()) == 0
+    assert count_python_data_tensors(lambda: t * torch.tensor([1.0, 2.0, 3.0])) == 1
 
 
 def test_no_hooks_are_registered_on_parameters(make_workload, make_policy):

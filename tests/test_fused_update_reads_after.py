@@ -473,3 +473,21 @@ def test_a_tensor_asked_for_again_is_read_once_and_each_reader_gets_its_own_valu
         "norms again": [1.0, 2.0, 3.0],
         "other again": [4.0],
     }
+
+
+def test_zclip_s_ceiling_relative_to_the_warm_up_scale_decides_on_the_device_bit_for_bit_as_on_the_host(same, tmp_path):
+    """Read after the fused update, zclip decides on the device (``zclip_decide``); read first, on the host: the same
+    clips where the loss grows 4x a step past 1.5 times each tensor's warm-up scale (no z-score ever acts)."""
+    zclip = {"action": "zclip", "warmup_steps": 2, "z_thresh": 1e6, "max_norm_ratio": 1.5}
+    policy = _policy(HALT, {"name": "z", "match": "*", "actions": [zclip]})
+
+    def growing(step: int) -> float:
+        return 4.0**step
+
+    after = _train(policy, _adamw, steps=8, log=tmp_path / "after.jsonl", losses=growing)
+    with reading_first():
+        first = _train(policy, _adamw, steps=8, log=tmp_path / "first.jsonl", losses=growing)
+    _same_training(after, first, same)
+    _same_events(tmp_path / "after.jsonl", tmp_path / "first.jsonl")
+    clips = [event for event in read_jsonl(tmp_path / "after.jsonl") if event["event"] == "adaptive_clip"]
+    assert {event["step"] for event in clips} == set(range(2, 8))  # from the first step after warm-up, every step

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo
 
-__all__ = ["Finite", "PositiveFinite", "Strict", "check_skip_window"]
+__all__ = ["Finite", "FiniteAboveOne", "PositiveFinite", "Strict", "check_skip_window"]
 
 
 class Strict(BaseModel):
@@ -27,6 +27,8 @@ Finite = Annotated[float, AfterValidator(_finite)]
 """A float field that must be finite (``.inf`` and ``.nan`` parse as floats): the error names the field."""
 PositiveFinite = Annotated[float, Field(gt=0, strict=True), AfterValidator(_finite)]
 """A finite float above 0, for optional fields (the bound belongs to the number, not to ``None``)."""
+FiniteAboveOne = Annotated[float, Field(gt=1, strict=True), AfterValidator(_finite)]
+"""A finite float above 1 (a multiple that raises), for optional fields."""
 
 
 def check_skip_window(max_skips: int | None, window_steps: int | None) -> None:

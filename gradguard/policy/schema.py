@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from gradguard.policy.fields import Finite, PositiveFinite, check_skip_window
+from gradguard.policy.fields import Finite, FiniteAboveOne, PositiveFinite, check_skip_window
 from gradguard.policy.fields import Strict as _Strict
 from gradguard.policy.patterns import check_pattern
 from gradguard.policy.sections import Loss, LossSpike, Ranks, Rerun, loss_can_halt
@@ -230,7 +230,9 @@ class ZClip(_StepWindow):
     After ``warmup_steps`` finite norms have set the mean and variance, a norm whose z-score
     ``z = (norm - mean) / (std + 1e-6)`` exceeds ``z_thresh`` is clipped to
     ``mean + z_thresh**2 / z * std``; the averages then take that clipped value. ``max_norm`` (optional)
-    is a plain ceiling, also during warm-up. Non-finite norms and skipped steps never enter the averages.
+    is a plain ceiling, also during warm-up; ``max_norm_ratio`` (optional) a ceiling relative to each
+    norm's own warm-up scale (the first mean), after warm-up. Non-finite norms and skipped steps never
+    enter the averages.
     """
 
     action: Literal["zclip"]
@@ -242,6 +244,11 @@ class ZClip(_StepWindow):
     """How many finite norms set the first mean and variance; no adaptive clip before."""
     max_norm: PositiveFinite | None = None
     """A fixed ceiling on the norm at every step, also during warm-up (``None``: none)."""
+    max_norm_ratio: FiniteAboveOne | None = None
+    """A ceiling at this multiple of the norm's warm-up scale: the mean of its ``warmup_steps`` warm-up norms (the
+    first mean), once they are known; none for a norm whose warm-up norms were all 0 (``None``: none). Unlike
+    ``max_norm`` it fits any model's scale, so it holds back a sustained climb without touching a healthy run whose
+    norms are large from the start."""
     scope: Literal["tensor", "group"] = "tensor"
     """``tensor``: each parameter by its own norm and statistics; ``group``: the rule's joint norm."""
 

@@ -155,10 +155,26 @@ def zclip_empty(warmup: int) -> Init:
     return empty
 
 
-def zclip_decide(action: ZClip, g: torch.Tensor, state: dict[str, torch.Tensor], *, warming: bool) -> ZClipDecision:
+def zclip_ceiling(ratio: float, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``max_norm_ratio``'s ceiling per column: ``ratio`` times the column's warm-up scale, infinite before the column
+    is ready or where that scale is 0. The scale is the first mean, taken again from the warm-up buffer, which stops
+    changing once its column is ready: the ceiling needs no state of its own."""
+    scale = state["buffer"].mean(dim=1)
+    return torch.where((state["ready"] > 0) & (scale > 0), ratio * scale, math.inf)
+
+
+def zclip_decide(
+    action: ZClip,
+    g: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    *,
+    warming: bool,
+    ceiling: torch.Tensor | None = None,
+) -> ZClipDecision:
     """``zclip`` on the float64 norms ``g`` against ``state`` (``zclip_empty``): the guard's maths, and replay's.
 
     ``warming``: some column may still be in warm-up (once every column is ready, its work is skipped).
+    ``ceiling``: ``zclip_ceiling`` of ``state``, where the caller kept it (else it is taken here).
     """
     warmup = action.warmup_steps
     finite = torch.isfinite(g)
@@ -175,6 +191,8 @@ def zclip_decide(action: ZClip, g: torch.Tensor, state: dict[str, torch.Tensor],
     limit = torch.where(ready, adaptive, torch.full_like(g, math.inf))
     if action.max_norm is not None:
         limit = limit.clamp(max=action.max_norm)
+    if action.max_norm_ratio is not None:
+        limit = torch.minimum(limit, ceiling if ceiling is not None else zclip_ceiling(action.max_norm_ratio, state))
     coef = torch.where(finite & (g > limit), limit / (g + EPS), torch.ones_like(g))
 
     updated = ready & finite

@@ -25,6 +25,7 @@ from gradguard.enforce.actions.adaptive import (
     followed_norms,
     report_reader,
     rescale,
+    zclip_ceiling,
     zclip_decide,
     zclip_empty,
 )
@@ -93,8 +94,9 @@ def _decide(
     # differ in the last bit: the std and z reported, and rarely a threshold, then differ there from the device's).
     std_all = list(map(math.sqrt, var_all))
     warming = not series.counters.get("ready")
-    zt, alpha, ceiling = action.z_thresh, action.alpha, action.max_norm
+    zt, alpha, ceiling, ratio = action.z_thresh, action.alpha, action.max_norm, action.max_norm_ratio
     square = zt * zt
+    ceilings: list[float] | None = None
     coefs, limits, means, stds, zs = [], [], [], [], []
     new_mean, new_var = list(mean_all), list(var_all)
     warm_columns: list[tuple[int, float]] = []
@@ -108,6 +110,10 @@ def _decide(
         limit = adaptive if ready else math.inf
         if ceiling is not None:
             limit = min(limit, ceiling)
+        if ratio is not None and ready:
+            if ceilings is None:
+                ceilings = _warm_ceilings(series, host["buffer"], ratio)
+            limit = min(limit, ceilings[column])
         coefs.append(limit / (norm + EPS) if finite and norm > limit else 1.0)
         limits.append(limit)
         means.append(mean)
@@ -132,6 +138,32 @@ def _decide(
             if coef < 1.0:
                 writes.scale(index, grad, coef, partial(torch.tensor, coef, dtype=torch.float32, device=grad.device))
     report([*coefs, *g, *limits, *means, *stds, *zs])
+
+
+def _warm_ceilings(series: Series, buffer: list[list[float]], ratio: float) -> list[float]:
+    """Each column's ``max_norm_ratio`` ceiling: ``ratio`` times its warm-up buffer's mean as ``zclip_decide`` takes
+    it (torch's reduction over every column's row), infinite where that is 0; taken again only for another buffer or
+    ratio, so once warm-up is done, never."""
+    kept = series.derived.get("warm_ceilings")
+    if kept is None or kept[0][0] is not buffer or kept[0][1] != ratio:
+        scales = torch.tensor(buffer, dtype=STATS_DTYPE).mean(dim=1).tolist()
+        kept = ((buffer, ratio), [ratio * scale if scale > 0 else math.inf for scale in scales])
+        series.derived["warm_ceilings"] = kept
+    ceilings: list[float] = kept[1]
+    return ceilings
+
+
+def _kept_ceiling(series: Series, ratio: float | None, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """``zclip_ceiling`` of the series' own tensors, taken again only when its buffer or readiness is another tensor
+    (a step of warm-up, a restore): after warm-up, a step's ceiling launches nothing."""
+    if ratio is None:
+        return None
+    kept = series.derived.get("device_ceiling")
+    if kept is None or kept[0][0] is not state["buffer"] or kept[0][1] is not state["ready"] or kept[0][2] != ratio:
+        kept = ((state["buffer"], state["ready"], ratio), zclip_ceiling(ratio, state))
+        series.derived["device_ceiling"] = kept
+    ceiling: torch.Tensor = kept[1]
+    return ceiling
 
 
 def _warm_up(
@@ -192,7 +224,8 @@ class ZClipKernel(ActionKernel):
             series.tensors = {key: value.to(g.device) for key, value in series.tensors.items()}
         cols = None if group else series.select(ids)
         state = series.at(cols)
-        decision = zclip_decide(action, g, state, warming=not series.counters.get("ready"))
+        ceiling = _kept_ceiling(series, action.max_norm_ratio, state) if cols is None else None
+        decision = zclip_decide(action, g, state, warming=not series.counters.get("ready"), ceiling=ceiling)
         rescale(gs, decision.coef, group)
         counters: dict[str, int] = {}
         if decision.all_ready is not None:

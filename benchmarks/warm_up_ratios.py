@@ -1,0 +1,106 @@
+"""How far above its own warm-up scale a healthy run's gradient norm goes: what the default's ceiling must allow.
+
+The shipped default holds each tensor's norm under ``max_norm_ratio`` (1000) times its warm-up scale, the mean of its
+first 25 norms (``zclip``'s first mean). This trains eight small healthy runs unguarded, records every tensor's raw
+gradient norm at every step (a tensor hook, float64), and prints for each run the largest ratio of a norm after the
+warm-up to that tensor's warm-up scale, the tensor and the step, and the largest raw norm of the run (the two
+regressions' are far above the default's old fixed ceiling of 100). A tensor whose warm-up norms are all 0 has no
+ceiling and is left out.
+
+    python benchmarks/warm_up_ratios.py            # 200 to 400 steps a run, about half a minute on a CPU
+    python benchmarks/warm_up_ratios.py --quick    # 40 steps a run (the smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from torch import nn
+
+# The runs are test support code, shared with tests/test_default_policy_on_healthy_runs.py: import them from tests/.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from support.healthy_runs import (
+    LoRA,
+    cnn,
+    cnn_loop,
+    gpt_loop,
+    large_norms_loop,
+    late_layer_loop,
+    lora_loop,
+    regression,
+    teacher_loop,
+    teacher_student,
+    tiny_gpt,
+    two_layers,
+)
+
+WARMUP = 25
+"""The default's ``warmup_steps``: the norms whose mean is a tensor's warm-up scale."""
+RATIO = 1000.0
+"""The default's ``max_norm_ratio``."""
+
+
+@dataclass
+class Run:
+    build: Callable[[], nn.Module]
+    train: Callable[[nn.Module, int], None]
+    steps: int
+
+
+RUNS: dict[str, Run] = {
+    "small GPT, the loop's clip": Run(tiny_gpt, gpt_loop, 200),
+    "small GPT, lr warm-up 100 steps then decay": Run(tiny_gpt, partial(gpt_loop, warm_up=100), 400),
+    "MLP learning a teacher, the loop's clip": Run(teacher_student, teacher_loop, 200),
+    "regression, targets around 50": Run(regression, partial(large_norms_loop, sum_reduced=False), 200),
+    "regression, a sum-reduced loss": Run(regression, partial(large_norms_loop, sum_reduced=True), 200),
+    "CNN with BatchNorm, one-cycle SGD": Run(cnn, cnn_loop, 300),
+    "LoRA adapter, B from 0": Run(LoRA, lora_loop, 400),
+    "a layer unused for 30 steps": Run(two_layers, late_layer_loop, 200),
+}
+
+
+def worst_ratio(run: Run, steps: int) -> tuple[float, str, int, float]:
+    """The largest norm / warm-up scale after the warm-up, its tensor and step, and the run's largest raw norm."""
+    model = run.build()
+    norms: dict[str, list[float]] = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            seen = norms.setdefault(name, [])
+            param.register_hook(lambda grad, seen=seen: seen.append(float(grad.double().norm())))
+    run.train(model, steps)
+    worst, where, when = 0.0, "", -1
+    for name, seq in norms.items():
+        warm = [norm for norm in seq if math.isfinite(norm)][:WARMUP]
+        scale = sum(warm) / len(warm) if warm else 0.0
+        if scale <= 0 or len(seq) <= WARMUP:
+            continue
+        late = max(range(WARMUP, len(seq)), key=seq.__getitem__)
+        if seq[late] / scale > worst:
+            worst, where, when = seq[late] / scale, name, late
+    largest = max((max(seq) for seq in norms.values() if seq), default=0.0)
+    return worst, where, when, largest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="40 steps a run (the smoke test)")
+    args = parser.parse_args()
+    print("| run | steps | largest norm / its warm-up scale (tensor, step) | largest raw norm |\n|---|---|---|---|")
+    overall = 0.0
+    for label, run in RUNS.items():
+        steps = 40 if args.quick else run.steps
+        ratio, tensor, step, largest = worst_ratio(run, steps)
+        overall = max(overall, ratio)
+        print(f"| {label} | {steps} | {ratio:.2f} ({tensor}, {step}) | {largest:.4g} |")
+    print(f"largest ratio of all: {overall:.2f}; the default's ceiling: {RATIO:g}x ({RATIO / overall:.0f}x that)")
+
+
+if __name__ == "__main__":
+    main()

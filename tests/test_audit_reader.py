@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import heapq
 import json
 import random
 import tracemalloc
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from support.synthetic_log import LogBuilder, write_synthetic_run
 
+from gradguard.audit.merging import GATHERED, merged_batches
 from gradguard.audit.reader import LineSplitter, ReadStats, read_batches, read_file, read_line, read_merged
 from gradguard.audit.summarizer import Summarizer
 from gradguard.cli import main
@@ -360,8 +363,8 @@ def test_a_long_line_whose_integer_is_refused_is_unreadable_in_a_chunk_of_short_
 
 
 def test_several_files_read_in_batches_come_in_the_merged_order_of_their_records(tmp_path: Path) -> None:
-    """Per-rank logs of uneven steps (and a file with no step at all): the batches, one file's run of records at a
-    time, hold the records of the record-by-record merge, in its order."""
+    """Per-rank logs of uneven steps (and a file with no step at all): the batches, runs of one file's records
+    gathered, hold the records of the record-by-record merge, in its order."""
     rng = random.Random(7)
     paths = []
     for rank in range(3):
@@ -377,3 +380,23 @@ def test_several_files_read_in_batches_come_in_the_merged_order_of_their_records
     batches = list(read_batches(paths, ReadStats()))
     assert [(record.order, record.file, record.line) for batch in batches for record in batch] == merged
     assert len(batches) < len(merged) / 2  # runs of records, not one at a time
+
+
+@pytest.mark.parametrize("gathered", [0, 1, 5, GATHERED])
+def test_merged_batches_hold_heapq_merge_s_order_whatever_they_gather(gathered: int) -> None:
+    """Random sorted streams cut into random batches (some empty): the merged batches are heapq.merge's items in its
+    order; with ``gathered``, each batch but the last holds at least that many, without it each is one stream's run."""
+    rng = random.Random(gathered)
+    for _ in range(50):
+        streams = []
+        for index in range(rng.randrange(1, 6)):
+            items = sorted((rng.randrange(60), index, line) for line in range(rng.randrange(0, 80)))
+            cuts = sorted(rng.randrange(len(items) + 1) for _ in range(rng.randrange(0, 6)))
+            streams.append([items[a:b] for a, b in zip([0, *cuts], [*cuts, len(items)], strict=True)])
+        expected = list(heapq.merge(*([item for batch in batches for item in batch] for batches in streams)))
+        batches = list(merged_batches([iter(batches) for batches in streams], gathered))
+        assert [item for batch in batches for item in batch] == expected
+        if gathered:
+            assert all(len(batch) >= gathered for batch in batches[:-1])
+        else:
+            assert all(len({item[1] for item in batch}) == 1 for batch in batches)

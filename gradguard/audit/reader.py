@@ -456,7 +456,7 @@ def read_batches(
     stats: ReadStats,
     progress: Callable[[int], None] | None = None,
 ) -> Iterator[list[Record]]:
-    """What ``read_merged`` gives, in lists (a read chunk's worth of one file)."""
+    """What ``read_merged`` gives, in lists (a read chunk's worth of one file; of several, ``merged_batches``')."""
     if len(paths) == 1:
         yield from _file_batches(paths[0], 0, stats, progress)
         return

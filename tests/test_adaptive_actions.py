@@ -100,10 +100,16 @@ class ZClipReference:
     """ZClip as its authors' code does it, with non-finite norms left out of the statistics."""
 
     def __init__(
-        self, alpha: float, z_thresh: float, warmup: int, max_norm: float | None, max_norm_ratio: float | None = None
+        self,
+        alpha: float,
+        z_thresh: float,
+        warmup: int,
+        max_norm: float | None,
+        max_norm_ratio: float | None = None,
+        ratio_floor: float | None = None,
     ) -> None:
         self.alpha, self.z_thresh, self.warmup, self.max_norm = alpha, z_thresh, warmup, max_norm
-        self.max_norm_ratio = max_norm_ratio
+        self.max_norm_ratio, self.ratio_floor = max_norm_ratio, ratio_floor
         self.buffer: list[float] = []
         self.mean: float | None = None
         self.var = 0.0
@@ -125,30 +131,45 @@ class ZClipReference:
             limit = adaptive if self.max_norm is None else min(adaptive, self.max_norm)
             first_mean = sum(self.buffer) / len(self.buffer)
             if self.max_norm_ratio is not None and first_mean > 0:
-                limit = min(limit, self.max_norm_ratio * first_mean)
+                limit = min(limit, max(self.max_norm_ratio * first_mean, self.ratio_floor or 0.0))
             self.mean = self.alpha * self.mean + (1 - self.alpha) * adaptive
             self.var = self.alpha * self.var + (1 - self.alpha) * (adaptive - self.mean) ** 2
         return (limit / (norm + EPS) if norm > limit else 1.0), limit
 
+    @property
+    def buffer_mean(self) -> float:
+        """The first mean: the warm-up scale."""
+        return sum(self.buffer) / len(self.buffer)
+
 
 @pytest.mark.parametrize(
-    ("z_thresh", "max_norm", "max_norm_ratio"),
-    [(2.5, None, None), (2.5, 3.0, None), (50.0, None, 3.0)],
-    ids=["adaptive", "and a ceiling", "a ceiling relative to the warm-up scale"],
+    ("z_thresh", "max_norm", "max_norm_ratio", "ratio_floor", "ceiling_clips"),
+    [
+        (2.5, None, None, None, None),
+        (2.5, 3.0, None, None, None),
+        (1e6, None, 3.0, None, {"a": [30, 31, 45], "b": [33]}),
+        (1e6, None, 3.0, 30.0, {"a": [45], "b": [33]}),
+    ],
+    ids=["adaptive", "and a ceiling", "a ceiling relative to the warm-up scale", "and its floor"],
 )
 def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enters_its_statistics(
-    z_thresh: float, max_norm: float | None, max_norm_ratio: float | None, tmp_path: Path
+    z_thresh: float,
+    max_norm: float | None,
+    max_norm_ratio: float | None,
+    ratio_floor: float | None,
+    ceiling_clips: dict[str, list[int]] | None,
+    tmp_path: Path,
 ) -> None:
     """Per tensor: warm-up, then z-score clips at the spikes, EMA of the clipped norms; NaN/Inf left out. With
-    ``max_norm_ratio`` (and a z-score threshold too high to act), each spike is held to that multiple of the first
-    mean."""
+    ``max_norm_ratio`` and a z-score threshold too high ever to act, only the spikes above that multiple of the first
+    mean (at least ``ratio_floor``: 25 and 8 are under 30) are clipped, to it."""
     action = {"action": "zclip", "alpha": 0.9, "z_thresh": z_thresh, "warmup_steps": 10, "max_norm": max_norm}
     if max_norm_ratio is not None:
-        action["max_norm_ratio"] = max_norm_ratio
+        action |= {"max_norm_ratio": max_norm_ratio, "ratio_floor": ratio_floor}
     log = tmp_path / "run.jsonl"
     history, applied, guard = drive(policy_of(action), 70, log)
     assert all(applied)
-    references = {name: ZClipReference(0.9, z_thresh, 10, max_norm, max_norm_ratio) for name in ("a", "b")}
+    references = {name: ZClipReference(0.9, z_thresh, 10, max_norm, max_norm_ratio, ratio_floor) for name in "ab"}
     clipped_steps: dict[str, list[int]] = {"a": [], "b": []}
     for step, grads in enumerate(history):
         for name, (before, after) in grads.items():
@@ -156,13 +177,14 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
             if coef < 1.0:
                 clipped_steps[name].append(step)
             torch.testing.assert_close(after, before * coef, rtol=1e-6, atol=0, equal_nan=True)
-    assert 30 in clipped_steps["a"]
-    assert 45 in clipped_steps["a"]
-    assert 33 in clipped_steps["b"]
-    if max_norm is not None or max_norm_ratio is not None:
-        assert {30, 31, 45} <= set(clipped_steps["a"])  # the ceiling holds during warm-up and after
-    if max_norm_ratio is not None:  # only the ceiling clipped, exactly at the spikes above 3x the warm-up scale
-        assert clipped_steps == {"a": [30, 31, 45], "b": [33]}
+    if ceiling_clips is not None:  # only the relative ceiling clipped, exactly at the spikes above it
+        assert clipped_steps == ceiling_clips
+    else:
+        assert 30 in clipped_steps["a"]
+        assert 45 in clipped_steps["a"]
+        assert 33 in clipped_steps["b"]
+    if max_norm is not None:
+        assert {30, 31, 45} <= set(clipped_steps["a"])  # the fixed ceiling holds during warm-up and after
     stats = statistics_of(guard)
     assert stats["names"] == ["a", "b"]
     for column, name in enumerate(("a", "b")):
@@ -178,7 +200,10 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
     )
     spike = next(e for e in clips if e["param"] == "a" and e["step"] == 45)
     assert spike["action"] == "zclip"
-    assert spike["z"] > 2.5 if max_norm_ratio is None else spike["z"] > 50
+    assert spike["z"] > 2.5
+    if ceiling_clips is not None:
+        assert spike["z"] < z_thresh
+        assert spike["threshold"] == pytest.approx(max(3.0 * references["a"].buffer_mean, ratio_floor or 0.0))
     assert spike["after"] == pytest.approx(spike["threshold"])
     assert guard.counters.snapshot()["adaptive"]["zclip"] == len(clips)
 
@@ -403,6 +428,8 @@ def test_adaptive_actions_add_no_host_sync_to_the_step() -> None:
         ({"action": "skip_step_on_spike", "window": 10, "min_samples": 20}, "min_samples (20) cannot exceed window"),
         ({"action": "skip_step_on_spike", "max_skips": 2}, "max_skips and window_steps go together"),
         ({"action": "zclip", "z_tresh": 2.0}, "did you mean 'z_thresh'"),
+        ({"action": "zclip", "ratio_floor": 100.0}, "set max_norm_ratio too"),
+        ({"action": "zclip", "max_norm_ratio": 1.0}, "max_norm_ratio"),
     ],
 )
 def test_bad_adaptive_settings_are_policy_errors_that_name_the_field(action: dict[str, Any], message: str) -> None:

@@ -249,15 +249,17 @@ def test_the_ddp_benchmark_prints_every_treatment_of_nanogpts_loop_on_two_ranks(
 
 
 def test_the_quick_warm_up_ratio_run_measures_every_healthy_run_against_the_default_s_own_ceiling() -> None:
-    """``benchmarks/warm_up_ratios.py --quick`` prints a finite ratio for each of its runs, far under the ceiling, whose
-    ratio and warm-up are the shipped default's."""
+    """``benchmarks/warm_up_ratios.py --quick`` prints a row of figures for each of its ten runs, with the default's
+    own ratio and floor; the default's ceiling clips none of them."""
     done = _run_quick("warm_up_ratios.py")
     lines = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     rows = [line.strip("|").split("|") for line in lines]
-    assert len(rows) == 9, done.stdout  # the header and eight runs
-    ratios = [float(row[2].split("(")[0]) for row in rows[1:]]
-    assert all(0 < ratio < 100 for ratio in ratios), done.stdout
+    assert len(rows) == 11, done.stdout  # the header and ten runs
+    for row in rows[1:]:
+        assert float(row[2].split("(")[0]) > 0, row
+        assert [int(cell) for cell in row[4:6]] == [0, int(row[5])], row  # the default (with its floor) clips none
     zclip = Policy.shipped("default").rules[1].actions[0]
     assert isinstance(zclip, ZClip)
-    assert f"the default's ceiling: {zclip.max_norm_ratio:g}x" in done.stdout
+    assert f"the default's ceiling: {zclip.max_norm_ratio:g}x, at least {zclip.ratio_floor:g}" in done.stdout
+    assert "steps of these healthy runs the default's ceiling clips: 0" in done.stdout
     assert zclip.warmup_steps == 25  # the benchmark's WARMUP: the norms whose mean is the warm-up scale

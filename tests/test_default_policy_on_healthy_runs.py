@@ -2,12 +2,13 @@
 
 Each healthy run (``support/healthy_runs.py``) is compared bitwise with its unguarded twin (same seed, same data): a
 small GPT with the loop's own clip (and under a learning-rate warm-up), Hugging Face's Trainer on a 2-layer GPT-2 built
-from a config, a CNN with BatchNorm, a LoRA adapter whose B starts at 0, and an MLP learning a fixed teacher, whose
+from a config, a CNN with BatchNorm, a LoRA adapter whose B starts at 0, blocks behind gates that start at 0 (their
+norms grow 5,000x past their warm-up scale: the default's floor leaves them), and an MLP learning a fixed teacher, whose
 per-tensor norms pass 1.0 (where the previous default, now ``per-tensor-clip``, clipped), and two small regressions
 whose norms are above 100 from the start (where the default's fixed ceiling of 100 clipped until round 8). An
 explosion is made by scaling one tensor's gradient in its backward hook: a jump to 30x its recent scale (the median of
 its last 20 steps' norms) reaches the optimizer at no more than 10x that scale and is counted; a sustained climb is
-held under the default's ceiling, 1000 times the tensor's own warm-up scale.
+held under the default's ceiling, 1000 times the tensor's own warm-up scale but at least 100.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import pytest
 import torch
 from support.healthy_runs import (
     STEPS,
+    Gated,
     LoRA,
     cnn,
     cnn_loop,
+    gated_loop,
     gpt_loop,
     large_norms_loop,
     late_layer_loop,
@@ -40,8 +43,9 @@ from torch import nn
 
 from gradguard import GradGuard, Policy
 
-RATIO = 1000.0
-"""The default's ceiling on each tensor's norm, a multiple of its warm-up scale (``policies/default.yaml``)."""
+RATIO, FLOOR = 1000.0, 100.0
+"""The default's ceiling on each tensor's norm: a multiple of its warm-up scale, at least the floor
+(``policies/default.yaml``)."""
 WARMUP = 25
 """The default's warm-up steps: their norms' mean is a tensor's warm-up scale."""
 Loop = Callable[[nn.Module], None]
@@ -53,7 +57,9 @@ def _differing_tensors(guarded: nn.Module, unguarded: nn.Module) -> list[str]:
     return [name for name, tensor in guarded.state_dict().items() if not torch.equal(tensor, theirs[name])]
 
 
-def _guarded_and_twin(build: Callable[[], nn.Module], loop: Loop, policy: str) -> tuple[nn.Module, nn.Module, Any]:
+def _guarded_and_twin(
+    build: Callable[[], nn.Module], loop: Loop, policy: str | Policy
+) -> tuple[nn.Module, nn.Module, Any]:
     unguarded = build()
     loop(unguarded)
     guarded = build()
@@ -99,6 +105,20 @@ def test_the_runs_of_large_norms_are_what_a_fixed_ceiling_of_100_would_change():
         guarded, unguarded, counters = _guarded_and_twin(regression, loop, fixed)
         assert counters["explosions"]["zclip"] > 10
         assert _differing_tensors(guarded, unguarded) != []
+
+
+def test_blocks_behind_gates_from_0_grow_thousands_of_times_past_their_warm_up_scale_and_the_floor_leaves_them():
+    """Under a learning-rate warm-up the gates open slowly: a block's norm passes 5,000x its warm-up scale (healthy,
+    under 3 in value). The default's floor (100) leaves the run bitwise its twin; without the floor it is clipped.
+    The monitor warns that the 4 blocks' gradients vanish at the first step: true, they are 0 there."""
+    guarded, unguarded, counters = _guarded_and_twin(Gated, gated_loop, "default")
+    assert _differing_tensors(guarded, unguarded) == []
+    assert counters == {"health": {"vanishing": 4}}
+    unfloored = Policy.shipped("default").model_dump(mode="json", exclude_defaults=True)
+    assert unfloored["rules"][1]["actions"][0].pop("ratio_floor") == FLOOR
+    guarded, unguarded, counters = _guarded_and_twin(Gated, gated_loop, Policy.from_dict(unfloored))
+    assert counters["explosions"]["zclip"] > 10
+    assert _differing_tensors(guarded, unguarded) != []
 
 
 def test_the_previous_default_kept_as_per_tensor_clip_still_changes_the_teacher_run():
@@ -214,12 +234,12 @@ def test_a_tensor_whose_norm_jumps_to_30x_its_recent_scale_reaches_the_optimizer
     assert counters == {"explosions": {"zclip": 1}}
 
 
-def test_a_sustained_climb_is_held_under_1000x_the_tensor_s_warm_up_scale_and_counted_at_every_step_it_passes_it():
+def test_a_sustained_climb_is_held_under_the_default_s_ceiling_and_counted_at_every_step_it_passes_it():
     def climb(step: int, raw: float, recent: float) -> float:
         return recent * 1.4 ** (step - 59) / raw  # 1.4x a step: 1000x within 25 steps, 4e8x by the end
 
     explosion, counters = _explode(climb, steps=120)
-    ceiling = RATIO * statistics.fmean(explosion.raw[:WARMUP])  # the mean of the tensor's warm-up norms
+    ceiling = max(RATIO * statistics.fmean(explosion.raw[:WARMUP]), FLOOR)  # 1000x the mean of its warm-up norms
     assert max(explosion.made.values()) > 1e5 * ceiling
     assert max(explosion.arrived.values()) <= ceiling * (1 + 1e-6)
     above = [step for step, made in explosion.made.items() if made > ceiling]

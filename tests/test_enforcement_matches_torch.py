@@ -508,6 +508,20 @@ def test_sync_counter_sees_item_and_tolist(make_workload):
     assert count_host_syncs(lambda: (t * torch.tensor(2.0)).sum().item()) == 1
     assert count_python_data_tensors(lambda: torch.tensor([1.0, 2.0]).mean()) == 0
     assert count_python_data_tensors(lambda: t * torch.tensor([1.0, 2.0, 3.0])) == 1
+    assert count_python_data_tensors(lambda: torch.tensor([1.0, 2.0], device=t.device)) == 1  # a copy on a GPU
+
+    def five_made_one_after_another() -> None:  # each freed before the next: their ids may repeat
+        for _ in range(5):
+            t.mul_(torch.tensor([1.0, 1.0, 1.0]))
+
+    assert count_python_data_tensors(five_made_one_after_another) == 5
+
+    def written_from_another_tensor() -> list[float]:
+        host = torch.tensor([1.0, 2.0, 3.0])
+        host.copy_(t * 2)  # now holds the other tensor's data: a read of it waits for that
+        return host.tolist()
+
+    assert count_host_syncs(written_from_another_tensor) == 1
 
 
 def test_no_hooks_are_registered_on_parameters(make_workload, make_policy):

@@ -475,10 +475,14 @@ def test_a_tensor_asked_for_again_is_read_once_and_each_reader_gets_its_own_valu
     }
 
 
-def test_zclip_s_ceiling_relative_to_the_warm_up_scale_decides_on_the_device_bit_for_bit_as_on_the_host(same, tmp_path):
+@pytest.mark.parametrize("floor", [None, 0.05], ids=["no floor", "a floor"])
+def test_zclip_s_ceiling_relative_to_the_warm_up_scale_decides_on_the_device_bit_for_bit_as_on_the_host(
+    floor, same, tmp_path
+):
     """Read after the fused update, zclip decides on the device (``zclip_decide``); read first, on the host: the same
-    clips where the loss grows 4x a step past 1.5 times each tensor's warm-up scale (no z-score ever acts)."""
-    zclip = {"action": "zclip", "warmup_steps": 2, "z_thresh": 1e6, "max_norm_ratio": 1.5}
+    clips where the loss grows 4x a step past 1.5 times each tensor's warm-up scale (no z-score ever acts), or past
+    ``floor`` where that is more."""
+    zclip = {"action": "zclip", "warmup_steps": 2, "z_thresh": 1e6, "max_norm_ratio": 1.5, "ratio_floor": floor}
     policy = _policy(HALT, {"name": "z", "match": "*", "actions": [zclip]})
 
     def growing(step: int) -> float:

@@ -231,8 +231,8 @@ class ZClip(_StepWindow):
     ``z = (norm - mean) / (std + 1e-6)`` exceeds ``z_thresh`` is clipped to
     ``mean + z_thresh**2 / z * std``; the averages then take that clipped value. ``max_norm`` (optional)
     is a plain ceiling, also during warm-up; ``max_norm_ratio`` (optional) a ceiling relative to each
-    norm's own warm-up scale (the first mean), after warm-up. Non-finite norms and skipped steps never
-    enter the averages.
+    norm's own warm-up scale (the first mean), after warm-up, never below ``ratio_floor``. Non-finite
+    norms and skipped steps never enter the averages.
     """
 
     action: Literal["zclip"]
@@ -249,8 +249,21 @@ class ZClip(_StepWindow):
     first mean), once they are known; none for a norm whose warm-up norms were all 0 (``None``: none). Unlike
     ``max_norm`` it fits any model's scale, so it holds back a sustained climb without touching a healthy run whose
     norms are large from the start."""
+    ratio_floor: PositiveFinite | None = None
+    """The least ``max_norm_ratio``'s ceiling may be (``None``: no floor). A norm that starts near 0 (behind a gate
+    or an adapter initialised to 0, under a learning-rate warm-up) has a warm-up scale far below its later healthy
+    norms: thousands of times, measured; the floor leaves it room."""
     scope: Literal["tensor", "group"] = "tensor"
     """``tensor``: each parameter by its own norm and statistics; ``group``: the rule's joint norm."""
+
+    @model_validator(mode="after")
+    def _a_floor_needs_a_ratio(self) -> ZClip:
+        if self.ratio_floor is not None and self.max_norm_ratio is None:
+            raise ValueError(
+                f"ratio_floor ({self.ratio_floor}) is the least max_norm_ratio's ceiling may be; "
+                "set max_norm_ratio too, or use max_norm for a fixed ceiling"
+            )
+        return self
 
 
 class AutoClip(_StepWindow):

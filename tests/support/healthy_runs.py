@@ -122,14 +122,48 @@ class LoRA(nn.Module):
         return self.head(torch.relu(self.base(inputs) + inputs @ self.A.T @ self.B.T))
 
 
-def lora_loop(model: nn.Module, steps: int = STEPS) -> None:
+def lora_loop(model: nn.Module, steps: int = STEPS, *, lr: float = 1e-3, warm_up: int = 0) -> None:
+    """AdamW on a smooth target; with ``warm_up``, a linear learning-rate warm-up over that many steps."""
+    _regress_to_a_sine(model, steps, 32, lr, warm_up)
+
+
+class Gated(nn.Module):
+    """Residual blocks behind gates that start at 0 (ReZero, adaLN-Zero's shape): ``x + g * f(x)``. The blocks'
+    gradients are 0 at the first step and grow with their gates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(16, 64)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)) for _ in range(4))
+        self.gates = nn.Parameter(torch.zeros(4))
+        self.out = nn.Linear(64, 1)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.inp(inputs)
+        for gate, block in zip(self.gates, self.blocks, strict=True):
+            hidden = hidden + gate * block(hidden)
+        return self.out(hidden)
+
+
+def gated_loop(model: nn.Module, steps: int = STEPS, *, lr: float = 1e-3, warm_up: int = 200) -> None:
+    """AdamW under a linear learning-rate warm-up: the gates open slowly, the blocks' norms grow thousands of times
+    past their warm-up scale."""
+    _regress_to_a_sine(model, steps, 16, lr, warm_up)
+
+
+def _regress_to_a_sine(model: nn.Module, steps: int, width: int, lr: float, warm_up: int) -> None:
     generator = torch.Generator().manual_seed(1)
-    weights = torch.randn(32, 1, generator=generator)
-    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=1e-3)
+    weights = torch.randn(width, 1, generator=generator)
+    optimizer = torch.optim.AdamW([param for param in model.parameters() if param.requires_grad], lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warm_up) if warm_up else 1.0
+    )
     for _ in range(steps):
-        inputs = torch.randn(64, 32, generator=generator)
+        inputs = torch.randn(64, width, generator=generator)
         nn.functional.mse_loss(model(inputs), torch.sin(inputs @ weights)).backward()
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad()
 
 

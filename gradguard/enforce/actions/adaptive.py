@@ -155,12 +155,16 @@ def zclip_empty(warmup: int) -> Init:
     return empty
 
 
-def zclip_ceiling(ratio: float, state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``max_norm_ratio``'s ceiling per column: ``ratio`` times the column's warm-up scale, infinite before the column
-    is ready or where that scale is 0. The scale is the first mean, taken again from the warm-up buffer, which stops
-    changing once its column is ready: the ceiling needs no state of its own."""
+def zclip_ceiling(action: ZClip, state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``max_norm_ratio``'s ceiling per column: that multiple of the column's warm-up scale, at least ``ratio_floor``,
+    infinite before the column is ready or where that scale is 0. The scale is the first mean, taken again from the
+    warm-up buffer, which stops changing once its column is ready: the ceiling needs no state of its own."""
+    assert action.max_norm_ratio is not None
     scale = state["buffer"].mean(dim=1)
-    return torch.where((state["ready"] > 0) & (scale > 0), ratio * scale, math.inf)
+    ceiling = action.max_norm_ratio * scale
+    if action.ratio_floor is not None:
+        ceiling = ceiling.clamp(min=action.ratio_floor)
+    return torch.where((state["ready"] > 0) & (scale > 0), ceiling, math.inf)
 
 
 def zclip_decide(
@@ -192,7 +196,7 @@ def zclip_decide(
     if action.max_norm is not None:
         limit = limit.clamp(max=action.max_norm)
     if action.max_norm_ratio is not None:
-        limit = torch.minimum(limit, ceiling if ceiling is not None else zclip_ceiling(action.max_norm_ratio, state))
+        limit = torch.minimum(limit, ceiling if ceiling is not None else zclip_ceiling(action, state))
     coef = torch.where(finite & (g > limit), limit / (g + EPS), torch.ones_like(g))
 
     updated = ready & finite

@@ -112,7 +112,7 @@ def _decide(
             limit = min(limit, ceiling)
         if ratio is not None and ready:
             if ceilings is None:
-                ceilings = _warm_ceilings(series, host["buffer"], ratio)
+                ceilings = _warm_ceilings(series, host["buffer"], ratio, action.ratio_floor)
             limit = min(limit, ceilings[column])
         coefs.append(limit / (norm + EPS) if finite and norm > limit else 1.0)
         limits.append(limit)
@@ -140,27 +140,29 @@ def _decide(
     report([*coefs, *g, *limits, *means, *stds, *zs])
 
 
-def _warm_ceilings(series: Series, buffer: list[list[float]], ratio: float) -> list[float]:
-    """Each column's ``max_norm_ratio`` ceiling: ``ratio`` times its warm-up buffer's mean as ``zclip_decide`` takes
-    it (torch's reduction over every column's row), infinite where that is 0; taken again only for another buffer or
-    ratio, so once warm-up is done, never."""
+def _warm_ceilings(series: Series, buffer: list[list[float]], ratio: float, floor: float | None) -> list[float]:
+    """Each column's ``max_norm_ratio`` ceiling, as ``zclip_ceiling`` takes it: ``ratio`` times its warm-up buffer's
+    mean (torch's reduction over every column's row), at least ``floor``, infinite where that mean is 0; taken again
+    only for another buffer, ratio or floor, so once warm-up is done, never."""
     kept = series.derived.get("warm_ceilings")
-    if kept is None or kept[0][0] is not buffer or kept[0][1] != ratio:
+    if kept is None or kept[0][0] is not buffer or kept[0][1:] != (ratio, floor):
         scales = torch.tensor(buffer, dtype=STATS_DTYPE).mean(dim=1).tolist()
-        kept = ((buffer, ratio), [ratio * scale if scale > 0 else math.inf for scale in scales])
+        ceilings = [max(ratio * scale, floor) if floor is not None else ratio * scale for scale in scales]
+        kept = ((buffer, ratio, floor), [c if s > 0 else math.inf for c, s in zip(ceilings, scales, strict=True)])
         series.derived["warm_ceilings"] = kept
-    ceilings: list[float] = kept[1]
-    return ceilings
+    result: list[float] = kept[1]
+    return result
 
 
-def _kept_ceiling(series: Series, ratio: float | None, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+def _kept_ceiling(series: Series, action: ZClip, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """``zclip_ceiling`` of the series' own tensors, taken again only when its buffer or readiness is another tensor
-    (a step of warm-up, a restore): after warm-up, a step's ceiling launches nothing."""
-    if ratio is None:
+    (a step of warm-up, a restore) or the action another: after warm-up, a step's ceiling launches nothing."""
+    if action.max_norm_ratio is None:
         return None
     kept = series.derived.get("device_ceiling")
-    if kept is None or kept[0][0] is not state["buffer"] or kept[0][1] is not state["ready"] or kept[0][2] != ratio:
-        kept = ((state["buffer"], state["ready"], ratio), zclip_ceiling(ratio, state))
+    key = (action.max_norm_ratio, action.ratio_floor)
+    if kept is None or kept[0][0] is not state["buffer"] or kept[0][1] is not state["ready"] or kept[0][2:] != key:
+        kept = ((state["buffer"], state["ready"], *key), zclip_ceiling(action, state))
         series.derived["device_ceiling"] = kept
     ceiling: torch.Tensor = kept[1]
     return ceiling
@@ -224,7 +226,7 @@ class ZClipKernel(ActionKernel):
             series.tensors = {key: value.to(g.device) for key, value in series.tensors.items()}
         cols = None if group else series.select(ids)
         state = series.at(cols)
-        ceiling = _kept_ceiling(series, action.max_norm_ratio, state) if cols is None else None
+        ceiling = _kept_ceiling(series, action, state) if cols is None else None
         decision = zclip_decide(action, g, state, warming=not series.counters.get("ready"), ceiling=ceiling)
         rescale(gs, decision.coef, group)
         counters: dict[str, int] = {}

@@ -392,4 +392,5 @@ def _series_copy(series: Series) -> Series:
         counters=dict(series.counters),
         columns=dict(series.columns),
         in_order=list(series.in_order),
+        derived={},
     )

@@ -85,7 +85,8 @@ class Measured:
     largest: float
     """The largest raw norm of the run."""
     clipped: int
-    """Steps at which a tensor's norm passes the default's ceiling (``RATIO`` times its scale, at least ``FLOOR``)."""
+    """Steps at which a tensor's norm passes the default's ceiling (``RATIO`` times its scale, at least ``FLOOR``; in
+    warm-up, its scale is the mean of its norms so far)."""
     clipped_without_floor: int
     """The same, were there no floor."""
 
@@ -109,10 +110,18 @@ def measure(run: Run, steps: int) -> Measured:
         late = max(range(WARMUP, len(seq)), key=seq.__getitem__)
         if seq[late] / scale > worst:
             worst, where, when = seq[late] / scale, name, late
-        clipped.update(step for step in range(WARMUP, len(seq)) if seq[step] > max(RATIO * scale, FLOOR))
-        unfloored.update(step for step in range(WARMUP, len(seq)) if seq[step] > RATIO * scale)
+        # In warm-up the scale is the mean of the (finite) norms before the step; after it, of all the warm-up norms.
+        scales = [_mean_so_far(seq, step) for step in range(WARMUP)] + [scale] * (len(seq) - WARMUP)
+        over = [(step, norm, at) for step, (norm, at) in enumerate(zip(seq, scales, strict=True)) if at > 0]
+        clipped.update(step for step, norm, at in over if norm > max(RATIO * at, FLOOR))
+        unfloored.update(step for step, norm, at in over if norm > RATIO * at)
     largest = max((max(seq) for seq in norms.values() if seq), default=0.0)
     return Measured(worst, where, when, largest, len(clipped), len(unfloored))
+
+
+def _mean_so_far(seq: list[float], step: int) -> float:
+    finite = [norm for norm in seq[:step] if math.isfinite(norm)]
+    return sum(finite) / len(finite) if finite else 0.0
 
 
 def main() -> None:

@@ -118,27 +118,31 @@ class ZClipReference:
         """Returns (coefficient, the limit the norm was held to)."""
         if not math.isfinite(norm):
             return 1.0, math.nan
+        # The warm-up scale: the mean of the warm-up norms so far (none before the first), then of all of them.
+        scale = self.buffer_mean if self.buffer else 0.0
         if self.mean is None:
+            limit = self._ratio_ceiling(self.max_norm if self.max_norm is not None else math.inf, scale)
             self.buffer.append(norm)
             if len(self.buffer) >= self.warmup:
                 self.mean = sum(self.buffer) / len(self.buffer)
                 self.var = sum((x - self.mean) ** 2 for x in self.buffer) / len(self.buffer)
-            limit = self.max_norm if self.max_norm is not None else math.inf
         else:
             std = self.var**0.5
             z = (norm - self.mean) / (std + EPS)
             adaptive = self.mean + self.z_thresh**2 / z * std if z > self.z_thresh else norm
-            limit = adaptive if self.max_norm is None else min(adaptive, self.max_norm)
-            first_mean = sum(self.buffer) / len(self.buffer)
-            if self.max_norm_ratio is not None and first_mean > 0:
-                limit = min(limit, max(self.max_norm_ratio * first_mean, self.ratio_floor or 0.0))
+            limit = self._ratio_ceiling(adaptive if self.max_norm is None else min(adaptive, self.max_norm), scale)
             self.mean = self.alpha * self.mean + (1 - self.alpha) * adaptive
             self.var = self.alpha * self.var + (1 - self.alpha) * (adaptive - self.mean) ** 2
         return (limit / (norm + EPS) if norm > limit else 1.0), limit
 
+    def _ratio_ceiling(self, limit: float, scale: float) -> float:
+        if self.max_norm_ratio is None or scale <= 0:
+            return limit
+        return min(limit, max(self.max_norm_ratio * scale, self.ratio_floor or 0.0))
+
     @property
     def buffer_mean(self) -> float:
-        """The first mean: the warm-up scale."""
+        """The mean of the warm-up norms so far: after warm-up, the first mean."""
         return sum(self.buffer) / len(self.buffer)
 
 
@@ -206,6 +210,31 @@ def test_zclip_clips_each_tensor_as_the_zclip_formula_says_and_a_nan_never_enter
         assert spike["threshold"] == pytest.approx(max(3.0 * references["a"].buffer_mean, ratio_floor or 0.0))
     assert spike["after"] == pytest.approx(spike["threshold"])
     assert guard.counters.snapshot()["adaptive"]["zclip"] == len(clips)
+
+
+def test_in_warm_up_the_relative_ceiling_holds_a_norm_to_its_multiple_of_the_norms_so_far(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A spike at step 5 of a 10-step warm-up is held to 3x the mean of the 5 norms before it (a NaN at step 2 does not
+    enter it); the first step has no scale yet, so a spike there passes; none is clipped on ``b``."""
+    monkeypatch.setitem(SEQUENCES, "a", norm_sequence(2, steps=12, bad={0: 7.0, 2: math.nan, 5: 40.0}))
+    monkeypatch.setitem(SEQUENCES, "b", norm_sequence(3, steps=12))
+    action = {"action": "zclip", "z_thresh": 1e6, "warmup_steps": 10, "max_norm_ratio": 3.0}
+    history, applied, _ = drive(policy_of(action), 12)
+    assert all(applied)
+    reference = ZClipReference(0.97, 1e6, 10, None, 3.0)
+    clipped = []
+    for step, grads in enumerate(history):
+        before, after = grads["a"]
+        coef, limit = reference.step(float32_norm(before))
+        torch.testing.assert_close(after, before * coef, rtol=1e-6, atol=0, equal_nan=True)
+        if coef < 1.0:
+            clipped.append(step)
+            assert float32_norm(after) == pytest.approx(limit, rel=1e-6)
+        assert torch.equal(grads["b"][0], grads["b"][1]) or math.isnan(float32_norm(grads["b"][0]))
+    earlier = [float32_norm(history[step]["a"][0]) for step in (0, 1, 3, 4)]
+    assert clipped == [5]
+    assert float32_norm(history[5]["a"][1]) == pytest.approx(3.0 * sum(earlier) / 4, rel=1e-6)
 
 
 def test_per_tensor_adaptive_clips_are_one_log_line_per_rule_and_step_listing_each_clipped_parameter(

@@ -231,7 +231,7 @@ class ZClip(_StepWindow):
     ``z = (norm - mean) / (std + 1e-6)`` exceeds ``z_thresh`` is clipped to
     ``mean + z_thresh**2 / z * std``; the averages then take that clipped value. ``max_norm`` (optional)
     is a plain ceiling, also during warm-up; ``max_norm_ratio`` (optional) a ceiling relative to each
-    norm's own warm-up scale (the first mean), after warm-up, never below ``ratio_floor``. Non-finite
+    norm's own warm-up scale (the mean of its warm-up norms, so far), never below ``ratio_floor``. Non-finite
     norms and skipped steps never enter the averages.
     """
 
@@ -246,7 +246,8 @@ class ZClip(_StepWindow):
     """A fixed ceiling on the norm at every step, also during warm-up (``None``: none)."""
     max_norm_ratio: FiniteAboveOne | None = None
     """A ceiling at this multiple of the norm's warm-up scale: the mean of its ``warmup_steps`` warm-up norms (the
-    first mean), once they are known; none for a norm whose warm-up norms were all 0 (``None``: none). Unlike
+    first mean), and before they are all known, of those so far (from the second finite norm on); none while that
+    mean is 0, as for a norm whose warm-up norms were all 0 (``None``: none). Unlike
     ``max_norm`` it fits any model's scale, so it holds back a sustained climb without touching a healthy run whose
     norms are large from the start."""
     ratio_floor: PositiveFinite | None = None

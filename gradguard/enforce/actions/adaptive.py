@@ -156,15 +156,18 @@ def zclip_empty(warmup: int) -> Init:
 
 
 def zclip_ceiling(action: ZClip, state: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``max_norm_ratio``'s ceiling per column: that multiple of the column's warm-up scale, at least ``ratio_floor``,
-    infinite before the column is ready or where that scale is 0. The scale is the first mean, taken again from the
-    warm-up buffer, which stops changing once its column is ready: the ceiling needs no state of its own."""
+    """``max_norm_ratio``'s ceiling per column: that multiple of the column's warm-up scale, at least ``ratio_floor``;
+    infinite where that scale is 0. The scale is the mean of the column's warm-up norms: of those so far while it warms
+    up (none before its first: no ceiling), then of all of them (the first mean, taken again from the warm-up buffer,
+    which stops changing once its column is ready): the ceiling needs no state of its own."""
     assert action.max_norm_ratio is not None
-    scale = state["buffer"].mean(dim=1)
+    buffer = state["buffer"]
+    # A slot not yet written holds 0: the row's sum is the sum of the norms so far.
+    scale = torch.where(state["ready"] > 0, buffer.mean(dim=1), buffer.sum(dim=1) / state["count"].clamp(min=1))
     ceiling = action.max_norm_ratio * scale
     if action.ratio_floor is not None:
         ceiling = ceiling.clamp(min=action.ratio_floor)
-    return torch.where((state["ready"] > 0) & (scale > 0), ceiling, math.inf)
+    return torch.where(scale > 0, ceiling, math.inf)
 
 
 def zclip_decide(
@@ -191,7 +194,7 @@ def zclip_decide(
     spike = ready & finite & (z > action.z_thresh) & (mean > 0)
     threshold = mean + (action.z_thresh * action.z_thresh) / z * std
     adaptive = torch.where(spike, threshold, g)
-    # Before the statistics are ready only the fixed ceiling applies (if any).
+    # Before the statistics are ready only the ceilings apply (if any).
     limit = torch.where(ready, adaptive, torch.full_like(g, math.inf))
     if action.max_norm is not None:
         limit = limit.clamp(max=action.max_norm)

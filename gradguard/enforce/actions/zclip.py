@@ -110,9 +110,9 @@ def _decide(
         limit = adaptive if ready else math.inf
         if ceiling is not None:
             limit = min(limit, ceiling)
-        if ratio is not None and ready:
+        if ratio is not None:
             if ceilings is None:
-                ceilings = _warm_ceilings(series, host["buffer"], ratio, action.ratio_floor)
+                ceilings = _warm_ceilings(series, host, ratio, action.ratio_floor)
             limit = min(limit, ceilings[column])
         coefs.append(limit / (norm + EPS) if finite and norm > limit else 1.0)
         limits.append(limit)
@@ -140,32 +140,49 @@ def _decide(
     report([*coefs, *g, *limits, *means, *stds, *zs])
 
 
-def _warm_ceilings(series: Series, buffer: list[list[float]], ratio: float, floor: float | None) -> list[float]:
-    """Each column's ``max_norm_ratio`` ceiling, as ``zclip_ceiling`` takes it: ``ratio`` times its warm-up buffer's
-    mean (torch's reduction over every column's row), at least ``floor``, infinite where that mean is 0; taken again
-    only for another buffer, ratio or floor, so once warm-up is done, never."""
-    kept = series.derived.get("warm_ceilings")
-    if kept is None or kept[0][0] is not buffer or kept[0][1:] != (ratio, floor):
-        scales = torch.tensor(buffer, dtype=STATS_DTYPE).mean(dim=1).tolist()
+def _warm_ceilings(series: Series, host: dict[str, Any], ratio: float, floor: float | None) -> list[float]:
+    """Each column's ``max_norm_ratio`` ceiling, as ``zclip_ceiling`` takes it (torch's reductions over every column's
+    row, from the host's lists); taken again only for another buffer, count, readiness, ratio or floor, so once
+    warm-up is done, never."""
+
+    def take() -> list[float]:
+        buffer, count, ready = (torch.tensor(host[key], dtype=STATS_DTYPE) for key in ("buffer", "count", "ready"))
+        scales = torch.where(ready > 0, buffer.mean(dim=1), buffer.sum(dim=1) / count.clamp(min=1)).tolist()
         ceilings = [max(ratio * scale, floor) if floor is not None else ratio * scale for scale in scales]
-        kept = ((buffer, ratio, floor), [c if s > 0 else math.inf for c, s in zip(ceilings, scales, strict=True)])
-        series.derived["warm_ceilings"] = kept
-    result: list[float] = kept[1]
-    return result
+        return [ceiling if scale > 0 else math.inf for ceiling, scale in zip(ceilings, scales, strict=True)]
+
+    ceilings: list[float] = _kept(
+        series, "warm_ceilings", (host["buffer"], host["count"], host["ready"]), (ratio, floor), take
+    )
+    return ceilings
 
 
 def _kept_ceiling(series: Series, action: ZClip, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """``zclip_ceiling`` of the series' own tensors, taken again only when its buffer or readiness is another tensor
-    (a step of warm-up, a restore) or the action another: after warm-up, a step's ceiling launches nothing."""
+    """``zclip_ceiling`` of the series' own tensors, taken again only when its buffer, count or readiness is another
+    tensor (a step of warm-up, a restore) or the action another: after warm-up, a step's ceiling launches nothing."""
     if action.max_norm_ratio is None:
         return None
-    kept = series.derived.get("device_ceiling")
-    key = (action.max_norm_ratio, action.ratio_floor)
-    if kept is None or kept[0][0] is not state["buffer"] or kept[0][1] is not state["ready"] or kept[0][2:] != key:
-        kept = ((state["buffer"], state["ready"], *key), zclip_ceiling(action, state))
-        series.derived["device_ceiling"] = kept
-    ceiling: torch.Tensor = kept[1]
+    sources = (state["buffer"], state["count"], state["ready"])
+    ceiling: torch.Tensor = _kept(
+        series,
+        "device_ceiling",
+        sources,
+        (action.max_norm_ratio, action.ratio_floor),
+        partial(zclip_ceiling, action, state),
+    )
     return ceiling
+
+
+def _kept(
+    series: Series, name: str, sources: tuple[object, ...], key: tuple[object, ...], take: Callable[[], Any]
+) -> Any:
+    """``series.derived[name]``, taken (``take``) again unless it was taken from these very ``sources`` (``is``: the
+    statistics are replaced at a commit, never edited) with an equal ``key``."""
+    kept = series.derived.get(name)
+    if kept is None or kept[0][1] != key or any(a is not b for a, b in zip(kept[0][0], sources, strict=True)):
+        kept = ((sources, key), take())
+        series.derived[name] = kept
+    return kept[1]
 
 
 def _warm_up(

@@ -202,11 +202,13 @@ class _Explosion:
             self.arrived[self.step] = float(self.param.grad.norm())
 
 
-def _explode(scale: Callable[[int, float, float], float], steps: int) -> tuple[_Explosion, dict[str, Any]]:
+def _explode(
+    scale: Callable[[int, float, float], float], steps: int, start: int = 60
+) -> tuple[_Explosion, dict[str, Any]]:
     """The small GPT under the default, without the loop's clip (so what arrives is the guard's doing alone), one
-    tensor scaled from step 60 on."""
+    tensor scaled from step ``start`` on."""
     model = tiny_gpt()
-    explosion = _Explosion(model, "blocks.1.mlp.0.weight", scale, start=60)
+    explosion = _Explosion(model, "blocks.1.mlp.0.weight", scale, start=start)
     vocab, length = 32, 16
     generator = torch.Generator().manual_seed(1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
@@ -232,6 +234,18 @@ def test_a_tensor_whose_norm_jumps_to_30x_its_recent_scale_reaches_the_optimizer
     assert explosion.made[60] == pytest.approx(30 * recent)
     assert explosion.arrived[60] <= 10 * recent
     assert counters == {"explosions": {"zclip": 1}}
+
+
+def test_an_explosion_in_warm_up_is_held_under_1000x_the_tensor_s_norms_so_far_or_100_and_counted():
+    def spike(step: int, raw: float, recent: float) -> float:
+        return 1e8 if step == 10 else 1.0  # at step 10 of the 25 warm-up steps: the z-score cannot act yet
+
+    explosion, counters = _explode(spike, steps=12, start=10)
+    ceiling = max(RATIO * statistics.fmean(explosion.raw[:10]), FLOOR)  # 1000x the mean of its norms so far
+    assert explosion.made[10] > 1e3 * ceiling
+    assert explosion.arrived[10] == pytest.approx(ceiling, rel=1e-5)
+    assert explosion.arrived[11] == pytest.approx(explosion.made[11])  # the next step untouched
+    assert counters["explosions"] == {"zclip": 1}
 
 
 def test_a_sustained_climb_is_held_under_the_default_s_ceiling_and_counted_at_every_step_it_passes_it():

@@ -40,6 +40,7 @@ from support.healthy_runs import (
 )
 from support.training import hf_training_args
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from gradguard import GradGuard, Policy
 
@@ -266,3 +267,35 @@ def test_a_tensor_whose_gradient_was_zero_through_the_warm_up_is_not_clipped_to_
     assert not torch.equal(guarded[0].weight, two_layers()[0].weight)  # the late layer learned
     assert _differing_tensors(guarded, unguarded) == []
     assert "explosions" not in counters
+
+
+class _TensorsFromPython(TorchFunctionMode):
+    """Counts ``torch.tensor`` calls: a tensor made from the host's numbers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.made += func is torch.tensor
+        return func(*args, **(kwargs or {}))
+
+
+def test_in_a_healthy_warm_up_the_default_takes_no_ceiling_and_after_it_takes_them_once():
+    """No norm of a healthy warm-up passes the floor, so no ceiling can bind and none is taken (the host's lists made
+    into a tensor each step otherwise); after warm-up the ceilings are taken once (3 tensors) and kept."""
+    model = tiny_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(1)
+    made = []
+    with GradGuard(model, "default", logger=None):
+        for _ in range(WARMUP + 5):
+            tokens = torch.randint(0, 32, (8, 17), generator=generator)
+            logits = model(tokens[:, :-1])
+            nn.functional.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1)).backward()
+            with _TensorsFromPython() as counted:
+                optimizer.step()
+            made.append(counted.made)
+            optimizer.zero_grad(set_to_none=True)
+    assert made[1 : WARMUP - 1] == [0] * (WARMUP - 2)  # the first step makes the plan's constants
+    assert made[WARMUP - 1 :] == [1, 3, 0, 0, 0, 0]  # the first mean and variance; the ceilings, once

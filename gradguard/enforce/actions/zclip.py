@@ -95,6 +95,11 @@ def _decide(
     std_all = list(map(math.sqrt, var_all))
     warming = not series.counters.get("ready")
     zt, alpha, ceiling, ratio = action.z_thresh, action.alpha, action.max_norm, action.max_norm_ratio
+    floor = action.ratio_floor
+    if ratio is not None and warming and floor is not None and all(norm <= floor for norm in g):
+        # Every ceiling is at least the floor, which no norm passes: none can bind, so none is taken (in warm-up the
+        # ceilings change every step, a tensor made from the host's lists each time; after it they are kept).
+        ratio = None
     square = zt * zt
     ceilings: list[float] | None = None
     coefs, limits, means, stds, zs = [], [], [], [], []
@@ -112,7 +117,7 @@ def _decide(
             limit = min(limit, ceiling)
         if ratio is not None:
             if ceilings is None:
-                ceilings = _warm_ceilings(series, host, ratio, action.ratio_floor)
+                ceilings = _warm_ceilings(series, host, ratio, floor)
             limit = min(limit, ceilings[column])
         coefs.append(limit / (norm + EPS) if finite and norm > limit else 1.0)
         limits.append(limit)

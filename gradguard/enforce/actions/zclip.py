@@ -40,6 +40,8 @@ from gradguard.policy.schema import Action, ZClip
 __all__ = ["ZClipKernel", "zclip_on_host"]
 
 _CPU = torch.device("cpu")
+_CEILING_FROM = ("buffer", "count", "ready")
+"""The statistics ``zclip_ceiling`` is taken from: a ceiling is kept while these are the same objects."""
 
 
 def zclip_on_host(work: StepWork, bound: BoundRule, action: ZClip, ids: list[int]) -> bool:
@@ -117,7 +119,7 @@ def _decide(
             limit = min(limit, ceiling)
         if ratio is not None:
             if ceilings is None:
-                ceilings = _warm_ceilings(series, host, ratio, floor)
+                ceilings = _warm_ceilings(series, host, action)
             limit = min(limit, ceilings[column])
         coefs.append(limit / (norm + EPS) if finite and norm > limit else 1.0)
         limits.append(limit)
@@ -145,21 +147,19 @@ def _decide(
     report([*coefs, *g, *limits, *means, *stds, *zs])
 
 
-def _warm_ceilings(series: Series, host: dict[str, Any], ratio: float, floor: float | None) -> list[float]:
-    """Each column's ``max_norm_ratio`` ceiling, as ``zclip_ceiling`` takes it (torch's reductions over every column's
-    row, from the host's lists); taken again only for another buffer, count, readiness, ratio or floor, so once
+def _warm_ceilings(series: Series, host: dict[str, Any], action: ZClip) -> list[float]:
+    """Each column's ``max_norm_ratio`` ceiling: ``zclip_ceiling`` itself, of the host's lists made tensors (so the
+    two paths agree to the bit); taken again only for another buffer, count, readiness, ratio or floor, so once
     warm-up is done, never."""
 
     def take() -> list[float]:
-        buffer, count, ready = (torch.tensor(host[key], dtype=STATS_DTYPE) for key in ("buffer", "count", "ready"))
-        scales = torch.where(ready > 0, buffer.mean(dim=1), buffer.sum(dim=1) / count.clamp(min=1)).tolist()
-        ceilings = [max(ratio * scale, floor) if floor is not None else ratio * scale for scale in scales]
-        return [ceiling if scale > 0 else math.inf for ceiling, scale in zip(ceilings, scales, strict=True)]
+        state = {key: torch.tensor(host[key], dtype=STATS_DTYPE) for key in _CEILING_FROM}
+        ceilings: list[float] = zclip_ceiling(action, state).tolist()
+        return ceilings
 
-    ceilings: list[float] = _kept(
-        series, "warm_ceilings", (host["buffer"], host["count"], host["ready"]), (ratio, floor), take
-    )
-    return ceilings
+    sources = tuple(host[key] for key in _CEILING_FROM)
+    result: list[float] = _kept(series, "warm_ceilings", sources, (action.max_norm_ratio, action.ratio_floor), take)
+    return result
 
 
 def _kept_ceiling(series: Series, action: ZClip, state: dict[str, torch.Tensor]) -> torch.Tensor | None:
@@ -167,7 +167,7 @@ def _kept_ceiling(series: Series, action: ZClip, state: dict[str, torch.Tensor])
     tensor (a step of warm-up, a restore) or the action another: after warm-up, a step's ceiling launches nothing."""
     if action.max_norm_ratio is None:
         return None
-    sources = (state["buffer"], state["count"], state["ready"])
+    sources = tuple(state[key] for key in _CEILING_FROM)
     ceiling: torch.Tensor = _kept(
         series,
         "device_ceiling",

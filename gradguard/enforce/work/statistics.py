@@ -64,9 +64,9 @@ class Series:
     ``tensors`` until ``materialize`` makes them tensors again; replaced at a commit, never edited (a snapshot holds
     the dict it copied)."""
     derived: dict[str, tuple[Any, Any]] = field(default_factory=dict)
-    """What the host derived from ``host``'s values, with what it was derived from: the same values (a list that
-    ``is`` the same) find it again (zclip's ceilings from its warm-up buffer, which stops changing once warm-up is
-    done); never saved."""
+    """What a kernel derived from the statistics (``host``'s lists or ``tensors``), with what it was derived from:
+    the same objects (``is``: replaced at a commit, never edited) find it again (zclip's ceilings from its warm-up
+    buffer, which stops changing once warm-up is done); never saved."""
 
     def materialize(self) -> None:
         """``host``'s values back into ``tensors`` (a step the device decides, a carry-over)."""

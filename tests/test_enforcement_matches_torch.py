@@ -506,6 +506,8 @@ def test_sync_counter_sees_item_and_tolist(make_workload):
     assert count_host_syncs(lambda: torch.tensor([[1.0, 2.0]]).mean(dim=1).tolist()) == 0
     assert count_host_syncs(lambda: torch.tensor([1.0, 2.0]).sum().item()) == 0
     assert count_host_syncs(lambda: (t * torch.tensor(2.0)).sum().item()) == 1
+    assert count_host_syncs(lambda: torch.where(torch.tensor([1.0]) > 0, torch.tensor([2.0]), math.inf).tolist()) == 0
+    assert count_host_syncs(lambda: torch.where(t > 0, t, math.inf).tolist()) == 1
     assert count_python_data_tensors(lambda: torch.tensor([1.0, 2.0]).mean()) == 0
     assert count_python_data_tensors(lambda: t * torch.tensor([1.0, 2.0, 3.0])) == 1
     assert count_python_data_tensors(lambda: torch.tensor([1.0, 2.0], device=t.device)) == 1  # a copy on a GPU

@@ -40,6 +40,8 @@ class _HostMade(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._ids: set[int] = set()
+        self._scalars: set[int] = set()
+        """Tensors of one Python number given to an op (``aten.scalar_tensor``): no one's data, sent nowhere."""
         self._met: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
         self.lifts = 0
         """Tensors made from Python data (``aten.lift_fresh``), less those ``mark`` took as the host's."""
@@ -55,9 +57,13 @@ class _HostMade(TorchDispatchMode):
         return isinstance(tensor, torch.Tensor) and id(tensor) in self._ids
 
     def mark(self, tensor: torch.Tensor) -> None:
-        if id(tensor) not in self._ids:
-            self._ids.add(id(tensor))
-            weakref.finalize(tensor, self._ids.discard, id(tensor))
+        self._track(self._ids, tensor)
+
+    @staticmethod
+    def _track(ids: set[int], tensor: torch.Tensor) -> None:
+        if id(tensor) not in ids:
+            ids.add(id(tensor))
+            weakref.finalize(tensor, ids.discard, id(tensor))
 
     def _unmark(self, tensor: torch.Tensor) -> None:
         self._ids.discard(id(tensor))
@@ -68,7 +74,12 @@ class _HostMade(TorchDispatchMode):
         if packet in _LIFTS:
             self.lifts += 1
             return out
-        inputs = _tensors((args, kwargs or {}))
+        if packet is torch.ops.aten.scalar_tensor:
+            # A Python number an op was given (``torch.where(c, x, math.inf)``): the kernel's argument, sent nowhere.
+            for tensor in _tensors(out):
+                self._track(self._scalars, tensor)
+            return out
+        inputs = [tensor for tensor in _tensors((args, kwargs or {})) if id(tensor) not in self._scalars]
         made = [tensor for tensor in inputs if id(tensor) in self._ids]
         if packet is torch.ops.aten._local_scalar_dense:
             self.host_scalar_reads += bool(made)
